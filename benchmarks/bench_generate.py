@@ -1,0 +1,149 @@
+"""Plain vs speculative decoding on the same target, in one run.
+
+For every prompt and drafter it runs plain greedy decoding (the loop without a
+drafter, pipelined like mlx-lm) and speculative decoding, checks that the
+tokens are identical, and reports medians over ``--repeats`` of decode tokens/s,
+the speedup ratio and the acceptance length tau. Results go to a JSON file and,
+if matplotlib is installed, to a plot of speedup and tau per prompt.
+
+    scripts/run python benchmarks/bench_generate.py --drafter lookup --max-tokens 96
+    scripts/run python benchmarks/bench_generate.py --dequantize --dtype float32 --drafter lookup
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from mlx_dflash2.loading import load_target, make_proposer
+from mlx_dflash2.speculative import SpecStats, speculative_generate_step
+
+PROMPTS = {
+    "chat": "What is the capital of France? Describe the city in a few sentences.",
+    "code": "Write a Python function that checks whether a number is prime, with a docstring.",
+    "math": "A train travels 60 km in 45 minutes. What is its average speed in km/h? Explain step by step.",
+    "repeat": (
+        "Repeat this paragraph exactly, word for word:\n\nThe old lighthouse stood at the edge of the cliff, "
+        "its white paint peeling in the salty wind. Every night the keeper climbed the spiral stairs to light "
+        "the lamp for the passing ships."
+    ),
+}
+
+
+def run_once(target, ids, proposer, block_size, max_tokens):
+    stats = SpecStats()
+    toks = [
+        t
+        for t, _, _ in speculative_generate_step(
+            ids, target, proposer, block_size=block_size, max_tokens=max_tokens, stats=stats
+        )
+    ]
+    return toks, stats
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--drafter", action="append", default=None, help="repeatable; default: lookup")
+    ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prompts", default=",".join(PROMPTS), help="comma-separated subset of " + ",".join(PROMPTS))
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--dequantize", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results/generate.json")
+    args = ap.parse_args(argv)
+
+    from tqdm import tqdm
+
+    target, tok, name = load_target(args.model, dtype=args.dtype, dequantize=args.dequantize)
+    drafters = args.drafter or ["lookup"]
+    prompts = {k: PROMPTS[k] for k in args.prompts.split(",")}
+    rows = []
+    jobs = [(p, d) for p in prompts for d in drafters]
+    for pname, dname in tqdm(jobs, desc="benchmark", file=sys.stderr):
+        ids = tok.apply_chat_template([{"role": "user", "content": prompts[pname]}], add_generation_prompt=True)
+        proposer = make_proposer(dname, target, tok, name)
+        B = args.block_size or proposer.block_size
+        plain_tps, spec_tps, taus = [], [], []
+        run_once(target, ids, None, 1, 8)  # warm-up
+        for _ in range(args.repeats):
+            ref, ps = run_once(target, ids, None, 1, args.max_tokens)
+            out, ss = run_once(target, ids, proposer, B, args.max_tokens)
+            if out != ref:
+                i = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+                print(f"warning: {pname}/{dname}: output differs from plain at token {i}", file=sys.stderr)
+            plain_tps.append(ps.decode_tps)
+            spec_tps.append(ss.decode_tps)
+            taus.append(ss.tau)
+        rows.append(
+            {
+                "prompt": pname,
+                "drafter": ss.drafter,
+                "block_size": B,
+                "tokens": len(out),
+                "identical": out == ref,
+                "plain_tps": statistics.median(plain_tps),
+                "spec_tps": statistics.median(spec_tps),
+                "speedup": statistics.median(s / p for s, p in zip(spec_tps, plain_tps)),
+                "tau": statistics.median(taus),
+                "acceptance_by_position": [
+                    a / p if p else None for a, p in zip(ss.position_accepted, ss.position_proposed)
+                ],
+            }
+        )
+
+    meta = {
+        "target": name,
+        "dtype": args.dtype,
+        "dequantize": args.dequantize,
+        "device": str(mx.default_device()),
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
+    print(
+        f"\n{name} on {meta['device']} (dequantize={args.dequantize}, dtype={args.dtype}); "
+        f"medians of {args.repeats}, {args.max_tokens} tokens"
+    )
+    print(f"{'prompt':8} {'drafter':28} {'B':>3} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'tau':>6} same")
+    for r in rows:
+        print(
+            f"{r['prompt']:8} {r['drafter']:28} {r['block_size']:>3} {r['plain_tps']:>11.2f} {r['spec_tps']:>10.2f} "
+            f"{r['speedup']:>7.2f}x {r['tau']:>6.2f} {'yes' if r['identical'] else 'NO'}"
+        )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+        labels = [f"{r['prompt']}\n{r['drafter']}" for r in rows]
+        axes[0].bar(labels, [r["speedup"] for r in rows])
+        axes[0].axhline(1.0, color="k", lw=0.8)
+        axes[0].set_ylabel("speedup vs plain (decode tok/s)")
+        axes[1].bar(labels, [r["tau"] for r in rows])
+        axes[1].set_ylabel("acceptance length tau")
+        for ax in axes:
+            ax.tick_params(axis="x", labelsize=7)
+        fig.suptitle(f"{name} on {meta['device']}")
+        fig.tight_layout()
+        fig.savefig(out.with_suffix(".png"), dpi=120)
+        print(f"plot: {out.with_suffix('.png')}")
+    except ImportError:
+        pass
+    print(f"results: {out}")
+
+
+if __name__ == "__main__":
+    main()

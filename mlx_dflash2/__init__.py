@@ -1,0 +1,27 @@
+"""mlx_dflash2: lossless DFlash2 speculative decoding on MLX.
+
+Public API (mirrors mlx-lm): :func:`load`, :func:`generate`,
+:func:`stream_generate`, :class:`GenerationResponse`.
+"""
+
+import os as _os
+
+# transformers (imported by mlx-lm) prints advisory warnings about PyTorch at import.
+_os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+_os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from ._version import __version__  # noqa: E402
+from .api import GenerationResponse, generate, stream_generate  # noqa: E402
+from .loading import SpeculativeModel, load  # noqa: E402
+from .speculative import SpecStats, speculative_generate_step  # noqa: E402
+
+__all__ = [
+    "__version__",
+    "load",
+    "generate",
+    "stream_generate",
+    "GenerationResponse",
+    "SpeculativeModel",
+    "SpecStats",
+    "speculative_generate_step",
+]

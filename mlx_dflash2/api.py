@@ -1,0 +1,255 @@
+"""Python API: ``stream_generate`` and ``generate``.
+
+Mirrors ``mlx_lm.generate``: the same response object fields, one response per
+generated token, text streamed through mlx-lm's streaming detokenizer (which
+never splits a multi-byte character). Adds exact stop strings (text held back
+while it could still be the start of a stop string) and speculative decoding
+statistics (:class:`~.speculative.SpecStats`) on every response.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Generator, List, Optional, Sequence, Union
+
+import mlx.core as mx
+
+from .loading import SpeculativeModel, load, make_proposer
+from .speculative import GenerationState, SpecStats, speculative_generate_step
+from .verify import GreedyVerifier
+
+__all__ = ["GenerationResponse", "stream_generate", "generate"]
+
+
+@dataclass
+class GenerationResponse:
+    """One step of :func:`stream_generate` (fields as ``mlx_lm.GenerationResponse``).
+
+    Attributes:
+        text: the next segment of decoded text (may be empty).
+        token: the token id.
+        logprobs: the target's log-probabilities ``[V]`` at this position.
+        from_draft: the token was an accepted draft token.
+        prompt_tokens: prompt length (tokens).
+        prompt_tps: prefill speed (tokens/s).
+        generation_tokens: tokens generated so far (the EOS included).
+        generation_tps: decode speed so far (tokens/s).
+        peak_memory: peak memory so far (GB).
+        finish_reason: ``"stop"`` (EOS or stop string), ``"length"`` or None.
+        stats: the request's :class:`SpecStats` (final on the last response).
+    """
+
+    text: str
+    token: int
+    logprobs: mx.array
+    from_draft: bool
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float
+    finish_reason: Optional[str] = None
+    stats: SpecStats = field(default_factory=SpecStats)
+
+
+class _StopText:
+    """Cuts text at the first stop string, holding back any tail that could
+    still begin one (so no stop text is ever streamed)."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def feed(self, segment: str) -> tuple[str, bool]:
+        self.pending += segment
+        if not self.stops:
+            out, self.pending = self.pending, ""
+            return out, False
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[: min(hits)], ""
+            return out, True
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.pending)), hold, -1):
+                if self.pending.endswith(s[:k]):
+                    hold = k
+                    break
+        cut = len(self.pending) - hold
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+def _make_verifier(temp: float, top_p: float, top_k: int):
+    if temp and temp > 0:
+        raise NotImplementedError(
+            "sampled generation (temp > 0) is not supported yet; use temp=0 (greedy). "
+            "Lossless rejection-sampling verification is tracked separately."
+        )
+    return GreedyVerifier()
+
+
+def stream_generate(
+    model: SpeculativeModel,
+    tokenizer,
+    prompt: Union[str, mx.array, List[int]],
+    max_tokens: int = 256,
+    *,
+    block_size: Optional[int] = None,
+    drafter=None,
+    temp: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: Optional[int] = None,
+    stop: Optional[Sequence[str]] = None,
+    prefill_step_size: int = 2048,
+    prompt_progress_callback=None,
+    state: Optional[GenerationState] = None,
+) -> Generator[GenerationResponse, None, None]:
+    """Generate text with DFlash2 speculative decoding, one response per token.
+
+    Args:
+        model: from :func:`mlx_dflash2.load`.
+        tokenizer: the target's ``TokenizerWrapper``.
+        prompt: text (encoded as-is; apply a chat template first for chat
+            models), token ids or an ``mx.array`` of ids.
+        max_tokens: maximum generated tokens (the EOS counts; ``-1``: no limit).
+        block_size: B for this request (default: the model's).
+        drafter: override the model's drafter (``"none"``, ``"lookup"``, a
+            :class:`~.proposers.Proposer`...).
+        temp, top_p, top_k: sampling parameters; only greedy (``temp == 0``)
+            is supported in this version (others raise ``NotImplementedError``).
+        seed: seed for MLX's random state.
+        stop: stop strings; generation ends at the first, which is not returned.
+        prefill_step_size: prompt chunk size (tokens).
+        prompt_progress_callback: ``f(processed, total)`` during prefill.
+        state: receives the request's caches (for inspection).
+
+    Yields:
+        :class:`GenerationResponse`; the last one has ``finish_reason`` set.
+
+    Raises:
+        ValueError: empty prompt or ``max_tokens == 0``.
+        NotImplementedError: ``temp > 0``.
+    """
+    if max_tokens == 0:
+        raise ValueError("max_tokens must be non-zero (use -1 for no limit)")
+    verifier = _make_verifier(temp, top_p, top_k)
+    if seed is not None:
+        mx.random.seed(seed)
+    if isinstance(prompt, str):
+        add_special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
+        prompt = tokenizer.encode(prompt, add_special_tokens=add_special)
+    elif isinstance(prompt, mx.array):
+        prompt = prompt.tolist()
+    prompt = list(prompt)
+    proposer = model.proposer
+    if drafter is not None:
+        proposer = make_proposer(drafter, model.target, tokenizer, model.name)
+    B = block_size or (proposer.block_size if (drafter is not None and proposer) else model.block_size)
+    if proposer is None:
+        B = 1
+
+    stats = SpecStats()
+    detok = tokenizer.detokenizer
+    stopper = _StopText(stop or ())
+    eos = set(tokenizer.eos_token_ids)
+    gen = speculative_generate_step(
+        prompt,
+        model.target,
+        proposer,
+        verifier=verifier,
+        block_size=B,
+        max_tokens=max_tokens,
+        prefill_step_size=prefill_step_size,
+        stats=stats,
+        state=state,
+        prompt_progress_callback=prompt_progress_callback,
+    )
+
+    def response(text, token, logprobs, from_draft, n, finish):
+        return GenerationResponse(
+            text=text,
+            token=token,
+            logprobs=logprobs,
+            from_draft=from_draft,
+            prompt_tokens=len(prompt),
+            prompt_tps=stats.prefill_tps,
+            generation_tokens=n,
+            generation_tps=n / max(time.perf_counter() - tic, 1e-9),
+            peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason=finish,
+            stats=stats,
+        )
+
+    n = 0
+    tic = time.perf_counter()
+    try:
+        for token, logprobs, from_draft in gen:
+            if n == 0:
+                tic = time.perf_counter()
+            n += 1
+            if token in eos:
+                gen.close()
+                detok.finalize()
+                text, _ = stopper.feed(detok.last_segment)
+                yield response(text + stopper.flush(), token, logprobs, from_draft, n, "stop")
+                return
+            detok.add_token(token)
+            text, stopped = stopper.feed(detok.last_segment)
+            if stopped:
+                gen.close()
+                yield response(text, token, logprobs, from_draft, n, "stop")
+                return
+            if n == max_tokens:
+                gen.close()
+                detok.finalize()
+                text2, stopped = stopper.feed(detok.last_segment)
+                text += text2
+                if not stopped:
+                    text += stopper.flush()
+                yield response(text, token, logprobs, from_draft, n, "stop" if stopped else "length")
+                return
+            yield response(text, token, logprobs, from_draft, n, None)
+        # the loop ended on its own (context limit)
+        detok.finalize()
+        text, stopped = stopper.feed(detok.last_segment)
+        if not stopped:
+            text += stopper.flush()
+        yield response(text, token, logprobs, from_draft, n, "stop" if stopped else "length")
+    finally:
+        gen.close()
+
+
+def generate(model: SpeculativeModel, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
+    """Generate a complete response (mirrors ``mlx_lm.generate``).
+
+    Args:
+        verbose: print the text as it is generated, then the statistics.
+        kwargs: passed to :func:`stream_generate`.
+
+    Returns:
+        The generated text (stop strings and EOS excluded).
+    """
+    return _consume(stream_generate(model, tokenizer, prompt, **kwargs), echo=verbose, show_stats=verbose)
+
+
+def _consume(responses, echo: bool, show_stats: bool) -> str:
+    text = ""
+    last = None
+    for last in responses:
+        if echo:
+            print(last.text, end="", flush=True)
+        text += last.text
+    if echo:
+        print()
+    if show_stats and last is not None:
+        print("=" * 10)
+        print(last.stats.summary())
+        print(f"Peak memory: {last.peak_memory:.3f} GB")
+    return text

@@ -1,0 +1,21 @@
+"""DFlash / DFlash2 block drafters: config, MLX model, checkpoint I/O."""
+
+from .config import DrafterConfig, DrafterConfigError, default_target_layer_ids
+from .io import DrafterLoadError, init_drafter, load_drafter, pick_mask_token_id, save_drafter, validate_for_target
+from .model import CandidateSelector, DraftContext, DraftModel, GroupedDynamicCausalConv
+
+__all__ = [
+    "DrafterConfig",
+    "DrafterConfigError",
+    "DrafterLoadError",
+    "DraftModel",
+    "DraftContext",
+    "CandidateSelector",
+    "GroupedDynamicCausalConv",
+    "default_target_layer_ids",
+    "init_drafter",
+    "load_drafter",
+    "save_drafter",
+    "validate_for_target",
+    "pick_mask_token_id",
+]

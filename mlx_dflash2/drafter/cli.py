@@ -1,0 +1,89 @@
+"""``mlx_dflash2.drafter``: create or inspect drafter checkpoints.
+
+    mlx_dflash2.drafter init --out DIR [--model TARGET] [--arch DFlash2DraftModel]
+                             [--layers 2] [--block-size 16] [--selector-rank 64] ...
+    mlx_dflash2.drafter info DIR [--model TARGET]
+
+``init`` writes a freshly initialised drafter for the target (DFlash2's conv
+and selector as exact no-ops), the starting point of training (``--init``).
+``info`` loads a checkpoint against the target (all validation included) and
+prints its configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import mlx.core as mx
+
+
+def _target(args):
+    from ..loading import load_target
+
+    target, tokenizer, _ = load_target(args.model)
+    return target, tokenizer
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="mlx_dflash2.drafter", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    i = sub.add_parser("init", help="write a freshly initialised drafter for a target")
+    i.add_argument("--out", "-o", required=True, help="output checkpoint directory")
+    i.add_argument("--model", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
+    i.add_argument("--arch", choices=["DFlash2DraftModel", "DFlashDraftModel"], default="DFlash2DraftModel")
+    i.add_argument("--layers", type=int, default=2, help="drafter decoder layers")
+    i.add_argument("--taps", type=int, default=None, help="number of target taps (default: one per layer)")
+    i.add_argument("--target-layer-ids", type=json.loads, default=None, help="explicit tap ids, JSON list")
+    i.add_argument("--block-size", type=int, default=16)
+    i.add_argument("--intermediate-size", type=int, default=None)
+    i.add_argument("--selector-rank", type=int, default=64)
+    i.add_argument("--selector-top-k", type=int, default=16)
+    i.add_argument("--mask-token-id", type=int, default=None)
+    i.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
+    i.add_argument("--seed", type=int, default=0)
+    i.add_argument("--overwrite", action="store_true")
+    f = sub.add_parser("info", help="load a checkpoint against its target and print its config")
+    f.add_argument("path")
+    f.add_argument("--model", default=None)
+    args = p.parse_args(argv)
+
+    from . import DrafterConfigError, DrafterLoadError, init_drafter, load_drafter, save_drafter
+    from .model import param_count
+
+    try:
+        target, tokenizer = _target(args)
+        if args.cmd == "init":
+            model = init_drafter(
+                target,
+                tokenizer,
+                architecture=args.arch,
+                num_layers=args.layers,
+                block_size=args.block_size,
+                num_taps=args.taps,
+                target_layer_ids=args.target_layer_ids,
+                mask_token_id=args.mask_token_id,
+                intermediate_size=args.intermediate_size,
+                selector_rank=args.selector_rank,
+                selector_top_k=args.selector_top_k,
+                seed=args.seed,
+            )
+            dtype = getattr(mx, args.dtype)
+            from mlx.utils import tree_map
+
+            model.update(tree_map(lambda a: a.astype(dtype), model.parameters()))
+            path = save_drafter(model, args.out, overwrite=args.overwrite)
+            print(f"wrote {model.config.architecture} ({param_count(model) / 1e6:.2f}M parameters) to {path}")
+        else:
+            model = load_drafter(args.path, target, tokenizer)
+            print(json.dumps(model.config.to_dict(), indent=2))
+            print(f"parameters: {param_count(model) / 1e6:.2f}M")
+    except (DrafterConfigError, DrafterLoadError, FileNotFoundError, FileExistsError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""Create, save, load and validate drafter checkpoints.
+
+Checkpoint directory: ``config.json`` (:class:`~.config.DrafterConfig`) and
+``*.safetensors`` with the published tensor names (spec §5.6). Loading
+validates the checkpoint against the target it will draft for and names the
+offending field on any mismatch (spec §7 step 1; known-bugs rows 12-13).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .config import DrafterConfig, DrafterConfigError, default_target_layer_ids
+from .model import DraftModel
+
+__all__ = [
+    "DrafterLoadError",
+    "load_drafter",
+    "save_drafter",
+    "init_drafter",
+    "validate_for_target",
+    "pick_mask_token_id",
+]
+
+
+class DrafterLoadError(ValueError):
+    """The drafter checkpoint is missing, malformed or has wrong tensors."""
+
+
+def _special_ids(tokenizer) -> set[int]:
+    ids = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+    for attr in ("eos_token_id", "bos_token_id", "pad_token_id", "unk_token_id"):
+        v = getattr(tokenizer, attr, None)
+        if isinstance(v, int):
+            ids.add(v)
+    return ids
+
+
+def validate_for_target(cfg: DrafterConfig, target, tokenizer) -> None:
+    """Check that a drafter config fits the target.
+
+    Args:
+        cfg: the drafter config.
+        target: a :class:`~mlx_dflash2.target.TargetAdapter`.
+        tokenizer: the target's tokenizer (``len()`` = real vocabulary).
+
+    Raises:
+        DrafterConfigError: naming the field: ``hidden_size`` (must equal the
+            target's, embedding and LM head are shared), ``target_layer_ids``
+            (must exist in the target), ``num_target_layers``,
+            ``mask_token_id`` (inside the vocabulary, not EOS/BOS/pad/unk),
+            ``vocab_size`` (must cover the tokenizer; padding-only differences
+            are accepted).
+    """
+    if cfg.hidden_size != target.hidden_size:
+        raise DrafterConfigError(
+            "hidden_size", f"{cfg.hidden_size} != target hidden size {target.hidden_size} (they share embeddings)"
+        )
+    L = target.num_layers
+    bad = [i for i in cfg.target_layer_ids if i >= L]
+    if bad:
+        raise DrafterConfigError("target_layer_ids", f"{bad} do not exist in the target ({L} layers: 0..{L - 1})")
+    if cfg.num_target_layers is not None and cfg.num_target_layers != L:
+        raise DrafterConfigError("num_target_layers", f"{cfg.num_target_layers} != the target's {L} layers")
+    n_real = len(tokenizer)
+    limit = min(n_real, target.vocab_rows)
+    if cfg.mask_token_id >= limit:
+        raise DrafterConfigError("mask_token_id", f"{cfg.mask_token_id} is outside the target vocabulary (< {limit})")
+    if cfg.mask_token_id in _special_ids(tokenizer):
+        raise DrafterConfigError(
+            "mask_token_id", f"{cfg.mask_token_id} is the target's EOS/BOS/pad/unk token; the mask must be unused"
+        )
+    if cfg.vocab_size < n_real:
+        raise DrafterConfigError("vocab_size", f"{cfg.vocab_size} < the tokenizer's {n_real} tokens")
+
+
+def pick_mask_token_id(tokenizer) -> int:
+    """Choose a mask token for a new drafter: a ``<|MASK|>``-like token if the
+    vocabulary has one, otherwise the highest-id special token that is not
+    EOS/BOS/pad/unk and does not appear in the chat template.
+
+    Raises:
+        DrafterConfigError: no suitable token.
+    """
+    vocab = tokenizer.get_vocab()
+    for name in ("<|MASK|>", "<|mask|>", "<mask>", "[MASK]"):
+        if name in vocab:
+            return int(vocab[name])
+    template = getattr(tokenizer, "chat_template", None) or ""
+    avoid = _special_ids(tokenizer)
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    cands = [
+        int(i) for i, t in added.items() if getattr(t, "special", False) and int(i) not in avoid and str(t) not in template
+    ]
+    if not cands:
+        raise DrafterConfigError("mask_token_id", "the target vocabulary has no unused special token; pass one")
+    return max(cands)
+
+
+def init_drafter(
+    target,
+    tokenizer,
+    architecture: str = "DFlash2DraftModel",
+    num_layers: int = 2,
+    block_size: int = 16,
+    num_taps: int | None = None,
+    target_layer_ids: list[int] | None = None,
+    mask_token_id: int | None = None,
+    intermediate_size: int | None = None,
+    selector_rank: int = 64,
+    selector_top_k: int = 16,
+    conv_kernel_size: int = 2,
+    conv_group_size: int = 16,
+    seed: int = 0,
+) -> DraftModel:
+    """Create a freshly initialised drafter for ``target`` (``--init``).
+
+    Geometry follows the target (hidden size, heads, head_dim, RoPE theta);
+    taps follow the reference rule (spec §1.2) with one tap per drafter layer
+    unless given. DFlash2's conv and selector start as exact no-ops.
+
+    Returns:
+        A :class:`DraftModel` in float32 (cast it as needed).
+    """
+    tc = target.config
+    heads = int(tc["num_attention_heads"])
+    cfg = DrafterConfig.from_dict(
+        {
+            "architectures": [architecture],
+            "hidden_size": target.hidden_size,
+            "num_hidden_layers": num_layers,
+            "intermediate_size": int(intermediate_size or tc["intermediate_size"]),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(tc.get("num_key_value_heads") or heads),
+            "head_dim": int(tc.get("head_dim") or target.hidden_size // heads),
+            "vocab_size": target.vocab_rows,
+            "rms_norm_eps": float(tc.get("rms_norm_eps", 1e-6)),
+            "rope_theta": float(tc.get("rope_theta", 10000.0)),
+            "max_position_embeddings": int(tc.get("max_position_embeddings") or 32768),
+            "is_causal": False,
+            "dflash_config": {
+                "block_size": block_size,
+                "mask_token_id": mask_token_id if mask_token_id is not None else pick_mask_token_id(tokenizer),
+                "target_layer_ids": target_layer_ids
+                or default_target_layer_ids(target.num_layers, num_taps or num_layers),
+                "num_target_layers": target.num_layers,
+                "conv_kernel_size": conv_kernel_size,
+                "conv_group_size": conv_group_size,
+                "selector_rank": selector_rank,
+                "selector_top_k": selector_top_k,
+            },
+        }
+    )
+    validate_for_target(cfg, target, tokenizer)
+    model = DraftModel(cfg)
+    model.init_weights(seed)
+    mx.eval(model.parameters())
+    return model
+
+
+def _remap(name: str) -> str:
+    if name.startswith("model."):
+        name = name[len("model.") :]
+    for cb in ("predecessor_codebook", "successor_codebook"):
+        if name == f"candidate_selector.{cb}.weight":
+            return f"candidate_selector.{cb}"
+    return name
+
+
+def load_drafter(path: str | Path, target, tokenizer, dtype: mx.Dtype | None = None) -> DraftModel:
+    """Load a drafter checkpoint directory and validate it against the target.
+
+    Args:
+        path: checkpoint directory (``config.json`` + ``*.safetensors``).
+        target: the :class:`~mlx_dflash2.target.TargetAdapter` it drafts for.
+        tokenizer: the target's tokenizer.
+        dtype: cast floating weights to this dtype (``None`` keeps the file's).
+
+    Raises:
+        FileNotFoundError: no such directory / no config / no weights.
+        DrafterConfigError: invalid or incompatible config (names the field).
+        DrafterLoadError: malformed JSON or tensors missing / unexpected /
+            of the wrong shape (names them).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"drafter checkpoint directory not found: {path}")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{path} has no config.json; not a drafter checkpoint")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise DrafterLoadError(f"{cfg_file}: invalid JSON ({e})") from e
+    cfg = DrafterConfig.from_dict(raw)
+    validate_for_target(cfg, target, tokenizer)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors weights")
+    weights = {}
+    for f in files:
+        try:
+            w = mx.load(str(f))
+        except Exception as e:
+            raise DrafterLoadError(f"{f}: cannot read safetensors ({e})") from e
+        weights.update({_remap(k): v for k, v in w.items()})
+    model = DraftModel(cfg)
+    quant = raw.get("quantization")
+    if quant:
+        nn.quantize(
+            model,
+            group_size=int(quant["group_size"]),
+            bits=int(quant["bits"]),
+            class_predicate=lambda p, m: f"{p}.scales" in weights,
+        )
+    expected = dict(tree_flatten(model.parameters()))
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        raise DrafterLoadError(
+            f"{path}: tensors do not match {cfg.architecture}: missing {missing[:6]}"
+            f"{'...' if len(missing) > 6 else ''}, unexpected {unexpected[:6]}{'...' if len(unexpected) > 6 else ''}"
+        )
+    for k, v in weights.items():
+        if tuple(v.shape) != tuple(expected[k].shape):
+            raise DrafterLoadError(f"{path}: tensor {k} has shape {tuple(v.shape)}, expected {tuple(expected[k].shape)}")
+        if dtype is not None and mx.issubdtype(v.dtype, mx.floating):
+            weights[k] = v.astype(dtype)
+    model.load_weights(list(weights.items()), strict=True)
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+def save_drafter(model: DraftModel, path: str | Path, overwrite: bool = False) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` atomically (temp dir, rename).
+
+    Raises:
+        FileExistsError: ``path`` exists and ``overwrite`` is False.
+    """
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} exists; pass overwrite=True (--overwrite) to replace it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        cfg = model.config.to_dict()
+        weights = dict(tree_flatten(model.parameters()))
+        q = {m: (mod.group_size, mod.bits) for m, mod in model.named_modules() if isinstance(mod, nn.QuantizedLinear)}
+        if q:
+            gs, bits = next(iter(q.values()))
+            cfg["quantization"] = {"group_size": gs, "bits": bits}
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        if path.exists():
+            old = path.with_name(f".{path.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path

@@ -1,0 +1,396 @@
+"""MLX DFlash / DFlash2 block drafters.
+
+Implements the published architectures ``DFlashDraftModel`` and
+``DFlash2DraftModel`` (DFlash2 spec §1 and §5; reference code z-lab/dflash
+``dflash/model_mlx.py``, SpecForge ``specforge/modeling/draft/dflash2.py``):
+
+* context features: ``hidden_norm(fc(concat(taps)))`` per committed token,
+  injected as extra keys/values into every drafter layer (KV injection, §1.3);
+  their K/V are computed once per committed token and cached
+  (:class:`DraftContext`), the block's own K/V never are;
+* block ``[anchor, mask x (B-1)]`` embedded with the *target's* embedding,
+  positions ``P .. P+B-1`` (``P`` = committed tokens), RoPE with the drafter's
+  own settings (§1.6);
+* in-block attention causal or bidirectional per ``is_causal``; sliding-window
+  layers see the last ``sliding_window - 1`` context rows (§1.5);
+* Qwen3-style pre-norm layers (q/k RMSNorm, SiLU-gated MLP, no biases);
+* DFlash2: a two-tap grouped dynamic causal convolution before and after every
+  attention and MLP sublayer (§5.4) and the candidate selector (§5.5);
+* output: final norm, the *target's* LM head for block positions 1..B-1, then
+  ``output_multiplier`` and the logit softcap (§1.4).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.rope_utils import initialize_rope
+
+from .config import DrafterConfig
+
+__all__ = [
+    "DraftModel",
+    "DraftContext",
+    "GroupedDynamicCausalConv",
+    "CandidateSelector",
+    "SelectorOutput",
+]
+
+
+class DraftAttention(nn.Module):
+    """Attention over ``[context K/V ; block K/V]`` (spec §1.3)."""
+
+    def __init__(self, cfg: DrafterConfig, layer_idx: int):
+        super().__init__()
+        d, h, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = h, kv, hd
+        self.scale = hd**-0.5
+        self.q_proj = nn.Linear(d, h * hd, bias=False)
+        self.k_proj = nn.Linear(d, kv * hd, bias=False)
+        self.v_proj = nn.Linear(d, kv * hd, bias=False)
+        self.o_proj = nn.Linear(h * hd, d, bias=False)
+        self.q_norm = nn.RMSNorm(hd, eps=cfg.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(hd, eps=cfg.rms_norm_eps)
+        self.rope = initialize_rope(hd, cfg.rope_theta, False, cfg.rope_scaling, cfg.max_position_embeddings)
+        self.causal = cfg.layer_is_causal(layer_idx)
+        self.window = cfg.sliding_window if cfg.layer_is_sliding(layer_idx) else None
+
+    def kv(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array]:
+        """Keys/values of rows ``x`` ``[N, L, D]`` at positions ``offset..``: ``[N, KV, L, hd]`` each."""
+        n, L, _ = x.shape
+        k = self.k_norm(self.k_proj(x).reshape(n, L, self.n_kv_heads, self.head_dim)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(n, L, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        return self.rope(k, offset=offset), v
+
+    def __call__(self, x: mx.array, ctx_k: mx.array | None, ctx_v: mx.array | None, offset: int) -> mx.array:
+        """Block rows ``x`` ``[1, B, D]`` at positions ``offset..offset+B-1``.
+
+        ``ctx_k/ctx_v``: ``[1, KV, S, hd]`` cached context (positions
+        ``offset-S .. offset-1``) or None.
+        """
+        n, B, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(n, B, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
+        q = self.rope(q, offset=offset)
+        k, v = self.kv(x, offset)
+        S = 0
+        if ctx_k is not None and ctx_k.shape[2] > 0:
+            if self.window is not None and ctx_k.shape[2] > self.window - 1:
+                ctx_k, ctx_v = ctx_k[:, :, -(self.window - 1) :], ctx_v[:, :, -(self.window - 1) :]
+            S = ctx_k.shape[2]
+            k = mx.concatenate([ctx_k, k], axis=2)
+            v = mx.concatenate([ctx_v, v], axis=2)
+        mask = None
+        if self.causal or self.window is not None:
+            qi = mx.arange(B)[:, None]
+            kj = mx.arange(S + B)[None, :] - S  # key position relative to the anchor
+            keep = mx.ones((B, S + B), dtype=mx.bool_)
+            if self.causal:
+                keep = keep & (kj <= qi)
+            if self.window is not None:
+                keep = keep & (qi - kj < self.window)
+            mask = keep
+        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(n, B, -1))
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class GroupedDynamicCausalConv(nn.Module):
+    """DFlash2's two-sided grouped dynamic causal convolution (spec §5.4).
+
+    Parameters: ``base_kernel`` ``[2, K, D]`` (side 0 = before the sublayer,
+    side 1 = after) and ``kernel_projection`` ``Linear(D -> 2*K*G)`` with
+    ``G = D / group_size``. For the normed sublayer input ``u`` ``[N, B, D]``:
+    ``delta = kernel_projection(u)`` reshaped ``[N, B, 2, K, G]`` and, for side
+    ``s`` applied to ``x``, ``y_t = sum_k (base[s,k] + delta[t,s,k,g(c)]) * x_{t-k}``
+    with zero padding before the block start. Runs over the block only; the
+    post side reuses the coefficients computed from the pre-sublayer input.
+    Initialised as an exact identity (``base[:, 0] = 1``, the rest 0).
+    """
+
+    def __init__(self, dim: int, kernel_size: int, group_size: int):
+        super().__init__()
+        self.kernel_size, self.group_size = kernel_size, group_size
+        self.groups = dim // group_size
+        base = mx.zeros((2, kernel_size, dim))
+        base[:, 0] = 1.0
+        self.base_kernel = base
+        self.kernel_projection = nn.Linear(dim, 2 * kernel_size * self.groups, bias=False)
+        self.kernel_projection.weight = mx.zeros_like(self.kernel_projection.weight)
+
+    def coefficients(self, u: mx.array) -> mx.array:
+        """Dynamic part ``[N, B, 2, K, G]`` from the normed input ``u`` ``[N, B, D]``."""
+        n, B, _ = u.shape
+        return self.kernel_projection(u).reshape(n, B, 2, self.kernel_size, self.groups)
+
+    def apply(self, x: mx.array, side: int, delta: mx.array) -> mx.array:
+        """Convolve ``x`` ``[N, B, D]`` with side ``side`` (0 pre, 1 post)."""
+        n, B, D = x.shape
+        out = None
+        for k in range(self.kernel_size):
+            if k >= B:
+                break
+            coef = self.base_kernel[side, k] + mx.repeat(delta[:, :, side, k, :], self.group_size, axis=-1)
+            xs = x if k == 0 else mx.concatenate([mx.zeros((n, k, D), dtype=x.dtype), x[:, : B - k]], axis=1)
+            term = coef.astype(x.dtype) * xs
+            out = term if out is None else out + term
+        return out
+
+
+class DraftDecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig, idx: int):
+        super().__init__()
+        self.self_attn = DraftAttention(cfg, idx)
+        self.mlp = DraftMLP(cfg)
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.has_conv = cfg.is_dflash2
+        if self.has_conv:
+            self.attention_conv = GroupedDynamicCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+            self.mlp_conv = GroupedDynamicCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+
+    def __call__(self, x, ctx_k, ctx_v, offset):
+        u = self.input_layernorm(x)
+        if self.has_conv:
+            d = self.attention_conv.coefficients(u)
+            a = self.self_attn(self.attention_conv.apply(u, 0, d), ctx_k, ctx_v, offset)
+            a = self.attention_conv.apply(a, 1, d)
+        else:
+            a = self.self_attn(u, ctx_k, ctx_v, offset)
+        h = x + a
+        u = self.post_attention_layernorm(h)
+        if self.has_conv:
+            d = self.mlp_conv.coefficients(u)
+            m = self.mlp_conv.apply(self.mlp(self.mlp_conv.apply(u, 0, d)), 1, d)
+        else:
+            m = self.mlp(u)
+        return h + m
+
+
+@dataclass
+class SelectorOutput:
+    """Result of the candidate selector's walk (spec §5.5, §5.7).
+
+    Attributes:
+        tokens: int32 ``[T]`` draft ids ``d_1..d_T``.
+        cand_ids: int32 ``[T, K]`` candidate ids per slot.
+        q: float32 ``[T, K]`` proposal distribution over ``cand_ids`` for the
+            row of the predecessor actually chosen, or ``None`` for greedy
+            (a point mass on ``tokens``).
+    """
+
+    tokens: mx.array
+    cand_ids: mx.array
+    q: mx.array | None
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2 candidate selector: top-K unary candidates re-scored by a
+    low-rank predecessor/successor term, walked left to right from the anchor.
+
+    ``S_t(a, b) = U_t(b) + sum_r A[a, r] * H_t[r] * Bc[b, r]`` with
+    ``A`` = ``predecessor_codebook`` ``[V, r]``, ``Bc`` = ``successor_codebook``
+    ``[V, r]``, ``H_t = hidden_projection(h_t)`` ``[r]``. Greedy takes the argmax
+    of each realised row; sampling draws from ``softmax(S_t(a_t, .) / T)`` over
+    the K candidates and records that row as ``q``. A fresh selector
+    (successor codebook zero) reproduces the unary choice exactly.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, top_k: int, init_std: float = 0.02):
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = mx.random.normal((vocab_size, rank)) * init_std
+        self.successor_codebook = mx.zeros((vocab_size, rank))
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+
+    def lattice(self, unary: mx.array, hidden: mx.array, anchor: mx.array):
+        """Candidates and edge scores.
+
+        Args:
+            unary: ``[T, V]`` unary logits (invalid ids already ``-inf``).
+            hidden: ``[T, D]`` final-normed drafter states of slots 1..T.
+            anchor: int32 scalar, the anchor id.
+
+        Returns:
+            ``(cand [T, K], first [K], edges [T-1, K, K])``: slot-1 scores from
+            the anchor and, for t >= 2, scores of slot t's candidates (columns)
+            given each candidate of slot t-1 (rows).
+        """
+        K = min(self.top_k, unary.shape[-1])
+        cand = mx.argpartition(-unary, K - 1, axis=-1)[:, :K].astype(mx.int32)
+        u = mx.take_along_axis(unary, cand, axis=-1).astype(mx.float32)
+        H = self.hidden_projection(hidden).astype(mx.float32)  # [T, r]
+        succ = self.successor_codebook[cand].astype(mx.float32) * H[:, None, :]  # [T, K, r]
+        pred0 = self.predecessor_codebook[anchor].astype(mx.float32)  # [r]
+        first = u[0] + succ[0] @ pred0
+        edges = None
+        if cand.shape[0] > 1:
+            pred = self.predecessor_codebook[cand[:-1]].astype(mx.float32)  # [T-1, K, r]
+            edges = u[1:, None, :] + pred @ succ[1:].transpose(0, 2, 1)  # [T-1, K, K]
+        return cand, first, edges
+
+    def walk(
+        self,
+        unary: mx.array,
+        hidden: mx.array,
+        anchor: mx.array,
+        temperature: float = 0.0,
+        key: mx.array | None = None,
+    ) -> SelectorOutput:
+        """Greedy (``temperature == 0``) or sampled walk; see the class doc."""
+        cand, first, edges = self.lattice(unary, hidden, anchor)
+        T = cand.shape[0]
+        rows = [first]
+        idx = []
+        qs = []
+        keys = mx.random.split(key, T) if (temperature > 0 and key is not None) else [None] * T
+        for t in range(T):
+            row = rows[t] if t == 0 else edges[t - 1][idx[-1]]
+            if temperature > 0:
+                logits = row / temperature
+                qs.append(mx.softmax(logits))
+                i = mx.random.categorical(logits, key=keys[t])
+            else:
+                i = mx.argmax(row)
+            idx.append(i)
+        idx = mx.stack(idx)
+        tokens = mx.take_along_axis(cand, idx[:, None], axis=-1)[:, 0]
+        return SelectorOutput(tokens, cand, mx.stack(qs) if qs else None)
+
+
+class DraftModel(nn.Module):
+    """A DFlash (v1) or DFlash2 block drafter (architecture from the config).
+
+    Holds no embedding and no LM head: the caller passes the target's
+    embeddings and applies the target's LM head (:meth:`unary_logits`).
+    Tensor names match the published checkpoints (spec §5.6).
+    """
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.config = cfg
+        D = cfg.hidden_size
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * D, D, bias=False)
+        self.hidden_norm = nn.RMSNorm(D, eps=cfg.rms_norm_eps)
+        self.layers = [DraftDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
+        self.norm = nn.RMSNorm(D, eps=cfg.rms_norm_eps)
+        if cfg.is_dflash2:
+            self.candidate_selector = CandidateSelector(
+                cfg.vocab_size, D, cfg.selector_rank, cfg.selector_top_k, cfg.initializer_range
+            )
+
+    # -- context ----------------------------------------------------------
+    def fuse(self, features: mx.array) -> mx.array:
+        """Context features ``[N, S, k*D]`` (concatenated taps) -> ``[N, S, D]``."""
+        return self.hidden_norm(self.fc(features))
+
+    def context_kv(self, features: mx.array, offset: int) -> list[tuple[mx.array, mx.array]]:
+        """Per-layer context K/V for new committed rows at positions ``offset..``."""
+        c = self.fuse(features)
+        return [layer.self_attn.kv(c, offset) for layer in self.layers]
+
+    def __call__(self, block_embeddings: mx.array, context: "DraftContext") -> mx.array:
+        """Drafter forward over one block.
+
+        Args:
+            block_embeddings: ``[1, B, D]`` target embeddings of
+                ``[anchor, mask, ..., mask]`` (times the input scale).
+            context: the request's :class:`DraftContext`; the block sits at
+                positions ``context.offset ..``.
+
+        Returns:
+            Final-normed hidden states ``[1, B, D]``.
+        """
+        x = block_embeddings
+        P = context.offset
+        for layer, cache in zip(self.layers, context.caches):
+            kv = cache.keys_and_values() if cache.keys is not None else (None, None)
+            x = layer(x, kv[0], kv[1], P)
+        return self.norm(x)
+
+    def unary_logits(self, hidden: mx.array, lm_head) -> mx.array:
+        """Target LM head on drafter states, then ``output_multiplier`` and softcap."""
+        logits = lm_head(hidden)
+        cfg = self.config
+        if cfg.output_multiplier != 1.0:
+            logits = logits * cfg.output_multiplier
+        if cfg.final_logit_softcapping and cfg.final_logit_softcapping > 0:
+            cap = cfg.final_logit_softcapping
+            logits = mx.tanh(logits / cap) * cap
+        return logits
+
+    # -- initialisation ---------------------------------------------------
+    def init_weights(self, seed: int = 0) -> None:
+        """Fresh initialisation: normal(0, initializer_range) linear weights,
+        unit norms, and DFlash2's conv and selector as exact no-ops
+        (identity conv, zero successor codebook; SpecForge trainer, spec §5.4-5.5)."""
+        std = self.config.initializer_range
+        key = mx.random.key(seed)
+        from mlx.utils import tree_flatten, tree_unflatten
+
+        params = tree_flatten(self.parameters())
+        keys = mx.random.split(key, len(params))
+        new = []
+        for (name, p), k in zip(params, keys):
+            if name.endswith("kernel_projection.weight") or name.endswith("successor_codebook"):
+                new.append((name, mx.zeros_like(p)))
+            elif name.endswith("base_kernel"):
+                b = mx.zeros_like(p)
+                b[:, 0] = 1.0
+                new.append((name, b))
+            elif name.endswith("norm.weight"):
+                new.append((name, mx.ones_like(p)))
+            else:
+                new.append((name, mx.random.normal(p.shape, key=k) * std))
+        self.update(tree_unflatten(new))
+
+
+class DraftContext:
+    """Per-request drafter cache: context K/V of every committed token.
+
+    One mlx-lm ``KVCache`` per drafter layer (keys already RoPE'd at their
+    absolute positions). ``offset`` is the number of committed positions, i.e.
+    the anchor's position for the next block. Rows can be dropped from the end
+    (:meth:`trim`) when a request is cut back.
+    """
+
+    def __init__(self, model: DraftModel):
+        self.caches = [KVCache() for _ in model.layers]
+        self.offset = 0
+
+    def append(self, model: DraftModel, features: mx.array) -> None:
+        """Add context rows: ``features`` ``[S, k*D]`` for positions ``offset..offset+S-1``."""
+        if features.shape[0] == 0:
+            return
+        for cache, (k, v) in zip(self.caches, model.context_kv(features[None], self.offset)):
+            cache.update_and_fetch(k, v)
+        self.offset += features.shape[0]
+
+    def trim(self, n: int) -> None:
+        n = min(n, self.offset)
+        for c in self.caches:
+            c.trim(n)
+        self.offset -= n
+
+    def state_arrays(self) -> list[mx.array]:
+        return [a for c in self.caches if c.keys is not None for a in (c.keys, c.values)]
+
+
+def param_count(model: nn.Module) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(math.prod(p.shape) for _, p in tree_flatten(model.parameters()))

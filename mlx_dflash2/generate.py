@@ -1,0 +1,101 @@
+"""The ``mlx_dflash2.generate`` command (also ``python -m mlx_dflash2.generate``).
+
+Flags follow ``mlx_lm.generate``. Streams the answer of the target through the
+speculative loop; ``--verbose`` prints the statistics (tokens/s, acceptance
+length tau, acceptance by block position) after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .api import GenerationResponse, _consume, _make_verifier, generate, stream_generate
+from .loading import load
+
+__all__ = ["main", "generate", "stream_generate", "GenerationResponse"]
+
+
+# ----------------------------------------------------------------------------
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mlx_dflash2.generate",
+        description="Generate text with DFlash2 speculative decoding (lossless against plain decoding).",
+    )
+    p.add_argument("--model", default=None, help="target: a GGUF file, an mlx-lm directory or hub id "
+                   "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--drafter", "--draft-model", default="auto",
+                   help="drafter checkpoint directory, 'lookup', 'none', 'init' (fresh DFlash2) or 'auto' "
+                   "(the drafter shipped for the target, else lookup). Default: auto")
+    p.add_argument("--no-lookup", action="store_true", help="do not fuse lookup proposals with the drafter's")
+    p.add_argument("--prompt", "-p", default="Hello!", help="the prompt ('-' reads stdin)")
+    p.add_argument("--system", default=None, help="system prompt (chat template)")
+    p.add_argument("--max-tokens", "-m", type=int, default=256, help="maximum tokens to generate")
+    p.add_argument("--block-size", "--num-draft-tokens", type=int, default=None,
+                   help="block size B (verify width); default the drafter's")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
+    p.add_argument("--top-k", type=int, default=0, help="top-k sampling (0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="random seed")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--chat-template-args", type=json.loads, default={},
+                   help='JSON of extra chat template arguments, e.g. \'{"enable_thinking": false}\'')
+    p.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as raw text")
+    p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
+                   help="dtype of non-packed weights/scales (auto: float32 on CPU)")
+    p.add_argument("--dequantize", action="store_true", help="expand quantized weights to dense --dtype")
+    p.add_argument("--prefill-step-size", type=int, default=2048, help="prompt chunk size")
+    p.add_argument("--verbose", action="store_true", help="print the statistics after the text")
+    return p
+
+
+def _build_prompt(args, tokenizer) -> list[int]:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = prompt.replace("\\n", "\n") if args.prompt != "-" else prompt
+    if args.ignore_chat_template or not getattr(tokenizer, "has_chat_template", False):
+        add_special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
+        return tokenizer.encode(prompt, add_special_tokens=add_special)
+    messages = []
+    if args.system is not None:
+        messages.append({"role": "system", "content": args.system})
+    messages.append({"role": "user", "content": prompt})
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **args.chat_template_args)
+
+
+def main(argv=None) -> int:
+    args = setup_arg_parser().parse_args(argv)
+    if args.max_tokens == 0 or args.max_tokens < -1:
+        print("error: --max-tokens must be positive (or -1 for no limit)", file=sys.stderr)
+        return 2
+    try:
+        _make_verifier(args.temp, args.top_p, args.top_k)
+        model, tokenizer = load(
+            args.model,
+            args.drafter,
+            dtype=args.dtype,
+            dequantize=args.dequantize,
+            block_size=args.block_size,
+            lookup=not args.no_lookup,
+        )
+        prompt = _build_prompt(args, tokenizer)
+        responses = stream_generate(
+            model,
+            tokenizer,
+            prompt,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+            stop=args.stop,
+            prefill_step_size=args.prefill_step_size,
+        )
+        _consume(responses, echo=True, show_stats=args.verbose)
+    except (NotImplementedError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,372 @@
+"""GGUF target loader: a llama.cpp GGUF file -> an mlx-lm model + tokenizer.
+
+What it does (see ``shared/research/offline-assets.md`` §3 for the derivation):
+
+* Reads the header (metadata and tensor types) with the ``gguf`` package.
+* Tensors whose GGUF types MLX decodes exactly (F32, F16, Q4_0, Q4_1, Q8_0;
+  MLX >= 0.32.0) are loaded with ``mx.load`` and kept **natively quantized**:
+  Q4_x/Q8_0 become MLX affine groups of 32 (uint32-packed weights with
+  scales/biases), loaded into ``QuantizedLinear``/``QuantizedEmbedding`` with no
+  requantization. Files with other types (K-quants, Q5_x, Q6_K...) are
+  dequantized with ``gguf.quants.dequantize`` (numpy) to dense weights, because
+  ``mx.load`` rejects Q5_0 and silently mis-decodes Q4_K.
+* Undoes llama.cpp's q/k row permutation for the ``llama`` architecture (the
+  inverse of ``LlamaModel.permute`` in llama.cpp's ``convert_hf_to_gguf.py``);
+  being a row permutation, it applies unchanged to packed weights, scales and
+  biases.
+* Builds a byte-level BPE tokenizer from ``tokenizer.ggml.tokens``/``merges``
+  with the pre-tokenizer named by ``tokenizer.ggml.pre`` and takes the chat
+  template from ``tokenizer.chat_template``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+__all__ = ["GGUFError", "GGUFHeader", "read_gguf_header", "load_gguf"]
+
+
+class GGUFError(ValueError):
+    """The GGUF file is malformed or uses something this loader does not support."""
+
+
+# GGUF tensor types that ``mx.load`` decodes exactly (checked against
+# ``gguf.quants.dequantize``: max |diff| = 0 for Q4_1/Q8_0 with mlx 0.32.4).
+_MX_NATIVE_TYPES = {"F32", "F16", "Q4_0", "Q4_1", "Q8_0"}
+
+_SUPPORTED_ARCHS = ("llama", "qwen2")
+
+# GPT-2 style byte-level pre-tokenizer regexes used by llama.cpp (llama-vocab.cpp).
+_QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+@dataclass
+class GGUFHeader:
+    """Parsed GGUF header.
+
+    Attributes:
+        path: the file.
+        metadata: key -> Python value (strings, numbers, lists).
+        tensor_types: tensor name -> GGUF type name (e.g. ``"Q4_1"``).
+        arch: ``general.architecture``.
+    """
+
+    path: Path
+    metadata: dict[str, Any]
+    tensor_types: dict[str, str]
+    arch: str
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """Architecture-relative lookup: ``get("block_count")`` reads ``{arch}.block_count``."""
+        if key in self.metadata:
+            return self.metadata[key]
+        return self.metadata.get(f"{self.arch}.{key}", default)
+
+    def require(self, key: str) -> Any:
+        v = self.get(key)
+        if v is None:
+            raise GGUFError(f"{self.path.name}: missing GGUF metadata field {self.arch}.{key!s}")
+        return v
+
+
+def read_gguf_header(path: str | Path) -> GGUFHeader:
+    """Read a GGUF file's metadata and tensor types (no tensor data is decoded).
+
+    Raises:
+        FileNotFoundError: no such file.
+        GGUFError: not a readable GGUF file.
+    """
+    import gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # gguf raises ValueError/struct errors/IndexError on bad files
+        raise GGUFError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+    metadata = {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        try:
+            metadata[name] = field.contents()
+        except Exception as e:
+            raise GGUFError(f"{path}: cannot decode metadata field {name}: {e}") from e
+    tensor_types = {t.name: t.tensor_type.name for t in reader.tensors}
+    arch = metadata.get("general.architecture")
+    if not isinstance(arch, str):
+        raise GGUFError(f"{path}: missing general.architecture")
+    return GGUFHeader(path, metadata, tensor_types, arch)
+
+
+# ----------------------------------------------------------------------------
+# Config
+# ----------------------------------------------------------------------------
+
+
+def _model_config(h: GGUFHeader) -> dict:
+    if h.arch not in _SUPPORTED_ARCHS:
+        raise GGUFError(
+            f"{h.path.name}: GGUF architecture {h.arch!r} is not supported "
+            f"(supported: {', '.join(_SUPPORTED_ARCHS)})"
+        )
+    hidden = int(h.require("embedding_length"))
+    heads = int(h.require("attention.head_count"))
+    head_dim = int(h.get("attention.key_length") or hidden // heads)
+    tokens = h.metadata.get("tokenizer.ggml.tokens")
+    vocab = int(h.get("vocab_size") or (len(tokens) if tokens else 0))
+    if vocab <= 0:
+        raise GGUFError(f"{h.path.name}: cannot determine the vocabulary size")
+    rope_scaling = None
+    scaling_type = h.get("rope.scaling.type")
+    if scaling_type not in (None, "none"):
+        if scaling_type == "linear":
+            rope_scaling = {"type": "linear", "factor": float(h.require("rope.scaling.factor"))}
+        else:
+            raise GGUFError(f"{h.path.name}: rope scaling {scaling_type!r} is not supported")
+    cfg = {
+        "model_type": h.arch,
+        "hidden_size": hidden,
+        "num_hidden_layers": int(h.require("block_count")),
+        "intermediate_size": int(h.require("feed_forward_length")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(h.get("attention.head_count_kv") or heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(h.require("attention.layer_norm_rms_epsilon")),
+        "vocab_size": vocab,
+        "rope_theta": float(h.get("rope.freq_base") or 10000.0),
+        "max_position_embeddings": int(h.get("context_length") or 4096),
+        "tie_word_embeddings": "output.weight" not in h.tensor_types,
+        "rope_scaling": rope_scaling,
+    }
+    return cfg
+
+
+# ----------------------------------------------------------------------------
+# Weights
+# ----------------------------------------------------------------------------
+
+_LAYER_MAP = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_TOP_MAP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_SUFFIXES = ("weight", "bias", "scales", "biases")
+
+
+def _mlx_name(gguf_name: str) -> str | None:
+    """``blk.3.attn_q.scales`` -> ``model.layers.3.self_attn.q_proj.scales``; None if unknown."""
+    base, _, suffix = gguf_name.rpartition(".")
+    if suffix not in _SUFFIXES:
+        return None
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_MAP:
+        return f"model.layers.{parts[1]}.{_LAYER_MAP[parts[2]]}.{suffix}"
+    if len(parts) == 1 and parts[0] in _TOP_MAP:
+        return f"{_TOP_MAP[parts[0]]}.{suffix}"
+    return None
+
+
+def _unpermute(w: mx.array, n_head: int) -> mx.array:
+    """Inverse of llama.cpp's ``permute(w, n_head)`` over the row axis.
+
+    llama.cpp stores q/k rows as ``w.reshape(n, 2, r/n/2, ...).swapaxes(1, 2)``
+    (interleaved rope); this reshapes as ``(n, r/n/2, 2, ...)`` and swaps back.
+    Works for packed quantized weights, scales, biases and bias vectors alike.
+    """
+    rows = w.shape[0]
+    rest = w.shape[1:]
+    return w.reshape(n_head, rows // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def _load_tensors(h: GGUFHeader) -> tuple[dict[str, mx.array], dict[str, dict]]:
+    """Return (mlx-lm named weights, per-module quantization settings)."""
+    native = all(t in _MX_NATIVE_TYPES for t in h.tensor_types.values())
+    raw: dict[str, mx.array] = {}
+    if native:
+        raw = mx.load(str(h.path))
+    else:
+        import gguf
+
+        reader = gguf.GGUFReader(str(h.path))
+        for t in reader.tensors:
+            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+            # GGUF shapes are reversed (ne0 is the fastest axis).
+            shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+            raw[t.name] = mx.array(np.ascontiguousarray(arr.reshape(shape).astype(np.float32)))
+    weights: dict[str, mx.array] = {}
+    unknown = []
+    for name, arr in raw.items():
+        new = _mlx_name(name)
+        if new is None:
+            unknown.append(name)
+            continue
+        weights[new] = arr
+    # rope_freqs etc. are derivable; anything else unknown is an error (no silent drops)
+    unknown = [u for u in unknown if not u.startswith("rope_freqs")]
+    if unknown:
+        raise GGUFError(f"{h.path.name}: unexpected tensors {unknown[:5]} (and {max(0, len(unknown) - 5)} more)")
+    quant: dict[str, dict] = {}
+    for name in list(weights):
+        if name.endswith(".scales"):
+            module = name[: -len(".scales")]
+            w = weights[f"{module}.weight"]
+            s = weights[name]
+            group_size = 32  # every GGUF type mx.load keeps quantized has 32-element blocks
+            bits = (w.shape[-1] * 32) // (s.shape[-1] * group_size)
+            quant[module] = {"group_size": group_size, "bits": int(bits)}
+    return weights, quant
+
+
+def load_gguf(path: str | Path, dtype: mx.Dtype | None = None):
+    """Load a GGUF file as an mlx-lm model and tokenizer.
+
+    Args:
+        path: the ``.gguf`` file.
+        dtype: floating dtype for non-packed parameters and quantization
+            scales/biases (e.g. ``mx.float32`` on CPU, ``mx.float16`` on GPU).
+            ``None`` keeps the file's own dtypes.
+
+    Returns:
+        ``(model, tokenizer, config)``: an ``mlx_lm.models.<arch>.Model`` (Q4_0/
+        Q4_1/Q8_0 tensors natively quantized, everything else dense), an
+        ``mlx_lm`` ``TokenizerWrapper`` and the mlx-lm config dict.
+
+    Raises:
+        FileNotFoundError, GGUFError: missing, malformed or unsupported file.
+    """
+    import importlib
+
+    h = read_gguf_header(path)
+    cfg = _model_config(h)
+    module = importlib.import_module(f"mlx_lm.models.{h.arch}")
+    args = module.ModelArgs.from_dict(cfg)
+    model = module.Model(args)
+    weights, quant = _load_tensors(h)
+
+    if h.arch == "llama":
+        n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        for name in list(weights):
+            if ".self_attn.q_proj." in name:
+                weights[name] = _unpermute(weights[name], n_head)
+            elif ".self_attn.k_proj." in name:
+                weights[name] = _unpermute(weights[name], n_kv)
+    if cfg["tie_word_embeddings"]:
+        for k in [k for k in weights if k.startswith("lm_head.")]:
+            weights.pop(k)
+
+    if dtype is not None:
+        weights = {
+            k: (v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v) for k, v in weights.items()
+        }
+
+    if quant:
+        nn.quantize(model, class_predicate=lambda p, m: quant.get(p, False))
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise GGUFError(f"{h.path.name}: tensors do not match the {h.arch} architecture: {e}") from e
+    mx.eval(model.parameters())
+    model.eval()
+    if quant:
+        cfg["quantization"] = {"group_size": 32, "bits": 4, "mode": "affine"}
+        cfg["quantization"].update({k: v for k, v in quant.items()})
+    tokenizer = build_tokenizer(h)
+    return model, tokenizer, cfg
+
+
+# ----------------------------------------------------------------------------
+# Tokenizer
+# ----------------------------------------------------------------------------
+
+
+def build_tokenizer(h: GGUFHeader):
+    """Build an mlx-lm ``TokenizerWrapper`` from GGUF tokenizer metadata.
+
+    Supports byte-level BPE (``tokenizer.ggml.model == "gpt2"``) with the
+    pre-tokenizers ``smollm`` (individual digits + GPT-2 regex, as llama.cpp's
+    ``LLAMA_VOCAB_PRE_TYPE_SMOLLM``), ``gpt2``/``default`` and ``qwen2``.
+
+    Raises:
+        GGUFError: another tokenizer model or pre-tokenizer.
+    """
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    md = h.metadata
+    kind = md.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise GGUFError(f"{h.path.name}: tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' only)")
+    tokens: list[str] = list(md["tokenizer.ggml.tokens"])
+    merges: list[str] = list(md.get("tokenizer.ggml.merges") or [])
+    token_types = list(md.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    pre = md.get("tokenizer.ggml.pre", "default")
+
+    vocab = {t: i for i, t in enumerate(tokens)}
+    bpe = models.BPE(
+        vocab=vocab,
+        merges=[tuple(m.split(" ", 1)) for m in merges],
+        fuse_unk=False,
+        byte_fallback=False,
+        ignore_merges=False,
+    )
+    tk = Tokenizer(bpe)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":
+        tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    elif pre in ("gpt2", "default"):
+        tk.pre_tokenizer = byte_level
+    elif pre == "qwen2":
+        tk.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_QWEN2_REGEX), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    else:
+        raise GGUFError(f"{h.path.name}: pre-tokenizer {pre!r} is not supported (smollm, gpt2, qwen2)")
+    tk.decoder = decoders.ByteLevel()
+    # token_type 3 = CONTROL, 4 = USER_DEFINED: never split by BPE
+    specials = [AddedToken(t, special=(tt == 3), normalized=False) for t, tt in zip(tokens, token_types) if tt in (3, 4)]
+    tk.add_tokens(specials)
+
+    def tok(key):
+        i = md.get(f"tokenizer.ggml.{key}_token_id")
+        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+    bos, eos = tok("bos"), tok("eos")
+    if md.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
+        tk.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
+        )
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        bos_token=bos,
+        eos_token=eos,
+        unk_token=tok("unknown"),
+        pad_token=tok("padding"),
+        chat_template=md.get("tokenizer.chat_template"),
+        clean_up_tokenization_spaces=False,
+    )
+    eos_ids = [int(md["tokenizer.ggml.eos_token_id"])] if "tokenizer.ggml.eos_token_id" in md else []
+    if "tokenizer.ggml.eot_token_id" in md:
+        eos_ids.append(int(md["tokenizer.ggml.eot_token_id"]))
+    return TokenizerWrapper(hf, detokenizer_class=BPEStreamingDetokenizer, eos_token_ids=eos_ids)

@@ -1,0 +1,214 @@
+"""Load a target and its drafter: ``mlx_dflash2.load``.
+
+Targets: the embedded SmolLM2-135M-Instruct (default), any GGUF file
+(:mod:`.gguf`), or an mlx-lm model directory / Hugging Face id (through
+``mlx_lm.load``; hub ids resolve offline when cached). Drafters: a checkpoint
+directory, ``lookup`` (no weights), ``none``, ``init`` (a fresh DFlash2
+drafter, e.g. for tests) or ``auto`` (the drafter shipped for this target, else
+lookup).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from . import assets
+from .drafter.io import init_drafter, load_drafter
+from .drafter.model import DraftModel
+from .proposers import DFlashProposer, FusedProposer, LookupProposer, Proposer
+from .target import TargetAdapter
+
+__all__ = ["SpeculativeModel", "load", "load_target", "make_proposer", "ModelNotFoundError"]
+
+DEFAULT_LOOKUP_BLOCK = 8
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model path / hub id could not be resolved locally."""
+
+
+@dataclass
+class SpeculativeModel:
+    """A target with its drafter, as returned by :func:`load`.
+
+    Attributes:
+        target: the :class:`~.target.TargetAdapter`.
+        proposer: the drafter / lookup proposer (``None``: plain decoding).
+        block_size: default block size B.
+        name: the target's name (path or embedded name).
+        config: the target's config dict.
+    """
+
+    target: TargetAdapter
+    proposer: Proposer | None
+    block_size: int
+    name: str
+    config: dict
+
+
+def _default_dtype() -> mx.Dtype | None:
+    # fp16 arithmetic is very slow on MLX's CPU backend; use float32 there.
+    return mx.float32 if mx.default_device() == mx.cpu else None
+
+
+def _resolve_local(path_or_repo: str) -> Path:
+    p = Path(path_or_repo).expanduser()
+    if p.exists():
+        return p
+    if path_or_repo.count("/") == 1 and not path_or_repo.startswith((".", "/", "~")):
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(path_or_repo, local_files_only=True))
+        except Exception:
+            if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
+                raise ModelNotFoundError(f"{path_or_repo!r} is not in the local Hugging Face cache (offline)") from None
+            try:
+                return Path(snapshot_download(path_or_repo))
+            except Exception as e:
+                raise ModelNotFoundError(f"cannot resolve {path_or_repo!r} locally or on the hub: {e}") from e
+    raise ModelNotFoundError(f"model not found: {path_or_repo!r} (not a file, directory or hub id)")
+
+
+def load_target(
+    path_or_hf_repo: str | None = None,
+    *,
+    dtype: mx.Dtype | str | None = "auto",
+    dequantize: bool = False,
+):
+    """Load a target model and its tokenizer.
+
+    Args:
+        path_or_hf_repo: ``None`` / the embedded name for SmolLM2-135M-Instruct,
+            a ``.gguf`` file, an mlx-lm model directory or a hub id.
+        dtype: floating dtype of non-packed weights and quantization scales
+            (``"auto"``: float32 on CPU, the file's dtypes on GPU; ``None``:
+            the file's).
+        dequantize: expand quantized layers to dense weights of ``dtype``
+            (e.g. an exact float32 target for losslessness tests).
+
+    Returns:
+        ``(TargetAdapter, TokenizerWrapper, name)``.
+
+    Raises:
+        ModelNotFoundError, assets.AssetNotFoundError: nothing to load.
+        GGUFError / ValueError: malformed or unsupported model files.
+        TargetCompatibilityError: architecture or parity probe refused.
+    """
+    if isinstance(dtype, str):
+        dtype = _default_dtype() if dtype == "auto" else getattr(mx, dtype)
+    name = path_or_hf_repo or assets.DEFAULT_MODEL
+    if assets.is_embedded_name(name):
+        path = assets.embedded_model_path(name.lower())
+    else:
+        path = _resolve_local(name)
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"{path}: a model file must be a .gguf; directories are read as mlx-lm models")
+        from .gguf import load_gguf
+
+        model, tokenizer, config = load_gguf(path, dtype=dtype)
+    else:
+        import mlx_lm
+
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} has no config.json; not an mlx-lm model directory")
+        model, tokenizer, config = mlx_lm.load(str(path), return_config=True)
+        _cast(model, dtype)
+    if dequantize:
+        from mlx_lm.utils import dequantize_model
+
+        model = dequantize_model(model)
+        _cast(model, dtype)
+        config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
+    mx.eval(model.parameters())
+    return TargetAdapter(model, config), tokenizer, name
+
+
+def _cast(model, dtype: mx.Dtype | None) -> None:
+    """Cast a model's floating parameters to ``dtype`` in place (packed ints untouched)."""
+    if dtype is None:
+        return
+    from mlx.utils import tree_map
+
+    model.update(tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p, model.parameters()))
+
+
+def shipped_drafter_path(target_name: str) -> Path | None:
+    """Directory of the drafter shipped in this package for ``target_name``, if any."""
+    if not assets.is_embedded_name(target_name):
+        return None
+    p = Path(__file__).parent / "drafters" / target_name.lower()
+    return p if (p / "config.json").is_file() else None
+
+
+def make_proposer(
+    drafter,
+    target: TargetAdapter,
+    tokenizer,
+    target_name: str = "",
+    *,
+    lookup: bool = True,
+    drafter_dtype: mx.Dtype | None = None,
+    seed: int = 0,
+) -> Proposer | None:
+    """Build the proposer for ``drafter``.
+
+    Args:
+        drafter: ``"auto"``, ``"none"``, ``"lookup"``, ``"init"``, a checkpoint
+            path, a :class:`~.drafter.model.DraftModel` or a :class:`Proposer`.
+        lookup: fuse lookup proposals with the drafter's.
+
+    Raises:
+        FileNotFoundError, DrafterConfigError, DrafterLoadError: bad drafter.
+    """
+    if isinstance(drafter, Proposer):
+        return drafter
+    if drafter is None or drafter == "none":
+        return None
+    if drafter == "lookup":
+        return LookupProposer(block_size=DEFAULT_LOOKUP_BLOCK)
+    if drafter == "auto":
+        path = shipped_drafter_path(target_name)
+        if path is None:
+            return LookupProposer(block_size=DEFAULT_LOOKUP_BLOCK)
+        drafter = path
+    if isinstance(drafter, DraftModel):
+        model = drafter
+    elif drafter == "init":
+        model = init_drafter(target, tokenizer, seed=seed)
+    else:
+        model = load_drafter(drafter, target, tokenizer, dtype=drafter_dtype)
+    p = DFlashProposer(model, target, valid_vocab=len(tokenizer))
+    return FusedProposer(p, LookupProposer(block_size=p.block_size)) if lookup else p
+
+
+def load(
+    path_or_hf_repo: str | None = None,
+    drafter="auto",
+    *,
+    dtype: mx.Dtype | str | None = "auto",
+    dequantize: bool = False,
+    block_size: int | None = None,
+    lookup: bool = True,
+):
+    """Load a target and its drafter (mirrors ``mlx_lm.load``).
+
+    Args:
+        path_or_hf_repo: target (see :func:`load_target`); ``None`` = embedded SmolLM2.
+        drafter: see :func:`make_proposer`.
+        dtype, dequantize: see :func:`load_target`.
+        block_size: default block size (default: the drafter's; lookup 8).
+        lookup: fuse lookup drafting with a DFlash drafter.
+
+    Returns:
+        ``(SpeculativeModel, TokenizerWrapper)``.
+    """
+    target, tokenizer, name = load_target(path_or_hf_repo, dtype=dtype, dequantize=dequantize)
+    proposer = make_proposer(drafter, target, tokenizer, name, lookup=lookup)
+    B = block_size or (proposer.block_size if proposer else 1)
+    return SpeculativeModel(target, proposer, int(B), name, target.config), tokenizer

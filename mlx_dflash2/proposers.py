@@ -1,0 +1,260 @@
+"""Proposers: what the speculative loop asks for a draft each round.
+
+A :class:`Proposer` is shared by requests (it holds weights); each request gets
+its own :class:`ProposerSession` (its drafter context, its token history), so
+requests never read each other's state. Every round the loop calls
+``session.propose(anchor, n)`` and, after verification, ``session.extend``
+with the newly *committed* tokens and their target tap features.
+
+A :class:`Proposal` carries the draft tokens and the distribution ``q`` each
+was drawn from: ``None`` means a point mass on the drafted token (greedy
+drafts, lookup copies), otherwise ``q`` is sparse over ``cand_ids`` (the
+DFlash2 selector's realised row, spec §5.7 and §6.1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .drafter.model import DraftContext, DraftModel
+from .lookup import SuffixIndex
+
+__all__ = [
+    "Proposal",
+    "Proposer",
+    "ProposerSession",
+    "DFlashProposer",
+    "LookupProposer",
+    "FusedProposer",
+]
+
+
+@dataclass
+class Proposal:
+    """Draft tokens and their proposal distribution.
+
+    Attributes:
+        tokens: int32 ``[n]`` draft ids ``d_1..d_n`` (``n`` may be 0).
+        cand_ids: int32 ``[n, K]`` ids where ``q`` is non-zero, or ``None``.
+        q: float32 ``[n, K]`` probabilities over ``cand_ids``, or ``None`` for
+            point masses on ``tokens``.
+    """
+
+    tokens: mx.array
+    cand_ids: mx.array | None = None
+    q: mx.array | None = None
+
+    @property
+    def n(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @staticmethod
+    def empty() -> "Proposal":
+        return Proposal(mx.zeros((0,), dtype=mx.int32))
+
+    def sparse(self) -> tuple[mx.array, mx.array]:
+        """``(cand_ids, q)`` with point masses written as one-hot sparse rows."""
+        if self.q is not None:
+            return self.cand_ids, self.q
+        return self.tokens[:, None], mx.ones((self.n, 1), dtype=mx.float32)
+
+
+class ProposerSession:
+    """Per-request proposer state (base class: proposes nothing)."""
+
+    def extend(self, tokens: list[int], features: mx.array | None) -> None:
+        """Commit tokens (positions ``offset..``) and their tap features ``[len, k*D]``."""
+
+    def propose(self, anchor: int, n: int, temperature: float = 0.0, key: mx.array | None = None) -> Proposal:
+        """Propose up to ``n`` tokens to follow ``anchor`` (not yet committed)."""
+        return Proposal.empty()
+
+    def state_arrays(self) -> list[mx.array]:
+        """Arrays to evaluate together with the target cache (prefill)."""
+        return []
+
+
+class Proposer:
+    """Base proposer: no draft (plain decoding through the same loop).
+
+    Attributes:
+        block_size: default block size B (verify width = B).
+        tap_ids: target layer ids whose features the sessions need.
+        name: short label for stats.
+    """
+
+    block_size: int = 1
+    tap_ids: tuple[int, ...] = ()
+    name: str = "none"
+
+    def start(self, prompt: list[int]) -> ProposerSession:
+        return ProposerSession()
+
+
+# ----------------------------------------------------------------------------
+# DFlash / DFlash2 drafter
+# ----------------------------------------------------------------------------
+
+
+class DFlashProposer(Proposer):
+    """Block drafter (DFlash v1 or DFlash2) bound to its target.
+
+    Args:
+        model: the :class:`~.drafter.model.DraftModel`.
+        target: the :class:`~.target.TargetAdapter` (embedding + LM head shared).
+        valid_vocab: ids ``>=`` this are never proposed (tokenizer size;
+            padded embedding rows are masked before top-k/argmax).
+    """
+
+    def __init__(self, model: DraftModel, target, valid_vocab: int):
+        self.model = model
+        self.target = target
+        cfg = model.config
+        self.block_size = cfg.block_size
+        self.tap_ids = tuple(cfg.target_layer_ids)
+        self.name = cfg.architecture
+        limit = min(valid_vocab, target.vocab_rows)
+        if cfg.is_dflash2:
+            limit = min(limit, cfg.vocab_size)
+        self.valid_vocab = limit
+        self._invalid = None
+        if limit < target.vocab_rows:
+            self._invalid = mx.arange(target.vocab_rows) >= limit
+
+    def start(self, prompt: list[int]) -> "_DFlashSession":
+        return _DFlashSession(self)
+
+
+class _DFlashSession(ProposerSession):
+    def __init__(self, p: DFlashProposer):
+        self.p = p
+        self.ctx = DraftContext(p.model)
+        self.block_size = p.block_size
+
+    def extend(self, tokens, features):
+        if features is None:
+            raise ValueError("the DFlash drafter needs target tap features for every committed token")
+        self.ctx.append(self.p.model, features)
+
+    def state_arrays(self):
+        return self.ctx.state_arrays()
+
+    def propose(self, anchor, n, temperature=0.0, key=None):
+        if n <= 0:
+            return Proposal.empty()
+        p, model = self.p, self.p.model
+        cfg = model.config
+        B = max(self.block_size, n + 1)
+        block = mx.array([anchor] + [cfg.mask_token_id] * (B - 1), dtype=mx.int32)
+        emb = p.target.embed(block)[None]
+        if cfg.input_embedding_scale != 1.0:
+            emb = emb * cfg.input_embedding_scale
+        h = model(emb, self.ctx)[0, 1 : n + 1]
+        unary = model.unary_logits(h, p.target.lm_head)
+        if p._invalid is not None:
+            unary = mx.where(p._invalid, mx.array(-mx.inf, unary.dtype), unary)
+        if cfg.is_dflash2:
+            out = model.candidate_selector.walk(unary, h, mx.array(anchor, dtype=mx.int32), temperature, key)
+            return Proposal(out.tokens, out.cand_ids if out.q is not None else None, out.q)
+        if temperature > 0:
+            # v1 sampled draft: per-slot sample from the top-K truncated softmax (a valid q, spec §6.3)
+            K = 16
+            cand = mx.argpartition(-unary, K - 1, axis=-1)[:, :K].astype(mx.int32)
+            logits = mx.take_along_axis(unary, cand, axis=-1).astype(mx.float32) / temperature
+            q = mx.softmax(logits, axis=-1)
+            idx = mx.random.categorical(logits, key=key)
+            return Proposal(mx.take_along_axis(cand, idx[:, None], axis=-1)[:, 0], cand, q)
+        return Proposal(mx.argmax(unary, axis=-1).astype(mx.int32))
+
+
+# ----------------------------------------------------------------------------
+# Lookup and fusion
+# ----------------------------------------------------------------------------
+
+
+class LookupProposer(Proposer):
+    """Lookup drafting alone (``--drafter lookup``): no weights, no features.
+
+    Args:
+        block_size: default block size B.
+        min_match / max_match: suffix lengths tried (tokens).
+    """
+
+    name = "lookup"
+
+    def __init__(self, block_size: int = 8, min_match: int = 2, max_match: int = 16):
+        self.block_size = block_size
+        self.min_match, self.max_match = min_match, max_match
+
+    def start(self, prompt):
+        return _LookupSession(self)
+
+
+class _LookupSession(ProposerSession):
+    def __init__(self, p: LookupProposer):
+        self.index = SuffixIndex(p.min_match, p.max_match)
+
+    def extend(self, tokens, features):
+        self.index.extend(tokens)
+
+    def match(self, anchor: int, n: int) -> tuple[int, list[int]]:
+        return self.index.propose([anchor], n)
+
+    def propose(self, anchor, n, temperature=0.0, key=None):
+        _, toks = self.match(anchor, n)
+        return Proposal(mx.array(toks, dtype=mx.int32)) if toks else Proposal.empty()
+
+
+class FusedProposer(Proposer):
+    """Drafter proposals fused with lookup (rule of the community patch, spec §5.10).
+
+    On the drafter's slots the lookup wins if its match is ``>= long_match``
+    tokens, or ``>= short_match`` and the drafter agrees on the first two
+    slots; lookup tokens are point-mass proposals, the drafter's keep their
+    own ``q``. The decision that needs the drafter's tokens is taken on the
+    device (``mx.where``), so fusion adds no host synchronisation.
+    """
+
+    def __init__(self, drafter: DFlashProposer, lookup: LookupProposer, long_match: int = 8, short_match: int = 6):
+        self.drafter, self.lookup = drafter, lookup
+        self.block_size = drafter.block_size
+        self.tap_ids = drafter.tap_ids
+        self.name = f"{drafter.name}+lookup"
+        self.long_match, self.short_match = long_match, short_match
+
+    def start(self, prompt):
+        return _FusedSession(self, self.drafter.start(prompt), self.lookup.start(prompt))
+
+
+class _FusedSession(ProposerSession):
+    def __init__(self, p: FusedProposer, d: _DFlashSession, l: _LookupSession):
+        self.p, self.d, self.l = p, d, l
+
+    def extend(self, tokens, features):
+        self.d.extend(tokens, features)
+        self.l.extend(tokens, features)
+
+    def state_arrays(self):
+        return self.d.state_arrays()
+
+    def propose(self, anchor, n, temperature=0.0, key=None):
+        dp = self.d.propose(anchor, n, temperature, key)
+        m, lt = self.l.match(anchor, n)
+        if m < self.p.short_match or not lt or dp.n == 0:
+            return dp
+        k = len(lt)
+        lookup_tokens = mx.concatenate([mx.array(lt, dtype=mx.int32), dp.tokens[k:]])
+        if m >= self.p.long_match:
+            use = mx.array(True)
+        else:
+            use = mx.all(dp.tokens[:2] == lookup_tokens[:2])
+        tokens = mx.where(use, lookup_tokens, dp.tokens)
+        if dp.q is None:
+            return Proposal(tokens)
+        # sampled drafter: lookup slots become one-hot sparse rows of the same width
+        K = dp.q.shape[1]
+        cand_l = mx.concatenate([mx.array(lt, dtype=mx.int32)[:, None] * mx.ones((1, K), mx.int32), dp.cand_ids[k:]])
+        q_l = mx.concatenate([mx.zeros((k, K)).at[:, 0].add(1.0), dp.q[k:]])
+        return Proposal(tokens, mx.where(use, cand_l, dp.cand_ids), mx.where(use, q_l, dp.q))

@@ -1,0 +1,306 @@
+"""The decoding loop of mlx_dflash2 (the only one: CLI, server and benchmarks use it).
+
+One round (DFlash2 spec §2.2, §2.4, §5.7):
+
+1. **draft**: the request's proposer session proposes ``d_1..d_n`` after the
+   anchor (``n <= B - 1``, shrunk near ``max_tokens`` and the context limit);
+2. **verify**: one target forward over ``[anchor, d_1..d_n]`` (appends
+   ``n + 1`` rows to the target KV cache, taps on);
+3. **accept**: the verifier returns ``a`` and the emitted tokens (one host
+   synchronisation per round: ``a`` and the tokens are read together);
+4. **commit / rollback**: the target cache keeps ``[anchor, d_1..d_a]`` (the
+   other ``n - a`` rows are trimmed); the tap features of those ``a + 1``
+   rows become the drafter's new context at the next round;
+5. **emit** ``d_1..d_a`` and the correction/bonus token, which is the next
+   anchor.
+
+Tokens are yielded one at a time (like ``mlx_lm.generate_step``). A consumer
+that stops early (EOS, stop string) closes the generator; the loop then cuts
+the target cache and the drafter context back to exactly the consumed tokens
+and counts only those in the stats: nothing after a stop is emitted, counted or
+left in the cache. Without a proposer the loop is plain decoding, pipelined as
+mlx-lm's (``mx.async_eval`` of the next step before reading the current one).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Generator, Iterable
+
+import mlx.core as mx
+
+from .proposers import Proposal, Proposer
+from .target import TargetAdapter, cache_length, trim_cache
+from .verify import GreedyVerifier, Verifier
+
+__all__ = ["SpecStats", "speculative_generate_step", "GenerationState"]
+
+
+@dataclass
+class SpecStats:
+    """Per-request statistics (units in the field names).
+
+    ``tau`` is the acceptance length: tokens emitted per verify forward of the
+    target, bonus/correction included (the prefill's first token is not a
+    round). ``accept_hist[k]`` counts rounds that accepted exactly ``k`` drafts;
+    ``position_accepted[i] / position_proposed[i]`` is the acceptance rate of
+    block position ``i + 1``.
+    """
+
+    drafter: str = "none"
+    block_size: int = 1
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    rounds: int = 0
+    round_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accept_hist: list[int] = field(default_factory=list)
+    position_proposed: list[int] = field(default_factory=list)
+    position_accepted: list[int] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        return self.round_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.generated_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def record_round(self, drafted: int, accepted: int, emitted: int) -> None:
+        """One verify forward that proposed ``drafted``, accepted ``accepted``
+        of them and emitted ``emitted`` tokens (after any stop)."""
+        self.rounds += 1
+        self.round_tokens += emitted
+        self.drafted += drafted
+        self.accepted += accepted
+        need = max(drafted + 1, len(self.accept_hist))
+        for lst in (self.accept_hist, self.position_proposed, self.position_accepted):
+            lst.extend([0] * (need - len(lst)))
+        self.accept_hist[accepted] += 1
+        for i in range(drafted):
+            self.position_proposed[i] += 1
+            if i < accepted:
+                self.position_accepted[i] += 1
+
+    def as_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d.update(tau=self.tau, prefill_tps=self.prefill_tps, decode_tps=self.decode_tps)
+        d["acceptance_rate"] = self.acceptance_rate
+        return d
+
+    def summary(self) -> str:
+        """Human-readable multi-line summary (printed by ``--verbose``)."""
+        lines = [
+            f"Prompt: {self.prompt_tokens} tokens, {self.prefill_tps:.2f} tokens-per-sec",
+            f"Generation: {self.generated_tokens} tokens, {self.decode_tps:.2f} tokens-per-sec",
+            f"Drafter: {self.drafter}, block size {self.block_size}; rounds {self.rounds}, "
+            f"acceptance length tau {self.tau:.2f} tokens/target forward",
+        ]
+        if self.drafted:
+            rates = [
+                f"{a / p:.2f}" if p else "-" for a, p in zip(self.position_accepted, self.position_proposed)
+            ]
+            lines.append(f"Acceptance by block position 1..: {' '.join(rates)}")
+            lines.append(f"Accepted-length histogram 0..: {' '.join(map(str, self.accept_hist))}")
+        return "\n".join(lines)
+
+
+@dataclass
+class GenerationState:
+    """Per-request device state, exposed for inspection and tests.
+
+    Attributes:
+        cache: the target KV cache (one ``KVCache`` per layer).
+        session: the proposer session (drafter context, lookup history).
+        committed: target positions committed (``cache_length(cache)``).
+    """
+
+    cache: list
+    session: object
+    committed: int = 0
+
+
+def speculative_generate_step(
+    prompt: Iterable[int],
+    target: TargetAdapter,
+    proposer: Proposer | None = None,
+    *,
+    verifier: Verifier | None = None,
+    block_size: int | None = None,
+    max_tokens: int = 256,
+    prefill_step_size: int = 2048,
+    stats: SpecStats | None = None,
+    state: GenerationState | None = None,
+    draft_temperature: float = 0.0,
+    draft_key: mx.array | None = None,
+    prompt_progress_callback: Callable[[int, int], None] | None = None,
+) -> Generator[tuple[int, mx.array, bool], None, None]:
+    """Generate tokens with speculative decoding.
+
+    Args:
+        prompt: prompt token ids (non-empty).
+        target: the target adapter.
+        proposer: drafter / lookup / fused proposer; ``None`` = plain decoding.
+        verifier: defaults to :class:`~.verify.GreedyVerifier`.
+        block_size: B (verify width); default the proposer's. ``1`` disables drafting.
+        max_tokens: tokens to generate at most (``-1``: unbounded); never exceeded.
+        prefill_step_size: prompt chunk length for prefill (tokens).
+        stats: a :class:`SpecStats` to fill (created if None).
+        state: a :class:`GenerationState` to fill with the request's caches.
+        draft_temperature, draft_key: drafter sampling (0 = greedy drafts).
+        prompt_progress_callback: ``f(processed, total)`` during prefill.
+
+    Yields:
+        ``(token, logprobs, from_draft)``: an int token id, the target's
+        log-probabilities ``[V]`` at its position, and whether it was an
+        accepted draft token (False for the first token and for
+        correction/bonus tokens).
+
+    Raises:
+        ValueError: empty prompt, prompt at or beyond the context limit, or a
+            bad block size.
+    """
+    prompt = [int(t) for t in prompt]
+    if not prompt:
+        raise ValueError("the prompt must contain at least one token")
+    if max_tokens == 0:
+        return
+    proposer = proposer or Proposer()
+    verifier = verifier or GreedyVerifier()
+    B = int(block_size or proposer.block_size or 1)
+    if B < 1:
+        raise ValueError(f"block size must be >= 1, got {B}")
+    if B == 1:
+        proposer = Proposer()  # nothing to draft: plain decoding
+    limit = target.max_context
+    if limit is not None and len(prompt) >= limit:
+        raise ValueError(f"prompt of {len(prompt)} tokens does not fit the target's context of {limit} tokens")
+    stats = stats if stats is not None else SpecStats()
+    stats.drafter, stats.block_size, stats.prompt_tokens = proposer.name, B, len(prompt)
+    tap_ids = tuple(proposer.tap_ids)
+    cache = target.make_cache()
+    session = proposer.start(prompt)
+    if state is not None:
+        state.cache, state.session = cache, session
+    progress = prompt_progress_callback or (lambda *_: None)
+
+    def feats(x):
+        return x if tap_ids else None
+
+    # ---- chunked prefill: all but the last prompt token, then the last one alone
+    tic = time.perf_counter()
+    total = len(prompt)
+    done = 0
+    progress(0, total)
+    while total - done > 1:
+        n = min(prefill_step_size, total - 1 - done)
+        chunk = prompt[done : done + n]
+        res = target.forward(mx.array(chunk, dtype=mx.int32), cache, tap_ids, last_only=True)
+        session.extend(chunk, feats(res.features))
+        mx.eval([c.state for c in cache] + session.state_arrays())
+        done += n
+        progress(done, total)
+    res = target.forward(mx.array(prompt[-1:], dtype=mx.int32), cache, tap_ids)
+    session.extend(prompt[-1:], feats(res.features))
+    first = verifier.verify(res.logits, Proposal.empty(), prompt)
+    mx.eval(first.tokens, first.logprobs)
+    anchor = int(first.tokens[0].item())
+    progress(total, total)
+    stats.prefill_s = time.perf_counter() - tic
+    tic = time.perf_counter()
+    stats.generated_tokens = n_out = 1
+    history = prompt + [anchor]
+    dkey = draft_key
+
+    def room(pos: int) -> bool:
+        """True while more tokens may be generated and position ``pos`` fits the context."""
+        return (max_tokens < 0 or n_out < max_tokens) and (limit is None or pos < limit)
+
+    # What the consumer may stop in the middle of (see `finally`).
+    pending = None
+    try:
+        yield anchor, first.logprobs[0], False
+
+        if B == 1 and verifier.greedy:
+            # Plain greedy decoding, pipelined like mlx_lm.generate_step: the next step is
+            # queued (mx.async_eval) before the current token is read back.
+            pos = len(prompt)  # position of the token fed next
+            step = None
+            if room(pos):
+                step = verifier.verify(target.forward(mx.array([anchor], mx.int32), cache).logits, Proposal.empty())
+                mx.async_eval(step.tokens, step.logprobs)
+            while step is not None:
+                nxt = None
+                if (max_tokens < 0 or n_out + 1 < max_tokens) and (limit is None or pos + 1 < limit):
+                    nxt = verifier.verify(target.forward(step.tokens, cache).logits, Proposal.empty())
+                    mx.async_eval(nxt.tokens, nxt.logprobs)
+                tok = int(step.tokens[0].item())
+                history.append(tok)
+                n_out += 1
+                pos += 1
+                stats.generated_tokens = n_out
+                stats.record_round(0, 0, 1)
+                pending = ("pipelined", nxt is not None)
+                yield tok, step.logprobs[0], False
+                pending = None
+                step = nxt
+            return
+
+        while room(cache_length(cache)):
+            P = cache_length(cache)  # the anchor's position
+            n = B - 1
+            if max_tokens >= 0:
+                n = min(n, max_tokens - n_out - 1)
+            if limit is not None:
+                n = min(n, limit - P - 1)
+            prop = Proposal.empty()
+            if n > 0:
+                sub = None
+                if dkey is not None:
+                    dkey, sub = mx.random.split(dkey)
+                prop = session.propose(anchor, n, draft_temperature, sub)
+            n = prop.n
+            verify_in = mx.concatenate([mx.array([anchor], dtype=mx.int32), prop.tokens.astype(mx.int32)])
+            res = target.forward(verify_in, cache, tap_ids)
+            vr = verifier.verify(res.logits, prop, history)
+            mx.eval(vr.num_accepted, vr.tokens, vr.logprobs)  # the round's one host synchronisation
+            a = int(vr.num_accepted.item())
+            toks = vr.tokens[: a + 1].tolist()
+            trim_cache(cache, n - a)  # rollback of the rejected drafts
+            pending = [n, a, toks, res.features, 0, anchor]
+            for i, tok in enumerate(toks):
+                pending[4] = i
+                history.append(tok)
+                n_out += 1
+                stats.generated_tokens = n_out
+                yield tok, vr.logprobs[i], i < a
+            pending = None
+            stats.record_round(n, a, a + 1)
+            session.extend([anchor] + toks[:a], feats(res.features[: a + 1] if tap_ids else None))
+            anchor = toks[-1]
+    finally:
+        # The consumer stopped while a round was being yielded: keep only what it took.
+        if pending is not None:
+            if pending[0] == "pipelined":
+                if pending[1]:
+                    trim_cache(cache, 1)
+            else:
+                n, a, toks, features, i, anc = pending
+                trim_cache(cache, a - i)
+                stats.record_round(n, min(a, i + 1), i + 1)
+                session.extend([anc] + toks[:i], feats(features[: i + 1] if tap_ids else None))
+        stats.decode_s = time.perf_counter() - tic
+        if state is not None:
+            state.committed = cache_length(cache)

@@ -1,0 +1,204 @@
+"""Target adapter: run an mlx-lm target with taps at ``target_layer_ids``.
+
+DFlash conditions its drafter on *context features*: the residual stream after
+some target decoder layers (before the final norm; Hugging Face's
+``hidden_states[id + 1]``), concatenated along the feature axis
+(DFlash2 spec §1.2). mlx-lm models only return logits, so the adapter runs the
+model's own public sub-modules (``embed_tokens``, ``layers``, ``norm``, the LM
+head) in the order the mlx-lm families it supports use, collecting the taps on
+the way. A load-time *parity probe* checks that this reproduces the model's own
+``__call__`` (logits within 1e-3) and refuses the model otherwise, so an mlx-lm
+change that breaks the assumption is caught at load, never as wrong output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+__all__ = ["TargetAdapter", "TargetCompatibilityError", "ForwardResult"]
+
+# mlx-lm families whose inner model is embed -> layers(h, mask, cache) -> norm with
+# plain (trimmable) KV caches. Others may work but are refused until probed here.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+PARITY_TOLERANCE = 1e-3
+
+
+class TargetCompatibilityError(ValueError):
+    """The target model cannot be driven by the speculative loop."""
+
+
+@dataclass
+class ForwardResult:
+    """Output of :meth:`TargetAdapter.forward`.
+
+    Attributes:
+        logits: ``[L, V]`` (or ``[1, V]`` with ``last_only``) float logits, the
+            model's dtype.
+        features: ``[L, k*D]`` concatenated taps (target dtype) or ``None``
+            when no tap layer ids were asked for.
+    """
+
+    logits: mx.array
+    features: mx.array | None
+
+
+class TargetAdapter:
+    """Drive an mlx-lm causal LM with tap outputs and trimmable KV caches.
+
+    Args:
+        model: an mlx-lm ``Model`` of a supported family (``model.model`` has
+            ``embed_tokens``, ``layers``, ``norm``).
+        config: the model's config dict (``model_type`` is checked).
+        probe: run the parity probe (default True).
+
+    Raises:
+        TargetCompatibilityError: unsupported family, non-trimmable caches, or
+            the parity probe failed.
+    """
+
+    def __init__(self, model: nn.Module, config: dict, probe: bool = True):
+        self.model = model
+        self.config = config
+        model_type = config.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise TargetCompatibilityError(
+                f"target model_type {model_type!r} is not supported by the speculative loop "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        inner = getattr(model, "model", None)
+        for attr in ("embed_tokens", "layers", "norm"):
+            if inner is None or not hasattr(inner, attr):
+                raise TargetCompatibilityError(f"target has no model.{attr}; cannot attach taps")
+        self.inner = inner
+        self.layers = list(inner.layers)
+        if any(getattr(l, "use_sliding", False) for l in self.layers):
+            raise TargetCompatibilityError(
+                "target has sliding-window layers; their rotating KV cache cannot be rolled back "
+                "exactly after it wraps, so the speculative loop refuses it"
+            )
+        cache = self.make_cache()
+        if not all(isinstance(c, KVCache) for c in cache):
+            kinds = sorted({type(c).__name__ for c in cache})
+            raise TargetCompatibilityError(f"target caches {kinds} are not plain trimmable KV caches")
+        self._head = model.lm_head if hasattr(model, "lm_head") else inner.embed_tokens.as_linear
+        if probe:
+            self.check_parity()
+
+    # -- geometry ---------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config["hidden_size"])
+
+    @property
+    def vocab_rows(self) -> int:
+        """Rows of the (shared) input embedding = width of the LM head."""
+        emb = self.inner.embed_tokens
+        return int(emb.weight.shape[0])
+
+    @property
+    def max_context(self) -> int | None:
+        v = self.config.get("max_position_embeddings")
+        return int(v) if v else None
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self.inner.norm.weight.dtype
+
+    # -- shared modules for the drafter ----------------------------------
+    def embed(self, ids: mx.array) -> mx.array:
+        """Token embeddings, ``ids`` int ``[..., L]`` -> ``[..., L, D]``."""
+        return self.inner.embed_tokens(ids)
+
+    def lm_head(self, h: mx.array) -> mx.array:
+        """Target LM head on hidden states ``[..., D]`` -> logits ``[..., V]``."""
+        return self._head(h)
+
+    def make_cache(self) -> list:
+        """A fresh per-request KV cache (one ``KVCache`` per layer)."""
+        return make_prompt_cache(self.model)
+
+    # -- forward ----------------------------------------------------------
+    def forward(
+        self,
+        tokens: mx.array,
+        cache: list,
+        tap_ids: Sequence[int] = (),
+        last_only: bool = False,
+    ) -> ForwardResult:
+        """Run the target on new tokens, appending them to ``cache``.
+
+        Args:
+            tokens: int ``[L]`` new token ids (positions ``cache offset ..+L-1``).
+            cache: the request's KV cache (mutated: grows by ``L`` rows).
+            tap_ids: 0-based decoder layer ids whose outputs are tapped.
+            last_only: compute logits for the last position only.
+
+        Returns:
+            :class:`ForwardResult` with logits ``[L, V]`` (``[1, V]`` if
+            ``last_only``) and features ``[L, len(tap_ids)*D]`` or None.
+        """
+        h = self.inner.embed_tokens(tokens[None])
+        mask = create_attention_mask(h, cache[0])
+        taps = []
+        want = set(tap_ids)
+        for i, (layer, c) in enumerate(zip(self.layers, cache)):
+            h = layer(h, mask, c)
+            if i in want:
+                taps.append((i, h))
+        features = None
+        if tap_ids:
+            by_id = dict(taps)
+            features = mx.concatenate([by_id[i] for i in tap_ids], axis=-1)[0]
+        if last_only:
+            h = h[:, -1:]
+        logits = self._head(self.inner.norm(h))[0]
+        return ForwardResult(logits, features)
+
+    def check_parity(self, tolerance: float = PARITY_TOLERANCE) -> float:
+        """Tap-parity probe: the adapter must reproduce ``model(...)``.
+
+        Runs a 6-token prefill and a 3-token cached step through both the
+        model's own ``__call__`` and :meth:`forward` and compares logits.
+
+        Returns:
+            The max absolute logit difference.
+
+        Raises:
+            TargetCompatibilityError: difference above ``tolerance``.
+        """
+        vocab = self.vocab_rows
+        ids = mx.array([(17 + 7919 * i) % vocab for i in range(9)], dtype=mx.int32)
+        c_ref, c_ours = self.make_cache(), self.make_cache()
+        ref = [self.model(ids[None, :6], cache=c_ref)[0], self.model(ids[None, 6:], cache=c_ref)[0]]
+        ours = [self.forward(ids[:6], c_ours, tap_ids=(0,)).logits, self.forward(ids[6:], c_ours).logits]
+        diff = max(mx.abs(r.astype(mx.float32) - o.astype(mx.float32)).max().item() for r, o in zip(ref, ours))
+        if not diff <= tolerance:  # also catches NaN
+            raise TargetCompatibilityError(
+                f"tap-parity probe failed: the adapter's logits differ from the model's own by {diff:.3g} "
+                f"(> {tolerance}); this mlx-lm version or model class is not supported"
+            )
+        return diff
+
+
+def trim_cache(cache: list, n: int) -> None:
+    """Drop the last ``n`` rows of every layer's KV cache (rollback)."""
+    if n <= 0:
+        return
+    for c in cache:
+        c.trim(n)
+
+
+def cache_length(cache: list) -> int:
+    """Number of committed rows in the cache (all layers agree)."""
+    return int(cache[0].offset)

@@ -1,0 +1,48 @@
+"""Shared fixtures: the real embedded model (quantized and float32), loaded once."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import mlx.core as mx
+import pytest
+
+from mlx_dflash2.loading import load_target
+
+CHAT = "What is the capital of France? Describe the city in a few sentences."
+CODE = "Write a Python function that checks whether a number is prime, with a docstring."
+MATH = "A train travels 60 km in 45 minutes. What is its average speed in km/h? Explain step by step."
+STORY = "Write a long story about a robot who learns to paint."
+PROMPTS = {"chat": CHAT, "code": CODE, "math": MATH}
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+
+
+@pytest.fixture(scope="session")
+def smol_q():
+    """The embedded SmolLM2-135M-Instruct, natively quantized (Q4_1/Q8_0), float32 scales."""
+    target, tokenizer, _ = load_target(None, dtype=mx.float32)
+    return target, tokenizer
+
+
+@pytest.fixture(scope="session")
+def smol_f32():
+    """The same weights dequantized to a dense float32 target (exact losslessness tests)."""
+    target, tokenizer, _ = load_target(None, dtype=mx.float32, dequantize=True)
+    return target, tokenizer
+
+
+def plain_reference(target, prompt_ids: list[int], n: int) -> tuple[list[int], list[mx.array]]:
+    """mlx-lm's own greedy generation on the same weights: the independent reference."""
+    from mlx_lm.generate import generate_step
+
+    toks, lps = [], []
+    for t, lp in generate_step(mx.array(prompt_ids), target.model, max_tokens=n):
+        toks.append(int(t))
+        lps.append(lp)
+    return toks, lps

@@ -1,0 +1,162 @@
+"""CLI and Python API on the real embedded model; mlx-lm model directories."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+
+import mlx_dflash2
+from conftest import chat_ids, plain_reference
+from mlx_dflash2.loading import ModelNotFoundError, SpeculativeModel, load_target
+from mlx_dflash2.proposers import LookupProposer
+
+
+def cli(*args, stdin=None, module="mlx_dflash2.generate"):
+    env = dict(os.environ)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], input=stdin, capture_output=True, text=True, env=env, timeout=600
+    )
+
+
+def test_cli_generates_with_stats():
+    r = cli("--prompt", "What is the capital of France?", "--max-tokens", "12", "--drafter", "lookup", "--verbose")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    assert "acceptance length tau" in r.stdout and "tokens-per-sec" in r.stdout
+    assert "Traceback" not in r.stderr and "RuntimeWarning" not in r.stderr
+
+
+def test_cli_stdin_prompt_and_raw_mode():
+    r = cli("--prompt", "-", "--max-tokens", "5", "--drafter", "none", "--ignore-chat-template", stdin="1, 2, 3, 4,")
+    assert r.returncode == 0, r.stderr
+    assert "5" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["--drafter", "/nonexistent/drafter"], "not found"),
+        (["--temp", "0.7"], "not supported yet"),
+        (["--model", "/nonexistent/model"], "not found"),
+        (["--max-tokens", "0"], "max-tokens"),
+    ],
+)
+def test_cli_errors_are_clean(args, msg):
+    r = cli("--prompt", "hi", *args)
+    assert r.returncode == 2
+    assert msg in r.stderr and "Traceback" not in r.stderr
+
+
+def test_drafter_cli_init_then_generate(tmp_path):
+    out = tmp_path / "drafter"
+    r = cli("init", "--out", str(out), "--layers", "1", "--block-size", "4", "--selector-rank", "8",
+            module="mlx_dflash2.drafter")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
+    r = cli("init", "--out", str(out), module="mlx_dflash2.drafter")
+    assert r.returncode == 2 and "exists" in r.stderr
+    r = cli("--prompt", "Hi", "--max-tokens", "6", "--drafter", str(out), "--verbose")
+    assert r.returncode == 0, r.stderr
+    assert "DFlash2DraftModel" in r.stdout
+
+
+def test_python_api(smol_q):
+    target, tok = smol_q
+    model = SpeculativeModel(target, LookupProposer(block_size=4), 4, "smollm2", target.config)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Name three colors."}], add_generation_prompt=True,
+                                     tokenize=False)
+    resps = list(mlx_dflash2.stream_generate(model, tok, prompt, max_tokens=10))
+    r = resps[-1]
+    assert r.finish_reason in ("stop", "length") and r.generation_tokens == len(resps)
+    assert r.prompt_tokens > 0 and r.prompt_tps > 0 and r.peak_memory > 0
+    assert r.logprobs.shape == (49152,)
+    text = mlx_dflash2.generate(model, tok, prompt, max_tokens=10)
+    assert text == "".join(x.text for x in resps)
+    ref, _ = plain_reference(target, chat_ids(tok, "Name three colors."), 10)
+    assert [x.token for x in resps] == ref[: len(resps)]
+    with pytest.raises(NotImplementedError):
+        list(mlx_dflash2.stream_generate(model, tok, prompt, temp=0.5))
+
+
+def test_load_default():
+    model, tok = mlx_dflash2.load(drafter="lookup")
+    assert model.name == "smollm2-135m-instruct" and model.block_size == 8
+    assert isinstance(model.proposer, LookupProposer)
+
+
+# ---------------------------------------------------------------------------- mlx-lm directories
+
+
+def _tiny_mlx_lm_dir(tmp_path, model_type, tok):
+    import importlib
+
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import save_config
+
+    cfg = {
+        "model_type": model_type,
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": 49152,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": model_type != "qwen2",
+    }
+    mod = importlib.import_module(f"mlx_lm.models.{model_type}")
+    mx.random.seed(0)
+    m = mod.Model(mod.ModelArgs.from_dict(cfg))
+    d = tmp_path / model_type
+    d.mkdir()
+    mx.save_safetensors(str(d / "model.safetensors"), dict(tree_flatten(m.parameters())))
+    save_config(cfg, d / "config.json")
+    tok._tokenizer.save_pretrained(str(d))
+    return d
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+def test_mlx_lm_directory_targets(tmp_path, smol_q, model_type):
+    """mlx-lm model directories load, pass the parity probe and decode losslessly with a fresh DFlash2."""
+    from mlx_dflash2.drafter import init_drafter
+    from mlx_dflash2.proposers import DFlashProposer
+    from mlx_dflash2.speculative import speculative_generate_step
+
+    _, smol_tok = smol_q
+    d = _tiny_mlx_lm_dir(tmp_path, model_type, smol_tok)
+    target, tok, _ = load_target(str(d), dtype=mx.float32)
+    ids = tok.encode("Once upon a time there was", add_special_tokens=False)
+    ref, _ = plain_reference(target, ids, 24)
+    drafter = init_drafter(target, tok, num_layers=2, block_size=8, selector_rank=8)
+    out = [t for t, _, _ in speculative_generate_step(ids, target, DFlashProposer(drafter, target, len(tok)),
+                                                       max_tokens=24)]
+    assert out == ref
+
+
+def test_hub_id_resolves_offline_from_cache(tmp_path, smol_q, monkeypatch):
+    _, smol_tok = smol_q
+    src = _tiny_mlx_lm_dir(tmp_path, "qwen3", smol_tok)
+    cache = tmp_path / "hub"
+    snap = cache / "models--someorg--tiny-qwen3" / "snapshots" / "abc123"
+    snap.parent.mkdir(parents=True)
+    src.rename(snap)
+    (cache / "models--someorg--tiny-qwen3" / "refs").mkdir()
+    (cache / "models--someorg--tiny-qwen3" / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    target, _, _ = load_target("someorg/tiny-qwen3", dtype=mx.float32)
+    assert target.num_layers == 4
+    with pytest.raises(ModelNotFoundError):
+        load_target("someorg/not-cached")

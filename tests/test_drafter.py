@@ -1,0 +1,364 @@
+"""Drafter architecture, checkpoint contract and validation."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_unflatten
+
+from mlx_dflash2.drafter import (
+    DraftContext,
+    DrafterConfig,
+    DrafterConfigError,
+    DrafterLoadError,
+    DraftModel,
+    default_target_layer_ids,
+    init_drafter,
+    load_drafter,
+    save_drafter,
+)
+from mlx_dflash2.drafter.model import GroupedDynamicCausalConv
+from mlx_dflash2.proposers import DFlashProposer
+
+
+def tiny_cfg(**over) -> dict:
+    cfg = {
+        "architectures": ["DFlash2DraftModel"],
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 96,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 100,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "is_causal": False,
+        "dflash_config": {
+            "block_size": 8,
+            "mask_token_id": 99,
+            "target_layer_ids": [0, 1],
+            "conv_kernel_size": 2,
+            "conv_group_size": 16,
+            "selector_rank": 8,
+            "selector_top_k": 4,
+        },
+    }
+    for k, v in over.items():
+        if k in cfg["dflash_config"]:
+            cfg["dflash_config"][k] = v
+        else:
+            cfg[k] = v
+    return cfg
+
+
+def randomize(model, seed=0):
+    """Random non-trivial weights (so the conv and selector are not no-ops)."""
+    params = tree_flatten(model.parameters())
+    keys = mx.random.split(mx.random.key(seed), len(params))
+    model.update(tree_unflatten([(n, mx.random.normal(p.shape, key=k) * 0.2) for (n, p), k in zip(params, keys)]))
+    mx.eval(model.parameters())
+    return model
+
+
+# ---------------------------------------------------------------------------- config
+
+
+def test_config_roundtrip():
+    c = DrafterConfig.from_dict(tiny_cfg())
+    assert DrafterConfig.from_dict(c.to_dict()) == c
+    assert c.to_dict()["dflash_config"]["selector_top_k"] == 4
+
+
+@pytest.mark.parametrize(
+    "mutate,field",
+    [
+        (lambda c: c["dflash_config"].pop("mask_token_id"), "mask_token_id"),
+        (lambda c: c["dflash_config"].pop("target_layer_ids"), "target_layer_ids"),
+        (lambda c: c["dflash_config"].pop("block_size"), "block_size"),
+        (lambda c: c["dflash_config"].update(block_size=1), "block_size"),
+        (lambda c: c["dflash_config"].update(target_layer_ids=[]), "target_layer_ids"),
+        (lambda c: c["dflash_config"].update(conv_group_size=7), "conv_group_size"),
+        (lambda c: c["dflash_config"].pop("selector_rank"), "selector_rank"),
+        (lambda c: c.update(architectures=["LlamaForCausalLM"]), "architectures"),
+        (lambda c: c.pop("architectures"), "architectures"),
+        (lambda c: c.update(num_key_value_heads=3), "num_key_value_heads"),
+        (lambda c: c.update(hidden_size="64"), "hidden_size"),
+        (lambda c: c.update(layer_types=["full_attention"]), "layer_types"),
+    ],
+)
+def test_config_errors_name_the_field(mutate, field):
+    cfg = tiny_cfg()
+    mutate(cfg)
+    with pytest.raises(DrafterConfigError) as e:
+        DrafterConfig.from_dict(cfg)
+    assert e.value.field == field
+    assert field in str(e.value)
+
+
+def test_fields_fall_back_to_top_level():
+    cfg = tiny_cfg()
+    cfg["block_size"] = cfg["dflash_config"].pop("block_size")
+    assert DrafterConfig.from_dict(cfg).block_size == 8
+
+
+def test_default_tap_rule():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B drafter (spec §1.7)
+    assert default_target_layer_ids(30, 1) == [15]
+
+
+def test_rope_parameters_accepted():
+    cfg = tiny_cfg()
+    cfg.pop("rope_theta")
+    cfg["rope_parameters"] = {"rope_theta": 1e7, "rope_type": "default"}
+    c = DrafterConfig.from_dict(cfg)
+    assert c.rope_theta == 1e7 and c.rope_scaling is None
+
+
+# ---------------------------------------------------------------------------- modules
+
+
+def test_conv_matches_formula():
+    D, K, gs, B = 32, 2, 8, 5
+    conv = GroupedDynamicCausalConv(D, K, gs)
+    conv.base_kernel = mx.random.normal((2, K, D))
+    conv.kernel_projection.weight = mx.random.normal(conv.kernel_projection.weight.shape) * 0.1
+    u = mx.random.normal((1, B, D))
+    x = mx.random.normal((1, B, D))
+    delta = conv.coefficients(u)
+    got = np.array(conv.apply(x, 1, delta))
+    base, dl, xn = np.array(conv.base_kernel), np.array(delta), np.array(x)
+    want = np.zeros_like(xn)
+    for t in range(B):
+        for k in range(K):
+            if t - k < 0:
+                continue
+            for c in range(D):
+                want[0, t, c] += (base[1, k, c] + dl[0, t, 1, k, c // gs]) * xn[0, t - k, c]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fresh_dflash2_equals_dflash_v1():
+    """A fresh DFlash2 (identity conv, zero successor codebook) drafts exactly as DFlash v1."""
+    c2 = DrafterConfig.from_dict(tiny_cfg())
+    c1 = DrafterConfig.from_dict(tiny_cfg(architectures=["DFlashDraftModel"]))
+    m2 = DraftModel(c2)
+    m2.init_weights(seed=1)
+    m1 = DraftModel(c1)
+    shared = {k: v for k, v in tree_flatten(m2.parameters()) if "conv" not in k and "selector" not in k}
+    m1.load_weights(list(shared.items()), strict=True)
+    emb = mx.random.normal((1, 8, 64))
+    feats = mx.random.normal((5, 128))
+    ctx1, ctx2 = DraftContext(m1), DraftContext(m2)
+    ctx1.append(m1, feats)
+    ctx2.append(m2, feats)
+    h1, h2 = m1(emb, ctx1), m2(emb, ctx2)
+    assert mx.array_equal(h1, h2).item()
+    lm = mx.random.normal((64, 100))
+    u = h2[0, 1:] @ lm
+    out = m2.candidate_selector.walk(u, h2[0, 1:], mx.array(3))
+    assert mx.array_equal(out.tokens, mx.argmax(u, axis=-1)).item()
+
+
+def test_selector_walk_matches_brute_force():
+    cfg = DrafterConfig.from_dict(tiny_cfg())
+    m = randomize(DraftModel(cfg), seed=2)
+    sel = m.candidate_selector
+    T, V = 6, 100
+    u = mx.random.normal((T, V)) * 3
+    h = mx.random.normal((T, 64))
+    anchor = 7
+    out = sel.walk(u, h, mx.array(anchor))
+    A, Bc = np.array(sel.predecessor_codebook), np.array(sel.successor_codebook)
+    H = np.array(sel.hidden_projection(h))
+    un = np.array(u)
+    prev = anchor
+    want = []
+    for t in range(T):
+        cands = np.argsort(-un[t])[:4]
+        scores = [un[t, b] + np.sum(A[prev] * H[t] * Bc[b]) for b in cands]
+        prev = int(cands[int(np.argmax(scores))])
+        want.append(prev)
+    assert out.tokens.tolist() == want
+    # sampled walk: q rows are distributions over the K candidates, drafts are among them
+    s = sel.walk(u, h, mx.array(anchor), temperature=0.8, key=mx.random.key(0))
+    np.testing.assert_allclose(np.array(s.q.sum(-1)), 1.0, rtol=1e-5)
+    assert all(t in c for t, c in zip(s.tokens.tolist(), s.cand_ids.tolist()))
+
+
+def _reference_attention(attn, x, ctx, P):
+    """Dense numpy-free reference: explicit softmax over [ctx; block] with the masks."""
+    n, B, _ = x.shape
+    q = attn.q_norm(attn.q_proj(x).reshape(1, B, attn.n_heads, -1)).transpose(0, 2, 1, 3)
+    q = attn.rope(q, offset=P)
+    kb, vb = attn.kv(x, P)
+    kc, vc = attn.kv(ctx, 0)
+    S = ctx.shape[1]
+    k = mx.concatenate([kc, kb], 2)
+    v = mx.concatenate([vc, vb], 2)
+    rep = attn.n_heads // attn.n_kv_heads
+    k, v = mx.repeat(k, rep, 1), mx.repeat(v, rep, 1)
+    s = (q @ k.transpose(0, 1, 3, 2)) * attn.scale
+    qpos = P + mx.arange(B)[:, None]
+    kpos = mx.concatenate([mx.arange(S), P + mx.arange(B)])[None]
+    keep = mx.ones((B, S + B), dtype=mx.bool_)
+    if attn.causal:
+        keep = keep & (kpos <= qpos)
+    if attn.window:
+        keep = keep & (qpos - kpos < attn.window)
+    s = mx.where(keep, s, -mx.inf)
+    o = mx.softmax(s, axis=-1) @ v
+    return attn.o_proj(o.transpose(0, 2, 1, 3).reshape(1, B, -1))
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {},
+        {"is_causal": True},
+        {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6, "is_causal": None},
+        {"layer_types": ["sliding_attention", "sliding_attention"], "sliding_window": 4, "is_causal": False},
+    ],
+)
+def test_attention_masks_match_reference(over):
+    cfg = tiny_cfg(**over)
+    if cfg.get("is_causal") is None:
+        cfg.pop("is_causal")
+    m = randomize(DraftModel(DrafterConfig.from_dict(cfg)), seed=4)
+    attn = m.layers[0].self_attn
+    P = 9
+    ctx = mx.random.normal((1, P, 64))
+    x = mx.random.normal((1, 5, 64))
+    kc, vc = attn.kv(ctx, 0)
+    got = attn(x, kc, vc, P)
+    want = _reference_attention(attn, x, ctx, P)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
+    if "layer_types" in over and over.get("is_causal", 0) is None:
+        assert attn.causal  # sliding without an explicit is_causal is causal in-block (spec §1.5)
+
+
+# ---------------------------------------------------------------------------- checkpoints with the real target
+
+
+@pytest.fixture(scope="module")
+def fresh(smol_q):
+    target, tok = smol_q
+    return init_drafter(target, tok, num_layers=1, block_size=8, selector_rank=8, seed=0)
+
+
+def test_init_is_valid_for_target(smol_q, fresh):
+    target, tok = smol_q
+    cfg = fresh.config
+    assert cfg.hidden_size == target.hidden_size
+    assert cfg.mask_token_id not in tok.eos_token_ids and cfg.mask_token_id < len(tok)
+    assert all(i < target.num_layers for i in cfg.target_layer_ids)
+
+
+def test_checkpoint_roundtrip(tmp_path, smol_q, fresh):
+    target, tok = smol_q
+    randomize(fresh, seed=5)
+    path = save_drafter(fresh, tmp_path / "d")
+    loaded = load_drafter(path, target, tok)
+    a, b = dict(tree_flatten(fresh.parameters())), dict(tree_flatten(loaded.parameters()))
+    assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() for k in a)
+    assert loaded.config == fresh.config
+    # same proposals
+    feats = mx.random.normal((7, len(fresh.config.target_layer_ids) * 576))
+    props = []
+    for m in (fresh, loaded):
+        s = DFlashProposer(m, target, len(tok)).start([])
+        s.extend(list(range(7)), feats)
+        props.append(s.propose(5, 7).tokens.tolist())
+    assert props[0] == props[1]
+    # refuses to overwrite; leaves no temp dirs behind
+    with pytest.raises(FileExistsError):
+        save_drafter(fresh, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
+
+
+def _write(tmp_path, fresh, mutate_cfg=None, mutate_weights=None):
+    d = save_drafter(fresh, tmp_path / "ck", overwrite=True)
+    if mutate_cfg:
+        cfg = json.loads((d / "config.json").read_text())
+        mutate_cfg(cfg)
+        (d / "config.json").write_text(json.dumps(cfg))
+    if mutate_weights:
+        w = dict(mx.load(str(d / "model.safetensors")))
+        mutate_weights(w)
+        mx.save_safetensors(str(d / "model.safetensors"), w)
+    return d
+
+
+@pytest.mark.parametrize(
+    "mutate,field",
+    [
+        (lambda c: c["dflash_config"].update(mask_token_id=2), "mask_token_id"),  # EOS
+        (lambda c: c["dflash_config"].update(mask_token_id=49152), "mask_token_id"),  # outside vocab
+        (lambda c: c["dflash_config"].pop("mask_token_id"), "mask_token_id"),
+        (lambda c: c.update(hidden_size=640, head_dim=64), "hidden_size"),
+        (lambda c: c["dflash_config"].update(target_layer_ids=[1, 30]), "target_layer_ids"),
+        (lambda c: c["dflash_config"].update(num_target_layers=24), "num_target_layers"),
+        (lambda c: c.update(vocab_size=1000), "vocab_size"),
+    ],
+)
+def test_incompatible_config_refused(tmp_path, smol_q, fresh, mutate, field):
+    target, tok = smol_q
+    d = _write(tmp_path, fresh, mutate_cfg=mutate)
+    with pytest.raises(DrafterConfigError) as e:
+        load_drafter(d, target, tok)
+    assert e.value.field == field
+
+
+def test_malformed_checkpoints(tmp_path, smol_q, fresh):
+    target, tok = smol_q
+    with pytest.raises(FileNotFoundError):
+        load_drafter(tmp_path / "nope", target, tok)
+    d = _write(tmp_path, fresh, mutate_weights=lambda w: w.pop("fc.weight"))
+    with pytest.raises(DrafterLoadError, match="fc.weight"):
+        load_drafter(d, target, tok)
+    d = _write(tmp_path, fresh, mutate_weights=lambda w: w.update(extra=mx.zeros((2,))))
+    with pytest.raises(DrafterLoadError, match="extra"):
+        load_drafter(d, target, tok)
+    d = _write(tmp_path, fresh, mutate_weights=lambda w: w.update({"norm.weight": mx.zeros((3,))}))
+    with pytest.raises(DrafterLoadError, match="norm.weight"):
+        load_drafter(d, target, tok)
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(DrafterLoadError, match="invalid JSON"):
+        load_drafter(d, target, tok)
+    (d / "model.safetensors").write_bytes(b"\x00" * 10)
+    (d / "config.json").write_text(json.dumps(fresh.config.to_dict()))
+    with pytest.raises(DrafterLoadError, match="safetensors"):
+        load_drafter(d, target, tok)
+
+
+def test_published_tensor_names(fresh):
+    names = set(k for k, _ in tree_flatten(fresh.parameters()))
+    for n in [
+        "fc.weight",
+        "hidden_norm.weight",
+        "norm.weight",
+        "candidate_selector.predecessor_codebook",
+        "candidate_selector.successor_codebook",
+        "candidate_selector.hidden_projection.weight",
+        "layers.0.self_attn.q_norm.weight",
+        "layers.0.attention_conv.base_kernel",
+        "layers.0.mlp_conv.kernel_projection.weight",
+        "layers.0.mlp.gate_proj.weight",
+        "layers.0.post_attention_layernorm.weight",
+    ]:
+        assert n in names, n
+    assert fresh["layers"][0]["attention_conv"]["kernel_projection"]["weight"].shape == (2 * 2 * 576 // 16, 576)
+
+
+def test_padded_vocab_ids_never_proposed(smol_q):
+    """Ids beyond the real tokenizer size are masked before the selector (known-bugs row 12)."""
+    target, tok = smol_q
+    m = init_drafter(target, tok, num_layers=1, block_size=8, selector_rank=4)
+    p = DFlashProposer(m, target, valid_vocab=100)
+    s = p.start([])
+    s.extend([1, 2, 3], mx.random.normal((3, 576)))
+    toks = s.propose(5, 7).tokens.tolist()
+    assert all(t < 100 for t in toks)

@@ -1,0 +1,146 @@
+"""Exact stopping inside a block: EOS, stop strings and max_tokens at every offset.
+
+Nothing after the stop may be emitted, counted or left in the cache
+(known-bugs rows 4-7). Uses the declared-EOS trick: a token the model really
+produces at generated position j is declared EOS, and a scripted drafter
+shifts round boundaries so that j falls at every block offset (bonus slot
+included).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import STORY, chat_ids, plain_reference
+from mlx_dflash2.api import _StopText, stream_generate
+from mlx_dflash2.loading import SpeculativeModel
+from mlx_dflash2.speculative import GenerationState
+from mlx_dflash2.target import cache_length
+from scripted import ScriptedProposer
+
+B = 8
+
+
+@pytest.fixture(scope="module")
+def story(smol_f32):
+    target, tok = smol_f32
+    ids = chat_ids(tok, STORY)
+    ref, _ = plain_reference(target, ids, 64)
+    return ids, ref
+
+
+def _first_occurrences(ref, lo, hi):
+    return [j for j in range(lo, hi) if ref[j] not in ref[:j]]
+
+
+def _shift_schedule(j, offset):
+    """First round accepts s drafts, then full blocks: token j lands at `offset` of its round."""
+    s = (j - 2 - offset) % B
+    return [s] + [B - 1] * 20
+
+
+def _model(target, prop):
+    return SpeculativeModel(target, prop, B, "test", target.config)
+
+
+@pytest.mark.parametrize("offset", range(B))
+def test_eos_at_every_block_offset(smol_f32, story, offset):
+    target, tok = smol_f32
+    ids, ref = story
+    j = _first_occurrences(ref, B + 2, 60)[0]
+    sched = _shift_schedule(j, offset)
+    prop = ScriptedProposer(len(ids), ref, sched, B, target.vocab_rows)
+    saved = tok.eos_token_ids
+    tok.eos_token_ids = {ref[j]}
+    state = GenerationState(None, None)
+    try:
+        resps = list(stream_generate(_model(target, prop), tok, ids, max_tokens=60, state=state))
+    finally:
+        tok.eos_token_ids = saved
+    toks = [r.token for r in resps]
+    assert toks == ref[: j + 1]
+    assert resps[-1].finish_reason == "stop"
+    assert resps[-1].generation_tokens == j + 1
+    assert all(r.finish_reason is None for r in resps[:-1])
+    text = "".join(r.text for r in resps)
+    assert text == tok.decode(ref[:j])
+    # nothing after the EOS in the cache: prompt + emitted[:-1]
+    assert cache_length(state.cache) == len(ids) + j
+    stats = resps[-1].stats
+    assert stats.generated_tokens == j + 1
+    assert stats.round_tokens == j  # the first token came from prefill
+
+
+@pytest.mark.parametrize("offset", range(B))
+def test_stop_string_at_every_block_offset(smol_f32, story, offset):
+    target, tok = smol_f32
+    ids, ref = story
+    # a token whose text is a word that first appears in the output at token j
+    cands = []
+    for j in range(B + 2, 60):
+        word = tok.decode([ref[j]]).strip()
+        if len(word) >= 3 and word.isalpha() and word not in tok.decode(ref[:j]) and word not in tok.decode(ref[j + 1 : j + 8]):
+            cands.append((j, word))
+    j, word = cands[0]
+    sched = _shift_schedule(j, offset)
+    prop = ScriptedProposer(len(ids), ref, sched, B, target.vocab_rows)
+    resps = list(stream_generate(_model(target, prop), tok, ids, max_tokens=60, stop=[word]))
+    assert [r.token for r in resps] == ref[: j + 1]
+    assert resps[-1].finish_reason == "stop"
+    text = "".join(r.text for r in resps)
+    full = tok.decode(ref[: j + 1])
+    assert text == full[: full.find(word)]
+    assert word not in text
+
+
+@pytest.mark.parametrize("max_tokens", range(1, 41))
+def test_max_tokens_exact(smol_f32, story, max_tokens):
+    """max_tokens 1..40 emits exactly that many tokens, with a full-acceptance drafter
+    (the worst case for overshoot)."""
+    target, tok = smol_f32
+    ids, ref = story
+    prop = ScriptedProposer(len(ids), ref, [B - 1], B, target.vocab_rows)
+    state = GenerationState(None, None)
+    resps = list(stream_generate(_model(target, prop), tok, ids, max_tokens=max_tokens, state=state))
+    assert [r.token for r in resps] == ref[:max_tokens]
+    assert resps[-1].finish_reason == "length"
+    assert resps[-1].generation_tokens == max_tokens
+    assert resps[-1].stats.generated_tokens == max_tokens
+    assert cache_length(state.cache) == len(ids) + max_tokens - 1
+
+
+def test_stop_text_holdback():
+    s = _StopText(["STOP", "<end>"])
+    out = []
+    for seg in ["Hello S", "TO", "x and <e", "nd> tail"]:
+        t, stopped = s.feed(seg)
+        out.append(t)
+        if stopped:
+            break
+    assert "".join(out) == "Hello STOx and "
+    assert stopped
+
+
+def test_stop_string_split_across_segments():
+    s = _StopText(["abc"])
+    assert s.feed("xa") == ("x", False)
+    assert s.feed("b") == ("", False)
+    assert s.feed("cd") == ("", True)
+
+
+def test_streaming_never_splits_multibyte(smol_f32):
+    """Byte-level tokens of multi-byte characters fed one at a time: every
+    streamed segment is whole UTF-8 and the segments concatenate to decode()."""
+    target, tok = smol_f32
+    text = "Café 😀 naïve — 日本語 “quoted” 🎨🤖"
+    toks = tok.encode(text, add_special_tokens=False)
+    assert len(toks) > len(text) // 2  # multi-byte characters span several tokens
+    detok = tok.detokenizer
+    segs = []
+    for t in toks:
+        detok.add_token(t)
+        segs.append(detok.last_segment)
+    detok.finalize()
+    segs.append(detok.last_segment)
+    assert all("\ufffd" not in s for s in segs)
+    assert "".join(segs) == text

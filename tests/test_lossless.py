@@ -130,3 +130,50 @@ def test_lookup_repeats_paragraph(smol_f32):
     out = run(target, ids, LookupProposer(block_size=8), 8, n, stats)
     assert out == ref
     assert stats.tau > 1.5, stats.summary()
+
+
+def _fresh_from_dict(target, tok, **over):
+    from mlx_dflash2.drafter import DrafterConfig, DraftModel
+
+    base = init_drafter(target, tok, num_layers=2, block_size=8, selector_rank=8).config.to_dict()
+    base.update(over)
+    m = DraftModel(DrafterConfig.from_dict(base))
+    m.init_weights(seed=11)
+    return m
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"architectures": ["DFlashDraftModel"]},
+        {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8, "is_causal": None},
+    ],
+    ids=["dflash_v1", "dflash2_sliding"],
+)
+def test_other_drafter_variants_f32_identical(smol_f32, refs, over):
+    target, tok = smol_f32
+    ids, ref = refs["code"]
+    m = _fresh_from_dict(target, tok, **over)
+    out = run(target, ids, DFlashProposer(m, target, len(tok)), 8, 40)
+    assert out == ref[:40]
+
+
+@pytest.mark.parametrize("B", [1, 4, 16])
+def test_streamed_text_identical_across_block_sizes(smol_f32, fresh_dflash2, B):
+    """Streamed segments are whole UTF-8 and concatenate to the same text for every B (known-bugs row 7)."""
+    import mlx_dflash2
+    from mlx_dflash2.loading import SpeculativeModel
+
+    target, tok = smol_f32
+    prompt = "Reply with five emoji, then the Japanese word for cat in Japanese script, then the French word for coffee."
+    ids = chat_ids(tok, prompt)
+    prop = DFlashProposer(fresh_dflash2, target, len(tok))
+    model = SpeculativeModel(target, prop, B, "t", target.config)
+    resps = list(mlx_dflash2.stream_generate(model, tok, ids, max_tokens=40))
+    toks = [r.token for r in resps if r.token not in tok.eos_token_ids]
+    text = "".join(r.text for r in resps)
+    assert text == tok.decode(toks)
+    ref, _ = plain_reference(target, ids, 40)
+    assert toks == [t for t in ref[: len(resps)] if t not in tok.eos_token_ids]
+    if "\ufffd" not in tok.decode(toks):  # the model itself may emit invalid bytes; then decode() shows them too
+        assert all("\ufffd" not in r.text for r in resps)

@@ -144,3 +144,23 @@ def test_streaming_never_splits_multibyte(smol_f32):
     segs.append(detok.last_segment)
     assert all("\ufffd" not in s for s in segs)
     assert "".join(segs) == text
+
+
+@pytest.mark.parametrize("B", [1, 16])
+def test_context_limit_ends_cleanly(smol_f32, story, B):
+    """Near the context limit the block shrinks and generation ends with 'length' (known-bugs row 15)."""
+    from mlx_dflash2.target import TargetAdapter
+
+    target, tok = smol_f32
+    ids, ref = story
+    limit = len(ids) + 14
+    small = TargetAdapter(target.model, {**target.config, "max_position_embeddings": limit}, probe=False)
+    prop = ScriptedProposer(len(ids), ref, [B - 1], B, target.vocab_rows) if B > 1 else None
+    model = SpeculativeModel(small, prop, B, "t", small.config)
+    state = GenerationState(None, None)
+    resps = list(stream_generate(model, tok, ids, max_tokens=100, state=state))
+    assert [r.token for r in resps] == ref[:15]
+    assert resps[-1].finish_reason == "length"
+    assert cache_length(state.cache) == limit
+    with pytest.raises(ValueError, match="context"):
+        list(stream_generate(SpeculativeModel(small, None, 1, "t", small.config), tok, ref[:limit] + ids, max_tokens=3))

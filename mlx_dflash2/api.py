@@ -187,6 +187,12 @@ def stream_generate(
             stats=stats,
         )
 
+    # The loop also ends at the target's context limit: treat that like max_tokens.
+    cap = max_tokens
+    limit = model.target.max_context
+    if limit is not None:
+        room = limit - len(prompt) + 1
+        cap = room if cap < 0 else min(cap, room)
     n = 0
     tic = time.perf_counter()
     try:
@@ -194,34 +200,27 @@ def stream_generate(
             if n == 0:
                 tic = time.perf_counter()
             n += 1
+            finish = None
             if token in eos:
-                gen.close()
+                finish = "stop"
                 detok.finalize()
                 text, _ = stopper.feed(detok.last_segment)
-                yield response(text + stopper.flush(), token, logprobs, from_draft, n, "stop")
-                return
-            detok.add_token(token)
-            text, stopped = stopper.feed(detok.last_segment)
-            if stopped:
+                text += stopper.flush()
+            else:
+                detok.add_token(token)
+                text, stopped = stopper.feed(detok.last_segment)
+                if stopped:
+                    finish = "stop"
+                elif n == cap:
+                    detok.finalize()
+                    more, stopped = stopper.feed(detok.last_segment)
+                    text += more if stopped else more + stopper.flush()
+                    finish = "stop" if stopped else "length"
+            if finish is not None:
                 gen.close()
-                yield response(text, token, logprobs, from_draft, n, "stop")
-                return
-            if n == max_tokens:
-                gen.close()
-                detok.finalize()
-                text2, stopped = stopper.feed(detok.last_segment)
-                text += text2
-                if not stopped:
-                    text += stopper.flush()
-                yield response(text, token, logprobs, from_draft, n, "stop" if stopped else "length")
+                yield response(text, token, logprobs, from_draft, n, finish)
                 return
             yield response(text, token, logprobs, from_draft, n, None)
-        # the loop ended on its own (context limit)
-        detok.finalize()
-        text, stopped = stopper.feed(detok.last_segment)
-        if not stopped:
-            text += stopper.flush()
-        yield response(text, token, logprobs, from_draft, n, "stop" if stopped else "length")
     finally:
         gen.close()
 

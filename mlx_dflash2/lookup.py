@@ -43,6 +43,14 @@ class SuffixIndex:
             for n in range(self.min_n, min(self.max_n, end + 1) + 1):
                 self._last[tuple(self.tokens[end - n + 1 : end + 1])] = end
 
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` tokens of the history (re-indexes them)."""
+        if n >= len(self.tokens):
+            return
+        kept = self.tokens[:n]
+        self.tokens, self._last = [], {}
+        self.extend(kept)
+
     def propose(self, tail: list[int], k: int) -> tuple[int, list[int]]:
         """Propose up to ``k`` tokens continuing ``history + tail``.
 

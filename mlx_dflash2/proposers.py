@@ -75,6 +75,9 @@ class ProposerSession:
         """Arrays to evaluate together with the target cache (prefill)."""
         return []
 
+    def truncate(self, n: int) -> None:
+        """Keep only the first ``n`` committed tokens (prompt-cache reuse)."""
+
 
 class Proposer:
     """Base proposer: no draft (plain decoding through the same loop).
@@ -141,6 +144,9 @@ class _DFlashSession(ProposerSession):
     def state_arrays(self):
         return self.ctx.state_arrays()
 
+    def truncate(self, n):
+        self.ctx.trim(self.ctx.offset - n)
+
     def propose(self, anchor, n, temperature=0.0, key=None):
         if n <= 0:
             return Proposal.empty()
@@ -199,6 +205,9 @@ class _LookupSession(ProposerSession):
     def extend(self, tokens, features):
         self.index.extend(tokens)
 
+    def truncate(self, n):
+        self.index.truncate(n)
+
     def match(self, anchor: int, n: int) -> tuple[int, list[int]]:
         return self.index.propose([anchor], n)
 
@@ -238,6 +247,10 @@ class _FusedSession(ProposerSession):
 
     def state_arrays(self):
         return self.d.state_arrays()
+
+    def truncate(self, n):
+        self.d.truncate(n)
+        self.l.truncate(n)
 
     def propose(self, anchor, n, temperature=0.0, key=None):
         dp = self.d.propose(anchor, n, temperature, key)

@@ -51,6 +51,7 @@ class SpecStats:
     drafter: str = "none"
     block_size: int = 1
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     generated_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -119,17 +120,38 @@ class SpecStats:
 
 @dataclass
 class GenerationState:
-    """Per-request device state, exposed for inspection and tests.
+    """A request's device state; pass it to the next request as a prompt (prefix) cache.
+
+    After a generation, ``cache`` (target KV) and ``session`` (drafter context,
+    lookup history) hold exactly ``tokens`` = the prompt plus the emitted tokens
+    but the last (which was never fed to the target). A later request whose
+    prompt shares a prefix with ``tokens`` reuses them: the caches are cut back
+    to the common prefix and only the rest of the prompt is prefilled.
+
+    The state is mutated in place by the generation that uses it; a server that
+    shares one between requests must copy it (``copy.deepcopy``) first.
 
     Attributes:
-        cache: the target KV cache (one ``KVCache`` per layer).
-        session: the proposer session (drafter context, lookup history).
-        committed: target positions committed (``cache_length(cache)``).
+        cache: the target KV cache (one ``KVCache`` per layer) or None.
+        session: the proposer session or None.
+        tokens: token ids whose K/V are in ``cache``.
+        proposer: the proposer ``session`` belongs to (reuse requires the same one).
+        reused: prompt tokens taken from the cache by the last request.
     """
 
-    cache: list
-    session: object
-    committed: int = 0
+    cache: list | None = None
+    session: object = None
+    tokens: list = field(default_factory=list)
+    proposer: object = None
+    reused: int = 0
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 def speculative_generate_step(
@@ -158,7 +180,8 @@ def speculative_generate_step(
         max_tokens: tokens to generate at most (``-1``: unbounded); never exceeded.
         prefill_step_size: prompt chunk length for prefill (tokens).
         stats: a :class:`SpecStats` to fill (created if None).
-        state: a :class:`GenerationState` to fill with the request's caches.
+        state: a :class:`GenerationState`: reused as a prompt cache if it holds
+            caches of the same proposer, and filled with this request's caches.
         draft_temperature, draft_key: drafter sampling (0 = greedy drafts).
         prompt_progress_callback: ``f(processed, total)`` during prefill.
 
@@ -190,10 +213,20 @@ def speculative_generate_step(
     stats = stats if stats is not None else SpecStats()
     stats.drafter, stats.block_size, stats.prompt_tokens = proposer.name, B, len(prompt)
     tap_ids = tuple(proposer.tap_ids)
-    cache = target.make_cache()
-    session = proposer.start(prompt)
+    reuse = 0
+    if state is not None and state.cache is not None and state.proposer is proposer and state.tokens:
+        # prompt (prefix) cache: keep the common prefix, at least one prompt token left to feed
+        cache, session = state.cache, state.session
+        reuse = min(_common_prefix(state.tokens, prompt), len(prompt) - 1)
+        trim_cache(cache, cache_length(cache) - reuse)
+        session.truncate(reuse)
+    else:
+        cache = target.make_cache()
+        session = proposer.start(prompt)
     if state is not None:
-        state.cache, state.session = cache, session
+        state.cache, state.session, state.proposer, state.reused = cache, session, proposer, reuse
+        state.tokens = prompt[:reuse]
+    stats.cached_tokens = reuse
     progress = prompt_progress_callback or (lambda *_: None)
 
     def feats(x):
@@ -202,7 +235,7 @@ def speculative_generate_step(
     # ---- chunked prefill: all but the last prompt token, then the last one alone
     tic = time.perf_counter()
     total = len(prompt)
-    done = 0
+    done = reuse
     progress(0, total)
     while total - done > 1:
         n = min(prefill_step_size, total - 1 - done)
@@ -303,4 +336,4 @@ def speculative_generate_step(
                 session.extend([anc] + toks[:i], feats(features[: i + 1] if tap_ids else None))
         stats.decode_s = time.perf_counter() - tic
         if state is not None:
-            state.committed = cache_length(cache)
+            state.tokens = history[: cache_length(cache)]

@@ -74,3 +74,11 @@ def test_fusion_rule():
     s = fp.start([])
     s.extend([1, 2, 3, 1, 2], None)
     assert s.propose(3, 2).tokens.tolist() == [70, 71]
+
+
+def test_truncate_reindexes():
+    idx = SuffixIndex(min_n=2, max_n=4)
+    idx.extend([1, 2, 3, 1, 2, 9])
+    idx.truncate(4)
+    assert idx.tokens == [1, 2, 3, 1]
+    assert idx.propose([2], 2) == (2, [3, 1])

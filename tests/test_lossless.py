@@ -63,7 +63,7 @@ def test_fresh_dflash2_f32_identical(smol_f32, refs, fresh_dflash2, name, B):
     ids, ref = refs[name]
     prop = FusedProposer(DFlashProposer(fresh_dflash2, target, len(tok)), LookupProposer(block_size=16))
     stats = SpecStats()
-    state = GenerationState(None, None)
+    state = GenerationState()
     out = run(target, ids, prop, B, N_REAL, stats, state)
     assert out == ref[:N_REAL]
     assert stats.drafted > 0 and stats.rounds > 0
@@ -177,3 +177,26 @@ def test_streamed_text_identical_across_block_sizes(smol_f32, fresh_dflash2, B):
     assert toks == [t for t in ref[: len(resps)] if t not in tok.eos_token_ids]
     if "\ufffd" not in tok.decode(toks):  # the model itself may emit invalid bytes; then decode() shows them too
         assert all("\ufffd" not in r.text for r in resps)
+
+
+def test_prompt_cache_reuse_warm_equals_cold(smol_f32, fresh_dflash2):
+    """A multi-turn conversation reuses the target KV and drafter context of the shared prefix."""
+    target, tok = smol_f32
+    prop = FusedProposer(DFlashProposer(fresh_dflash2, target, len(tok)), LookupProposer(block_size=16))
+    msgs = [{"role": "user", "content": "Name a fruit."}]
+    p1 = tok.apply_chat_template(msgs, add_generation_prompt=True)
+    state = GenerationState()
+    o1 = run(target, p1, prop, 8, 12, state=state)
+    assert state.tokens == (p1 + o1)[:-1] and cache_length(state.cache) == len(state.tokens)
+    msgs += [{"role": "assistant", "content": tok.decode(o1)}, {"role": "user", "content": "And a vegetable?"}]
+    p2 = tok.apply_chat_template(msgs, add_generation_prompt=True)
+    stats = SpecStats()
+    warm = run(target, p2, prop, 8, 16, stats=stats, state=state)
+    cold = run(target, p2, prop, 8, 16)
+    assert warm == cold == plain_reference(target, p2, 16)[0]
+    assert state.reused == stats.cached_tokens > len(p1)
+    assert state.session.d.ctx.offset == cache_length(state.cache) == len(p2) + len(warm) - 1
+    # an unrelated prompt reuses (almost) nothing and is still right
+    p3 = chat_ids(tok, "Count to five.")
+    assert run(target, p3, prop, 8, 10, state=state) == plain_reference(target, p3, 10)[0]
+    assert state.reused < 40

@@ -52,7 +52,7 @@ def test_eos_at_every_block_offset(smol_f32, story, offset):
     prop = ScriptedProposer(len(ids), ref, sched, B, target.vocab_rows)
     saved = tok.eos_token_ids
     tok.eos_token_ids = {ref[j]}
-    state = GenerationState(None, None)
+    state = GenerationState()
     try:
         resps = list(stream_generate(_model(target, prop), tok, ids, max_tokens=60, state=state))
     finally:
@@ -100,7 +100,7 @@ def test_max_tokens_exact(smol_f32, story, max_tokens):
     target, tok = smol_f32
     ids, ref = story
     prop = ScriptedProposer(len(ids), ref, [B - 1], B, target.vocab_rows)
-    state = GenerationState(None, None)
+    state = GenerationState()
     resps = list(stream_generate(_model(target, prop), tok, ids, max_tokens=max_tokens, state=state))
     assert [r.token for r in resps] == ref[:max_tokens]
     assert resps[-1].finish_reason == "length"
@@ -157,7 +157,7 @@ def test_context_limit_ends_cleanly(smol_f32, story, B):
     small = TargetAdapter(target.model, {**target.config, "max_position_embeddings": limit}, probe=False)
     prop = ScriptedProposer(len(ids), ref, [B - 1], B, target.vocab_rows) if B > 1 else None
     model = SpeculativeModel(small, prop, B, "t", small.config)
-    state = GenerationState(None, None)
+    state = GenerationState()
     resps = list(stream_generate(model, tok, ids, max_tokens=100, state=state))
     assert [r.token for r in resps] == ref[:15]
     assert resps[-1].finish_reason == "length"

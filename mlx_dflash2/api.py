@@ -85,12 +85,15 @@ class _StopText:
         return out
 
 
-def _make_verifier(temp: float, top_p: float, top_k: int):
+def _make_verifier(temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, **processors):
     if temp and temp > 0:
         raise NotImplementedError(
             "sampled generation (temp > 0) is not supported yet; use temp=0 (greedy). "
             "Lossless rejection-sampling verification is tracked separately."
         )
+    used = [k for k, v in processors.items() if v not in (None, 0, 0.0, 1.0, {}) and not k.endswith("context_size")]
+    if used:
+        raise NotImplementedError(f"{', '.join(sorted(used))} not supported yet (greedy without processors only)")
     return GreedyVerifier()
 
 
@@ -105,6 +108,14 @@ def stream_generate(
     temp: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
+    min_p: float = 0.0,
+    repetition_penalty: Optional[float] = None,
+    repetition_context_size: int = 20,
+    presence_penalty: Optional[float] = None,
+    presence_context_size: int = 20,
+    frequency_penalty: Optional[float] = None,
+    frequency_context_size: int = 20,
+    logit_bias: Optional[dict] = None,
     seed: Optional[int] = None,
     stop: Optional[Sequence[str]] = None,
     prefill_step_size: int = 2048,
@@ -122,8 +133,13 @@ def stream_generate(
         block_size: B for this request (default: the model's).
         drafter: override the model's drafter (``"none"``, ``"lookup"``, a
             :class:`~.proposers.Proposer`...).
-        temp, top_p, top_k: sampling parameters; only greedy (``temp == 0``)
-            is supported in this version (others raise ``NotImplementedError``).
+        temp, top_p, top_k, min_p: sampling parameters (names and semantics of
+            ``mlx_lm.sample_utils.make_sampler``).
+        repetition_penalty, presence_penalty, frequency_penalty (and their
+            ``*_context_size``), logit_bias: logits processors (names and
+            semantics of ``mlx_lm.sample_utils.make_logits_processors``).
+            In this version only greedy decoding without processors is
+            implemented; anything else raises ``NotImplementedError``.
         seed: seed for MLX's random state.
         stop: stop strings; generation ends at the first, which is not returned.
         prefill_step_size: prompt chunk size (tokens).
@@ -139,7 +155,19 @@ def stream_generate(
     """
     if max_tokens == 0:
         raise ValueError("max_tokens must be non-zero (use -1 for no limit)")
-    verifier = _make_verifier(temp, top_p, top_k)
+    verifier = _make_verifier(
+        temp,
+        top_p,
+        top_k,
+        min_p,
+        repetition_penalty=repetition_penalty,
+        repetition_context_size=repetition_context_size,
+        presence_penalty=presence_penalty,
+        presence_context_size=presence_context_size,
+        frequency_penalty=frequency_penalty,
+        frequency_context_size=frequency_context_size,
+        logit_bias=logit_bias,
+    )
     if seed is not None:
         mx.random.seed(seed)
     if isinstance(prompt, str):

@@ -165,6 +165,26 @@ class TargetAdapter:
         logits = self._head(self.inner.norm(h))[0]
         return ForwardResult(logits, features)
 
+    def taps(self, tokens: mx.array, tap_ids: Sequence[int]) -> mx.array:
+        """Context features of whole sequences, without a cache (training, replay).
+
+        Args:
+            tokens: int ``[N, T]`` (right padding is harmless: attention is causal).
+            tap_ids: decoder layer ids to tap (non-empty).
+
+        Returns:
+            ``[N, T, len(tap_ids)*D]``; layers after the last tap are not run.
+        """
+        h = self.inner.embed_tokens(tokens)
+        mask = create_attention_mask(h, None)
+        want = {i: None for i in tap_ids}
+        last = max(tap_ids)
+        for i, layer in enumerate(self.layers[: last + 1]):
+            h = layer(h, mask, None)
+            if i in want:
+                want[i] = h
+        return mx.concatenate([want[i] for i in tap_ids], axis=-1)
+
     def check_parity(self, tolerance: float = PARITY_TOLERANCE) -> float:
         """Tap-parity probe: the adapter must reproduce ``model(...)``.
 

@@ -362,3 +362,25 @@ def test_padded_vocab_ids_never_proposed(smol_q):
     s.extend([1, 2, 3], mx.random.normal((3, 576)))
     toks = s.propose(5, 7).tokens.tolist()
     assert all(t < 100 for t in toks)
+
+
+@pytest.mark.parametrize(
+    "over",
+    [{}, {"is_causal": True}, {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5}],
+)
+def test_forward_blocks_equals_incremental_inference(over):
+    """The packed training path == the inference path with the context cache (same block, same context)."""
+    cfg = DrafterConfig.from_dict(tiny_cfg(**over))
+    m = randomize(DraftModel(cfg), seed=6)
+    N, T, A, B = 2, 12, 3, 8
+    feats = mx.random.normal((N, T, 128))
+    anchors = mx.array([[1, 5, 11], [3, 4, 9]])
+    emb = mx.random.normal((N * A, B, 64))
+    got = m.forward_blocks(emb, feats, anchors)
+    for n in range(N):
+        for a in range(A):
+            ctx = DraftContext(m)
+            P = anchors[n, a].item()
+            ctx.append(m, feats[n, :P])
+            want = m(emb[n * A + a][None], ctx)[0]
+            np.testing.assert_allclose(np.array(got[n * A + a]), np.array(want), rtol=2e-4, atol=2e-4)

@@ -240,8 +240,25 @@ def load_drafter(path: str | Path, target, tokenizer, dtype: mx.Dtype | None = N
     return model
 
 
-def save_drafter(model: DraftModel, path: str | Path, overwrite: bool = False) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` atomically (temp dir, rename).
+def _shards(weights: dict, max_bytes: int) -> list[dict]:
+    shards, cur, size = [], {}, 0
+    for k, v in weights.items():
+        if cur and size + v.nbytes > max_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[k] = v
+        size += v.nbytes
+    if cur:
+        shards.append(cur)
+    return shards
+
+
+def save_drafter(model: DraftModel, path: str | Path, overwrite: bool = False, max_shard_mb: float = 15) -> Path:
+    """Write ``config.json`` + safetensors atomically (temp dir, rename).
+
+    Weights go to ``model.safetensors``, or, above ``max_shard_mb`` MiB, to
+    ``model-0000i-of-0000n.safetensors`` shards with a
+    ``model.safetensors.index.json`` (the Hugging Face layout).
 
     Raises:
         FileExistsError: ``path`` exists and ``overwrite`` is False.
@@ -259,7 +276,16 @@ def save_drafter(model: DraftModel, path: str | Path, overwrite: bool = False) -
             gs, bits = next(iter(q.values()))
             cfg["quantization"] = {"group_size": gs, "bits": bits}
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        shards = _shards(weights, int(max_shard_mb * 2**20))
+        if len(shards) == 1:
+            mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        else:
+            index = {"metadata": {"total_size": sum(v.nbytes for v in weights.values())}, "weight_map": {}}
+            for i, shard in enumerate(shards):
+                name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                mx.save_safetensors(str(tmp / name), shard, metadata={"format": "mlx"})
+                index["weight_map"].update({k: name for k in shard})
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         if path.exists():
             old = path.with_name(f".{path.name}.old")
             shutil.rmtree(old, ignore_errors=True)

@@ -97,6 +97,65 @@ class DraftAttention(nn.Module):
         o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(n, B, -1))
 
+    def blocks(self, x: mx.array, ctx_k: mx.array, ctx_v: mx.array, anchors: mx.array) -> mx.array:
+        """Packed-blocks attention (training and replay evaluation).
+
+        ``N`` sequences with ``A`` blocks each; block ``(n, a)`` sits at
+        positions ``anchors[n, a] ..`` and sees the context rows of sequence
+        ``n`` at positions strictly before its anchor plus its own block
+        (DFlash training mask, spec §1.5/§3.1); no other block. For one block
+        this equals :meth:`__call__` with a cache holding those context rows.
+
+        Args:
+            x: ``[N*A, B, D]`` normed block inputs.
+            ctx_k, ctx_v: ``[N, KV, T, hd]`` context K/V (positions ``0..T-1``).
+            anchors: int ``[N, A]`` anchor positions.
+
+        Returns:
+            ``[N*A, B, D]``.
+        """
+        NA, B, _ = x.shape
+        N, A = anchors.shape
+        T = ctx_k.shape[2]
+        KV, H, hd = self.n_kv_heads, self.n_heads, self.head_dim
+        rep = H // KV
+        offs = anchors.reshape(-1).astype(mx.int32)
+        q = self.q_norm(self.q_proj(x).reshape(NA, B, H, hd)).transpose(0, 2, 1, 3)
+        q = self.rope(q, offset=offs)  # [NA, H, B, hd]
+        kb, vb = self.kv(x, offs)  # [NA, KV, B, hd]
+        # context scores, grouped by sequence: [N, KV, rep, A*B, T]
+        qs = q.reshape(N, A, KV, rep, B, hd).transpose(0, 2, 3, 1, 4, 5).reshape(N, KV, rep, A * B, hd)
+        s_ctx = (qs * self.scale) @ ctx_k[:, :, None].swapaxes(-1, -2)
+        s_ctx = s_ctx.reshape(N, KV, rep, A, B, T).transpose(0, 3, 1, 2, 4, 5).reshape(NA, KV, rep, B, T)
+        qb = q.reshape(NA, KV, rep, B, hd)
+        s_blk = (qb * self.scale) @ kb[:, :, None].swapaxes(-1, -2)  # [NA, KV, rep, B, B]
+        qpos = offs[:, None] + mx.arange(B)[None, :]  # [NA, B]
+        keep_ctx = mx.arange(T)[None, None, :] < offs[:, None, None]  # strictly before the anchor
+        if self.window is not None:
+            keep_ctx = keep_ctx & (qpos[:, :, None] - mx.arange(T)[None, None, :] < self.window)
+        keep_ctx = keep_ctx[:, None, None]  # [NA, 1, 1, B, T]
+        keep_blk = None
+        if self.causal or self.window is not None:
+            qi, kj = mx.arange(B)[:, None], mx.arange(B)[None, :]
+            keep_blk = mx.ones((B, B), dtype=mx.bool_)
+            if self.causal:
+                keep_blk = keep_blk & (kj <= qi)
+            if self.window is not None:
+                keep_blk = keep_blk & (qi - kj < self.window)
+            keep_blk = keep_blk[None, None, None]
+        neg = mx.array(-1e9 if s_ctx.dtype == mx.float32 else -6e4, s_ctx.dtype)
+        s_ctx = mx.where(keep_ctx, s_ctx, neg)
+        if keep_blk is not None:
+            s_blk = mx.where(keep_blk, s_blk, neg)
+        scores = mx.concatenate([s_ctx, s_blk], axis=-1).astype(mx.float32)
+        p = mx.softmax(scores, axis=-1).astype(x.dtype)
+        p_ctx, p_blk = p[..., :T], p[..., T:]
+        p_ctx = p_ctx.reshape(N, A, KV, rep, B, T).transpose(0, 2, 3, 1, 4, 5).reshape(N, KV, rep, A * B, T)
+        o_ctx = (p_ctx @ ctx_v[:, :, None]).reshape(N, KV, rep, A, B, hd).transpose(0, 3, 1, 2, 4, 5)
+        o = o_ctx.reshape(NA, KV, rep, B, hd) + p_blk @ vb[:, :, None]
+        o = o.reshape(NA, H, B, hd).transpose(0, 2, 1, 3).reshape(NA, B, H * hd)
+        return self.o_proj(o)
+
 
 class DraftMLP(nn.Module):
     def __init__(self, cfg: DrafterConfig):
@@ -163,14 +222,16 @@ class DraftDecoderLayer(nn.Module):
             self.attention_conv = GroupedDynamicCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
             self.mlp_conv = GroupedDynamicCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
 
-    def __call__(self, x, ctx_k, ctx_v, offset):
+    def __call__(self, x, attend):
+        """``x`` ``[M, B, D]``; ``attend(self_attn, v)`` runs the attention on the
+        (pre-conv'd) normed input ``v`` with the right context."""
         u = self.input_layernorm(x)
         if self.has_conv:
             d = self.attention_conv.coefficients(u)
-            a = self.self_attn(self.attention_conv.apply(u, 0, d), ctx_k, ctx_v, offset)
+            a = attend(self.self_attn, self.attention_conv.apply(u, 0, d))
             a = self.attention_conv.apply(a, 1, d)
         else:
-            a = self.self_attn(u, ctx_k, ctx_v, offset)
+            a = attend(self.self_attn, u)
         h = x + a
         u = self.post_attention_layernorm(h)
         if self.has_conv:
@@ -218,29 +279,29 @@ class CandidateSelector(nn.Module):
         self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
 
     def lattice(self, unary: mx.array, hidden: mx.array, anchor: mx.array):
-        """Candidates and edge scores.
+        """Candidates and edge scores for ``M`` blocks.
 
         Args:
-            unary: ``[T, V]`` unary logits (invalid ids already ``-inf``).
-            hidden: ``[T, D]`` final-normed drafter states of slots 1..T.
-            anchor: int32 scalar, the anchor id.
+            unary: ``[M, T, V]`` unary logits (invalid ids already ``-inf``).
+            hidden: ``[M, T, D]`` final-normed drafter states of slots 1..T.
+            anchor: int32 ``[M]`` anchor ids.
 
         Returns:
-            ``(cand [T, K], first [K], edges [T-1, K, K])``: slot-1 scores from
-            the anchor and, for t >= 2, scores of slot t's candidates (columns)
-            given each candidate of slot t-1 (rows).
+            ``(cand [M, T, K], first [M, K], edges [M, T-1, K, K] or None)``:
+            slot-1 scores from the anchor and, for t >= 2, scores of slot t's
+            candidates (columns) given each candidate of slot t-1 (rows).
         """
         K = min(self.top_k, unary.shape[-1])
-        cand = mx.argpartition(-unary, K - 1, axis=-1)[:, :K].astype(mx.int32)
+        cand = mx.argpartition(-unary, K - 1, axis=-1)[..., :K].astype(mx.int32)
         u = mx.take_along_axis(unary, cand, axis=-1).astype(mx.float32)
-        H = self.hidden_projection(hidden).astype(mx.float32)  # [T, r]
-        succ = self.successor_codebook[cand].astype(mx.float32) * H[:, None, :]  # [T, K, r]
-        pred0 = self.predecessor_codebook[anchor].astype(mx.float32)  # [r]
-        first = u[0] + succ[0] @ pred0
+        H = self.hidden_projection(hidden).astype(mx.float32)  # [M, T, r]
+        succ = self.successor_codebook[cand].astype(mx.float32) * H[..., None, :]  # [M, T, K, r]
+        pred0 = self.predecessor_codebook[anchor].astype(mx.float32)  # [M, r]
+        first = u[:, 0] + (succ[:, 0] @ pred0[..., None])[..., 0]
         edges = None
-        if cand.shape[0] > 1:
-            pred = self.predecessor_codebook[cand[:-1]].astype(mx.float32)  # [T-1, K, r]
-            edges = u[1:, None, :] + pred @ succ[1:].transpose(0, 2, 1)  # [T-1, K, K]
+        if cand.shape[1] > 1:
+            pred = self.predecessor_codebook[cand[:, :-1]].astype(mx.float32)  # [M, T-1, K, r]
+            edges = u[:, 1:, None, :] + pred @ succ[:, 1:].swapaxes(-1, -2)  # [M, T-1, K, K]
         return cand, first, edges
 
     def walk(
@@ -251,25 +312,35 @@ class CandidateSelector(nn.Module):
         temperature: float = 0.0,
         key: mx.array | None = None,
     ) -> SelectorOutput:
-        """Greedy (``temperature == 0``) or sampled walk; see the class doc."""
+        """Greedy (``temperature == 0``) or sampled walk; see the class doc.
+
+        Accepts one block (``unary [T, V]``, ``hidden [T, D]``, scalar anchor)
+        or ``M`` blocks (``[M, T, V]``, ``[M, T, D]``, ``[M]``); outputs keep
+        the input's batching.
+        """
+        single = unary.ndim == 2
+        if single:
+            unary, hidden, anchor = unary[None], hidden[None], mx.reshape(anchor, (1,))
         cand, first, edges = self.lattice(unary, hidden, anchor)
-        T = cand.shape[0]
-        rows = [first]
-        idx = []
-        qs = []
+        M, T, K = cand.shape
+        idx, qs = [], []
         keys = mx.random.split(key, T) if (temperature > 0 and key is not None) else [None] * T
+        rows = mx.arange(M)
         for t in range(T):
-            row = rows[t] if t == 0 else edges[t - 1][idx[-1]]
+            row = first if t == 0 else edges[rows, t - 1, idx[-1]]  # [M, K]
             if temperature > 0:
                 logits = row / temperature
-                qs.append(mx.softmax(logits))
+                qs.append(mx.softmax(logits, axis=-1))
                 i = mx.random.categorical(logits, key=keys[t])
             else:
-                i = mx.argmax(row)
+                i = mx.argmax(row, axis=-1)
             idx.append(i)
-        idx = mx.stack(idx)
-        tokens = mx.take_along_axis(cand, idx[:, None], axis=-1)[:, 0]
-        return SelectorOutput(tokens, cand, mx.stack(qs) if qs else None)
+        idx = mx.stack(idx, axis=1)  # [M, T]
+        tokens = mx.take_along_axis(cand, idx[..., None], axis=-1)[..., 0]
+        q = mx.stack(qs, axis=1) if qs else None
+        if single:
+            return SelectorOutput(tokens[0], cand[0], None if q is None else q[0])
+        return SelectorOutput(tokens, cand, q)
 
 
 class DraftModel(nn.Module):
@@ -318,8 +389,29 @@ class DraftModel(nn.Module):
         x = block_embeddings
         P = context.offset
         for layer, cache in zip(self.layers, context.caches):
-            kv = cache.keys_and_values() if cache.keys is not None else (None, None)
-            x = layer(x, kv[0], kv[1], P)
+            ck, cv = cache.keys_and_values() if cache.keys is not None else (None, None)
+            x = layer(x, lambda attn, v: attn(v, ck, cv, P))
+        return self.norm(x)
+
+    def forward_blocks(self, block_embeddings: mx.array, features: mx.array, anchors: mx.array) -> mx.array:
+        """Drafter forward over many blocks at once (training, replay evaluation).
+
+        Args:
+            block_embeddings: ``[N*A, B, D]`` embeddings of ``[anchor, mask...]``
+                per block (times the input scale), sequence-major.
+            features: ``[N, T, k*D]`` context features of each sequence
+                (concatenated target taps at positions ``0..T-1``).
+            anchors: int ``[N, A]`` anchor positions; block ``(n, a)`` sees
+                context positions ``< anchors[n, a]`` only.
+
+        Returns:
+            Final-normed hidden states ``[N*A, B, D]``.
+        """
+        c = self.fuse(features)
+        x = block_embeddings
+        for layer in self.layers:
+            ck, cv = layer.self_attn.kv(c, 0)
+            x = layer(x, lambda attn, v, ck=ck, cv=cv: attn.blocks(v, ck, cv, anchors))
         return self.norm(x)
 
     def unary_logits(self, hidden: mx.array, lm_head) -> mx.array:

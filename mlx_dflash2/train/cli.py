@@ -1,0 +1,143 @@
+"""``mlx_dflash2.train``: build data, train / fine-tune, and evaluate drafters.
+
+    mlx_dflash2.train prompts --out data/prompts.jsonl            # decontaminated training prompts
+    mlx_dflash2.train regen   --prompts data/prompts.jsonl --out data/responses   # target answers them
+    mlx_dflash2.train fit     --data data/responses --out runs/d2 [--init DRAFTER] [--steps N]
+    mlx_dflash2.train eval    --drafter runs/d2/drafter [--sets humaneval,mtbench,gsm8k] [--block-sizes 4,8,16]
+
+Fine-tuning on your own prompts: ``regen --prompts my_prompts.jsonl`` (JSONL
+rows with ``messages``/``prompt``/``text``, or a text file with one prompt per
+line), then ``fit --init path/to/drafter``. ``fit`` resumes from the run
+directory's latest checkpoint unless ``--no-resume``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+
+from .trainer import TrainConfig
+
+
+def _target(args):
+    from ..loading import load_target
+
+    target, tokenizer, _ = load_target(args.model, dtype=args.dtype, dequantize=args.dequantize)
+    return target, tokenizer
+
+
+def _add_target_args(p):
+    p.add_argument("--model", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", help="target dtype for scales/non-packed weights (auto: float32 on CPU)")
+    p.add_argument("--dequantize", action="store_true", help="run the target dense (more memory)")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="mlx_dflash2.train", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("prompts", help="write decontaminated training prompts (ShareGPT, code, math)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--sharegpt", type=int, default=12000)
+    p.add_argument("--code", type=int, default=4000)
+    p.add_argument("--math", type=int, default=4000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache-dir", default=".cache/train")
+
+    r = sub.add_parser("regen", help="answer prompts with the target (resumable shards)")
+    _add_target_args(r)
+    r.add_argument("--prompts", required=True, help="prompts file (see mlx_dflash2.train.data.read_prompt_file)")
+    r.add_argument("--out", required=True)
+    r.add_argument("--max-tokens", type=int, default=256)
+    r.add_argument("--batch-size", type=int, default=256)
+    r.add_argument("--shard-size", type=int, default=1024)
+    r.add_argument("--temp-fraction", type=float, default=0.0, help="fraction answered by sampling at --temp")
+    r.add_argument("--temp", type=float, default=0.7)
+    r.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    r.add_argument("--seed", type=int, default=0)
+
+    f = sub.add_parser("fit", help="train or fine-tune a drafter")
+    _add_target_args(f)
+    for fld in fields(TrainConfig):
+        if fld.name in ("extra",):
+            continue
+        name = "--" + fld.name.replace("_", "-")
+        default = getattr(TrainConfig(), fld.name)
+        if fld.name in ("data", "out"):
+            f.add_argument(name, required=True)
+        elif isinstance(default, bool):
+            f.add_argument(name, action="store_true")
+        elif fld.name == "target_layer_ids":
+            f.add_argument(name, type=json.loads, default=None)
+        elif fld.name in ("init",):
+            f.add_argument(name, default=None, help="existing drafter (DFlash or DFlash2) to fine-tune")
+        else:
+            typ = type(default) if default is not None else (float if fld.name in ("gamma",) else int)
+            f.add_argument(name, type=typ, default=default)
+    f.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints in --out")
+    f.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (resume later)")
+
+    e = sub.add_parser("eval", help="tau on held-out prompt sets (exact greedy replay) + plot")
+    _add_target_args(e)
+    e.add_argument("--drafter", action="append", required=True, help="LABEL=PATH or PATH (repeatable)")
+    e.add_argument("--sets", default="humaneval,mtbench,gsm8k")
+    e.add_argument("--block-sizes", default="4,8,16")
+    e.add_argument("--max-tokens", type=int, default=256)
+    e.add_argument("--limit", type=int, default=-1, help="prompts per set (-1: the standard counts)")
+    e.add_argument("--lookup", action="store_true", help="fuse lookup proposals (as the default product does)")
+    e.add_argument("--cache-dir", default=".cache/eval")
+    e.add_argument("--out", default="benchmarks/results/tau.json")
+    args = ap.parse_args(argv)
+
+    try:
+        if args.cmd == "prompts":
+            from .data import build_prompts
+
+            print(json.dumps(build_prompts(args.out, args.sharegpt, args.code, args.math, args.seed, args.cache_dir)))
+        elif args.cmd == "regen":
+            from .data import read_prompt_file
+            from .regen import regenerate
+
+            prompts = read_prompt_file(args.prompts)[: args.limit]
+            target, tok = _target(args)
+            st = regenerate(target, tok, prompts, args.out, args.max_tokens, args.batch_size, args.shard_size,
+                            args.temp_fraction, args.temp, seed=args.seed)
+            print(json.dumps(st))
+        elif args.cmd == "fit":
+            from .trainer import Trainer
+
+            cfg = TrainConfig(**{fl.name: getattr(args, fl.name) for fl in fields(TrainConfig) if fl.name != "extra"})
+            target, tok = _target(args)
+            tr = Trainer(cfg, target, tok)
+            last = tr.fit(resume=not args.no_resume, max_steps=args.max_steps)
+            print(json.dumps({"step": tr.step, "total_steps": tr.total_steps, **last}))
+        else:
+            from ..drafter import load_drafter
+            from .evaluate import evaluate_sets, plot_acceptance, write_report
+
+            target, tok = _target(args)
+            drafters = {}
+            for spec in args.drafter:
+                label, _, path = spec.rpartition("=")
+                model = load_drafter(path, target, tok)
+                drafters[label or model.config.architecture] = model
+            rep = evaluate_sets(target, tok, drafters, args.sets.split(","),
+                                [int(b) for b in args.block_sizes.split(",")], args.max_tokens,
+                                None if args.limit is None else args.limit, args.cache_dir, lookup=args.lookup)
+            out = write_report(rep, args.out)
+            png = plot_acceptance(rep, out.with_suffix(".png"))
+            print(f"{'set':10} {'drafter':12} {'B':>3} {'tau':>6}")
+            for r in rep["results"]:
+                print(f"{r['set']:10} {r['drafter']:12} {r['block_size']:>3} {r['tau']:>6.3f}")
+            print(f"report: {out}" + (f"\nplot: {png}" if png else ""))
+    except (FileNotFoundError, ValueError, KeyError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

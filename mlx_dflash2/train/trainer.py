@@ -1,0 +1,473 @@
+"""Train or fine-tune a DFlash / DFlash2 drafter in MLX.
+
+Recipe (DFlash2 spec §3 and §5.8; DFlash paper §3.3; SpecForge
+``dflash_family_model.py``):
+
+* frozen target, features on the fly: every step runs the target over the
+  batch's sequences (prompt + target-regenerated response) with taps at
+  ``target_layer_ids`` (no feature dumps; the target runs from whatever weights
+  it was loaded with, e.g. 4-bit);
+* random anchors: up to ``anchors`` positions per sequence inside the response
+  (the anchor and its next token both supervised), re-sampled every step;
+  each anchor starts a block ``[token, mask x (B-1)]``; all blocks of a batch go
+  through one drafter forward with the block attention mask (a block sees the
+  context strictly before its anchor and its own block);
+* loss: cross-entropy of block positions k = 1..B-1 against the next tokens,
+  weighted ``exp(-(k-1)/gamma)`` (gamma 7 for B=16, 5 for B=10, 4 for B=8);
+  DFlash2 adds the selector loss: categorical CE over the top-K unary
+  candidates of each position, with the gold previous token as predecessor,
+  positions whose gold token is not among the candidates excluded;
+* AdamW, linear warmup + cosine decay, gradient clipping; the embedding and LM
+  head are the target's and stay frozen (they are not drafter parameters).
+
+Determinism: the data order of epoch ``e`` is a permutation seeded by
+``seed + e`` and the anchors of step ``s`` by ``(seed, s)``, so a run resumed
+from a checkpoint (drafter, optimizer state, step) continues exactly as an
+uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from ..drafter import DrafterConfig, DraftModel, init_drafter, load_drafter, save_drafter
+
+__all__ = ["TrainConfig", "Trainer", "dflash_loss", "make_batch", "default_gamma"]
+
+
+def default_gamma(block_size: int) -> float:
+    """Loss-decay gamma of the DFlash paper: 7 (B=16), 5 (B=10), 4 (B=8); interpolated otherwise."""
+    table = {16: 7.0, 10: 5.0, 8: 4.0}
+    return table.get(block_size, max(1.0, 7.0 * block_size / 16))
+
+
+@dataclass
+class TrainConfig:
+    """Training settings (saved as ``config.json`` in the run directory)."""
+
+    data: str = ""
+    out: str = ""
+    init: str | None = None
+    architecture: str = "DFlash2DraftModel"
+    num_layers: int = 3
+    num_taps: int | None = None
+    target_layer_ids: list | None = None
+    block_size: int = 16
+    intermediate_size: int | None = None
+    selector_rank: int = 32
+    selector_top_k: int = 16
+    anchors: int = 64
+    batch_size: int = 16
+    max_len: int = 768
+    steps: int | None = None
+    epochs: float = 3.0
+    lr: float = 6e-4
+    warmup: float = 0.04
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    gamma: float | None = None
+    selector_alpha: float = 1.0
+    seed: int = 0
+    save_every: int = 200
+    log_every: int = 10
+    keep_checkpoints: int = 2
+    time_budget: float | None = None
+    extra: dict = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------
+# Batches and loss
+# ----------------------------------------------------------------------------
+
+
+def make_batch(rows: list[dict], step: int, cfg: TrainConfig, pad_id: int) -> dict:
+    """Token, anchor and label arrays for one step (numpy, deterministic in ``(seed, step)``).
+
+    Returns:
+        ``tokens [N, T]``, ``anchors [N, A]``, ``labels [N, A, B-1]``,
+        ``label_valid [N, A, B-1]`` (bool) and ``n_tokens``.
+    """
+    rng = np.random.RandomState((cfg.seed * 1_000_003 + step) % (2**32))
+    B, A = cfg.block_size, cfg.anchors
+    seqs, plens = [], []
+    for r in rows:
+        ids = (list(r["prompt_ids"]) + list(r["response_ids"]))[: cfg.max_len]
+        seqs.append(ids)
+        plens.append(min(len(r["prompt_ids"]), len(ids)))
+    T = max(64, int(math.ceil(max(len(s) for s in seqs) / 64) * 64))
+    N = len(seqs)
+    tokens = np.full((N, T), pad_id, dtype=np.int32)
+    anchors = np.zeros((N, A), dtype=np.int32)
+    anchor_ok = np.zeros((N, A), dtype=bool)
+    for n, (s, p) in enumerate(zip(seqs, plens)):
+        tokens[n, : len(s)] = s
+        cands = np.arange(max(p, 1), len(s) - 1)  # anchor and its next token are response tokens
+        if len(cands) == 0:
+            anchors[n] = max(0, len(s) - 1)
+            continue
+        k = min(A, len(cands))
+        pick = np.sort(rng.choice(cands, size=k, replace=False))
+        anchors[n, :k] = pick
+        anchors[n, k:] = pick[0]
+        anchor_ok[n, :k] = True
+    lengths = np.array([len(s) for s in seqs])
+    pos = anchors[..., None] + np.arange(1, B)[None, None, :]  # [N, A, B-1]
+    label_valid = anchor_ok[..., None] & (pos < lengths[:, None, None])
+    labels = np.take_along_axis(tokens, np.minimum(pos, T - 1).reshape(N, -1), axis=1).reshape(N, A, B - 1)
+    return {
+        "tokens": tokens,
+        "anchors": anchors,
+        "labels": labels,
+        "label_valid": label_valid,
+        "n_tokens": int(lengths.sum()),
+    }
+
+
+def dflash_loss(drafter: DraftModel, target, features, tokens, anchors, labels, label_valid, weights, alpha,
+                valid_vocab: int | None = None):
+    """DFlash block loss (+ DFlash2 selector loss).
+
+    Args:
+        drafter: the model being trained.
+        target: :class:`~mlx_dflash2.target.TargetAdapter` (frozen embedding / LM head).
+        features: ``[N, T, k*D]`` target taps (no gradient).
+        tokens: int ``[N, T]``; anchors: int ``[N, A]``; labels: int ``[N, A, B-1]``;
+        label_valid: bool ``[N, A, B-1]``; weights: float ``[B-1]`` position weights;
+        alpha: selector-loss weight (DFlash2 only).
+        valid_vocab: ids ``>=`` this are excluded from the softmax.
+
+    Returns:
+        ``(loss, metrics)``: scalar loss; metrics ``main``, ``selector``,
+        ``acc`` ``[B-1]`` (unary top-1 accuracy by position, with its
+        ``count``), ``sel_acc``/``recall`` (selector accuracy and top-K recall).
+    """
+    cfg = drafter.config
+    N, A = anchors.shape
+    Bm1 = labels.shape[-1]
+    M = N * A
+    anchor_tok = mx.take_along_axis(tokens, anchors, axis=1)  # [N, A]
+    block = mx.concatenate([anchor_tok[..., None], mx.full((N, A, Bm1), cfg.mask_token_id, dtype=tokens.dtype)], -1)
+    emb = mx.stop_gradient(target.embed(block.reshape(M, Bm1 + 1)))
+    if cfg.input_embedding_scale != 1.0:
+        emb = emb * cfg.input_embedding_scale
+    h = drafter.forward_blocks(emb, mx.stop_gradient(features), anchors)[:, 1:]  # [M, B-1, D]
+    logits = drafter.unary_logits(h, target.lm_head).astype(mx.float32)  # [M, B-1, V]
+    if valid_vocab is not None and valid_vocab < logits.shape[-1]:
+        logits = mx.where(mx.arange(logits.shape[-1]) < valid_vocab, logits, -1e9)
+    lab = labels.reshape(M, Bm1)
+    valid = label_valid.reshape(M, Bm1).astype(mx.float32)
+    lse = mx.logsumexp(logits, axis=-1)
+    gold = mx.take_along_axis(logits, lab[..., None], axis=-1)[..., 0]
+    w = weights[None, :] * valid
+    main = ((lse - gold) * w).sum() / mx.maximum(w.sum(), 1.0)
+    hit_top1 = (mx.argmax(logits, axis=-1) == lab).astype(mx.float32) * valid
+    metrics = {"main": main, "acc_hits": hit_top1.sum(0), "acc_count": valid.sum(0)}
+    loss = main
+    if cfg.is_dflash2 and alpha > 0:
+        sel = drafter.candidate_selector
+        K = min(sel.top_k, logits.shape[-1])
+        cand = mx.stop_gradient(mx.argpartition(-logits, K - 1, axis=-1)[..., :K])  # [M, B-1, K]
+        pred = mx.concatenate([anchor_tok.reshape(M, 1), lab[:, :-1]], axis=1)  # gold predecessors
+        Hs = sel.hidden_projection(h)  # [M, B-1, r]
+        Ap = sel.predecessor_codebook[pred]  # [M, B-1, r]
+        Bs = sel.successor_codebook[cand]  # [M, B-1, K, r]
+        s = mx.take_along_axis(logits, cand, axis=-1) + (Bs @ (Ap * Hs)[..., None])[..., 0].astype(mx.float32)
+        hit = (cand == lab[..., None]).astype(mx.float32)
+        has = hit.sum(-1) * valid
+        ce = mx.logsumexp(s, axis=-1) - (s * hit).sum(-1)
+        ws = weights[None, :] * has
+        selector = (ce * ws).sum() / mx.maximum(ws.sum(), 1.0)
+        chosen = mx.take_along_axis(cand, mx.argmax(s, axis=-1)[..., None], axis=-1)[..., 0]
+        metrics.update(
+            selector=selector,
+            sel_hits=((chosen == lab).astype(mx.float32) * valid).sum(0),
+            recall=has.sum() / mx.maximum(valid.sum(), 1.0),
+        )
+        loss = main + alpha * selector
+    return loss, metrics
+
+
+# ----------------------------------------------------------------------------
+# Trainer
+# ----------------------------------------------------------------------------
+
+
+def _read_rows(data: str) -> list[dict]:
+    from .regen import read_responses
+
+    rows = [r for r in read_responses(data) if len(r["response_ids"]) >= 2]
+    if not rows:
+        raise ValueError(f"{data}: no usable sequences (responses of at least 2 tokens)")
+    return rows
+
+
+class Trainer:
+    """Runs a training job described by a :class:`TrainConfig`.
+
+    Args:
+        cfg: the settings; ``cfg.out`` is the run directory (checkpoints in
+            ``ckpt/step-XXXXXXX``, the final drafter in ``drafter/``, the log in
+            ``log.jsonl``).
+        target, tokenizer: the frozen target and its tokenizer.
+
+    Raises:
+        FileNotFoundError / ValueError: bad data or init checkpoint.
+    """
+
+    def __init__(self, cfg: TrainConfig, target, tokenizer):
+        self.cfg, self.target, self.tokenizer = cfg, target, tokenizer
+        self.out = Path(cfg.out)
+        self.rows = _read_rows(cfg.data)
+        self.drafter = self._make_drafter()
+        dc = self.drafter.config
+        if cfg.block_size != dc.block_size:
+            dc.block_size = cfg.block_size
+        self.gamma = cfg.gamma or default_gamma(cfg.block_size)
+        self.weights = mx.array([math.exp(-(k - 1) / self.gamma) for k in range(1, cfg.block_size)])
+        self.pad_id = sorted(tokenizer.eos_token_ids)[0] if tokenizer.eos_token_ids else 0
+        self.valid_vocab = min(len(tokenizer), target.vocab_rows)
+        self.batches_per_epoch = max(1, len(self.rows) // cfg.batch_size)
+        self._build_optimizer()
+        self.step = 0
+        self._order_cache = {}
+        self.tap_ids = tuple(dc.target_layer_ids)
+
+    # -- setup -------------------------------------------------------------
+    def _build_optimizer(self) -> None:
+        """AdamW with linear warmup then cosine decay over ``total_steps``."""
+        cfg = self.cfg
+        self.total_steps = cfg.steps or max(1, int(round(cfg.epochs * self.batches_per_epoch)))
+        warm = max(1, int(cfg.warmup * self.total_steps))
+        decay = optim.cosine_decay(cfg.lr, max(1, self.total_steps - warm), cfg.lr * cfg.min_lr_ratio)
+        self.schedule = optim.join_schedules([optim.linear_schedule(0.0, cfg.lr, warm), decay], [warm])
+        self.opt = optim.AdamW(learning_rate=self.schedule, weight_decay=cfg.weight_decay)
+
+    def _make_drafter(self) -> DraftModel:
+        cfg = self.cfg
+        if cfg.init:
+            model = load_drafter(cfg.init, self.target, self.tokenizer, dtype=mx.float32)
+            if cfg.architecture == "DFlash2DraftModel" and not model.config.is_dflash2:
+                model = _upgrade_to_dflash2(model, cfg)
+            return model
+        return init_drafter(
+            self.target,
+            self.tokenizer,
+            architecture=cfg.architecture,
+            num_layers=cfg.num_layers,
+            block_size=cfg.block_size,
+            num_taps=cfg.num_taps,
+            target_layer_ids=cfg.target_layer_ids,
+            intermediate_size=cfg.intermediate_size,
+            selector_rank=cfg.selector_rank,
+            selector_top_k=cfg.selector_top_k,
+            seed=cfg.seed,
+        )
+
+    def _batch_rows(self, step: int) -> list[dict]:
+        epoch, b = divmod(step, self.batches_per_epoch)
+        if epoch not in self._order_cache:
+            self._order_cache = {epoch: np.random.RandomState(self.cfg.seed + epoch).permutation(len(self.rows))}
+        order = self._order_cache[epoch]
+        idx = order[b * self.cfg.batch_size : (b + 1) * self.cfg.batch_size]
+        return [self.rows[i] for i in idx]
+
+    def alpha(self, step: int) -> float:
+        """Selector-loss weight: 0, then a linear ramp (SpecForge's schedule), then constant."""
+        w = max(1, int(0.0005 * self.total_steps))
+        return self.cfg.selector_alpha * min(1.0, max(0.0, (step - w) / w))
+
+    # -- checkpoints ---------------------------------------------------------
+    def checkpoint_dir(self) -> Path:
+        return self.out / "ckpt"
+
+    def save_checkpoint(self) -> Path:
+        """Atomically write ``ckpt/step-XXXXXXX`` (drafter, optimizer state, step)."""
+        root = self.checkpoint_dir()
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / f"step-{self.step:07d}"
+        tmp = root / f".tmp-step-{self.step:07d}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        save_drafter(self.drafter, tmp / "drafter")
+        mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(self.opt.state)))
+        (tmp / "state.json").write_text(json.dumps({"step": self.step, "config": asdict(self.cfg)}) + "\n")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        ckpts = sorted(root.glob("step-*"))
+        for old in ckpts[: -self.cfg.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def latest_checkpoint(self) -> Path | None:
+        ckpts = sorted(self.checkpoint_dir().glob("step-*")) if self.checkpoint_dir().is_dir() else []
+        return ckpts[-1] if ckpts else None
+
+    def resume(self, path: Path | None = None) -> bool:
+        """Load the latest (or the given) checkpoint; False if there is none."""
+        path = path or self.latest_checkpoint()
+        if path is None:
+            return False
+        state = json.loads((path / "state.json").read_text())
+        saved_steps = state["config"].get("steps")
+        if self.cfg.steps is None and saved_steps:
+            self.cfg.steps = saved_steps  # e.g. a run sized by --time-budget
+            self._build_optimizer()
+        self.drafter = load_drafter(path / "drafter", self.target, self.tokenizer, dtype=mx.float32)
+        self.opt.init(self.drafter.trainable_parameters())
+        saved = mx.load(str(path / "optimizer.safetensors"))
+        self.opt.state = tree_unflatten(list(saved.items()))
+        self.step = int(state["step"])
+        return True
+
+    # -- training ------------------------------------------------------------
+    def train_step(self, batch: dict) -> dict:
+        cfg = self.cfg
+        tokens = mx.array(batch["tokens"])
+        features = self.target.taps(tokens, self.tap_ids)
+        args = (
+            features,
+            tokens,
+            mx.array(batch["anchors"]),
+            mx.array(batch["labels"]),
+            mx.array(batch["label_valid"]),
+            self.weights,
+            self.alpha(self.step),
+        )
+
+        def loss_fn(model, *a):
+            return dflash_loss(model, self.target, *a, valid_vocab=self.valid_vocab)
+
+        (loss, metrics), grads = nn.value_and_grad(self.drafter, loss_fn)(self.drafter, *args)
+        grads, norm = optim.clip_grad_norm(grads, cfg.grad_clip)
+        self.opt.update(self.drafter, grads)
+        mx.eval(self.drafter.parameters(), self.opt.state, loss, metrics, norm)
+        metrics["loss"] = loss
+        metrics["grad_norm"] = norm
+        return metrics
+
+    def calibrate(self, budget_s: float, probe_steps: int = 4) -> int:
+        """Measure the step time on real batches and size the run to ``budget_s``
+        seconds: sets ``total_steps`` (and the LR schedule) and resets the
+        drafter and the optimizer to their initial state. Returns the steps."""
+        init_params = tree_flatten(self.drafter.parameters())
+        init_params = [(k, mx.array(v)) for k, v in init_params]
+        times = []
+        for s in range(probe_steps):
+            t0 = time.perf_counter()
+            self.train_step(make_batch(self._batch_rows(s), s, self.cfg, self.pad_id))
+            times.append(time.perf_counter() - t0)
+        per_step = float(np.median(times[1:] if len(times) > 1 else times))
+        steps = max(1, int(budget_s / per_step))
+        self.cfg.steps = steps
+        self.cfg.extra["calibrated_step_s"] = per_step
+        self.drafter.update(tree_unflatten(init_params))
+        mx.eval(self.drafter.parameters())
+        self._build_optimizer()
+        return steps
+
+    def fit(self, resume: bool = True, max_steps: int | None = None, progress: bool = True) -> dict:
+        """Train until ``total_steps`` (or ``max_steps`` more steps); checkpoints
+        every ``save_every`` steps and at the end; writes the final drafter to
+        ``out/drafter``.
+
+        Returns:
+            The last logged metrics.
+        """
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        resumed = self.resume() if resume else False
+        if not resumed and cfg.time_budget and not cfg.steps:
+            self.calibrate(cfg.time_budget)
+        (self.out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+        if self.step == 0:
+            self.opt.init(self.drafter.trainable_parameters())
+        end = self.total_steps if max_steps is None else min(self.total_steps, self.step + max_steps)
+        log = open(self.out / "log.jsonl", "a")
+        acc = _Accumulator()
+        last = {}
+        tic = time.perf_counter()
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", disable=not progress,
+                   file=sys.stderr)
+        try:
+            while self.step < end:
+                batch = make_batch(self._batch_rows(self.step), self.step, cfg, self.pad_id)
+                m = self.train_step(batch)
+                self.step += 1
+                acc.add(m, batch["n_tokens"])
+                bar.update(1)
+                if self.step % cfg.log_every == 0 or self.step == end:
+                    last = acc.summary(self.step, float(self.schedule(self.step)), time.perf_counter() - tic)
+                    log.write(json.dumps(last) + "\n")
+                    log.flush()
+                    bar.set_postfix(loss=f"{last['loss']:.3f}", acc1=f"{last['acc'][0]:.2f}")
+                    acc = _Accumulator()
+                    tic = time.perf_counter()
+                if self.step % cfg.save_every == 0 or self.step == end:
+                    self.save_checkpoint()
+        finally:
+            bar.close()
+            log.close()
+        if self.step >= self.total_steps:
+            save_drafter(self.drafter, self.out / "drafter", overwrite=True)
+        return last
+
+
+class _Accumulator:
+    def __init__(self):
+        self.n = 0
+        self.sums = {}
+        self.hits = None
+        self.count = None
+        self.sel_hits = None
+        self.tokens = 0
+
+    def add(self, m: dict, n_tokens: int):
+        self.n += 1
+        self.tokens += n_tokens
+        for k in ("loss", "main", "selector", "recall", "grad_norm"):
+            if k in m:
+                self.sums[k] = self.sums.get(k, 0.0) + float(m[k].item())
+        h, c = np.array(m["acc_hits"]), np.array(m["acc_count"])
+        self.hits = h if self.hits is None else self.hits + h
+        self.count = c if self.count is None else self.count + c
+        if "sel_hits" in m:
+            s = np.array(m["sel_hits"])
+            self.sel_hits = s if self.sel_hits is None else self.sel_hits + s
+
+    def summary(self, step: int, lr: float, seconds: float) -> dict:
+        out = {k: v / max(self.n, 1) for k, v in self.sums.items()}
+        cnt = np.maximum(self.count, 1)
+        out.update(step=step, lr=lr, acc=(self.hits / cnt).round(4).tolist(), tokens_per_s=self.tokens / max(seconds, 1e-9))
+        if self.sel_hits is not None:
+            out["sel_acc"] = (self.sel_hits / cnt).round(4).tolist()
+        return out
+
+
+def _upgrade_to_dflash2(model: DraftModel, cfg: TrainConfig) -> DraftModel:
+    """A DFlash (v1) drafter as a DFlash2 one: same weights, conv and selector as exact no-ops."""
+    d = model.config.to_dict()
+    d["architectures"] = ["DFlash2DraftModel"]
+    d["dflash_config"].update(
+        conv_kernel_size=2, conv_group_size=16, selector_rank=cfg.selector_rank, selector_top_k=cfg.selector_top_k
+    )
+    new = DraftModel(DrafterConfig.from_dict(d))
+    new.init_weights(cfg.seed)
+    new.load_weights(list(tree_flatten(model.parameters())), strict=False)
+    mx.eval(new.parameters())
+    return new

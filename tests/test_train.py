@@ -1,0 +1,216 @@
+"""Drafter training on a tiny random target (CPU, fast): data, loss, resume, fine-tuning, eval."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from mlx_dflash2.drafter import DraftContext, init_drafter, load_drafter, save_drafter
+from mlx_dflash2.target import TargetAdapter
+from mlx_dflash2.train import TrainConfig, Trainer, read_prompt_file
+from mlx_dflash2.train.data import Decontaminator, load_eval_set
+from mlx_dflash2.train.evaluate import check_against_loop, replay
+from mlx_dflash2.train.regen import read_responses
+from mlx_dflash2.train.trainer import dflash_loss, make_batch
+
+VOCAB = 64
+
+
+class TinyTok:
+    """Just what training needs of a tokenizer (vocab size, EOS, specials)."""
+
+    eos_token_ids = {1}
+    eos_token_id = 1
+    bos_token_id = None
+    pad_token_id = None
+    unk_token_id = None
+    chat_template = ""
+
+    def __len__(self):
+        return VOCAB
+
+    def get_vocab(self):
+        return {f"t{i}": i for i in range(VOCAB)}
+
+    @property
+    def added_tokens_decoder(self):
+        class T(str):
+            special = True
+
+        return {63: T("<mask>")}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from mlx_lm.models import llama
+
+    mx.random.seed(0)
+    cfg = dict(model_type="llama", hidden_size=32, num_hidden_layers=4, intermediate_size=64, num_attention_heads=4,
+               num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB, rope_theta=10000.0, tie_word_embeddings=True,
+               max_position_embeddings=512)
+    model = llama.Model(llama.ModelArgs.from_dict(cfg))
+    mx.eval(model.parameters())
+    return TargetAdapter(model, cfg), TinyTok()
+
+
+def _patterned_data(path, n=48, seed=0):
+    """Sequences with learnable structure: prompt = random tokens, response = an arithmetic progression mod 60."""
+    rng = np.random.RandomState(seed)
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / "shard-00000.jsonl", "w") as f:
+        for i in range(n):
+            p = rng.randint(2, 60, size=rng.randint(3, 8)).tolist()
+            start, step = rng.randint(2, 60), rng.randint(1, 4)
+            r = [2 + (start + step * k) % 58 for k in range(rng.randint(20, 40))]
+            f.write(json.dumps({"id": str(i), "prompt_ids": p, "response_ids": r + [1]}) + "\n")
+    return path
+
+
+def _cfg(tmp_path, **over):
+    c = dict(data=str(tmp_path / "data"), out=str(tmp_path / "run"), num_layers=1, block_size=6, anchors=6,
+             batch_size=4, steps=6, lr=3e-3, warmup=0.1, selector_rank=4, selector_top_k=4, log_every=1, save_every=3,
+             seed=1)
+    c.update(over)
+    return TrainConfig(**c)
+
+
+def test_make_batch_anchors_and_labels(tmp_path):
+    _patterned_data(tmp_path / "data")
+    rows = read_responses(tmp_path / "data")[:4]
+    cfg = _cfg(tmp_path)
+    b = make_batch(rows, 0, cfg, pad_id=1)
+    b2 = make_batch(rows, 0, cfg, pad_id=1)
+    assert all(np.array_equal(b[k], b2[k]) for k in ("anchors", "labels"))  # deterministic in (seed, step)
+    for n, r in enumerate(rows):
+        plen, L = len(r["prompt_ids"]), len(r["prompt_ids"]) + len(r["response_ids"])
+        seq = r["prompt_ids"] + r["response_ids"]
+        for a, labs, ok in zip(b["anchors"][n], b["labels"][n], b["label_valid"][n]):
+            assert plen <= a <= L - 2  # anchors inside the response, with a next token
+            for k in range(cfg.block_size - 1):
+                if ok[k]:
+                    assert labs[k] == seq[a + k + 1]
+                else:
+                    assert a + k + 1 >= L or not ok.any()
+
+
+def test_loss_matches_inference_path(tiny, tmp_path):
+    """The training loss uses exactly the inference drafter: its unary argmax at a
+    block equals the proposal of the inference path with the same context."""
+    target, tok = tiny
+    d = init_drafter(target, tok, num_layers=1, block_size=6, selector_rank=4, selector_top_k=4)
+    tokens = mx.array(np.random.RandomState(0).randint(2, 60, size=(1, 20)).astype(np.int32))
+    feats = target.taps(tokens, tuple(d.config.target_layer_ids))
+    anchors = mx.array([[9]])
+    block = mx.array([[tokens[0, 9].item()] + [d.config.mask_token_id] * 5])
+    h = d.forward_blocks(target.embed(block), feats, anchors)
+    ctx = DraftContext(d)
+    ctx.append(d, feats[0, :9])
+    h2 = d(target.embed(block), ctx)
+    np.testing.assert_allclose(np.array(h), np.array(h2), rtol=1e-4, atol=1e-4)
+    labels = tokens[:, 10:15][:, None]
+    loss, m = dflash_loss(d, target, feats, tokens, anchors, labels, mx.ones((1, 1, 5), dtype=mx.bool_),
+                          mx.ones((5,)), 1.0)
+    assert np.isfinite(loss.item()) and "selector" in m
+
+
+def test_loss_decreases_and_resume_is_exact(tiny, tmp_path):
+    target, tok = tiny
+    _patterned_data(tmp_path / "data")
+    # uninterrupted: 24 steps
+    full = Trainer(_cfg(tmp_path, out=str(tmp_path / "full"), steps=24, lr=1e-2), target, tok)
+    full.fit(progress=False)
+    logs = [json.loads(l) for l in open(tmp_path / "full" / "log.jsonl")]
+    first, last = np.mean([l["main"] for l in logs[:3]]), np.mean([l["main"] for l in logs[-3:]])
+    assert last < first * 0.8, (first, last)
+    # interrupted after 10 steps (checkpoint at 10), resumed by a fresh Trainer
+    a = Trainer(_cfg(tmp_path, out=str(tmp_path / "split"), steps=24, lr=1e-2, save_every=10), target, tok)
+    a.fit(progress=False, max_steps=10)
+    assert a.step == 10 and not (tmp_path / "split" / "drafter").exists()
+    b = Trainer(_cfg(tmp_path, out=str(tmp_path / "split"), steps=24, lr=1e-2, save_every=10), target, tok)
+    b.fit(progress=False)
+    assert b.step == 24
+    pa = dict(tree_flatten(full.drafter.parameters()))
+    pb = dict(tree_flatten(load_drafter(tmp_path / "split" / "drafter", target, tok).parameters()))
+    for k in pa:
+        np.testing.assert_array_equal(np.array(pa[k]), np.array(pb[k]), err_msg=k)
+
+
+def test_finetune_from_dflash_v1_starts_as_noop(tiny, tmp_path):
+    """Fine-tuning a published-style DFlash (v1) drafter as DFlash2: conv and selector start as exact no-ops."""
+    target, tok = tiny
+    _patterned_data(tmp_path / "data")
+    v1 = init_drafter(target, tok, architecture="DFlashDraftModel", num_layers=1, block_size=6, seed=4)
+    save_drafter(v1, tmp_path / "v1")
+    tr = Trainer(_cfg(tmp_path, init=str(tmp_path / "v1"), steps=2), target, tok)
+    assert tr.drafter.config.is_dflash2
+    feats = mx.random.normal((1, 12, len(v1.config.target_layer_ids) * 32))
+    emb = mx.random.normal((1, 6, 32))
+    c1, c2 = DraftContext(v1), DraftContext(tr.drafter)
+    c1.append(v1, feats[0])
+    c2.append(tr.drafter, feats[0])
+    assert mx.array_equal(v1(emb, c1), tr.drafter(emb, c2)).item()
+    tr.fit(progress=False)
+    assert (tmp_path / "run" / "drafter" / "config.json").is_file()
+
+
+def test_time_budget_calibrates_steps(tiny, tmp_path):
+    target, tok = tiny
+    _patterned_data(tmp_path / "data")
+    tr = Trainer(_cfg(tmp_path, steps=None, time_budget=2.0), target, tok)
+    tr.fit(progress=False)
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["steps"] == tr.total_steps == tr.step >= 1
+    assert saved["extra"]["calibrated_step_s"] > 0
+
+
+def test_replay_equals_real_loop(tiny, tmp_path):
+    target, tok = tiny
+    _patterned_data(tmp_path / "data", n=8)
+    tr = Trainer(_cfg(tmp_path, steps=30), target, tok)
+    tr.fit(progress=False)
+    rows = []
+    from mlx_lm.generate import generate_step
+
+    for r in read_responses(tmp_path / "data")[:4]:
+        toks = [t for t, _ in generate_step(mx.array(r["prompt_ids"]), target.model, max_tokens=24)]
+        rows.append({"prompt_ids": r["prompt_ids"], "response_ids": toks[: toks.index(1) + 1] if 1 in toks else toks})
+    for B in (3, 6):
+        for loop_tau, replay_tau, same in check_against_loop(target, tok, tr.drafter, rows, B, 24):
+            assert same and loop_tau == pytest.approx(replay_tau)
+    st, per = replay(target, tr.drafter, rows, 6, 24, VOCAB, lookup=True)
+    assert st.tau >= 1.0 and len(per) == 4
+
+
+def test_decontamination_and_eval_sets():
+    dec = Decontaminator()
+    he = load_eval_set("humaneval")
+    assert len(he) == 164 and len(load_eval_set("mtbench")) == 80 and len(load_eval_set("gsm8k")) == 200
+    gsm = json.loads(open(__import__("mlx_dflash2").__path__[0] + "/data/evalsets/gsm8k.jsonl").readline())
+    assert not dec.clean(gsm["question"])
+    assert not dec.clean("Please solve: " + gsm["question"])
+    assert dec.clean("Write a Python function that reverses a string.")
+
+
+def test_prompt_file_formats(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"prompt": "hi"}\n{"messages": [{"role": "user", "content": "yo"}]}\n')
+    (tmp_path / "b.txt").write_text("first\n\nsecond\n")
+    assert [r["messages"][0]["content"] for r in read_prompt_file(tmp_path / "a.jsonl")] == ["hi", "yo"]
+    assert len(read_prompt_file(tmp_path / "b.txt")) == 2
+    (tmp_path / "c.jsonl").write_text('{"nothing": 1}\n')
+    with pytest.raises(ValueError, match="prompt"):
+        read_prompt_file(tmp_path / "c.jsonl")
+
+
+def test_sharded_checkpoint_roundtrip(tiny, tmp_path):
+    target, tok = tiny
+    d = init_drafter(target, tok, num_layers=2, block_size=6, selector_rank=4)
+    save_drafter(d, tmp_path / "s", max_shard_mb=0.01)
+    files = sorted(p.name for p in (tmp_path / "s").iterdir())
+    assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) > 1
+    d2 = load_drafter(tmp_path / "s", target, tok)
+    a, b = dict(tree_flatten(d.parameters())), dict(tree_flatten(d2.parameters()))
+    assert all(mx.array_equal(a[k], b[k]).item() for k in a)

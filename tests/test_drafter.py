@@ -280,7 +280,7 @@ def test_checkpoint_roundtrip(tmp_path, smol_q, fresh):
 
 
 def _write(tmp_path, fresh, mutate_cfg=None, mutate_weights=None):
-    d = save_drafter(fresh, tmp_path / "ck", overwrite=True)
+    d = save_drafter(fresh, tmp_path / "ck", overwrite=True, max_shard_mb=1000)
     if mutate_cfg:
         cfg = json.loads((d / "config.json").read_text())
         mutate_cfg(cfg)

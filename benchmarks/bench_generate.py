@@ -70,7 +70,7 @@ def main(argv=None):
     for pname, dname in tqdm(jobs, desc="benchmark", file=sys.stderr):
         ids = tok.apply_chat_template([{"role": "user", "content": prompts[pname]}], add_generation_prompt=True)
         proposer = make_proposer(dname, target, tok, name)
-        B = args.block_size or proposer.block_size
+        B = args.block_size or (proposer.block_size if proposer else 1)
         plain_tps, spec_tps, taus = [], [], []
         run_once(target, ids, None, 1, 8)  # warm-up
         for _ in range(args.repeats):

@@ -58,6 +58,7 @@ def main(argv=None) -> int:
     r.add_argument("--temp", type=float, default=0.7)
     r.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--time-budget", type=float, default=None, help="stop between shards after this many seconds")
 
     f = sub.add_parser("fit", help="train or fine-tune a drafter")
     _add_target_args(f)
@@ -104,7 +105,8 @@ def main(argv=None) -> int:
             prompts = read_prompt_file(args.prompts)[: args.limit]
             target, tok = _target(args)
             st = regenerate(target, tok, prompts, args.out, args.max_tokens, args.batch_size, args.shard_size,
-                            args.temp_fraction, args.temp, seed=args.seed)
+                            args.temp_fraction, args.temp, seed=args.seed,
+                            time_budget=args.time_budget)
             print(json.dumps(st))
         elif args.cmd == "fit":
             from .trainer import Trainer

@@ -39,6 +39,7 @@ def regenerate(
     max_prompt_tokens: int = 1024,
     seed: int = 0,
     progress: bool = True,
+    time_budget: float | None = None,
 ) -> dict:
     """Answer ``prompts`` with the target and write the token ids.
 
@@ -54,6 +55,8 @@ def regenerate(
             (the rest greedily); which ones is a deterministic function of
             ``seed`` and the prompt index.
         max_prompt_tokens: longer prompts are skipped.
+        time_budget: stop (between shards) after this many seconds; a later
+            call resumes with the missing shards.
 
     Returns:
         ``{"shards", "written", "skipped_shards", "tokens", "seconds"}``.
@@ -73,6 +76,9 @@ def regenerate(
     tic = time.perf_counter()
     bar = tqdm(total=len(prompts), desc="regenerate", unit="prompt", disable=not progress, file=sys.stderr)
     for si in range(n_shards):
+        if time_budget is not None and time.perf_counter() - tic > time_budget:
+            stats["stopped_early"] = True
+            break
         path = _shard_path(out, si)
         rows = prompts[si * shard_size : (si + 1) * shard_size]
         if path.is_file():

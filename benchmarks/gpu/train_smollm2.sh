@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The recipe of the shipped SmolLM2-135M-Instruct drafter, run on the lent H200 (MLX CUDA backend).
+# Stages (one device call each, back to back; the machine keeps /root/work while warm):
+#   setup | regen SECONDS | train ARCH OUTNAME (SECONDS | steps:N) | eval | bench
+# SMOKE=1 runs every stage at toy size on any machine (CPU included) to check the pipeline.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+W=${WORK:-/root/work}
+OUT=${OUT:-$W/out}
+mkdir -p "$W" "$OUT"
+export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+MODEL=${MODEL:-/root/payload/SmolLM2-135M-Instruct.Q4_1.gguf}
+PY=${PY:-python3}
+SMOKE=${SMOKE:-0}
+# TD: target settings for training (features); RTD: for generating responses (the deployed Q4_1 weights).
+if [ "$SMOKE" = 1 ]; then N=24; MAXT=32; BS=16; SEQ=4; ANCH=8; LAYERS=1; RANK=8; LIMIT=4; BLOCKS=4,8
+  TD="--dtype float32 --dequantize"; RTD="$TD"
+else N=100000; MAXT=256; BS=512; SEQ=32; ANCH=64; LAYERS=4; RANK=32; LIMIT=-1; BLOCKS=4,8,16
+  TD="--dtype bfloat16 --dequantize"; RTD=""; fi
+stage=$1; shift
+case "$stage" in
+setup)
+  [ -d .whl ] && $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  $PY -c "import mlx.core as mx, gguf, mlx_dflash2; print('MLX', mx.__version__, mx.default_device())"
+  ;;
+regen)
+  budget=${1:-240}
+  $PY -m mlx_dflash2.train regen --model "$MODEL" $RTD --prompts .cache/train/prompts.jsonl --limit $N \
+      --out "$W/responses" --max-tokens $MAXT --batch-size $BS --shard-size 512 --temp-fraction 0.2 --time-budget "$budget"
+  $PY - "$W/responses" <<'PYEOF'
+import sys, json, glob
+rows = [json.loads(l) for f in sorted(glob.glob(sys.argv[1] + "/shard-*.jsonl")) for l in open(f)]
+print(json.dumps({"sequences": len(rows), "response_tokens": sum(len(r["response_ids"]) for r in rows),
+                  "prompt_tokens": sum(len(r["prompt_ids"]) for r in rows)}))
+PYEOF
+  tar -czf "$OUT/responses.tar.gz" -C "$W" responses
+  ;;
+train)
+  arch=$1; name=$2; spec=$3
+  if [[ "$spec" == steps:* ]]; then lim="--steps ${spec#steps:}"; else lim="--time-budget $spec"; fi
+  $PY -m mlx_dflash2.train fit --model "$MODEL" $TD --data "$W/responses" --out "$W/runs/$name" \
+      --architecture "$arch" --num-layers $LAYERS --num-taps 5 --block-size 16 --selector-rank $RANK \
+      --anchors $ANCH --batch-size $SEQ --lr 1e-3 --log-every 20 --save-every 100000 $lim
+  $PY - "$W/runs/$name" "$OUT/$name" "$MODEL" <<'PYEOF'
+import sys, shutil, mlx.core as mx
+from mlx_dflash2.loading import load_target
+from mlx_dflash2.drafter import load_drafter, save_drafter
+t, tok, _ = load_target(sys.argv[3])
+d = load_drafter(sys.argv[1] + "/drafter", t, tok, dtype=mx.bfloat16)
+save_drafter(d, sys.argv[2], overwrite=True, max_shard_mb=15)
+PYEOF
+  cp "$W/runs/$name/log.jsonl" "$OUT/$name-log.jsonl"; cp "$W/runs/$name/config.json" "$OUT/$name-train-config.json"
+  ;;
+eval)
+  args=()
+  for d in "$@"; do args+=(--drafter "$d=$W/runs/$d/drafter"); done
+  $PY -m mlx_dflash2.train eval --model "$MODEL" $RTD "${args[@]}" --block-sizes $BLOCKS --max-tokens $MAXT \
+      --limit $LIMIT --cache-dir "$W/evalcache" --out "$OUT/tau.json"
+  $PY -m mlx_dflash2.train eval --model "$MODEL" $RTD --drafter "$1=$W/runs/$1/drafter" --lookup --block-sizes $BLOCKS \
+      --max-tokens $MAXT --limit $LIMIT --cache-dir "$W/evalcache" --out "$OUT/tau-lookup.json"
+  ;;
+bench)
+  $PY benchmarks/bench_generate.py --model "$MODEL" --drafter "$W/runs/$1/drafter" --drafter none --drafter lookup \
+      --max-tokens 128 --repeats 3 --out "$OUT/generate-gpu.json"
+  ;;
+*) echo "unknown stage $stage" >&2; exit 2;;
+esac

@@ -182,7 +182,7 @@ def make_proposer(
     elif drafter == "init":
         model = init_drafter(target, tokenizer, seed=seed)
     else:
-        model = load_drafter(drafter, target, tokenizer, dtype=drafter_dtype)
+        model = load_drafter(drafter, target, tokenizer, dtype=drafter_dtype or _default_dtype())
     p = DFlashProposer(model, target, valid_vocab=len(tokenizer))
     return FusedProposer(p, LookupProposer(block_size=p.block_size)) if lookup else p
 

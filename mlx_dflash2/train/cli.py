@@ -118,13 +118,14 @@ def main(argv=None) -> int:
             print(json.dumps({"step": tr.step, "total_steps": tr.total_steps, **last}))
         else:
             from ..drafter import load_drafter
+            from ..loading import _default_dtype
             from .evaluate import evaluate_sets, plot_acceptance, write_report
 
             target, tok = _target(args)
             drafters = {}
             for spec in args.drafter:
                 label, _, path = spec.rpartition("=")
-                model = load_drafter(path, target, tok)
+                model = load_drafter(path, target, tok, dtype=_default_dtype())
                 drafters[label or model.config.architecture] = model
             rep = evaluate_sets(target, tok, drafters, args.sets.split(","),
                                 [int(b) for b in args.block_sizes.split(",")], args.max_tokens,

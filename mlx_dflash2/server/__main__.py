@@ -1,0 +1,7 @@
+"""``python -m mlx_dflash2.server``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

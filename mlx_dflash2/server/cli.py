@@ -1,0 +1,169 @@
+"""The ``mlx_dflash2.server`` command (also ``python -m mlx_dflash2.server``).
+
+A drop-in for ``mlx_lm.server`` with DFlash2 speculative decoding behind it:
+same flag names where they exist, OpenAI-compatible endpoints, FastAPI on
+uvicorn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+from pathlib import Path
+
+__all__ = ["main", "setup_arg_parser", "build_app"]
+
+
+def _size(text: str) -> int:
+    """``"512MB"``, ``"2G"``, ``"1000000"`` -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*", text.lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MB, 2GB)")
+    return int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " "))
+
+
+def _positive(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _non_negative(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def _json_object(text: str) -> dict:
+    try:
+        v = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return v
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mlx_dflash2.server",
+        description="OpenAI-compatible HTTP server with lossless DFlash2 speculative decoding "
+        "(a drop-in for mlx_lm.server).",
+    )
+    p.add_argument("--model", default=None, help="target: a GGUF file, an mlx-lm directory or hub id "
+                   "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--drafter", "--draft-model", default="auto",
+                   help="drafter checkpoint directory, 'lookup', 'none', 'init' or 'auto' "
+                   "(the drafter shipped for the target, else lookup). Default: auto")
+    p.add_argument("--no-lookup", action="store_true", help="do not fuse lookup proposals with the drafter's")
+    p.add_argument("--block-size", "--num-draft-tokens", type=_positive, default=None,
+                   help="block size B (verify width; 1 = no drafting); default the drafter's")
+    p.add_argument("--host", default="127.0.0.1", help="host to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
+    p.add_argument("--allowed-origins", type=lambda x: x.split(","), default=["*"],
+                   help="comma-separated CORS origins (default: *)")
+    p.add_argument("--temp", type=float, default=0.0, help="default sampling temperature (0 = greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="default nucleus sampling top-p")
+    p.add_argument("--top-k", type=int, default=0, help="default top-k (0 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="default min-p (0 = off)")
+    p.add_argument("--max-tokens", type=_positive, default=512, help="default max_tokens (default: 512)")
+    p.add_argument("--chat-template", default="", help="chat template (Jinja string or file) replacing the model's")
+    p.add_argument("--chat-template-args", type=_json_object, default={},
+                   help='JSON of default chat template arguments, e.g. \'{"enable_thinking": false}\'')
+    p.add_argument("--prompt-cache-size", type=_non_negative, default=10,
+                   help="prompt (prefix) states kept across requests (0 = no prompt cache; default 10)")
+    p.add_argument("--prompt-cache-bytes", type=_size, default=None,
+                   help="byte limit of the prompt cache, e.g. 4GB (default: no byte limit)")
+    p.add_argument("--max-context", type=_positive, default=None,
+                   help="limit on prompt + generated tokens per request (default: the target's context)")
+    p.add_argument("--decode-concurrency", type=_positive, default=32,
+                   help="requests generated at once (round-robin); more wait in order (default 32)")
+    p.add_argument("--prefill-step-size", type=_positive, default=2048, help="prompt chunk size (tokens)")
+    p.add_argument("--keepalive-interval", type=float, default=5.0,
+                   help="seconds of silence before an SSE ': keep-alive' comment (default 5)")
+    p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
+                   help="dtype of non-packed weights/scales (auto: float32 on CPU)")
+    p.add_argument("--dequantize", action="store_true", help="expand quantized weights to dense --dtype")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                   help="logging level (default: INFO)")
+    return p
+
+
+def build_app(args: argparse.Namespace, model=None, tokenizer=None):
+    """Load the model (unless given) and build the FastAPI app for parsed ``args``.
+
+    Returns:
+        ``(app, engine)``.
+
+    Raises:
+        FileNotFoundError, ValueError: the model or drafter cannot be loaded.
+    """
+    from ..loading import load
+    from .app import ServerSettings, create_app
+    from .engine import Engine, EngineConfig
+
+    if model is None:
+        model, tokenizer = load(
+            args.model,
+            args.drafter,
+            dtype=args.dtype,
+            dequantize=args.dequantize,
+            block_size=args.block_size,
+            lookup=not args.no_lookup,
+        )
+    if args.chat_template:
+        template = args.chat_template
+        if "{" not in template and Path(template).is_file():
+            template = Path(template).read_text()
+        tokenizer.chat_template = template
+        tokenizer.has_chat_template = True
+    engine = Engine(
+        model,
+        tokenizer,
+        EngineConfig(
+            block_size=args.block_size,
+            max_context=args.max_context,
+            prompt_cache_size=args.prompt_cache_size,
+            prompt_cache_bytes=args.prompt_cache_bytes,
+            decode_concurrency=args.decode_concurrency,
+            prefill_step_size=args.prefill_step_size,
+            chat_template_args=args.chat_template_args,
+        ),
+    )
+    settings = ServerSettings(
+        model_id=model.name,
+        temp=args.temp,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        max_tokens=args.max_tokens,
+        keepalive_s=args.keepalive_interval,
+        allowed_origins=args.allowed_origins,
+        model_aliases=("default_model", args.model) if args.model else ("default_model",),
+    )
+    return create_app(engine, settings), engine
+
+
+def main(argv=None) -> int:
+    """Parse flags, load the model and serve until interrupted."""
+    args = setup_arg_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s - %(levelname)s - %(message)s")
+    import uvicorn
+
+    try:
+        app, engine = build_app(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    p = engine.model.proposer
+    logging.getLogger("mlx_dflash2.server").info(
+        "serving %s (drafter %s, block size %d) on http://%s:%d/v1",
+        engine.model.name, p.name if p else "none", args.block_size or engine.model.block_size, args.host, args.port,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+    return 0

@@ -1,0 +1,630 @@
+"""The server's generation engine: one worker thread owns the model.
+
+MLX must not evaluate one model from several threads at once, so a single
+worker thread runs every request. It keeps a list of active requests and
+advances them **round-robin, one token each** (one ``next()`` on each
+request's :func:`~mlx_dflash2.api.stream_generate` generator), so no request
+waits for another to finish. Each request has its own target KV cache and
+drafter context and greedy decoding is deterministic, so a request's output
+equals what it gets alone. (A speculative round verifies a whole block; the
+following ``next()`` calls of that request return the round's other tokens at
+no cost.) A request's first ``next()`` is its prefill.
+
+The asyncio side (:mod:`.app`) submits :class:`Job` objects and receives
+events on the job's ``asyncio.Queue`` (posted thread-safely):
+:class:`Admitted`, :class:`Progress` (prefill; the SSE keep-alives),
+:class:`TokenOut` (one per token; the last carries usage and statistics) or
+:class:`Failed`. Setting :attr:`Job.cancelled` (client gone) makes the worker
+close that request's generator, which cuts its caches, and drop it.
+
+Prompt (prefix) cache: :class:`PromptCache` keeps the final
+:class:`~mlx_dflash2.speculative.GenerationState` of recent requests (target KV
+cache + drafter context + lookup history, for ``state.tokens``). A new request
+takes the entry sharing the longest prefix with its prompt: it takes the entry
+over when the entry is a prefix of its prompt (a conversation's next turn),
+otherwise it works on a deep copy; the loop then prefills only the rest.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ..api import stream_generate
+from ..loading import SpeculativeModel
+from ..proposers import Proposer
+from ..speculative import GenerationState
+from .protocol import APIError, bad_request
+from .text import TokenText, convert_chat, initial_reasoning_state, top_logprobs
+
+__all__ = ["Engine", "EngineConfig", "Job", "PromptCache", "Admitted", "Progress", "TokenOut", "Failed"]
+
+log = logging.getLogger("mlx_dflash2.server")
+
+
+# ----------------------------------------------------------------------------
+# Events (worker -> request handler)
+# ----------------------------------------------------------------------------
+
+
+@dataclass
+class Admitted:
+    """The prompt is tokenized and the request is active."""
+
+    prompt_tokens: int
+    reasoning: bool  # the prompt opened a thinking block
+
+
+@dataclass
+class Progress:
+    """Prefill progress (tokens)."""
+
+    done: int
+    total: int
+
+
+@dataclass
+class TokenOut:
+    """One generated token.
+
+    Attributes:
+        text: the next text segment (may be empty; stop strings already cut).
+        token: token id.
+        finish_reason: ``"stop"`` / ``"length"`` on the last token, else None.
+        logprob: the token's log-probability (only if requested; None for an EOS).
+        top: ``[(id, logprob)]`` alternatives (only if requested).
+        usage: on the last token: prompt_tokens, completion_tokens, cached_tokens.
+        stats: on the last token: :class:`~mlx_dflash2.speculative.SpecStats` as a dict.
+    """
+
+    text: str
+    token: int
+    finish_reason: Optional[str] = None
+    logprob: Optional[float] = None
+    top: Optional[list] = None
+    usage: Optional[dict] = None
+    stats: Optional[dict] = None
+
+
+@dataclass
+class Failed:
+    """The request failed; nothing more follows."""
+
+    error: APIError
+
+
+# ----------------------------------------------------------------------------
+# Jobs
+# ----------------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    """One request as the worker sees it.
+
+    Attributes:
+        kind: ``"chat"`` (``messages``) or ``"text"`` (``prompt``: text or token ids).
+        gen_kwargs: keyword arguments for ``stream_generate`` (sampling,
+            processors, stop, seed; ``max_tokens`` is capped to the context).
+        max_tokens: requested maximum of generated tokens.
+        block_size: B for this request (None: the server's).
+        logprobs: compute the emitted tokens' log-probabilities.
+        top_logprobs: number of alternatives per token.
+        loop, queue: where events are posted (``loop.call_soon_threadsafe``).
+        cancelled: set by the handler when the client has gone.
+    """
+
+    kind: str
+    max_tokens: int
+    messages: Optional[list] = None
+    prompt: Any = None
+    tools: Optional[list] = None
+    chat_template_kwargs: Optional[dict] = None
+    gen_kwargs: dict = field(default_factory=dict)
+    block_size: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    loop: Any = None
+    queue: Any = None
+    cancelled: bool = False
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    # worker-side
+    gen: Any = None
+    state: Optional[GenerationState] = None
+    cache_state: bool = False
+    prompt_ids: list = field(default_factory=list)
+    submitted: float = field(default_factory=time.perf_counter)
+
+    def cancel(self) -> None:
+        """Ask the worker to stop this request and free its caches (idempotent)."""
+        self.cancelled = True
+
+    def post(self, event) -> None:
+        """Hand an event to the request's handler (any thread)."""
+        if self.loop is None or self.queue is None:
+            return
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the event loop is closed: nobody is listening
+            self.cancelled = True
+
+
+# ----------------------------------------------------------------------------
+# Prompt cache
+# ----------------------------------------------------------------------------
+
+
+def _shared_objects(proposer) -> dict:
+    """deepcopy memo that keeps the proposer tree (weights, target) shared between copies."""
+    import mlx.nn as nn
+
+    from ..target import TargetAdapter
+
+    memo: dict = {}
+    stack = [proposer]
+    while stack:
+        o = stack.pop()
+        if o is None or id(o) in memo:
+            continue
+        memo[id(o)] = o
+        if isinstance(o, Proposer):
+            stack.extend(v for v in vars(o).values() if isinstance(v, (Proposer, nn.Module, TargetAdapter)))
+    return memo
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def state_nbytes(state: GenerationState) -> int:
+    """Bytes of device memory held by a state's target KV cache and drafter context."""
+    n = 0
+    for c in state.cache or []:
+        for a in (getattr(c, "keys", None), getattr(c, "values", None)):
+            if a is not None:
+                n += a.nbytes
+    if state.session is not None:
+        n += sum(a.nbytes for a in state.session.state_arrays())
+    return n
+
+
+class PromptCache:
+    """LRU of :class:`GenerationState` objects, matched by longest common token prefix.
+
+    Only the worker thread uses it.
+
+    Args:
+        max_entries: at most this many states are kept (0 disables the cache).
+        max_bytes: and at most this many bytes of caches (None: no byte limit).
+    """
+
+    def __init__(self, max_entries: int, max_bytes: Optional[int] = None):
+        self.max_entries = max(0, int(max_entries))
+        self.max_bytes = max_bytes
+        self._entries: "OrderedDict[int, GenerationState]" = OrderedDict()
+        self._memo: dict = {}
+        self._memo_for = None
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(state_nbytes(s) for s in self._entries.values())
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def fetch(self, prompt: list[int], proposer) -> GenerationState:
+        """A state for a request with ``prompt``: the best entry (taken over or
+        copied) or a fresh one. The caller owns the result."""
+        best, best_n = None, 0
+        for key, st in self._entries.items():  # oldest first: ties go to the most recent
+            if st.proposer is not proposer or not st.tokens or st.cache is None:
+                continue
+            n = common_prefix(st.tokens, prompt)
+            if n >= best_n and n > 0:
+                best, best_n = key, n
+        if best is None:
+            self.misses += 1
+            return GenerationState()
+        self.hits += 1
+        st = self._entries[best]
+        if best_n >= len(st.tokens):
+            del self._entries[best]  # a prefix of the prompt: the request extends it
+            return st
+        self._entries.move_to_end(best)
+        if self._memo_for is not proposer:
+            self._memo, self._memo_for = _shared_objects(proposer), proposer
+        return copy.deepcopy(st, dict(self._memo))
+
+    def put(self, state: GenerationState) -> None:
+        """Keep a finished request's state (it must not be used elsewhere afterwards)."""
+        if self.max_entries == 0 or state.cache is None or not state.tokens:
+            return
+        # entries that are a prefix of this one are superseded by it
+        for key in [k for k, s in self._entries.items()
+                    if s.proposer is state.proposer and len(s.tokens) <= len(state.tokens)
+                    and common_prefix(s.tokens, state.tokens) == len(s.tokens)]:
+            del self._entries[key]
+        self._entries[id(state)] = state
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+        if self.max_bytes is not None:
+            while self._entries and self.nbytes > self.max_bytes:
+                self._entries.popitem(last=False)
+
+
+# ----------------------------------------------------------------------------
+# Metrics
+# ----------------------------------------------------------------------------
+
+
+class Metrics:
+    """Counters of the server (thread-safe)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.started = time.time()
+        self.requests = {"chat": 0, "text": 0}
+        self.completed = 0
+        self.errors = 0
+        self.cancelled = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.generated_tokens = 0
+        self.rounds = 0
+        self.round_tokens = 0
+        self.drafted = 0
+        self.accepted = 0
+        self.busy_s = 0.0
+
+    def add(self, **kw) -> None:
+        with self.lock:
+            for k, v in kw.items():
+                setattr(self, k, getattr(self, k) + v)
+
+    def request(self, kind: str) -> None:
+        with self.lock:
+            self.requests[kind] = self.requests.get(kind, 0) + 1
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            return {
+                "uptime_s": time.time() - self.started,
+                "requests_total": dict(self.requests),
+                "requests_completed_total": self.completed,
+                "request_errors_total": self.errors,
+                "requests_cancelled_total": self.cancelled,
+                "prompt_tokens_total": self.prompt_tokens,
+                "cached_prompt_tokens_total": self.cached_tokens,
+                "generated_tokens_total": self.generated_tokens,
+                "target_forwards_total": self.rounds,
+                "drafted_tokens_total": self.drafted,
+                "accepted_tokens_total": self.accepted,
+                "acceptance_length": self.round_tokens / self.rounds if self.rounds else 0.0,
+                "busy_s": self.busy_s,
+                "generation_tokens_per_second": self.generated_tokens / self.busy_s if self.busy_s > 0 else 0.0,
+            }
+
+
+# ----------------------------------------------------------------------------
+# Engine
+# ----------------------------------------------------------------------------
+
+
+@dataclass
+class EngineConfig:
+    """Server-side settings of the engine.
+
+    Attributes:
+        block_size: default B (None: the drafter's).
+        max_context: limit on prompt + generated tokens (None: the target's).
+        prompt_cache_size: cached prompt states (0: no prompt cache).
+        prompt_cache_bytes: byte limit of the prompt cache (None: none).
+        decode_concurrency: active requests at most; more wait in FIFO order.
+        prefill_step_size: prompt chunk (tokens) between prefill progress events.
+        chat_template_args: default chat template arguments.
+    """
+
+    block_size: Optional[int] = None
+    max_context: Optional[int] = None
+    prompt_cache_size: int = 10
+    prompt_cache_bytes: Optional[int] = None
+    decode_concurrency: int = 32
+    prefill_step_size: int = 2048
+    chat_template_args: dict = field(default_factory=dict)
+
+
+_PARAMS = [("temp", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("min_p", "min_p"),
+           ("repetition_penalty", "repetition_penalty"), ("presence_penalty", "presence_penalty"),
+           ("frequency_penalty", "frequency_penalty"), ("logit_bias", "logit_bias"), ("max_tokens", "max_tokens")]
+
+
+def _param_of(message: str) -> Optional[str]:
+    """The request field an error of ``stream_generate`` is about (best effort)."""
+    for key, param in _PARAMS:
+        if key in message:
+            return param
+    return None
+
+
+class Engine:
+    """Owns the model; serves :class:`Job` objects on one worker thread.
+
+    Args:
+        model: from :func:`mlx_dflash2.load`.
+        tokenizer: the target's ``TokenizerWrapper``.
+        config: :class:`EngineConfig`.
+
+    Call :meth:`start` before :meth:`submit`, :meth:`stop` at shutdown.
+    """
+
+    def __init__(self, model: SpeculativeModel, tokenizer, config: Optional[EngineConfig] = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config or EngineConfig()
+        limits = [x for x in (self.config.max_context, model.target.max_context) if x]
+        self.max_context: Optional[int] = min(limits) if limits else None
+        self.prompt_cache = PromptCache(self.config.prompt_cache_size, self.config.prompt_cache_bytes)
+        self.metrics = Metrics()
+        self.token_text = TokenText(tokenizer)
+        self.vocab_size = len(tokenizer)
+        self._inbox: "queue.Queue[Job]" = queue.Queue()
+        self._waiting: deque = deque()
+        self._active: list[Job] = []
+        self._stopping = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._call_lock = threading.Lock()
+        self._calls: list = []
+
+    # ---- lifecycle -------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._stopping.clear()
+            self._thread = threading.Thread(target=self._run, name="mlx_dflash2-generation", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def healthy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting) + self._inbox.qsize()
+
+    def submit(self, job: Job) -> None:
+        """Queue a job (any thread)."""
+        self.metrics.request(job.kind)
+        self._inbox.put(job)
+
+    def call(self, fn, timeout: float = 60.0):
+        """Run ``fn()`` on the worker thread between steps and return its result
+        (for tests and maintenance, e.g. clearing the prompt cache)."""
+        done = threading.Event()
+        box: dict = {}
+
+        def wrapper():
+            try:
+                box["result"] = fn()
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+                box["error"] = e
+            done.set()
+
+        with self._call_lock:
+            self._calls.append(wrapper)
+        self._inbox.put(None)  # wake the worker
+        if not done.wait(timeout):
+            raise TimeoutError("the generation worker did not answer")
+        if "error" in box:
+            raise box["error"]
+        return box.get("result")
+
+    # ---- worker ----------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self._drain(block=not self._active and not self._waiting)
+                self._run_calls()
+                self._admit()
+                if self._active:
+                    tic = time.perf_counter()
+                    for job in list(self._active):
+                        self._step(job)
+                    self.metrics.add(busy_s=time.perf_counter() - tic)
+            except Exception:  # noqa: BLE001 - the worker must survive anything
+                log.exception("generation worker error")
+        for job in list(self._active) + list(self._waiting):
+            self._close(job)
+            job.post(Failed(APIError(503, "the server is shutting down", code="server_shutdown")))
+
+    def _drain(self, block: bool) -> None:
+        try:
+            job = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if job is not None:
+                self._waiting.append(job)
+            try:
+                job = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run_calls(self) -> None:
+        with self._call_lock:
+            calls, self._calls = self._calls, []
+        for c in calls:
+            c()
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._active) < max(1, self.config.decode_concurrency):
+            job = self._waiting.popleft()
+            if job.cancelled:
+                self.metrics.add(cancelled=1)
+                continue
+            try:
+                self._start(job)
+            except APIError as e:
+                self._fail(job, e)
+            except Exception as e:  # noqa: BLE001
+                log.exception("request %s could not start", job.id)
+                self._fail(job, APIError(500, f"internal error: {type(e).__name__}: {e}"))
+
+    def _tokenize(self, job: Job) -> list[int]:
+        tok = self.tokenizer
+        if job.kind == "chat":
+            if getattr(tok, "has_chat_template", False):
+                kwargs = dict(self.config.chat_template_args)
+                kwargs.update(job.chat_template_kwargs or {})
+                if job.tools:
+                    kwargs["tools"] = job.tools
+                try:
+                    ids = tok.apply_chat_template(job.messages, add_generation_prompt=True, **kwargs)
+                except Exception as e:  # noqa: BLE001 - template errors are caused by the request
+                    log.info("chat template refused request %s: %r", job.id, e)
+                    raise bad_request(f"could not apply the chat template: {e}", "messages") from e
+                if isinstance(ids, dict) or hasattr(ids, "keys"):
+                    ids = ids["input_ids"]
+                return [int(t) for t in ids]
+            return tok.encode(convert_chat(job.messages))
+        if isinstance(job.prompt, str):
+            add_special = tok.bos_token is None or not job.prompt.startswith(tok.bos_token)
+            return tok.encode(job.prompt, add_special_tokens=add_special)
+        return [int(t) for t in job.prompt]
+
+    def _start(self, job: Job) -> None:
+        ids = self._tokenize(job)
+        param = "messages" if job.kind == "chat" else "prompt"
+        if not ids:
+            raise bad_request("the prompt is empty (no tokens)", param)
+        if job.kind == "text" and any(t < 0 or t >= self.vocab_size for t in ids):
+            raise bad_request(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+        limit = self.max_context
+        max_tokens = job.max_tokens
+        if limit is not None:
+            if len(ids) >= limit:
+                raise APIError(
+                    400,
+                    f"This model's maximum context length is {limit} tokens; the prompt has {len(ids)} tokens "
+                    "and must leave room for at least one generated token.",
+                    param,
+                    "context_length_exceeded",
+                )
+            max_tokens = min(max_tokens, limit - len(ids))
+        m = self.model
+        B = job.block_size or self.config.block_size or m.block_size
+        job.cache_state = m.proposer is not None and B > 1 and self.prompt_cache.max_entries > 0
+        # Without drafting the loop builds a new no-op proposer per request, so its caches
+        # cannot be matched again: such requests neither use nor fill the prompt cache.
+        job.state = self.prompt_cache.fetch(ids, m.proposer) if job.cache_state else GenerationState()
+        job.prompt_ids = ids
+
+        def progress(done: int, total: int) -> None:
+            job.post(Progress(done, total))
+
+        job.gen = stream_generate(
+            m,
+            self.tokenizer,
+            ids,
+            max_tokens=max_tokens,
+            block_size=B,
+            prefill_step_size=self.config.prefill_step_size,
+            prompt_progress_callback=progress,
+            state=job.state,
+            **job.gen_kwargs,
+        )
+        self._active.append(job)
+        reasoning = job.kind == "chat" and initial_reasoning_state(self.tokenizer, ids)
+        job.post(Admitted(len(ids), reasoning))
+
+    def _step(self, job: Job) -> None:
+        if job.cancelled:
+            self._close(job)
+            self.metrics.add(cancelled=1)
+            log.info("request %s cancelled (client gone)", job.id)
+            return
+        try:
+            r = next(job.gen)
+        except StopIteration:
+            self._close(job)
+            self._fail(job, APIError(500, "generation ended without a final response"))
+            return
+        except (ValueError, NotImplementedError) as e:
+            self._close(job)
+            self._fail(job, bad_request(str(e), _param_of(str(e))))
+            return
+        except Exception as e:  # noqa: BLE001
+            log.exception("request %s failed", job.id)
+            self._close(job)
+            self._fail(job, APIError(500, f"internal error: {type(e).__name__}: {e}"))
+            return
+        out = TokenOut(r.text, int(r.token), r.finish_reason)
+        is_eos = r.finish_reason == "stop" and out.token in self.tokenizer.eos_token_ids
+        if job.logprobs and not is_eos:
+            out.logprob, out.top = top_logprobs(r.logprobs, out.token, job.top_logprobs)
+        if r.finish_reason is not None:
+            s = r.stats
+            out.usage = {
+                "prompt_tokens": r.prompt_tokens,
+                "completion_tokens": r.generation_tokens,
+                "cached_tokens": s.cached_tokens,
+            }
+            out.stats = s.as_dict()
+            self.metrics.add(
+                completed=1,
+                prompt_tokens=r.prompt_tokens,
+                cached_tokens=s.cached_tokens,
+                generated_tokens=r.generation_tokens,
+                rounds=s.rounds,
+                round_tokens=s.round_tokens,
+                drafted=s.drafted,
+                accepted=s.accepted,
+            )
+            self._close(job, keep=True)
+        job.post(out)
+
+    def _close(self, job: Job, keep: bool = False) -> None:
+        """Close the request's generator (its caches are cut to the emitted tokens)
+        and keep its state in the prompt cache or drop it."""
+        if job.gen is not None:
+            try:
+                job.gen.close()
+            except Exception:  # noqa: BLE001
+                log.exception("closing request %s", job.id)
+                keep = False
+            job.gen = None
+        if job in self._active:
+            self._active.remove(job)
+        if keep and job.cache_state and job.state is not None:
+            self.prompt_cache.put(job.state)
+        job.state = None
+
+    def _fail(self, job: Job, error: APIError) -> None:
+        self.metrics.add(errors=1)
+        job.post(Failed(error))

@@ -1,0 +1,328 @@
+"""Request and response models of the OpenAI-compatible server (pydantic v2).
+
+The request models validate every field the server reads and give the OpenAPI
+schema (``GET /openapi.json``). Field names, defaults and ranges follow
+``mlx_lm.server`` and OpenAI's API; ``null`` always means "the server default"
+(the ``--temp`` / ``--max-tokens`` ... flags). Unknown fields are ignored, as
+OpenAI clients send fields this server has no use for (``user``, ``n=1`` ...).
+
+Errors are returned in OpenAI's format (:class:`ErrorResponse`)::
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": null}}
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Dict, List, Literal, Optional, Union
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictStr, field_validator
+
+__all__ = [
+    "APIError",
+    "ChatMessage",
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "ErrorResponse",
+    "FIELD_NAMES",
+]
+
+# Template arguments a request may not override: the server sets them.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict", "return_tensors",
+     "continue_final_message", "tools", "documents", "chat_template", "padding", "truncation", "max_length",
+     "return_assistant_tokens_mask", "tokenizer_kwargs"}
+)
+
+
+class APIError(Exception):
+    """An error returned to the client in OpenAI's format.
+
+    Args:
+        status: HTTP status (400 for bad requests).
+        message: human-readable message.
+        param: the offending request field (``"max_tokens"``, ``"messages[0].role"``) or None.
+        code: machine-readable code (``"context_length_exceeded"``, ``"model_not_found"``) or None.
+        type: OpenAI error type (default from the status: ``invalid_request_error`` for 4xx).
+    """
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 type: Optional[str] = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        if type is None:
+            type = {404: "not_found_error", 405: "invalid_request_error"}.get(
+                status, "invalid_request_error" if status < 500 else "server_error"
+            )
+        self.type = type
+
+    def body(self) -> dict:
+        """The JSON body: ``{"error": {message, type, param, code}}``."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:
+    """A 400 ``invalid_request_error``."""
+    return APIError(400, message, param, code)
+
+
+# ----------------------------------------------------------------------------
+# Requests
+# ----------------------------------------------------------------------------
+
+def _json_int(v):
+    """JSON integers: ints and integral numbers such as ``8.0`` (JSON Schema's
+    definition); strings, booleans and fractions are refused."""
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError("Input should be a valid integer")
+    return v
+
+
+#: An integer as JSON Schema defines it (``8`` or ``8.0``; not ``"8"``, ``true`` or ``8.5``).
+StrictInt = Annotated[int, BeforeValidator(_json_int)]
+Penalty = Optional[StrictFloat]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextPart(_Request):
+    """A text content part (``{"type": "text", "text": "..."}``); other part types are refused."""
+
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(_Request):
+    """One chat message. ``developer`` is read as ``system``; ``content`` may be a
+    string or a list of text parts (missing or ``null``: empty, as mlx_lm.server)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[StrictStr, List[TextPart]]] = None
+    name: Optional[StrictStr] = None
+    tool_calls: Optional[List[Dict[str, Any]]] = None
+    tool_call_id: Optional[StrictStr] = None
+
+
+class StreamOptions(_Request):
+    """``stream_options``: ``include_usage`` adds a final chunk with ``usage``."""
+
+    include_usage: Optional[StrictBool] = None
+
+
+class _GenerationFields(_Request):
+    """Fields shared by chat and text completions (``null`` = server default)."""
+
+    model: Optional[StrictStr] = Field(None, description="the served model's id (see GET /v1/models); null: it")
+    stream: Optional[StrictBool] = Field(None, description="stream the answer as server-sent events")
+    stream_options: Optional[StreamOptions] = None
+    max_tokens: Optional[StrictInt] = Field(None, ge=1, description="maximum generated tokens (default --max-tokens)")
+    max_completion_tokens: Optional[StrictInt] = Field(None, ge=1, description="alias of max_tokens; wins if both")
+    temperature: Optional[StrictFloat] = Field(None, ge=0, description="0: greedy (default --temp)")
+    top_p: Optional[StrictFloat] = Field(None, gt=0, le=1, description="nucleus sampling, in (0, 1]")
+    top_k: Optional[StrictInt] = Field(None, ge=0, description="top-k sampling (0: off)")
+    min_p: Optional[StrictFloat] = Field(None, ge=0, le=1, description="min-p sampling (0: off)")
+    repetition_penalty: Penalty = Field(None, ge=0, description="multiplicative penalty (0 or 1: off)")
+    repetition_context_size: Optional[StrictInt] = Field(None, ge=0, le=1_000_000)
+    presence_penalty: Penalty = Field(None, ge=-2, le=2)
+    presence_context_size: Optional[StrictInt] = Field(None, ge=0, le=1_000_000)
+    frequency_penalty: Penalty = Field(None, ge=-2, le=2)
+    frequency_context_size: Optional[StrictInt] = Field(None, ge=0, le=1_000_000)
+    logit_bias: Optional[Dict[StrictStr, StrictFloat]] = Field(
+        None, description='token id (as a string) -> bias in [-100, 100], e.g. {"1234": -100}'
+    )
+    seed: Optional[StrictInt] = Field(None, ge=0, le=2**64 - 1)
+    stop: Optional[Union[StrictStr, List[StrictStr]]] = Field(
+        None, description="stop string(s); generation ends at the first, which is not returned"
+    )
+    n: Optional[StrictInt] = Field(None, ge=1, le=1, description="number of choices (only 1)")
+    num_draft_tokens: Optional[StrictInt] = Field(
+        None, ge=1, le=64, description="block size B for this request (1: no drafting; default --block-size)"
+    )
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v):
+        if v is None:
+            return v
+        for k, b in v.items():
+            try:
+                tid = int(k)
+            except ValueError:
+                raise ValueError(f"keys must be token ids (integers as strings), got {k!r}") from None
+            if tid < 0:
+                raise ValueError(f"token id {tid} is negative")
+            if not -100 <= b <= 100:
+                raise ValueError(f"bias {b} for token {k} is outside [-100, 100]")
+        return v
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class ChatCompletionRequest(_GenerationFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: List[ChatMessage] = Field(..., min_length=1)
+    logprobs: Optional[StrictBool] = Field(None, description="return the log-probability of each output token")
+    top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=20, description="alternatives per token (needs logprobs)")
+    chat_template_kwargs: Optional[Dict[str, Any]] = Field(
+        None, description='extra chat template arguments, e.g. {"enable_thinking": false}'
+    )
+    tools: Optional[List[Dict[str, Any]]] = Field(None, description="passed to the chat template")
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, v):
+        if v:
+            bad = sorted(RESERVED_TEMPLATE_KWARGS & set(v))
+            if bad:
+                raise ValueError(f"{', '.join(bad)} cannot be set through chat_template_kwargs")
+        return v
+
+
+class CompletionRequest(_GenerationFields):
+    """``POST /v1/completions``: ``prompt`` is a string, a list of one string, or token ids."""
+
+    prompt: Union[StrictStr, List[StrictInt], List[StrictStr]]
+    logprobs: Optional[StrictInt] = Field(None, ge=0, le=20, description="top log-probabilities per token")
+    echo: Optional[StrictBool] = Field(None, description="only false is supported")
+    suffix: Optional[StrictStr] = Field(None, description="only null is supported")
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, v):
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("the prompt is empty")
+            if isinstance(v[0], str) and len(v) != 1:
+                raise ValueError("only one prompt per request is supported")
+        return v
+
+
+# ----------------------------------------------------------------------------
+# Responses (documentation of the OpenAPI schema; handlers build plain dicts)
+# ----------------------------------------------------------------------------
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body."""
+
+    error: ErrorDetail
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    """Token counts; ``prompt_tokens_details.cached_tokens`` came from the prompt cache."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class SpeculativeStats(BaseModel):
+    """Per-response speculative decoding figures (an extension of OpenAI's format)."""
+
+    drafter: str
+    block_size: int
+    acceptance_length: float = Field(description="tau: tokens emitted per target forward (verify round)")
+    rounds: int
+    drafted_tokens: int
+    accepted_tokens: int
+    acceptance_rate: float
+    prefill_tokens_per_second: float
+    decode_tokens_per_second: float
+
+
+class ChatChoiceMessage(BaseModel):
+    role: Literal["assistant"]
+    content: Optional[str]
+    reasoning_content: Optional[str] = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatChoiceMessage
+    logprobs: Optional[Dict[str, Any]] = None
+    finish_reason: Optional[str]
+
+
+class ChatCompletionResponse(BaseModel):
+    """A non-streamed chat completion (streamed: ``chat.completion.chunk`` SSE events, then ``[DONE]``)."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: List[ChatChoice]
+    usage: Usage
+    speculative: SpeculativeStats
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[Dict[str, Any]] = None
+    finish_reason: Optional[str]
+
+
+class CompletionResponse(BaseModel):
+    """A non-streamed text completion."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: List[CompletionChoice]
+    usage: Usage
+    speculative: SpeculativeStats
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: List[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok", "unavailable"]
+
+
+def _field_names(*models) -> frozenset:
+    names = set()
+    for m in models:
+        names.update(m.model_fields)
+    return frozenset(names | {"format"})
+
+
+#: Request field names (to name the offending field in validation errors).
+FIELD_NAMES = _field_names(ChatCompletionRequest, CompletionRequest, ChatMessage, TextPart, StreamOptions)

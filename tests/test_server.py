@@ -1,0 +1,734 @@
+"""The OpenAI-compatible server: live on 127.0.0.1, driven by the official ``openai`` client and httpx.
+
+The servers run in-process (uvicorn in a thread) on the real embedded
+SmolLM2-135M target (dense float32) with lookup drafting; every request uses a
+few tokens only. Heavier variants (the 8 x 5 load test, long schema fuzzing)
+are marked ``slow``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from mlx_dflash2.loading import SpeculativeModel, make_proposer
+from mlx_dflash2.server.app import ServerSettings, create_app
+from mlx_dflash2.server.engine import Engine, EngineConfig
+from mlx_dflash2.server.text import ReasoningSplitter, initial_reasoning_state
+
+MODEL_ID = "smollm2-135m-instruct"
+MAX_CONTEXT = 512
+UNICODE_PROMPT = "Translate to French, then add an emoji: \"I love coffee and crème brûlée.\" 😀 日本語"
+
+
+class LiveServer:
+    """A uvicorn server in a thread on a free loopback port."""
+
+    def __init__(self, app):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError("server did not start")
+            time.sleep(0.02)
+        self.engine: Engine = app.state.engine
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def make_server(target, tokenizer, proposer="lookup", engine_kw=None, settings_kw=None, tokenizer_proxy=None):
+    p = make_proposer(proposer, target, tokenizer, MODEL_ID)
+    model = SpeculativeModel(target, p, p.block_size if p else 1, MODEL_ID, target.config)
+    engine = Engine(model, tokenizer_proxy or tokenizer,
+                    EngineConfig(**{"max_context": MAX_CONTEXT, "prefill_step_size": 64, **(engine_kw or {})}))
+    settings = ServerSettings(**{"model_id": MODEL_ID, "max_tokens": 16, **(settings_kw or {})})
+    return LiveServer(create_app(engine, settings))
+
+
+@pytest.fixture(scope="module")
+def srv(smol_f32):
+    target, tokenizer = smol_f32
+    s = make_server(target, tokenizer)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    return openai.OpenAI(base_url=f"{srv.url}/v1", api_key="not-needed", max_retries=0, timeout=120)
+
+
+@pytest.fixture()
+def http(srv):
+    with httpx.Client(base_url=srv.url, timeout=120) as c:
+        yield c
+
+
+def chat_msgs(text):
+    return [{"role": "user", "content": text}]
+
+
+def stream_chat(client, **kw):
+    """Concatenated content / reasoning deltas, finish_reason, the usage chunk."""
+    content, reasoning, finish, usage, spec = "", "", None, None, None
+    for ch in client.chat.completions.create(stream=True, **kw):
+        if ch.usage is not None:
+            usage = ch.usage
+        for c in ch.choices:
+            content += c.delta.content or ""
+            reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
+            finish = c.finish_reason or finish
+        spec = (ch.model_extra or {}).get("speculative") or spec
+    return content, reasoning, finish, usage, spec
+
+
+def metrics(http):
+    return http.get("/metrics", params={"format": "json"}).json()
+
+
+# ----------------------------------------------------------------------------
+# Surface
+# ----------------------------------------------------------------------------
+
+
+def test_health_models_openapi_metrics(srv, http, client):
+    assert http.get("/health").json() == {"status": "ok"}
+    assert [m.id for m in client.models.list().data] == [MODEL_ID]
+    assert http.get(f"/v1/models/{MODEL_ID}").json()["id"] == MODEL_ID
+    spec = http.get("/openapi.json").json()
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"):
+        assert path in spec["paths"], path
+    props = spec["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    for f in ("messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
+              "stop", "logprobs", "top_logprobs", "seed", "logit_bias", "stream_options", "chat_template_kwargs"):
+        assert f in props, f
+    m = metrics(http)
+    for k in ("requests_total", "request_errors_total", "acceptance_length", "generation_tokens_per_second",
+              "requests_active", "generated_tokens_total"):
+        assert k in m
+    text = http.get("/metrics").text
+    assert "mlx_dflash2_acceptance_length" in text and "# TYPE mlx_dflash2_requests_total counter" in text
+    r = http.get("/nope")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+def test_chat_streamed_equals_non_streamed(client):
+    for text in ("What is the capital of France?", UNICODE_PROMPT):
+        kw = dict(model=MODEL_ID, messages=chat_msgs(text), max_tokens=14)
+        full = client.chat.completions.create(**kw)
+        ch = full.choices[0]
+        assert ch.message.role == "assistant" and ch.message.content
+        assert ch.finish_reason in ("stop", "length")
+        assert full.usage.completion_tokens <= 14 and full.usage.prompt_tokens > 10
+        assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+        spec = full.model_extra["speculative"]
+        assert spec["drafter"] == "lookup" and spec["acceptance_length"] >= 1.0
+        content, reasoning, finish, usage, sspec = stream_chat(client, stream_options={"include_usage": True}, **kw)
+        assert content.encode() == ch.message.content.encode()
+        assert reasoning == "" and finish == ch.finish_reason
+        assert usage.completion_tokens == full.usage.completion_tokens
+        assert usage.prompt_tokens_details.cached_tokens >= 0 and sspec["rounds"] >= 1
+
+
+def test_completions_streamed_equals_non_streamed_unicode(client):
+    prompts = [UNICODE_PROMPT, "日本の首都は東京です。大阪は", "Emoji list: 😀 😃 😄 😁 😆 😅 🤣 😂 🙂 🙃 😉 😊 😇 🥰"]
+    outs = []
+    for p in prompts:
+        full = client.completions.create(model=MODEL_ID, prompt=p, max_tokens=10)
+        text = full.choices[0].text
+        chunks = list(client.completions.create(model=MODEL_ID, prompt=p, max_tokens=10, stream=True))
+        streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert streamed.encode("utf-8") == text.encode("utf-8")
+        assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+        outs.append(text)
+    assert any(any(ord(c) > 0x2000 for c in t) for t in outs), outs  # the test did exercise multi-byte text
+
+
+FRUITS = "Name five fruits, separated by commas."  # SmolLM2 answers "1. Bananas\n2. Apples\n3. ..."
+
+
+def test_stop_strings_and_max_tokens(client):
+    kw = dict(model=MODEL_ID, messages=chat_msgs(FRUITS))
+    free = client.chat.completions.create(max_tokens=20, **kw).choices[0]
+    text = free.message.content
+    assert free.finish_reason == "length" and len(text) > 20
+    stop = text[len(text) // 2: len(text) // 2 + 4]
+    cut = client.chat.completions.create(max_tokens=20, stop=[stop, "zzz"], **kw).choices[0]
+    assert cut.finish_reason == "stop" and stop not in cut.message.content
+    assert cut.message.content == text[: text.index(stop)]
+    single = client.chat.completions.create(max_tokens=20, stop=stop, **kw).choices[0]
+    assert single.message.content == cut.message.content
+    streamed, _, finish, _, _ = stream_chat(client, max_tokens=20, stop=[stop], **kw)
+    assert streamed == cut.message.content and finish == "stop"
+    for n in (1, 3):
+        r = client.chat.completions.create(max_tokens=n, **kw)
+        assert r.usage.completion_tokens == n and r.choices[0].finish_reason == "length"
+    r = client.chat.completions.create(max_completion_tokens=2, max_tokens=9, **kw)
+    assert r.usage.completion_tokens == 2
+
+
+def test_logprobs(client):
+    kw = dict(model=MODEL_ID, messages=chat_msgs("Name three colors."), max_tokens=6)
+    r = client.chat.completions.create(logprobs=True, top_logprobs=3, **kw)
+    ch = r.choices[0]
+    lps = ch.logprobs.content
+    assert len(lps) == r.usage.completion_tokens - (1 if ch.finish_reason == "stop" else 0)
+    for e in lps:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3
+        tops = [t.logprob for t in e.top_logprobs]
+        assert tops == sorted(tops, reverse=True)
+        assert abs(e.logprob - tops[0]) < 1e-5  # greedy: the chosen token is the most likely one
+        assert e.token == e.top_logprobs[0].token
+    if ch.finish_reason == "length":
+        assert b"".join(bytes(e.bytes) for e in lps).decode() == ch.message.content
+    plain = client.chat.completions.create(**kw).choices[0]
+    assert plain.logprobs is None and plain.message.content == ch.message.content
+    streamed = [c for c in client.chat.completions.create(stream=True, logprobs=True, **kw)
+                if c.choices and c.choices[0].logprobs]
+    assert [e.token for c in streamed for e in c.choices[0].logprobs.content] == [e.token for e in lps]
+    t = client.completions.create(model=MODEL_ID, prompt="The sky is", max_tokens=4, logprobs=2)
+    lp = t.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4
+    assert all(len(d) <= 2 for d in lp.top_logprobs) and lp.text_offset[0] == 0
+    # (mlx-lm's BPE streaming detokenizer drops the first token's leading space from the text)
+    assert "".join(lp.tokens).lstrip(" ") == t.choices[0].text
+
+
+def test_sampling_parameters_are_validated_and_passed(client, http):
+    kw = dict(model=MODEL_ID, messages=chat_msgs("Hi"), max_tokens=3)
+    greedy = client.chat.completions.create(**kw).choices[0].message.content
+    # explicit defaults and nulls mean the defaults: greedy
+    same = http.post("/v1/chat/completions", json={**kw, "temperature": 0, "top_p": 1, "top_k": 0, "min_p": 0,
+                                                    "seed": 7, "stop": None, "max_tokens": None,
+                                                    "max_completion_tokens": 3, "presence_penalty": None,
+                                                    "chat_template_kwargs": None, "stream_options": None})
+    assert same.status_code == 200, same.text
+    assert same.json()["choices"][0]["message"]["content"] == greedy
+    # sampling / processors: served once issue 5 lands; refused with a clear 400 until then
+    for extra in ({"temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "seed": 1},
+                  {"repetition_penalty": 1.3}, {"presence_penalty": 0.5}, {"frequency_penalty": 0.5},
+                  {"logit_bias": {"42": -100}}):
+        r = http.post("/v1/chat/completions", json={**kw, **extra})
+        assert r.status_code in (200, 400), r.text
+        if r.status_code == 400:
+            err = r.json()["error"]
+            assert err["type"] == "invalid_request_error" and "not supported" in err["message"]
+            assert err["param"] in extra, err
+        else:
+            assert r.json()["usage"]["completion_tokens"] <= 3
+    assert http.get("/health").json()["status"] == "ok"
+
+
+BAD = [
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 2.5}, "max_tokens"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"max_tokens": "8"}, "max_tokens"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -1}, "top_k"),
+    ({"min_p": 2}, "min_p"),
+    ({"stop": 5}, "stop"),
+    ({"stop": ["ok", 3]}, "stop"),
+    ({"model": "gpt-4o"}, "model"),
+    ({"stream": "yes"}, "stream"),
+    ({"logprobs": "yes"}, "logprobs"),
+    ({"top_logprobs": 50, "logprobs": True}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"n": 2}, "n"),
+    ({"seed": -1}, "seed"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 1000}}, "logit_bias"),
+    ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs"),
+    ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    ({"num_draft_tokens": 0}, "num_draft_tokens"),
+]
+
+
+@pytest.mark.parametrize("patch,param", BAD, ids=[p for _, p in BAD])
+def test_bad_payloads_get_400_then_server_works(http, patch, param):
+    body = {"model": MODEL_ID, "messages": chat_msgs("Hi"), "max_tokens": 2, **patch}
+    for stream in (False, True):
+        r = http.post("/v1/chat/completions", json={**body, "stream": patch.get("stream", stream)})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["param"] == param, err
+        assert err["message"]
+    ok = http.post("/v1/chat/completions", json={"messages": chat_msgs("Hi"), "max_tokens": 1})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 1
+
+
+BAD_COMPLETIONS = [
+    ({"prompt": None}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": [1, -5]}, "prompt"),
+    ({"prompt": [10**9]}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"logprobs": 50}, "logprobs"),
+    ({"logprobs": True}, "logprobs"),
+    ({"echo": True}, "echo"),
+    ({"suffix": "x"}, "suffix"),
+    ({"max_tokens": 0}, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("patch,param", BAD_COMPLETIONS, ids=[p for _, p in BAD_COMPLETIONS])
+def test_bad_completion_payloads(http, patch, param):
+    r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, **patch})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+    assert http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 1}).status_code == 200
+
+
+def test_malformed_bodies(http):
+    for content, headers in ((b"{not json", {"content-type": "application/json"}),
+                             (b"[1, 2]", {"content-type": "application/json"}),
+                             (b"", {"content-type": "application/json"}),
+                             (b"messages=hi", {"content-type": "application/x-www-form-urlencoded"})):
+        r = http.post("/v1/chat/completions", content=content, headers=headers)
+        assert r.status_code == 400, (content, r.status_code, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    assert http.get("/v1/chat/completions").status_code == 405
+    m = metrics(http)
+    assert m["request_errors_total"] >= 4
+
+
+def test_context_limit(http):
+    long_ids = [1000 + (i % 500) for i in range(MAX_CONTEXT + 10)]
+    r = http.post("/v1/completions", json={"prompt": long_ids, "max_tokens": 4})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and str(MAX_CONTEXT) in err["message"]
+    r = http.post("/v1/chat/completions", json={"messages": chat_msgs("word " * 600), "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    # a prompt that fits is generated up to the limit and ends with "length"
+    r = http.post("/v1/completions", json={"prompt": long_ids[: MAX_CONTEXT - 3], "max_tokens": 50})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3 and r.json()["choices"][0]["finish_reason"] == "length"
+    assert http.get("/health").json()["status"] == "ok"
+
+
+# ----------------------------------------------------------------------------
+# Behaviour under load
+# ----------------------------------------------------------------------------
+
+LOAD_PROMPTS = [
+    "Write a haiku about autumn.",
+    "What is 12 times 12?",
+    "Give me a synonym for happy.",
+    "Name a famous physicist.",
+    "What color is the sky at noon?",
+    "Describe a cat in one sentence.",
+    "What is the boiling point of water?",
+    "Say something nice.",
+]
+
+
+def _stream_once(url, prompt, max_tokens, block_size=None):
+    body = {"messages": chat_msgs(prompt), "max_tokens": max_tokens, "stream": True}
+    if block_size:
+        body["num_draft_tokens"] = block_size
+    t0 = time.perf_counter()
+    text, n, first = "", 0, None
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            d = json.loads(line[6:])
+            assert "error" not in d, d
+            for c in d["choices"]:
+                t = c["delta"].get("content")
+                if t:
+                    first = first or time.perf_counter()
+                    text += t
+    return text, time.perf_counter() - t0
+
+
+def run_load(url, clients, per_client, max_tokens, prompts=LOAD_PROMPTS):
+    """``clients`` concurrent streaming clients x ``per_client`` requests; returns
+    ({(client, i): text}, latencies, wall seconds)."""
+    jobs = [(c, i, prompts[(c * per_client + i) % len(prompts)]) for c in range(clients) for i in range(per_client)]
+    results, lats = {}, []
+
+    def one_client(c):
+        for cc, i, p in jobs:
+            if cc == c:
+                text, lat = _stream_once(url, p, max_tokens)
+                results[(c, i)] = (p, text)
+                lats.append(lat)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as ex:
+        list(ex.map(one_client, range(clients)))
+    return results, lats, time.perf_counter() - t0
+
+
+def check_load(srv, http, clients, per_client, max_tokens):
+    solo = {p: _stream_once(srv.url, p, max_tokens)[0] for p in LOAD_PROMPTS}
+    before = metrics(http)
+    results, lats, wall = run_load(srv.url, clients, per_client, max_tokens)
+    after = metrics(http)
+    assert len(results) == clients * per_client
+    for (c, i), (p, text) in results.items():
+        assert text == solo[p], (c, i, p)  # no cross-talk: each output equals its solo run
+    assert after["request_errors_total"] == before["request_errors_total"]
+    tokens = after["generated_tokens_total"] - before["generated_tokens_total"]
+    lats.sort()
+    p95 = lats[min(len(lats) - 1, int(round(0.95 * (len(lats) - 1))))]
+    print(f"\nload {clients}x{per_client}: {tokens} tokens in {wall:.2f}s = {tokens / wall:.1f} tok/s aggregate; "
+          f"latency p50 {statistics.median(lats):.2f}s p95 {p95:.2f}s")
+
+
+def test_concurrent_requests_equal_solo_runs(srv, http):
+    check_load(srv, http, clients=4, per_client=2, max_tokens=8)
+
+
+@pytest.mark.slow
+def test_load_8_clients_x_5_requests(srv, http):
+    check_load(srv, http, clients=8, per_client=5, max_tokens=24)
+
+
+def test_requests_are_served_concurrently(srv):
+    """A short request started while a long one is generating finishes first."""
+    done = {}
+
+    def run(name, prompt, n):
+        _stream_once(srv.url, prompt, n)
+        done[name] = time.perf_counter()
+
+    long = threading.Thread(target=run, args=("long", "Write a long story about a dragon.", 48))
+    long.start()
+    deadline = time.time() + 30
+    while srv.engine.active == 0 and time.time() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    run("short", "Say hi.", 3)
+    long.join()
+    assert done["short"] < done["long"]
+
+
+def test_client_disconnect_cancels_generation(srv, http):
+    before = metrics(http)
+    body = {"messages": chat_msgs("Write a very long essay about the history of Rome."), "max_tokens": 400,
+            "stream": True}
+    with httpx.stream("POST", f"{srv.url}/v1/chat/completions", json=body, timeout=60) as r:
+        got = 0
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                got += 1
+            if got >= 4:
+                break  # leave: the connection is closed
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        m = metrics(http)
+        if m["requests_cancelled_total"] > before["requests_cancelled_total"] and m["requests_active"] == 0:
+            break
+        time.sleep(0.05)
+    assert m["requests_cancelled_total"] == before["requests_cancelled_total"] + 1
+    assert m["requests_active"] == 0
+    assert m["generated_tokens_total"] == before["generated_tokens_total"]  # never finished
+    assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}).status_code == 200
+
+
+def test_keepalive_comments_during_prefill(srv):
+    prompt = "Summarize this text. " + " ".join(f"Sentence number {i} is here." for i in range(40))
+    lines = []
+    with httpx.stream("POST", f"{srv.url}/v1/chat/completions", timeout=120,
+                      json={"messages": chat_msgs(prompt), "max_tokens": 2, "stream": True}) as r:
+        lines = list(r.iter_lines())
+    keep = [l for l in lines if l.startswith(": keep-alive")]
+    assert len(keep) >= 3, lines[:6]  # one per prefill chunk of 64 tokens
+    assert lines[-2:] == ["data: [DONE]", ""] or lines[-1] == "data: [DONE]"
+
+
+def test_prompt_cache_multi_turn_warm_equals_cold(srv, client):
+    kw = dict(model=MODEL_ID, max_tokens=10)
+    msgs = chat_msgs("Tell me one fact about the Moon.")
+    first = client.chat.completions.create(messages=msgs, **kw)
+    msgs = msgs + [{"role": "assistant", "content": first.choices[0].message.content},
+                   {"role": "user", "content": "And one about Mars?"}]
+    warm = client.chat.completions.create(messages=msgs, **kw)
+    assert warm.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+    srv.engine.call(srv.engine.prompt_cache.clear)
+    cold = client.chat.completions.create(messages=msgs, **kw)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert warm.choices[0].message.content == cold.choices[0].message.content
+    # a third turn reuses the second
+    msgs = msgs + [{"role": "assistant", "content": cold.choices[0].message.content},
+                   {"role": "user", "content": "Thanks!"}]
+    third = client.chat.completions.create(messages=msgs, **kw)
+    assert third.usage.prompt_tokens_details.cached_tokens >= cold.usage.prompt_tokens
+    assert len(srv.engine.prompt_cache) <= srv.engine.prompt_cache.max_entries
+
+
+def test_prompt_cache_bounded_and_drafter_context_reuse(smol_f32):
+    """Engine-level: a DFlash2 drafter's context is reused (taken over or copied)
+    and warm output equals cold output; the cache keeps at most N states."""
+    import asyncio
+
+    from mlx_dflash2.server.engine import Job, TokenOut
+
+    target, tokenizer = smol_f32
+    p = make_proposer("init", target, tokenizer, MODEL_ID)
+    model = SpeculativeModel(target, p, 4, MODEL_ID, target.config)
+    engine = Engine(model, tokenizer, EngineConfig(prompt_cache_size=2))
+    engine.start()
+
+    def run(messages):
+        loop = asyncio.new_event_loop()
+        job = Job(kind="chat", messages=messages, max_tokens=6, loop=loop, queue=asyncio.Queue())
+        engine.submit(job)
+        out = []
+
+        async def collect():
+            while True:
+                ev = await asyncio.wait_for(job.queue.get(), 120)
+                if isinstance(ev, TokenOut):
+                    out.append(ev.token)
+                    if ev.finish_reason:
+                        return ev
+
+        try:
+            last = loop.run_until_complete(collect())
+        finally:
+            loop.close()
+        return out, last.usage["cached_tokens"]
+
+    try:
+        m1 = chat_msgs("What is a prime number?")
+        a, _ = run(m1)
+        m2 = m1 + [{"role": "assistant", "content": tokenizer.decode(a)}, {"role": "user", "content": "Example?"}]
+        warm, cached = run(m2)
+        assert cached > 0
+        again, cached2 = run(m2)  # the cached state now extends past this prompt: a copy is used
+        assert cached2 > 0 and again == warm
+        engine.call(engine.prompt_cache.clear)
+        cold, cached3 = run(m2)
+        assert cached3 == 0 and cold == warm
+        for q in ("One", "Two", "Three"):
+            run(chat_msgs(q))
+        assert len(engine.prompt_cache) <= 2
+    finally:
+        engine.stop()
+
+
+# ----------------------------------------------------------------------------
+# Thinking models: reasoning_content
+# ----------------------------------------------------------------------------
+
+
+def test_reasoning_splitter_any_segmentation():
+    raw = "<think>Let me think: 2+2.</think>The answer is 4. <thi no marker"
+    rng = random.Random(0)
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(raw)), rng.randint(0, 12)))
+        parts = [raw[i:j] for i, j in zip([0] + cuts, cuts + [len(raw)])]
+        sp = ReasoningSplitter("<think>", "</think>")
+        segs = [s for p in parts for s in sp.feed(p)] + sp.flush()
+        content = "".join(t for k, t in segs if k == "content")
+        reasoning = "".join(t for k, t in segs if k == "reasoning")
+        assert reasoning == "Let me think: 2+2."
+        assert content == "The answer is 4. <thi no marker"
+    sp = ReasoningSplitter("<think>", "</think>", reasoning=True)  # the prompt opened the block
+    assert sp.feed("hmm</think>ok") == [("reasoning", "hmm"), ("content", "ok")]
+    assert ReasoningSplitter().feed("<think>x</think>") == [("content", "<think>x</think>")]
+    sp = ReasoningSplitter("<think>", "</think>")
+    assert sp.feed("a</thi") == [("content", "a</thi")] and sp.flush() == []
+
+
+class _FakeThinking:
+    has_thinking = True
+    think_start, think_end = "<think>", "</think>"
+    response_initial_state = None
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+def test_initial_reasoning_state():
+    t = _FakeThinking()
+    assert initial_reasoning_state(t, [ord(c) for c in "user: hi\n<think>\n"])
+    assert not initial_reasoning_state(t, [ord(c) for c in "<think>\n\n</think>\n\n"])
+    t.has_thinking = False
+    assert not initial_reasoning_state(t, [ord(c) for c in "<think>"])
+
+
+class ThinkingProxy:
+    """The real tokenizer, presented as a thinking model whose markers are common words."""
+
+    def __init__(self, tok, start, end):
+        self._tok, self.think_start, self.think_end = tok, start, end
+        self.has_thinking = True
+        self.response_initial_state = None
+
+    def rfind_think_start(self, ids):
+        return -1
+
+    def rfind_think_end(self, ids):
+        return -1
+
+    def __len__(self):
+        return len(self._tok)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+def test_reasoning_content_same_with_and_without_drafter(srv, smol_f32):
+    target, tokenizer = smol_f32
+    kw = dict(model=MODEL_ID, messages=chat_msgs(FRUITS), max_tokens=20)
+    raw = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x").chat.completions.create(**kw)
+    raw = raw.choices[0].message.content
+    lines = raw.split("\n")
+    assert len(lines) >= 4, raw
+    start, end = lines[1].split()[-1], lines[3].split()[-1]  # e.g. "Apples" opens the "thinking", "Grapes" closes it
+    assert raw.count(start) == 1 and raw.count(end) == 1 and raw.index(start) < raw.index(end)
+    s = make_server(target, tokenizer, tokenizer_proxy=ThinkingProxy(tokenizer, start, end))
+    try:
+        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0)
+        seen = []
+        for B in (None, 1):  # with the drafter, and without (block size 1)
+            extra = {"num_draft_tokens": B} if B else {}
+            full = c.chat.completions.create(extra_body=extra, **kw).choices[0].message
+            reasoning = full.model_extra["reasoning_content"]
+            assert start not in full.content and reasoning and reasoning in raw
+            assert raw == full.content[: raw.index(start)] + start + reasoning + end + full.content[raw.index(start):]
+            content, sreasoning, *_ = stream_chat(c, extra_body=extra, **kw)
+            assert (content, sreasoning) == (full.content, reasoning)
+            seen.append((full.content, reasoning))
+        assert seen[0] == seen[1]
+    finally:
+        s.stop()
+
+
+# ----------------------------------------------------------------------------
+# Schema fuzzing and the command line
+# ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fuzz_srv(smol_f32):
+    target, tokenizer = smol_f32
+    # a tiny context keeps every generated answer short (random prompts are mostly refused as too long)
+    s = make_server(target, tokenizer, engine_kw={"max_context": 44}, settings_kw={"max_tokens": 4})
+    yield s
+    s.stop()
+
+
+def _fuzz(url, max_examples):
+    import hypothesis
+    import schemathesis
+    from schemathesis.checks import not_a_server_error
+    from schemathesis.generation import GenerationMode
+
+    schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
+    ops = [r.ok() for r in schema.get_all_operations()]
+    assert len(ops) >= 6
+    seen: dict = {}
+    for op in ops:
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            @hypothesis.settings(max_examples=max_examples, deadline=None, derandomize=True, database=None,
+                                 suppress_health_check=list(hypothesis.HealthCheck))
+            @hypothesis.given(case=op.as_strategy(generation_mode=mode))
+            def check(case):
+                r = case.call(base_url=url, timeout=120)
+                key = (case.path, mode.value, r.status_code)
+                seen[key] = seen.get(key, 0) + 1
+                if os.environ.get("FUZZ_DEBUG") and r.status_code == 400 and mode.is_positive:
+                    print(case.body, r.json()["error"]["message"][:100])
+                assert r.status_code < 500, (case.method, case.path, case.body, r.status_code, r.text)
+                case.validate_response(r, checks=[not_a_server_error])
+
+            try:
+                check()
+            except hypothesis.errors.Unsatisfiable:
+                assert mode == GenerationMode.NEGATIVE  # nothing invalid to send (no parameters)
+    print("\nschema fuzzing, (path, mode, status): count", sorted(seen.items()))
+    # the generation endpoints did generate (status 200) for some valid requests
+    assert seen.get(("/v1/chat/completions", "positive", 200)) and seen.get(("/v1/completions", "positive", 200))
+
+
+def test_schema_fuzzing_finds_no_server_error(fuzz_srv, http):
+    _fuzz(fuzz_srv.url, max_examples=12)
+    assert httpx.get(f"{fuzz_srv.url}/health").json()["status"] == "ok"
+
+
+@pytest.mark.slow
+def test_schema_fuzzing_long(fuzz_srv):
+    _fuzz(fuzz_srv.url, max_examples=150)
+
+
+def test_python_m_server_starts_and_serves(smol_f32):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlx_dflash2.server", "--port", str(port), "--drafter", "lookup", "--max-tokens",
+         "3", "--log-level", "WARNING", "--chat-template-args", '{"custom": "!"}',
+         "--chat-template", "{% for m in messages %}[{{ m['content'] }}{{ custom }}]{% endfor %}"],
+        cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None, proc.stdout.read().decode()
+            assert time.time() < deadline, "server did not come up"
+            time.sleep(0.3)
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        r = c.chat.completions.create(model="default_model", messages=chat_msgs("Hi"))
+        assert r.usage.completion_tokens <= 3 and r.model == MODEL_ID
+        # the --chat-template and its --chat-template-args rendered the prompt
+        assert r.usage.prompt_tokens == len(smol_f32[1].encode("[Hi!]", add_special_tokens=False))
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    bad = subprocess.run([sys.executable, "-m", "mlx_dflash2.server", "--max-tokens", "0"], cwd=root, env=env,
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "max-tokens" in bad.stderr

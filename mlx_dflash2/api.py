@@ -1,7 +1,7 @@
 """Python API: ``stream_generate`` and ``generate``.
 
 Mirrors ``mlx_lm.generate``: the same response object fields, one response per
-generated token, text streamed through mlx-lm's streaming detokenizer (which
+generated token, text streamed through an incremental detokenizer (which
 never splits a multi-byte character). Adds exact stop strings (text held back
 while it could still be the start of a stop string) and speculative decoding
 statistics (:class:`~.speculative.SpecStats`) on every response.
@@ -19,7 +19,7 @@ from .loading import SpeculativeModel, load, make_proposer
 from .speculative import GenerationState, SpecStats, speculative_generate_step
 from .verify import GreedyVerifier
 
-__all__ = ["GenerationResponse", "stream_generate", "generate"]
+__all__ = ["GenerationResponse", "stream_generate", "generate", "IncrementalDetokenizer"]
 
 
 @dataclass
@@ -51,6 +51,43 @@ class GenerationResponse:
     peak_memory: float
     finish_reason: Optional[str] = None
     stats: SpecStats = field(default_factory=SpecStats)
+
+
+class IncrementalDetokenizer:
+    """Streaming text through the tokenizer's own ``decode`` over a sliding
+    window of tokens (the prefix/read offsets of vLLM's and TGI's detokenizers).
+
+    The segments concatenate to exactly ``tokenizer.decode(tokens)`` (no
+    leading space lost, whatever the tokenizer family), and a segment never
+    ends inside a multi-byte character: while the window's text ends in
+    U+FFFD the new text is held back.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self._prefix = 0
+        self._read = 0
+
+    def _decode(self, toks: list[int]) -> str:
+        return self.tokenizer.decode(toks)
+
+    def add_token(self, token: int) -> str:
+        """Append a token; return the new complete text (may be empty)."""
+        self.tokens.append(int(token))
+        before = self._decode(self.tokens[self._prefix : self._read])
+        now = self._decode(self.tokens[self._prefix :])
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self.tokens)
+            return now[len(before) :]
+        return ""
+
+    def finalize(self) -> str:
+        """Flush held-back text (an incomplete character becomes U+FFFD, as decode() does)."""
+        before = self._decode(self.tokens[self._prefix : self._read])
+        now = self._decode(self.tokens[self._prefix :])
+        self._prefix = self._read = len(self.tokens)
+        return now[len(before) :]
 
 
 class _StopText:
@@ -184,7 +221,7 @@ def stream_generate(
         B = 1
 
     stats = SpecStats()
-    detok = tokenizer.detokenizer
+    detok = IncrementalDetokenizer(tokenizer)
     stopper = _StopText(stop or ())
     eos = set(tokenizer.eos_token_ids)
     gen = speculative_generate_step(
@@ -231,17 +268,14 @@ def stream_generate(
             finish = None
             if token in eos:
                 finish = "stop"
-                detok.finalize()
-                text, _ = stopper.feed(detok.last_segment)
+                text, _ = stopper.feed(detok.finalize())
                 text += stopper.flush()
             else:
-                detok.add_token(token)
-                text, stopped = stopper.feed(detok.last_segment)
+                text, stopped = stopper.feed(detok.add_token(token))
                 if stopped:
                     finish = "stop"
                 elif n == cap:
-                    detok.finalize()
-                    more, stopped = stopper.feed(detok.last_segment)
+                    more, stopped = stopper.feed(detok.finalize())
                     text += more if stopped else more + stopper.flush()
                     finish = "stop" if stopped else "length"
             if finish is not None:

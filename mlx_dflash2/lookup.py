@@ -43,6 +43,11 @@ class SuffixIndex:
             for n in range(self.min_n, min(self.max_n, end + 1) + 1):
                 self._last[tuple(self.tokens[end - n + 1 : end + 1])] = end
 
+    def clone(self) -> "SuffixIndex":
+        new = SuffixIndex(self.min_n, self.max_n)
+        new.tokens, new._last = list(self.tokens), dict(self._last)
+        return new
+
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` tokens of the history (re-indexes them)."""
         if n >= len(self.tokens):

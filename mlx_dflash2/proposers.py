@@ -78,6 +78,10 @@ class ProposerSession:
     def truncate(self, n: int) -> None:
         """Keep only the first ``n`` committed tokens (prompt-cache reuse)."""
 
+    def clone(self) -> "ProposerSession":
+        """An independent copy of the per-request state (weights shared)."""
+        return type(self)()
+
 
 class Proposer:
     """Base proposer: no draft (plain decoding through the same loop).
@@ -147,6 +151,12 @@ class _DFlashSession(ProposerSession):
     def truncate(self, n):
         self.ctx.trim(self.ctx.offset - n)
 
+    def clone(self):
+        new = _DFlashSession(self.p)
+        new.block_size = self.block_size
+        new.ctx = self.ctx.clone()
+        return new
+
     def propose(self, anchor, n, temperature=0.0, key=None):
         if n <= 0:
             return Proposal.empty()
@@ -208,6 +218,11 @@ class _LookupSession(ProposerSession):
     def truncate(self, n):
         self.index.truncate(n)
 
+    def clone(self):
+        new = _LookupSession.__new__(_LookupSession)
+        new.index = self.index.clone()
+        return new
+
     def match(self, anchor: int, n: int) -> tuple[int, list[int]]:
         return self.index.propose([anchor], n)
 
@@ -251,6 +266,9 @@ class _FusedSession(ProposerSession):
     def truncate(self, n):
         self.d.truncate(n)
         self.l.truncate(n)
+
+    def clone(self):
+        return _FusedSession(self.p, self.d.clone(), self.l.clone())
 
     def propose(self, anchor, n, temperature=0.0, key=None):
         dp = self.d.propose(anchor, n, temperature, key)

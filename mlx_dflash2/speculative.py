@@ -34,7 +34,7 @@ from .proposers import Proposal, Proposer
 from .target import TargetAdapter, cache_length, trim_cache
 from .verify import GreedyVerifier, Verifier
 
-__all__ = ["SpecStats", "speculative_generate_step", "GenerationState"]
+__all__ = ["SpecStats", "speculative_generate_step", "GenerationState", "PLAIN_PROPOSER"]
 
 
 @dataclass
@@ -145,6 +145,31 @@ class GenerationState:
     proposer: object = None
     reused: int = 0
 
+    def clone(self) -> "GenerationState":
+        """An independent copy (own caches and history; the proposer's weights
+        and the target are shared): what a server hands to a request that must
+        not mutate a cached state."""
+        return GenerationState(
+            cache=None if self.cache is None else [_clone_kv(c) for c in self.cache],
+            session=None if self.session is None else self.session.clone(),
+            tokens=list(self.tokens),
+            proposer=self.proposer,
+            reused=self.reused,
+        )
+
+
+def _clone_kv(c):
+    """Copy of an mlx-lm ``KVCache`` whose arrays are new objects (in-place slice
+    updates of one copy never reach the other)."""
+    new = type(c).__new__(type(c))
+    new.__dict__.update(c.__dict__)
+    if getattr(c, "keys", None) is not None:
+        new.keys, new.values = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+    return new
+
+
+PLAIN_PROPOSER = Proposer()  # the proposer of plain decoding (one object, so its states can be reused)
+
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
@@ -200,13 +225,13 @@ def speculative_generate_step(
         raise ValueError("the prompt must contain at least one token")
     if max_tokens == 0:
         return
-    proposer = proposer or Proposer()
+    proposer = proposer or PLAIN_PROPOSER
     verifier = verifier or GreedyVerifier()
     B = int(block_size or proposer.block_size or 1)
     if B < 1:
         raise ValueError(f"block size must be >= 1, got {B}")
     if B == 1:
-        proposer = Proposer()  # nothing to draft: plain decoding
+        proposer = PLAIN_PROPOSER  # nothing to draft: plain decoding
     limit = target.max_context
     if limit is not None and len(prompt) >= limit:
         raise ValueError(f"prompt of {len(prompt)} tokens does not fit the target's context of {limit} tokens")

@@ -472,6 +472,14 @@ class DraftContext:
             cache.update_and_fetch(k, v)
         self.offset += features.shape[0]
 
+    def clone(self) -> "DraftContext":
+        from ..speculative import _clone_kv
+
+        new = DraftContext.__new__(DraftContext)
+        new.caches = [_clone_kv(c) for c in self.caches]
+        new.offset = self.offset
+        return new
+
     def trim(self, n: int) -> None:
         n = min(n, self.offset)
         for c in self.caches:

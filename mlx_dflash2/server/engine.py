@@ -22,12 +22,11 @@ Prompt (prefix) cache: :class:`PromptCache` keeps the final
 cache + drafter context + lookup history, for ``state.tokens``). A new request
 takes the entry sharing the longest prefix with its prompt: it takes the entry
 over when the entry is a prefix of its prompt (a conversation's next turn),
-otherwise it works on a deep copy; the loop then prefills only the rest.
+otherwise it works on a copy (:meth:`GenerationState.clone`); the loop then prefills only the rest.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import queue
 import threading
@@ -39,8 +38,7 @@ from typing import Any, Optional
 
 from ..api import stream_generate
 from ..loading import SpeculativeModel
-from ..proposers import Proposer
-from ..speculative import GenerationState
+from ..speculative import PLAIN_PROPOSER, GenerationState
 from .protocol import APIError, bad_request
 from .text import TokenText, convert_chat, initial_reasoning_state, top_logprobs
 
@@ -161,24 +159,6 @@ class Job:
 # ----------------------------------------------------------------------------
 
 
-def _shared_objects(proposer) -> dict:
-    """deepcopy memo that keeps the proposer tree (weights, target) shared between copies."""
-    import mlx.nn as nn
-
-    from ..target import TargetAdapter
-
-    memo: dict = {}
-    stack = [proposer]
-    while stack:
-        o = stack.pop()
-        if o is None or id(o) in memo:
-            continue
-        memo[id(o)] = o
-        if isinstance(o, Proposer):
-            stack.extend(v for v in vars(o).values() if isinstance(v, (Proposer, nn.Module, TargetAdapter)))
-    return memo
-
-
 def common_prefix(a: list[int], b: list[int]) -> int:
     """Length of the longest common prefix of two token lists."""
     n = min(len(a), len(b))
@@ -214,8 +194,6 @@ class PromptCache:
         self.max_entries = max(0, int(max_entries))
         self.max_bytes = max_bytes
         self._entries: "OrderedDict[int, GenerationState]" = OrderedDict()
-        self._memo: dict = {}
-        self._memo_for = None
         self.hits = 0
         self.misses = 0
 
@@ -248,9 +226,7 @@ class PromptCache:
             del self._entries[best]  # a prefix of the prompt: the request extends it
             return st
         self._entries.move_to_end(best)
-        if self._memo_for is not proposer:
-            self._memo, self._memo_for = _shared_objects(proposer), proposer
-        return copy.deepcopy(st, dict(self._memo))
+        return st.clone()
 
     def put(self, state: GenerationState) -> None:
         """Keep a finished request's state (it must not be used elsewhere afterwards)."""
@@ -539,10 +515,10 @@ class Engine:
             max_tokens = min(max_tokens, limit - len(ids))
         m = self.model
         B = job.block_size or self.config.block_size or m.block_size
-        job.cache_state = m.proposer is not None and B > 1 and self.prompt_cache.max_entries > 0
-        # Without drafting the loop builds a new no-op proposer per request, so its caches
-        # cannot be matched again: such requests neither use nor fill the prompt cache.
-        job.state = self.prompt_cache.fetch(ids, m.proposer) if job.cache_state else GenerationState()
+        job.cache_state = self.prompt_cache.max_entries > 0
+        # the proposer the loop will use (plain decoding has its own, shared one)
+        proposer = m.proposer if (m.proposer is not None and B > 1) else PLAIN_PROPOSER
+        job.state = self.prompt_cache.fetch(ids, proposer) if job.cache_state else GenerationState()
         job.prompt_ids = ids
 
         def progress(done: int, total: int) -> None:

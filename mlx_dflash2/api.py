@@ -17,7 +17,8 @@ import mlx.core as mx
 
 from .loading import SpeculativeModel, load, make_proposer
 from .speculative import GenerationState, SpecStats, speculative_generate_step
-from .verify import GreedyVerifier
+from .sampling import SamplingParams
+from .verify import make_verifier
 
 __all__ = ["GenerationResponse", "stream_generate", "generate", "IncrementalDetokenizer"]
 
@@ -122,18 +123,6 @@ class _StopText:
         return out
 
 
-def _make_verifier(temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, **processors):
-    if temp and temp > 0:
-        raise NotImplementedError(
-            "sampled generation (temp > 0) is not supported yet; use temp=0 (greedy). "
-            "Lossless rejection-sampling verification is tracked separately."
-        )
-    used = [k for k, v in processors.items() if v not in (None, 0, 0.0, 1.0, {}) and not k.endswith("context_size")]
-    if used:
-        raise NotImplementedError(f"{', '.join(sorted(used))} not supported yet (greedy without processors only)")
-    return GreedyVerifier()
-
-
 def stream_generate(
     model: SpeculativeModel,
     tokenizer,
@@ -175,9 +164,10 @@ def stream_generate(
         repetition_penalty, presence_penalty, frequency_penalty (and their
             ``*_context_size``), logit_bias: logits processors (names and
             semantics of ``mlx_lm.sample_utils.make_logits_processors``).
-            In this version only greedy decoding without processors is
-            implemented; anything else raises ``NotImplementedError``.
-        seed: seed for MLX's random state.
+            Sampled output keeps exactly the distribution of plain sampling
+            with the same parameters (rejection-sampling verification).
+        seed: makes a sampled run reproducible (a per-request PRNG key; the
+            global MLX random state is not touched).
         stop: stop strings; generation ends at the first, which is not returned.
         prefill_step_size: prompt chunk size (tokens).
         prompt_progress_callback: ``f(processed, total)`` during prefill.
@@ -187,16 +177,16 @@ def stream_generate(
         :class:`GenerationResponse`; the last one has ``finish_reason`` set.
 
     Raises:
-        ValueError: empty prompt or ``max_tokens == 0``.
-        NotImplementedError: ``temp > 0``.
+        ValueError: empty prompt, ``max_tokens == 0``, or an invalid sampling
+            parameter (the message starts with the parameter's name).
     """
     if max_tokens == 0:
         raise ValueError("max_tokens must be non-zero (use -1 for no limit)")
-    verifier = _make_verifier(
-        temp,
-        top_p,
-        top_k,
-        min_p,
+    params = SamplingParams(
+        temp=temp,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
         repetition_penalty=repetition_penalty,
         repetition_context_size=repetition_context_size,
         presence_penalty=presence_penalty,
@@ -204,9 +194,10 @@ def stream_generate(
         frequency_penalty=frequency_penalty,
         frequency_context_size=frequency_context_size,
         logit_bias=logit_bias,
-    )
-    if seed is not None:
-        mx.random.seed(seed)
+        seed=seed,
+    ).validate()
+    draft_key, verify_key = mx.random.split(params.key())
+    verifier = make_verifier(params, verify_key)
     if isinstance(prompt, str):
         add_special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
         prompt = tokenizer.encode(prompt, add_special_tokens=add_special)
@@ -230,6 +221,8 @@ def stream_generate(
         proposer,
         verifier=verifier,
         block_size=B,
+        draft_temperature=params.temp,
+        draft_key=draft_key if not params.greedy else None,
         max_tokens=max_tokens,
         prefill_step_size=prefill_step_size,
         stats=stats,

@@ -11,7 +11,8 @@ import argparse
 import json
 import sys
 
-from .api import GenerationResponse, _consume, _make_verifier, generate, stream_generate
+from .api import GenerationResponse, _consume, generate, stream_generate
+from .sampling import SamplingParams
 from .loading import load
 
 __all__ = ["main", "generate", "stream_generate", "GenerationResponse"]
@@ -39,7 +40,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
     p.add_argument("--top-k", type=int, default=0, help="top-k sampling (0 = off)")
-    p.add_argument("--seed", type=int, default=None, help="random seed")
+    p.add_argument("--min-p", type=float, default=0.0, help="min-p sampling threshold (0 = off)")
+    p.add_argument("--repetition-penalty", type=float, default=None, help="repetition penalty (e.g. 1.1)")
+    p.add_argument("--repetition-context-size", type=int, default=20, help="tokens the penalty looks back on")
+    p.add_argument("--seed", type=int, default=None, help="random seed (reproducible sampling)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--chat-template-args", type=json.loads, default={},
                    help='JSON of extra chat template arguments, e.g. \'{"enable_thinking": false}\'')
@@ -71,7 +75,8 @@ def main(argv=None) -> int:
         print("error: --max-tokens must be positive (or -1 for no limit)", file=sys.stderr)
         return 2
     try:
-        _make_verifier(args.temp, args.top_p, args.top_k)
+        SamplingParams(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                       repetition_penalty=args.repetition_penalty, seed=args.seed).validate()
         model, tokenizer = load(
             args.model,
             args.drafter,
@@ -86,6 +91,12 @@ def main(argv=None) -> int:
             tokenizer,
             prompt,
             max_tokens=args.max_tokens,
+            temp=args.temp,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            repetition_context_size=args.repetition_context_size,
             seed=args.seed,
             stop=args.stop,
             prefill_step_size=args.prefill_step_size,

@@ -291,9 +291,9 @@ def speculative_generate_step(
     try:
         yield anchor, first.logprobs[0], False
 
-        if B == 1 and verifier.greedy:
-            # Plain greedy decoding, pipelined like mlx_lm.generate_step: the next step is
-            # queued (mx.async_eval) before the current token is read back.
+        if B == 1 and not verifier.needs_history:
+            # Plain decoding, pipelined like mlx_lm.generate_step: the next step is queued
+            # (mx.async_eval) before the current token is read back (no drafts: a == 0 always).
             pos = len(prompt)  # position of the token fed next
             step = None
             if room(pos):

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .proposers import Proposal
+from .sampling import SamplingParams, process_rows, rejection_sample, sparse_to_dense, target_probs
 
-__all__ = ["VerifyResult", "Verifier", "GreedyVerifier"]
+__all__ = ["VerifyResult", "Verifier", "GreedyVerifier", "RejectionVerifier", "make_verifier"]
 
 
 @dataclass
@@ -47,15 +48,22 @@ class Verifier:
     """
 
     greedy: bool = True
+    needs_history: bool = False
 
     def verify(self, logits: mx.array, proposal: Proposal, history: list[int] | None = None) -> VerifyResult:
         raise NotImplementedError
 
 
 class GreedyVerifier(Verifier):
-    """Exact-match greedy verification (temperature 0)."""
+    """Exact-match greedy verification (temperature 0), after the request's
+    logits processors (penalties, logit bias) if any."""
+
+    def __init__(self, params: SamplingParams | None = None):
+        self.params = params or SamplingParams()
+        self.needs_history = self.params.needs_history
 
     def verify(self, logits, proposal, history=None):
+        logits = process_rows(logits, self.params, history, proposal.tokens)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         target = mx.argmax(logits, axis=-1).astype(mx.int32)
         if proposal.n == 0:
@@ -63,3 +71,42 @@ class GreedyVerifier(Verifier):
         match = (proposal.tokens.astype(mx.int32) == target[:-1]).astype(mx.int32)
         a = mx.cumprod(match).sum()
         return VerifyResult(a, target, logprobs)
+
+
+class RejectionVerifier(Verifier):
+    """Lossless sampled verification by rejection sampling (spec §6.1).
+
+    ``p_i`` is the processed target distribution of row ``i``
+    (:mod:`~mlx_dflash2.sampling`); ``q_i`` the distribution the draft was drawn
+    from: the proposal's sparse row (DFlash2 selector, sampled v1 drafts) or a
+    point mass (greedy drafts, lookup). Accept ``d_i`` with probability
+    ``min(1, p_i(d_i) / q_i(d_i))``; on the first rejection emit a sample of
+    ``normalize(max(0, p_i - q_i))``; if all are accepted, a bonus from the last
+    row. The verifier's random stream (``key``, split per round) is independent
+    of the drafter's.
+    """
+
+    greedy = False
+
+    def __init__(self, params: SamplingParams, key: mx.array):
+        self.params = params
+        self.key = key
+        self.needs_history = params.needs_history
+
+    def verify(self, logits, proposal, history=None):
+        self.key, sub = mx.random.split(self.key)
+        logits = process_rows(logits, self.params, history, proposal.tokens)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        p = target_probs(logprobs, self.params)
+        q = None
+        if proposal.n and proposal.q is not None:
+            q = sparse_to_dense(proposal.cand_ids, proposal.q, p.shape[-1])[None]
+        a, tokens = rejection_sample(p[None], proposal.tokens[None], q, sub)
+        return VerifyResult(a[0], tokens[0], logprobs)
+
+
+def make_verifier(params: SamplingParams, key: mx.array | None = None) -> Verifier:
+    """The verifier for a request: greedy for ``temp == 0``, rejection sampling otherwise."""
+    if params.greedy:
+        return GreedyVerifier(params)
+    return RejectionVerifier(params, key if key is not None else params.key())

@@ -1,0 +1,255 @@
+"""Lossless sampling: the emitted tokens keep the target's processed distribution.
+
+Statistical tests use a chi-square statistic against the exact distribution,
+with a critical value at a false-alarm rate of 1e-4 per test (Wilson-Hilferty
+approximation of the chi-square quantile); with 200k trials a 1% total-variation
+shift gives a statistic far above it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_dflash2
+from conftest import chat_ids, plain_reference
+from mlx_dflash2.drafter import init_drafter
+from mlx_dflash2.loading import SpeculativeModel
+from mlx_dflash2.proposers import DFlashProposer, FusedProposer, LookupProposer
+from mlx_dflash2.sampling import SamplingParams, rejection_sample, sparse_to_dense, target_probs
+
+Z_1E4 = 3.719  # upper 1e-4 quantile of N(0, 1)
+
+
+def chi2_crit(df: int, z: float = Z_1E4) -> float:
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi2_stat(counts: np.ndarray, p: np.ndarray) -> tuple[float, int]:
+    """Pearson chi-square of counts vs p, pooling cells with expected count < 5."""
+    n = counts.sum()
+    exp = p * n
+    big = exp >= 5
+    c = np.append(counts[big], counts[~big].sum())
+    e = np.append(exp[big], exp[~big].sum())
+    keep = e > 0
+    c, e = c[keep], e[keep]
+    return float(((c - e) ** 2 / e).sum()), max(1, len(c) - 1)
+
+
+def assert_distribution(counts, p, what=""):
+    stat, df = chi2_stat(np.asarray(counts, dtype=np.float64), np.asarray(p, dtype=np.float64))
+    assert stat < chi2_crit(df), f"{what}: chi2 {stat:.1f} > {chi2_crit(df):.1f} (df {df})"
+
+
+def _check_chain(p, q_sparse_fn, T=200_000, seed=0):
+    """Run the batched rejection sampler and check every emitted position."""
+    n = p.shape[0] - 1
+    V = p.shape[1]
+    kq, kv = mx.random.split(mx.random.key(seed))
+    if q_sparse_fn is None:  # point-mass drafts: fixed tokens
+        drafts = mx.broadcast_to(mx.array(np.argsort(-np.array(p[:n]), axis=-1)[:, 1], dtype=mx.int32), (T, n))
+        q = None
+    else:
+        q1 = q_sparse_fn()  # [n, V] dense proposal
+        drafts = mx.random.categorical(mx.log(q1)[None], shape=(T, n), key=kq).astype(mx.int32)
+        q = mx.broadcast_to(q1[None], (T, n, V))
+    a, toks = rejection_sample(mx.broadcast_to(p[None], (T, n + 1, V)), drafts, q, kv)
+    a, toks = np.array(a), np.array(toks)
+    for i in range(n + 1):
+        reached = a >= i
+        counts = np.bincount(toks[reached, i], minlength=V)
+        assert_distribution(counts, np.array(p[i]), f"position {i}")
+    return a
+
+
+@pytest.fixture(scope="module")
+def synthetic_p():
+    rng = np.random.RandomState(0)
+    V, n = 12, 4
+    p = rng.dirichlet(np.ones(V) * 0.7, size=n + 1)
+    p[:, -2:] = 0  # two tokens the target never emits
+    p /= p.sum(-1, keepdims=True)
+    return mx.array(p.astype(np.float32))
+
+
+def test_q_equals_p_accepts_everything(synthetic_p):
+    a = _check_chain(synthetic_p, lambda: synthetic_p[:-1])
+    assert (a == synthetic_p.shape[0] - 1).mean() > 0.999
+
+
+def test_uniform_q_over_random_tokens(synthetic_p):
+    rng = np.random.RandomState(1)
+    V = synthetic_p.shape[1]
+
+    def q():
+        rows = np.zeros((synthetic_p.shape[0] - 1, V), dtype=np.float32)
+        for r in rows:
+            r[rng.choice(V, 4, replace=False)] = 0.25
+        return mx.array(rows)
+
+    _check_chain(synthetic_p, q)
+
+
+def test_q_disjoint_from_p(synthetic_p):
+    V = synthetic_p.shape[1]
+    rows = np.zeros((synthetic_p.shape[0] - 1, V), dtype=np.float32)
+    rows[:, -2:] = 0.5  # only tokens with p == 0
+    a = _check_chain(synthetic_p, lambda: mx.array(rows))
+    assert (a == 0).all()
+
+
+def test_point_mass_drafts(synthetic_p):
+    _check_chain(synthetic_p, None)
+
+
+def test_filters_match_mlx_lm_sampler():
+    """p (temp, top-p, min-p, top-k) is the distribution mlx-lm's sampler draws from."""
+    from mlx_lm.sample_utils import make_sampler
+
+    rng = np.random.RandomState(3)
+    logits = mx.array(rng.randn(1, 40).astype(np.float32) * 2)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    params = SamplingParams(temp=0.8, top_p=0.9, min_p=0.05, top_k=12)
+    p = np.array(target_probs(logprobs, params))[0]
+    sampler = make_sampler(temp=0.8, top_p=0.9, min_p=0.05, top_k=12)
+    mx.random.seed(0)
+    draws = np.array(sampler(mx.broadcast_to(logprobs, (100_000, 40))))
+    assert_distribution(np.bincount(draws, minlength=40), p, "mlx-lm sampler")
+
+
+def test_real_model_rows_real_drafter_q(smol_f32):
+    """Real SmolLM2 distributions and a real DFlash2 selector q (sampled walk):
+    x1 ~ p_0 and x2 | x1 = d1 ~ p_1, restricted to the union support (exact)."""
+    target, tok = smol_f32
+    ids = chat_ids(tok, "Pick a random fruit and describe it.")
+    drafter = init_drafter(target, tok, num_layers=1, block_size=4, selector_rank=8, seed=2)
+    prop = DFlashProposer(drafter, target, len(tok))
+    s = prop.start(ids)
+    cache = target.make_cache()
+    res = target.forward(mx.array(ids[:-1]), cache, prop.tap_ids)
+    s.extend(ids[:-1], res.features)
+    res = target.forward(mx.array(ids[-1:]), cache, prop.tap_ids)
+    s.extend(ids[-1:], res.features)
+    anchor = int(mx.argmax(res.logits[-1]).item())
+    params = SamplingParams(temp=1.0, top_k=40)
+    pr = s.propose(anchor, 2, temperature=1.0, key=mx.random.key(5))
+    verify_logits = target.forward(mx.concatenate([mx.array([anchor]), pr.tokens]), cache, ()).logits
+    lp = verify_logits - mx.logsumexp(verify_logits, axis=-1, keepdims=True)
+    p = target_probs(lp, params)  # [3, V]
+    q = sparse_to_dense(pr.cand_ids, pr.q, p.shape[-1])  # [2, V]
+    support = np.nonzero((np.array(p).sum(0) + np.array(q).sum(0)) > 0)[0]
+    ps, qs = p[:, mx.array(support)], q[:, mx.array(support)]
+    T = 200_000
+    drafts_full = mx.random.categorical(mx.log(qs)[None], shape=(T, 2), key=mx.random.key(9))
+    a, toks = rejection_sample(mx.broadcast_to(ps[None], (T, 3, len(support))), drafts_full,
+                               mx.broadcast_to(qs[None], (T, 2, len(support))), mx.random.key(11))
+    a, toks, d = np.array(a), np.array(toks), np.array(drafts_full)
+    assert_distribution(np.bincount(toks[:, 0], minlength=len(support)), np.array(ps[0]), "x1")
+    # x2 given that d1 was accepted, for the most frequent d1 (p_1 was computed after the real d1)
+    d1 = int(np.where(support == pr.tokens[0].item())[0][0])
+    sel = (a >= 1) & (d[:, 0] == d1)
+    if sel.sum() > 2000:
+        assert_distribution(np.bincount(toks[sel, 1], minlength=len(support)), np.array(ps[1]), "x2 | x1=d1")
+
+
+# ---------------------------------------------------------------------------- end to end, real model
+
+
+@pytest.fixture(scope="module")
+def spec_model(smol_f32):
+    target, tok = smol_f32
+    d = init_drafter(target, tok, num_layers=1, block_size=8, selector_rank=8, seed=1)
+    prop = FusedProposer(DFlashProposer(d, target, len(tok)), LookupProposer())
+    return SpeculativeModel(target, prop, 8, "t", target.config), tok
+
+
+def _tokens(model, tok, ids, **kw):
+    return [r.token for r in mlx_dflash2.stream_generate(model, tok, ids, **kw)]
+
+
+def test_seed_reproducible_and_top_k1_is_greedy(spec_model):
+    model, tok = spec_model
+    ids = chat_ids(tok, "Tell me a short story.")
+    a = _tokens(model, tok, ids, max_tokens=20, temp=0.9, seed=3)
+    assert a == _tokens(model, tok, ids, max_tokens=20, temp=0.9, seed=3)
+    assert a != _tokens(model, tok, ids, max_tokens=20, temp=0.9, seed=4)
+    greedy = _tokens(model, tok, ids, max_tokens=20)
+    assert _tokens(model, tok, ids, max_tokens=20, temp=1.0, top_k=1, seed=5) == greedy
+    assert _tokens(model, tok, ids, max_tokens=20, temp=1.0, min_p=1.0, seed=6) == greedy  # min-p filters
+    assert _tokens(model, tok, ids, max_tokens=20, temp=1.0, top_p=1e-6, seed=7) == greedy
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(repetition_penalty=1.3),
+        dict(frequency_penalty=0.8),
+        dict(presence_penalty=0.6, presence_context_size=8),
+        dict(logit_bias={330: 5.0}),
+    ],
+    ids=["repetition", "frequency", "presence", "logit_bias"],
+)
+def test_processors_greedy_equal_plain(spec_model, kw):
+    """Greedy with a penalty / logit bias: speculative == mlx-lm plain decoding with the same processors."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_logits_processors
+
+    model, tok = spec_model
+    ids = chat_ids(tok, "Repeat the word apple 30 times.")
+    names = {"repetition_penalty": "repetition_penalty", "frequency_penalty": "frequency_penalty",
+             "presence_penalty": "presence_penalty", "logit_bias": "logit_bias"}
+    mk = {k: v for k, v in kw.items() if k in names or k.endswith("context_size")}
+    procs = make_logits_processors(**mk)
+    ref = [t for t, _ in generate_step(mx.array(ids), model.target.model, max_tokens=32, logits_processors=procs)]
+    out = _tokens(model, tok, ids, max_tokens=32, **kw)
+    assert out == ref[: len(out)]
+    if next(iter(kw)) in ("repetition_penalty", "frequency_penalty"):
+        plain = _tokens(model, tok, ids, max_tokens=32)
+        repeats = lambda t: len(t) - len(set(t))  # noqa: E731
+        assert repeats(out) < repeats(plain)
+
+
+def test_logprobs_match_plain(spec_model):
+    model, tok = spec_model
+    ids = chat_ids(tok, "Name three colors.")
+    ref, lps = plain_reference(model.target, ids, 24)
+    resps = list(mlx_dflash2.stream_generate(model, tok, ids, max_tokens=24))
+    assert len(resps) == len([r for r in resps])
+    for r, t, lp in zip(resps, ref, lps):
+        assert r.token == t
+        assert mx.abs(r.logprobs - lp).max().item() < 1e-4
+
+
+def test_first_token_distribution_real_loop(spec_model):
+    """End to end through the loop (drafter on): the first emitted tokens follow p.
+    Every run reuses the prompt cache, so only the last prompt token is refilled."""
+    from mlx_dflash2.speculative import GenerationState
+
+    model, tok = spec_model
+    ids = chat_ids(tok, "Pick a random digit:")
+    params = SamplingParams(temp=1.0, top_k=10)
+    logits = model.target.model(mx.array(ids)[None])[0, -1:]
+    p = np.array(target_probs(logits - mx.logsumexp(logits, axis=-1, keepdims=True), params))[0]
+    state = GenerationState()
+    firsts = []
+    N = 400
+    for s in range(N):
+        g = mlx_dflash2.stream_generate(model, tok, ids, max_tokens=3, temp=1.0, top_k=10, seed=1000 + s, state=state)
+        firsts.append(next(g).token)
+        g.close()
+    counts = np.bincount(firsts, minlength=p.shape[0])
+    top = np.argsort(-p)[:10]
+    assert_distribution(counts[top], p[top] / p[top].sum(), "first token")
+
+
+def test_invalid_parameters_name_the_field(spec_model):
+    model, tok = spec_model
+    for kw, field in [(dict(temp=-1), "temp"), (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"),
+                      (dict(top_k=-2), "top_k"), (dict(min_p=2), "min_p"), (dict(repetition_penalty=-1.0),
+                                                                            "repetition_penalty")]:
+        with pytest.raises(ValueError, match=field):
+            list(mlx_dflash2.stream_generate(model, tok, [1, 2, 3], max_tokens=2, **kw))

@@ -21,6 +21,7 @@ For every format the same steps run:
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -432,11 +433,12 @@ def _convert_model(
                 if measure_error:
                     if dense_ref is None:
                         dense_ref = _values(weights[name])
-                    got = mx.dequantize(wq, scales, biases, spec.group_size, spec.bits)
+                    f32 = mx.float32
+                    got = mx.dequantize(wq, scales.astype(f32), biases.astype(f32), spec.group_size, spec.bits)
                     _measure(result, p, dense_ref, got)
-                writer.add(name, wq, logical_params=expected[name][0] * expected[name][1] if len(expected[name]) == 2 else None)
-                writer.add(f"{p}.scales", scales)
-                writer.add(f"{p}.biases", biases)
+                writer.add(name, wq, logical_params=math.prod(expected[name]))
+                writer.add(f"{p}.scales", scales, logical_params=0)
+                writer.add(f"{p}.biases", biases, logical_params=0)
                 if spec != plan.default:
                     qconfig[p] = spec.as_dict()
                 del dense_ref

@@ -74,6 +74,9 @@ class AtomicOutput:
         self.check()
         self.dest.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.dest.name}.tmp-", dir=self.dest.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(self.tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; the output is an ordinary directory
         return self.tmp
 
     def __exit__(self, exc_type, exc, tb):

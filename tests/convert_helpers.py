@@ -117,3 +117,172 @@ def load_dir_tensors(path: Path) -> dict:
     for f in sorted(Path(path).glob("*.safetensors")):
         out.update(mx.load(str(f)))
     return out
+
+
+# ---------------------------------------------------------------------------
+# GGUF files written by the `gguf` package
+# ---------------------------------------------------------------------------
+
+GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def hf_to_gguf_name(name: str) -> str:
+    base, _, suffix = name.rpartition(".")
+    if base == "model.embed_tokens":
+        return f"token_embd.{suffix}"
+    if base == "model.norm":
+        return f"output_norm.{suffix}"
+    if base == "lm_head":
+        return f"output.{suffix}"
+    parts = base.split(".")
+    return f"blk.{parts[2]}.{GGUF_NAMES['.'.join(parts[3:])]}.{suffix}"
+
+
+def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py LlamaModel.permute (rows interleaved for its rope)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _random_k_blocks(qtype, n_values: int, rng) -> np.ndarray:
+    """Random but valid K-quant blocks (bytes), with sane fp16 super-block scales.
+
+    gguf-py has no K-quant quantizer; any bit pattern is a valid K-quant block once
+    the fp16 ``d``/``dmin`` fields are finite, so the bytes are random and the scale
+    fields are overwritten with small positive values.
+    """
+    import gguf
+
+    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    nb = n_values // block
+    raw = rng.integers(0, 256, size=(nb, nbytes), dtype=np.uint8)
+    d = (rng.uniform(0.5, 1.5, size=nb) * 2e-3).astype(np.float16).view(np.uint8).reshape(nb, 2)
+    name = qtype.name
+    if name in ("Q4_K", "Q5_K"):  # d, dmin at the start
+        raw[:, 0:2] = d
+        raw[:, 2:4] = d
+    elif name == "Q6_K":  # ql[128], qh[64], scales[16] (int8), d at the end
+        raw[:, -2:] = d
+    elif name == "Q3_K":  # hmask[32], qs[64], scales[12], d at the end
+        raw[:, -2:] = d
+    elif name == "Q2_K":  # scales[16], qs[64], d, dmin at the end
+        raw[:, -4:-2] = d
+        raw[:, -2:] = d
+    else:
+        raise ValueError(name)
+    return raw
+
+
+def write_gguf(path: Path, cfg: dict, weights: dict, types: dict | None = None, arch: str = "llama", seed: int = 0) -> Path:
+    """Write a GGUF file from HF-named float weights with the `gguf` package's writer.
+
+    Args:
+        types: HF name regex -> GGML type name for 2-D tensors (first match; default F16);
+            norms are always F32. Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/BF16 are quantized by
+            ``gguf.quants.quantize`` from the weights; K-quant types get random valid blocks
+            (their dense values then come from ``gguf.quants.dequantize``).
+        arch: ``llama`` (q/k rows permuted as llama.cpp does) or ``qwen2``.
+
+    Returns:
+        the path.
+    """
+    import re
+
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    types = types or {}
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_key_length(cfg["hidden_size"] // cfg["num_attention_heads"])
+    w.add_value_length(cfg["hidden_size"] // cfg["num_attention_heads"])
+    w.add_vocab_size(cfg["vocab_size"])
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    tokens = sorted(ByteLevel.alphabet()) + ["<|bos|>", "<|im_end|>", "<|im_start|>", "<|mask|>"]
+    tokens += [f"<|unused{i}|>" for i in range(cfg["vocab_size"] - len(tokens))]
+    ttypes = [1] * 256 + [3] * (len(tokens) - 256)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types(ttypes)
+    w.add_token_merges([])
+    w.add_bos_token_id(256)
+    w.add_eos_token_id(257)
+    w.add_chat_template(CHAT_TEMPLATE)
+    dense = {}
+    for name in sorted(weights):
+        a = np.array(weights[name].astype(mx.float32))
+        if arch == "llama" and ".self_attn.q_proj." in name:
+            a = llama_permute(a, cfg["num_attention_heads"])
+        elif arch == "llama" and ".self_attn.k_proj." in name:
+            a = llama_permute(a, cfg["num_key_value_heads"])
+        gname = hf_to_gguf_name(name)
+        qname = "F32"
+        if a.ndim == 2:
+            qname = next((t for rx, t in types.items() if re.search(rx, name)), "F16")
+        qt = gguf.GGMLQuantizationType[qname]
+        if qname == "F32":
+            w.add_tensor(gname, a.astype(np.float32))
+        elif qname == "F16":
+            w.add_tensor(gname, a.astype(np.float16))
+        elif qname.endswith("_K"):
+            raw = _random_k_blocks(qt, a.size, rng).reshape(a.shape[0], -1)
+            w.add_tensor(gname, raw, raw_shape=raw.shape, raw_dtype=qt)
+        else:
+            q = gguf.quants.quantize(a, qt)
+            w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=qt)
+        dense[gname] = qname
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
+
+
+# ---------------------------------------------------------------------------
+# Greedy agreement on real prompts
+# ---------------------------------------------------------------------------
+
+
+def greedy_agreement(source_model, converted_model, tokenizer, prompts, n_tokens: int = 48):
+    """Greedy-decode each prompt with the source, then teacher-force both models on it.
+
+    Returns:
+        a list of dicts per generated position: ``match`` (same argmax), ``margin``
+        (source's top-1 minus top-2 logit), ``prompt``.
+    """
+    from mlx_lm.generate import generate_step
+
+    rows = []
+    for name, text in prompts.items():
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        gen = []
+        for t, _ in generate_step(mx.array(ids), source_model, max_tokens=n_tokens):
+            gen.append(int(t))
+        seq = mx.array([ids + gen[:-1]])
+        a = source_model(seq)[0, len(ids) - 1 :].astype(mx.float32)
+        b = converted_model(seq)[0, len(ids) - 1 :].astype(mx.float32)
+        top2 = mx.sort(a, axis=-1)[:, -2:]
+        margin = np.array(top2[:, 1] - top2[:, 0])
+        ma = np.array(mx.argmax(a, -1))
+        mb = np.array(mx.argmax(b, -1))
+        for i in range(len(gen)):
+            rows.append({"prompt": name, "pos": i, "match": bool(ma[i] == mb[i]), "margin": float(margin[i])})
+    return rows

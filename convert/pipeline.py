@@ -155,7 +155,7 @@ def _reader(fmt: str):
 
         return read_gptq
     if fmt == "awq":
-        from .awq import read_awq
+        from .gptq import read_awq
 
         return read_awq
     if fmt == "gguf":

@@ -286,3 +286,132 @@ def greedy_agreement(source_model, converted_model, tokenizer, prompts, n_tokens
         for i in range(len(gen)):
             rows.append({"prompt": name, "pos": i, "match": bool(ma[i] == mb[i]), "margin": float(margin[i])})
     return rows
+
+
+# ---------------------------------------------------------------------------
+# GPTQ / AWQ packers (our own, written from the reference layouts: AutoGPTQ
+# qlinear_cuda_old.pack, GPTQModel's v1 word-level zero-point subtract, AutoAWQ
+# WQLinear_GEMM.from_linear). Independent of the converter's unpacking code.
+# ---------------------------------------------------------------------------
+
+
+def _pack_stream_rows(q: np.ndarray, bits: int) -> np.ndarray:
+    """Pack codes ``(n, cols)`` along axis 0 into int32 words ``(n*bits/32, cols)``:
+    code i at stream bit ``i*bits``, LSB first (a 3-bit code may straddle two words)."""
+    n, cols = q.shape
+    words = np.zeros((n * bits // 32, cols), dtype=np.uint64)
+    for i in range(n):
+        pos = i * bits
+        w, sh = divmod(pos, 32)
+        val = q[i].astype(np.uint64) << np.uint64(sh)
+        words[w] |= val & np.uint64(0xFFFFFFFF)
+        if sh + bits > 32:
+            words[w + 1] |= val >> np.uint64(32)
+    return words.astype(np.uint32).view(np.int32)
+
+
+def rtn_groups(W: np.ndarray, bits: int, g_idx: np.ndarray, sym: bool):
+    """Reference RTN per (group, output): returns q (in, out), z (G, out), s (G, out) fp16."""
+    out_f, in_f = W.shape
+    G = int(g_idx.max()) + 1
+    maxq = (1 << bits) - 1
+    s = np.zeros((G, out_f), np.float32)
+    z = np.zeros((G, out_f), np.int64)
+    for g in range(G):
+        cols = W[:, g_idx == g]
+        lo, hi = np.minimum(cols.min(1), 0), np.maximum(cols.max(1), 0)
+        if sym:
+            amax = np.maximum(-lo, hi)
+            s[g] = 2 * amax / maxq
+            z[g] = (maxq + 1) // 2
+        else:
+            s[g] = (hi - lo) / maxq
+            z[g] = np.clip(np.round(-lo / np.maximum(s[g], 1e-8)), 0, maxq)
+    s = np.maximum(s, 1e-6).astype(np.float16)
+    sf = s.astype(np.float32)
+    q = np.clip(np.round(W.T / sf[g_idx] + z[g_idx]), 0, maxq).astype(np.int64)
+    return q, z, s
+
+
+def gptq_pack(W: np.ndarray, bits: int, group_size: int, sym: bool = True, act_order: bool = False,
+              v1: bool = True, seed: int = 0, asym_zero_floor: bool = False):
+    """GPTQ tensors of a float weight ``(out, in)``. Returns (tensors dict, reference dense (out, in))."""
+    rng = np.random.default_rng(seed)
+    out_f, in_f = W.shape
+    gs = in_f if group_size == -1 else group_size
+    if act_order:
+        perm = rng.permutation(in_f)
+        g_idx = np.empty(in_f, np.int64)
+        g_idx[perm] = np.arange(in_f) // gs
+    else:
+        g_idx = np.arange(in_f) // gs
+    q, z, s = rtn_groups(W, bits, g_idx, sym)
+    dense = (s.astype(np.float32)[g_idx] * (q - z[g_idx])).T  # the reference dequantization formula
+    qweight = _pack_stream_rows(q, bits)
+    if v1:
+        if bits == 3:
+            zs = (z - 1) % 8
+            qzeros = _pack_stream_rows(zs.T, bits).T
+        else:
+            packed = _pack_stream_rows(z.T, bits).T.view(np.uint32).astype(np.int64)
+            const = {2: 0x55555555, 4: 0x11111111, 8: 0x01010101}[bits]
+            qzeros = ((packed - const) % (1 << 32)).astype(np.uint32).view(np.int32)  # GPTQModel word-level
+    else:
+        qzeros = _pack_stream_rows(z.T, bits).T
+    t = {
+        "qweight": np.ascontiguousarray(qweight),
+        "qzeros": np.ascontiguousarray(qzeros),
+        "scales": s,
+        "g_idx": g_idx.astype(np.int32),
+    }
+    return t, dense.astype(np.float32), (q, z, s, g_idx)
+
+
+def awq_pack(W: np.ndarray, group_size: int = 128):
+    """AWQ GEMM tensors (AutoAWQ from_linear): returns (tensors, reference dense, (q, z, s))."""
+    out_f, in_f = W.shape
+    g_idx = np.arange(in_f) // group_size
+    q, z, s = rtn_groups(W, 4, g_idx, sym=False)
+    dense = (s.astype(np.float32)[g_idx] * (q - z[g_idx])).T
+    order = [0, 2, 4, 6, 1, 3, 5, 7]
+
+    def pack_cols(a):  # (rows, out) -> (rows, out/8): nibble k of word c holds column 8c + order[k]
+        a = a.astype(np.uint32)
+        words = np.zeros((a.shape[0], a.shape[1] // 8), np.uint32)
+        for k in range(8):
+            words |= a[:, order[k] :: 8] << np.uint32(4 * k)
+        return words.view(np.int32)
+
+    return {"qweight": pack_cols(q), "qzeros": pack_cols(z), "scales": s}, dense.astype(np.float32), (q, z, s)
+
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_quantized_hf(path: Path, cfg: dict, weights: dict, method: str, qc: dict, pack_kw: dict | None = None,
+                       skip: tuple = ()):
+    """A GPTQ or AWQ checkpoint of ``weights``: every decoder linear packed, the rest fp16.
+
+    Returns:
+        (path, reference dense weights by HF name (float32), raw (q, z, s, g_idx) by module).
+    """
+    pack_kw = pack_kw or {}
+    out, ref, raw = {}, {}, {}
+    for name, v in weights.items():
+        mod = name[: -len(".weight")]
+        if name.endswith(".weight") and mod.split(".")[-1] in LINEARS and not any(s in name for s in skip):
+            W = np.array(v.astype(mx.float32))
+            if method == "gptq":
+                t, dense, r = gptq_pack(W, **pack_kw)
+            else:
+                t, dense, r = awq_pack(W, **pack_kw)
+            for k, a in t.items():
+                out[f"{mod}.{k}"] = mx.array(a)
+            ref[name] = dense
+            raw[mod] = r
+        else:
+            out[name] = v.astype(mx.float16)
+            ref[name] = np.array(v.astype(mx.float16).astype(mx.float32))
+    cfg = dict(cfg, quantization_config=dict(qc, quant_method=method), torch_dtype="float16")
+    write_hf(path, cfg, out)
+    return Path(path), ref, raw

@@ -338,7 +338,11 @@ def _convert_model(
     if source.bind is not None:
         source.bind(expected)
 
+    # take the tensors out of the source so that each one is freed once written
     weights = dict(source.weights)
+    source.weights.clear()
+    packed_fns = dict(source.packed)
+    source.packed.clear()
     tied = bool(cfg.get("tie_word_embeddings", False))
     redundant_head = sorted(k for k in weights if k.startswith("lm_head.") and k not in expected) if tied else []
     if hasattr(model, "sanitize") and all(isinstance(v, mx.array) for v in weights.values()):
@@ -408,7 +412,7 @@ def _convert_model(
             if p is not None and p in specs:
                 spec = specs[p]
                 packed = None
-                fn = source.packed.get(p)
+                fn = packed_fns.pop(p, None)
                 if fn is not None:
                     packed = fn(spec)
                 dense_ref = None
@@ -452,6 +456,8 @@ def _convert_model(
                     arr = cast(name, arr)
                 writer.add(name, arr)
             weights.pop(name, None)
+            if p is not None:
+                packed_fns.pop(p, None)
             bar.update(1)
         writer.close()
     finally:

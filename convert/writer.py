@@ -125,6 +125,8 @@ class ShardWriter:
         the weights it represents (for packed tensors, codes rather than words)."""
         mx.eval(arr)
         nb = arr.nbytes
+        if nb > (1 << 20):
+            mx.clear_cache()  # return the temporaries of this tensor (dequantized floats...) to the system
         if self.current and self.current_bytes + nb > self.max:
             self._flush()
         self.current[name] = arr

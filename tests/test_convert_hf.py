@@ -308,3 +308,34 @@ def test_cli_and_python_m(tmp_path):
         capture_output=True, text=True, cwd=ROOT, env=env,
     )
     assert r.returncode == 2 and "exists" in r.stderr
+
+
+def test_hub_id_resolved_offline_from_cache(tmp_path, monkeypatch):
+    """A hub id is resolved through huggingface_hub's cache without network access."""
+    cfg = tiny_config("llama")
+    cache = tmp_path / "hub"
+    snap = cache / "models--someorg--tiny-llama" / "snapshots" / "0123456789abcdef0123456789abcdef01234567"
+    write_hf(snap, cfg, random_weights(cfg))
+    (cache / "models--someorg--tiny-llama" / "refs").mkdir(parents=True)
+    (cache / "models--someorg--tiny-llama" / "refs" / "main").write_text(snap.name)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    res = convert("someorg/tiny-llama", tmp_path / "out", progress=False)
+    assert res.format == "hf" and (tmp_path / "out" / "model.safetensors").exists()
+    with pytest.raises(ConvertError, match="someorg/absent"):
+        convert("someorg/absent", tmp_path / "out2", progress=False)
+
+
+def test_forced_format_and_mlx_input(tmp_path):
+    cfg = tiny_config("llama")
+    src = write_hf(tmp_path / "src", cfg, random_weights(cfg))
+    convert(src, tmp_path / "out", progress=False)
+    with pytest.raises(UnsupportedFormatError, match="already an MLX model"):
+        convert(tmp_path / "out", tmp_path / "again", progress=False)
+    with pytest.raises(UnsupportedFormatError, match="uint32"):
+        convert(tmp_path / "out", tmp_path / "again", progress=False, from_format="hf")
+    assert not (tmp_path / "again").exists()

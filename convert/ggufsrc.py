@@ -2,9 +2,9 @@
 project's one GGUF checkpoint loader: header, name map, q/k un-permute,
 tokenizer and chat template from the metadata).
 
-* Q4_0 / Q4_1 / Q8_0 tensors have an exact MLX affine layout at group size 32
-  (4/4/8 bits): used as-is when the requested spec is exactly that (e.g. with
-  ``--keep-source-layout``, or ``--q-group-size 32`` for the Q4 tensors).
+* Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 tensors have an exact MLX affine layout at
+  group size 32 (4/4/5/5/8 bits): used as-is when the requested spec is exactly
+  that (e.g. with ``--keep-source-layout``, or ``--q-group-size 32`` for the Q4 tensors).
 * Every other case (another group size or bit width, K-quants, Q5_x, Q6_K,
   BF16...) dequantizes with ``gguf.quants.dequantize`` to float32 and quantizes
   that with MLX round-to-nearest. (``mx.load`` is never used for GGUF data: it
@@ -59,7 +59,7 @@ def read_gguf(path: Path) -> SourceModel:
         weights[name] = Deferred(t.shape, (lambda t=t: mx.array(t.dense())))
         if t.is_native and name.endswith(".weight") and len(t.shape) == 2:
             module = name[: -len(".weight")]
-            bits = 8 if t.ggml_type == "Q8_0" else 4
+            bits = {"Q8_0": 8, "Q5_0": 5, "Q5_1": 5}.get(t.ggml_type, 4)
             native[module] = QSpec(bits, 32)
 
             def make(spec: QSpec, t=t, bits=bits):

@@ -200,16 +200,26 @@ def _mlx_name(gguf_name: str) -> str | None:
     return None
 
 
-# Block layouts (gguf-py quants.py / ggml-common.h): bytes per block of 32 values.
-_NATIVE_BLOCKS = {"Q4_0": (18, 4), "Q4_1": (20, 4), "Q8_0": (34, 8)}
+# Block layouts (gguf-py quants.py / ggml-common.h): bytes per block of 32 values, bits per value.
+_NATIVE_BLOCKS = {"Q4_0": (18, 4), "Q4_1": (20, 4), "Q8_0": (34, 8), "Q5_0": (22, 5), "Q5_1": (24, 5)}
+
+
+def _pack_stream(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Codes ``(rows, n)`` -> MLX's uint32 words: one LSB-first little-endian bit stream per row."""
+    rows, n = codes.shape
+    b = np.unpackbits(codes.astype(np.uint8)[..., None], axis=-1, count=8, bitorder="little")[..., :bits]
+    packed = np.packbits(b.reshape(rows, n * bits), axis=-1, bitorder="little")
+    return np.ascontiguousarray(packed).view("<u4").astype(np.uint32)
 
 
 def _repack_native(blocks: np.ndarray, ggml_type: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """Q4_0/Q4_1/Q8_0 blocks ``(rows, row_bytes)`` -> MLX affine (group 32) numpy arrays.
 
     Exact: Q4_0 ``w = d*(q-8)`` -> scale ``d``, bias ``-8d``; Q4_1 ``w = d*q + m`` -> ``(d, m)``;
-    Q8_0 ``w = d*q`` (int8) -> code ``q+128``, scale ``d``, bias ``-128d`` (formats.md §6.2).
-    Within a Q4 block, value ``j < 16`` is the low nibble of ``qs[j]``, ``j + 16`` the high one.
+    Q8_0 ``w = d*q`` (int8) -> code ``q+128``, scale ``d``, bias ``-128d``; Q5_0 ``w = d*(q-16)``
+    -> ``(d, -16d)``; Q5_1 ``w = d*q + m`` (formats.md §6.2). Within a Q4/Q5 block, value ``j < 16``
+    is the low nibble of ``qs[j]``, ``j + 16`` the high one; Q5's fifth bit of value ``j`` is bit
+    ``j`` of the little-endian ``qh`` word.
 
     Returns:
         ``(weight uint32 (rows, cols*bits/32), scales fp16 (rows, cols/32), biases fp16, bits)``.
@@ -222,13 +232,18 @@ def _repack_native(blocks: np.ndarray, ggml_type: str) -> tuple[np.ndarray, np.n
         codes = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint32)
         biases = (d.astype(np.float32) * -128.0).astype(np.float16)
     else:
-        off = 2 if ggml_type == "Q4_0" else 4
+        off = {"Q4_0": 2, "Q4_1": 4, "Q5_0": 6, "Q5_1": 8}[ggml_type]
         qs = b[..., off : off + 16]
         codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.uint32)
-        if ggml_type == "Q4_0":
-            biases = (d.astype(np.float32) * -8.0).astype(np.float16)
+        if bits == 5:
+            qh = b[..., off - 4 : off].copy().view("<u4")[..., 0]
+            codes |= ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1) << 4
+        if ggml_type in ("Q4_0", "Q5_0"):
+            biases = (d.astype(np.float32) * -(1 << (bits - 1))).astype(np.float16)
         else:
             biases = b[..., 2:4].copy().view(np.float16)[..., 0]
+    if bits == 5:
+        return _pack_stream(codes.reshape(rows, -1), 5), d, biases, bits
     per = 32 // bits
     codes = codes.reshape(rows, -1, per)
     shifts = (np.arange(per, dtype=np.uint32) * bits)[None, None, :]
@@ -260,7 +275,7 @@ class GGUFTensor:
 
     @property
     def is_native(self) -> bool:
-        """True for types with an exact MLX affine layout (Q4_0, Q4_1, Q8_0)."""
+        """True for types with an exact MLX affine layout at group size 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)."""
         return self.ggml_type in _NATIVE_BLOCKS
 
     def _rows(self, a: np.ndarray) -> np.ndarray:
@@ -279,7 +294,7 @@ class GGUFTensor:
         return self._rows(np.asarray(arr, dtype=np.float32).reshape(self.shape))
 
     def native(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-        """The exact MLX affine form (group 32) of a Q4_0/Q4_1/Q8_0 tensor:
+        """The exact MLX affine form (group 32) of a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 tensor:
         ``(weight uint32, scales fp16, biases fp16, bits)``.
 
         Raises:

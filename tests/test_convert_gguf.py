@@ -101,13 +101,15 @@ def test_keep_source_layout_is_lossless(tmp_path):
     w = random_weights(cfg, dtype=mx.float32)
     f = write_gguf(tmp_path / "m.gguf", cfg, w, types=MIXED)
     res = convert(f, tmp_path / "out", progress=False, keep_source_layout=True, measure_error=True)
-    exact = {"q_proj", "k_proj", "v_proj"}
-    assert sorted(res.exact) == sorted(f"model.layers.{i}.self_attn.{k}" for i in range(2) for k in exact)
+    exact = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.down_proj"]
+    assert sorted(res.exact) == sorted(f"model.layers.{i}.{k}" for i in range(2) for k in exact)  # Q4_0/Q4_1/Q8_0/Q5_0/Q5_1
     for p in res.exact:
         assert res.layer_errors[p] == 0.0, p
     q = json.loads((tmp_path / "out/config.json").read_text())["quantization"]
     assert q["model.layers.0.self_attn.q_proj"] == {"group_size": 32, "bits": 4, "mode": "affine"}
     assert q["model.layers.0.self_attn.v_proj"] == {"group_size": 32, "bits": 8, "mode": "affine"}
+    assert q["model.layers.0.self_attn.o_proj"] == {"group_size": 32, "bits": 5, "mode": "affine"}
+    assert "model.layers.0.mlp.gate_proj" not in q  # Q4_K: requantized at the default spec (4-bit g64)
     model, _ = mlx_lm.load(str(tmp_path / "out"))
     assert model.model.layers[0].self_attn.v_proj.bits == 8
 

@@ -1,7 +1,7 @@
 """Conversion throughput (weights/s) and peak memory per source format, and the
 relative error of each format's output against its (dequantized) source.
 
-Each conversion runs in a fresh subprocess, so its peak RSS (``ru_maxrss``) is its
+Each conversion runs in a fresh subprocess, so its peak RSS (``VmHWM``) is its
 own; the baseline RSS of a process that only imported mlx / mlx-lm / the converter
 is reported next to it. Sources are built once into ``.cache/bench`` (ignored by
 git): a synthetic llama-style model (``--hidden/--inter/--layers``, bf16, written as
@@ -32,11 +32,15 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 CHILD = r"""
-import json, resource, sys, time
+import json, sys, time
+def hwm():  # peak RSS of this process image, MiB (ru_maxrss would include the parent's, kept across exec)
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
 t0 = time.perf_counter()
 import mlx.core as mx, mlx_lm  # noqa
 from mlx_dflash2.convert import convert, parse_override
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+base = hwm()
 args = json.loads(sys.argv[1])
 kw = args["kw"]
 kw["overrides"] = [parse_override(o) for o in kw.get("overrides", [])]
@@ -44,8 +48,8 @@ t1 = time.perf_counter()
 r = convert(args["src"], args["dst"], progress=False, **kw)
 t2 = time.perf_counter()
 print(json.dumps({"weights": r.weights, "tensors": r.tensors, "seconds": t2 - t1, "exact": len(r.exact),
-                  "requantized": len(r.requantized), "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                  "base_rss_mb": base / 1024, "total_error": r.total_error if r.err_den else None,
+                  "requantized": len(r.requantized), "peak_rss_mb": hwm(),
+                  "base_rss_mb": base, "total_error": r.total_error if r.err_den else None,
                   "layer_errors": r.layer_errors}))
 """
 
@@ -104,6 +108,10 @@ def build_sources(args) -> dict:
         write_quantized_hf(d / "awq", cfg, weights(), "awq", {"bits": 4, "group_size": 128, "version": "gemm"},
                            {"group_size": 128})
     srcs["awq 4-bit g128"] = d / "awq"
+    if not (d / "gptq-act" / "config.json").exists():
+        write_quantized_hf(d / "gptq-act", cfg, weights(), "gptq", {"bits": 4, "group_size": 128, "desc_act": True},
+                           {"bits": 4, "group_size": 128, "act_order": True})
+    srcs["gptq 4-bit g128 act-order"] = d / "gptq-act"
     if not (d / "exl3" / "config.json").exists():
         # random trellises (valid EXL3 data; decoding cost does not depend on the content), K=4 MCG
         rng = np.random.default_rng(0)
@@ -134,11 +142,11 @@ def build_sources(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--inter", type=int, default=2816)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--inter", type=int, default=5632)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--shard-mb", type=int, default=128, help="shard size of sources and outputs (MiB)")
+    ap.add_argument("--shard-mb", type=int, default=256, help="shard size of sources and outputs (MiB)")
     ap.add_argument("--qwen", action="store_true", help="download the Qwen2.5-Coder GGUF if not cached")
     ap.add_argument("--errors", action="store_true", help="also measure relative errors vs the sources")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_convert.json")
@@ -166,6 +174,8 @@ def main() -> None:
         settings = [
             ("hf bf16", "4-bit g64 (default)", {}),
             ("gptq 4-bit g128", "4-bit g64 (default; exact repack)", {}),
+            ("gptq 4-bit g128", "--keep-source-layout (g128)", {"keep_source_layout": True}),
+            ("gptq 4-bit g128 act-order", "4-bit g64 (dequantize + requantize)", {}),
             ("awq 4-bit g128", "4-bit g64 (default; exact repack)", {}),
             ("exl3 4.0 bpw (mcg)", "4-bit g64 (default)", {}),
             ("gguf SmolLM2-135M Q4_1", "4-bit g64 (default)", {}),
@@ -173,6 +183,8 @@ def main() -> None:
             ("gguf SmolLM2-135M Q4_1", "--keep-source-layout (Q4_1/Q8_0 as g32)", {"keep_source_layout": True}),
             ("gguf Qwen2.5-Coder-0.5B K-quants", "4-bit g64 (default)", {}),
             ("gguf Qwen2.5-Coder-0.5B K-quants", "4-bit g32", {"q_group_size": 32}),
+            ("gguf Qwen2.5-Coder-0.5B K-quants", "--keep-source-layout (Q5_0 as 5-bit, Q8_0 as 8-bit g32)",
+             {"keep_source_layout": True}),
         ]
         for name, label, kw in settings:
             if name not in srcs:

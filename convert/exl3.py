@@ -49,6 +49,7 @@ __all__ = [
     "hadamard_128",
     "unrotate",
     "decode_exl3_weight",
+    "decode_exl3_rows",
     "read_exl3",
 ]
 
@@ -116,6 +117,17 @@ def _state_windows(K: float) -> tuple[np.ndarray, np.ndarray, int]:
     return start // 32, start % 32, R // 32
 
 
+def _states(w32: mx.array, K: float) -> mx.array:
+    """uint32 states ``(..., 256)`` of tiles given as uint32 words ``(..., nw)``."""
+    word, off, nw = _state_windows(K)
+    a = mx.take(w32, mx.array(word.astype(np.int32)), axis=-1)
+    b = mx.take(w32, mx.array(((word + 1) % nw).astype(np.int32)), axis=-1)
+    o = mx.array(off.astype(np.uint32))
+    # the 32 ring bits starting at the window: (a << o) | (b >> (32 - o)), the second term 0 when o == 0
+    window = (a << o) | ((b >> 1) >> (31 - o))
+    return window >> 16
+
+
 def decode_trellis(trellis: mx.array, K: float, codebook: str) -> mx.array:
     """Decode packed tiles to the rotated weight ``W_hat``.
 
@@ -129,13 +141,8 @@ def decode_trellis(trellis: mx.array, K: float, codebook: str) -> mx.array:
     """
     ti, to, n16 = trellis.shape
     w16 = trellis.view(mx.uint16).astype(mx.uint32).reshape(ti, to, n16 // 2, 2)
-    w32 = (w16[..., 0] | (w16[..., 1] << 16)).astype(mx.uint64)
-    word, off, nw = _state_windows(K)
-    a = mx.take(w32, mx.array(word.astype(np.int32)), axis=-1)
-    b = mx.take(w32, mx.array(((word + 1) % nw).astype(np.int32)), axis=-1)
-    both = (a << 32) | b
-    states = (both >> mx.array((48 - off).astype(np.uint64))) & 0xFFFF
-    vals = mx.take(mx.array(codebook_lut(codebook)), states.astype(mx.uint32))
+    w32 = w16[..., 0] | (w16[..., 1] << 16)
+    vals = mx.take(mx.array(codebook_lut(codebook)), _states(w32, K))
     inv = np.argsort(tile_perm())  # tile_flat[j] = vals[inv[j]]
     tiles = mx.take(vals, mx.array(inv.astype(np.int32)), axis=-1).reshape(ti, to, 16, 16)
     return tiles.transpose(0, 2, 1, 3).reshape(ti * 16, to * 16)
@@ -190,6 +197,20 @@ def decode_exl3_weight(
         )
     w = unrotate(decode_trellis(trellis, K, codebook), suh, svh)
     return w.T[:out_features, :in_features]
+
+
+def decode_exl3_rows(
+    trellis: mx.array, suh: mx.array, svh: mx.array, codebook: str, in_features: int, r0: int, r1: int
+) -> mx.array:
+    """Output rows ``r0:r1`` of :func:`decode_exl3_weight` (``r0`` a multiple of 128): decodes only
+    the column tiles ``r0/16 .. ceil(r1/128)*8`` (the right Hadamard acts within 128-column blocks)."""
+    if r0 % 128:
+        raise ShapeMismatchError(f"EXL3 row slices start at multiples of 128, got {r0}")
+    c1 = min(-(-r1 // 128) * 128, trellis.shape[1] * 16)
+    part = trellis[:, r0 // 16 : c1 // 16]
+    K = trellis.shape[-1] / 16
+    w = unrotate(decode_trellis(part, K, codebook), suh, svh[r0:c1])
+    return w.T[: r1 - r0, :in_features]
 
 
 def _marker(w: dict, key: str, expected: int, path: Path) -> bool:
@@ -278,6 +299,8 @@ def read_exl3(path: Path) -> SourceModel:
             weights[f"{p}.weight"] = Deferred(
                 (out_f, in_f),
                 lambda tr=tr, suh=suh, svh=svh, cb=cb, o=out_f, i=in_f: decode_exl3_weight(tr, suh, svh, cb, o, i),
+                load_rows=lambda r0, r1, tr=tr, suh=suh, svh=svh, cb=cb, i=in_f: decode_exl3_rows(tr, suh, svh, cb, i, r0, r1),
+                row_align=128,
             )
             source.weights[f"{p}.weight"] = weights[f"{p}.weight"]
 

@@ -56,7 +56,10 @@ def read_gguf(path: Path) -> SourceModel:
     packed = {}
     native = {}
     for name, t in tensors.items():
-        weights[name] = Deferred(t.shape, (lambda t=t: mx.array(t.dense())))
+        rows = None
+        if t.unpermute_heads is None and len(t.shape) == 2:
+            rows = lambda r0, r1, t=t: mx.array(t.dense_rows(r0, r1))  # noqa: E731
+        weights[name] = Deferred(t.shape, (lambda t=t: mx.array(t.dense())), load_rows=rows)
         if t.is_native and name.endswith(".weight") and len(t.shape) == 2:
             module = name[: -len(".weight")]
             bits = {"Q8_0": 8, "Q5_0": 5, "Q5_1": 5}.get(t.ggml_type, 4)

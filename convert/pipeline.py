@@ -244,6 +244,42 @@ def _measure(result: ConvertResult, module: str, ref: mx.array, got: mx.array) -
     result.err_den += n
 
 
+CHUNK_ELEMENTS = 1 << 24  # decoded float32 values held at once when quantizing a large tensor in row chunks
+
+
+def _chunkable(v) -> bool:
+    return isinstance(v, Deferred) and v.load_rows is not None and len(v.shape) == 2 and math.prod(v.shape) > CHUNK_ELEMENTS
+
+
+def _quantize_chunked(v: Deferred, spec: QSpec, dtype, result: ConvertResult | None, module: str):
+    """Quantize a large decoded tensor in row chunks (MLX affine groups lie within rows, so the
+    result is identical to quantizing it whole); each chunk is evaluated before the next."""
+    rows, cols = v.shape
+    step = max(v.row_align, (CHUNK_ELEMENTS // cols) // v.row_align * v.row_align)
+    parts = []
+    num = den = 0.0
+    for r0 in range(0, rows, step):
+        dense = v.load_rows(r0, min(rows, r0 + step))
+        wq, s, b = mx.quantize(dense, spec.group_size, spec.bits)
+        if dtype is not None:
+            s, b = s.astype(dtype), b.astype(dtype)
+        if result is not None:
+            got = mx.dequantize(wq, s.astype(mx.float32), b.astype(mx.float32), spec.group_size, spec.bits)
+            d, n = mx.sum(mx.square(got - dense)), mx.sum(mx.square(dense))
+            mx.eval(wq, s, b, d, n)
+            num, den = num + float(d.item()), den + float(n.item())
+        else:
+            mx.eval(wq, s, b)
+        parts.append((wq, s, b))
+        del dense
+        mx.clear_cache()
+    if result is not None:
+        result.layer_errors[module] = (num / den) ** 0.5 if den else 0.0
+        result.err_num += num
+        result.err_den += den
+    return tuple(mx.concatenate([q[i] for q in parts], axis=0) for i in range(3))
+
+
 def convert(
     src: str | Path,
     dest: str | Path,
@@ -303,6 +339,8 @@ def convert(
         from .drafter import convert_drafter
 
         return convert_drafter(path, out, plan, dtype=dtype, target=target, progress=progress, t0=t0)
+    if target is not None:
+        raise ConvertError("target= (--target) validates drafter conversions only")
     source = _reader(fmt)(path)
     with out as tmp:
         result = _convert_model(source, tmp, plan, dtype, shard_bytes, progress, measure_error)
@@ -422,6 +460,9 @@ def _convert_model(
                         scales, biases = scales.astype(dtype), biases.astype(dtype)
                     wq = packed.weight
                     result.exact.append(p)
+                elif _chunkable(weights[name]):
+                    wq, scales, biases = _quantize_chunked(weights[name], spec, dtype, result if measure_error else None, p)
+                    result.requantized.append(p)
                 else:
                     v = weights[name]
                     dense = _values(v)
@@ -434,7 +475,7 @@ def _convert_model(
                         scales, biases = scales.astype(dense.dtype), biases.astype(dense.dtype)
                     result.requantized.append(p)
                     dense_ref = dense if measure_error else None
-                if measure_error:
+                if measure_error and p not in result.layer_errors:
                     if dense_ref is None:
                         dense_ref = _values(weights[name])
                     f32 = mx.float32

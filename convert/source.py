@@ -34,11 +34,16 @@ class Deferred:
     Attributes:
         shape: the dense (Hugging Face / mlx-lm) shape, e.g. ``(out, in)`` for a linear.
         load: returns the values as an ``mx.array`` (float32 for decoded quantized data).
+        load_rows: optional ``(r0, r1) -> rows r0:r1`` of the same values, so that large
+            tensors can be quantized in row chunks (``r0``/``r1`` multiples of ``row_align``,
+            or ``r1`` the last row); bounds peak memory to a chunk of float32 values.
     """
 
     shape: tuple[int, ...]
     load: Callable[[], mx.array]
     dtype: mx.Dtype = mx.float32
+    load_rows: Callable[[int, int], mx.array] | None = None
+    row_align: int = 1
 
 
 @dataclass

@@ -293,6 +293,16 @@ class GGUFTensor:
         arr = gguf.quants.dequantize(self.data, self.type_enum)
         return self._rows(np.asarray(arr, dtype=np.float32).reshape(self.shape))
 
+    def dense_rows(self, r0: int, r1: int) -> np.ndarray:
+        """Rows ``r0:r1`` of :meth:`dense` (2-D tensors without a q/k permutation only)."""
+        import gguf
+
+        if self.unpermute_heads is not None or len(self.shape) != 2:
+            raise GGUFError(f"{self.gguf_name}: row slices need a 2-D tensor without the q/k permutation")
+        data = np.asarray(self.data).reshape(self.shape[0], -1)[r0:r1]
+        arr = gguf.quants.dequantize(data, self.type_enum)
+        return np.asarray(arr, dtype=np.float32).reshape(r1 - r0, self.shape[1])
+
     def native(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         """The exact MLX affine form (group 32) of a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 tensor:
         ``(weight uint32, scales fp16, biases fp16, bits)``.

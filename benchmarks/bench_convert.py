@@ -140,6 +140,29 @@ def build_sources(args) -> dict:
     return srcs
 
 
+def exl3_encoded_row() -> dict:
+    """EXL3 against the original weights: a 128 x 512 Gaussian encoded at 4.0 bpw (MCG) by OUR
+    tail-biting Viterbi encoder (tests/exl3_tools.py; exllamav3's encoder needs CUDA), decoded by
+    the converter, then MLX 4-bit g64."""
+    import mlx.core as mx
+    import numpy as np
+    from exl3_tools import pack_ring, prepare, viterbi_ring
+
+    from mlx_dflash2.convert.exl3 import decode_exl3_weight
+
+    W = np.random.default_rng(7).standard_normal((128, 512)) * 0.02
+    seq, suh, svh, _ = prepare(W, "mcg", 7)
+    trellis = pack_ring(viterbi_ring(seq, 4, "mcg"))
+    dec = decode_exl3_weight(mx.array(trellis), mx.array(suh), mx.array(svh), "mcg", 128, 512)
+    q = mx.dequantize(*mx.quantize(dec, 64, 4), 64, 4)
+    d = mx.dequantize(*mx.quantize(mx.array(W.astype(np.float32)), 64, 4), 64, 4)
+    rel = lambda a, b: float(np.linalg.norm(np.array(a, dtype=np.float64) - b) / np.linalg.norm(b))  # noqa: E731
+    return {"source": "exl3 4.0 bpw, own Viterbi encode of a 128x512 Gaussian", "setting": "4-bit g64",
+            "total_rel_error": rel(q, np.array(dec)), "median_layer": rel(q, np.array(dec)),
+            "max_layer": rel(q, np.array(dec)), "exact_layers": 0, "requantized_layers": 1,
+            "exl3_vs_original": rel(dec, W), "mlx_vs_original": rel(q, W), "direct_mlx_vs_original": rel(d, W)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, default=2048)
@@ -198,6 +221,11 @@ def main() -> None:
             e = erows[-1]
             print(f"{name:34s} {label:42s} total {e['total_rel_error']:.4%} median layer {e['median_layer']:.4%} "
                   f"max {e['max_layer']:.4%} (exact {e['exact_layers']}, requantized {e['requantized_layers']})", flush=True)
+        erows.append(exl3_encoded_row())
+        e = erows[-1]
+        print(f"{e['source']}: {e['setting']}: {e['total_rel_error']:.3%} vs the decoded EXL3; EXL3 itself "
+              f"{e['exl3_vs_original']:.3%} vs the original; MLX output {e['mlx_vs_original']:.3%} vs the original "
+              f"(direct MLX 4-bit g64 of the original: {e['direct_mlx_vs_original']:.3%})", flush=True)
         print("\n| source | output | relative error (all layers) | median layer | worst layer | exact / requantized layers |")
         print("|---|---|---|---|---|---|")
         for e in erows:

@@ -281,12 +281,12 @@ def read_exl3(path: Path) -> SourceModel:
 
     weights = {k: v for k, v in w.items() if k not in used}
     dequantized = set()
-    for p, (tr, suh, svh, cb, K) in layers.items():
+    for p in layers:
         weights[f"{p}.weight"] = Deferred((-1, -1), None)  # shape bound to the model's below
         dequantized.add(f"{p}.weight")
 
     def bind(expected: dict) -> None:
-        for p, (tr, suh, svh, cb, K) in layers.items():
+        for p, (tr, suh, svh, cb, _k) in layers.items():
             shape = expected.get(f"{p}.weight")
             if shape is None:
                 shape = (tr.shape[1] * 16, tr.shape[0] * 16)  # unknown to the model: reported as unexpected

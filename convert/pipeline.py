@@ -28,10 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from .errors import ConvertError, CorruptCheckpointError, MissingTensorError, ShapeMismatchError, UnsupportedFormatError
-from .mlxq import Packed, QSpec, QuantPlan
+from .mlxq import QSpec, QuantPlan
 from .source import Deferred, SourceModel
 from .writer import DEFAULT_SHARD_BYTES, AtomicOutput, ShardWriter, write_config
 
@@ -244,7 +243,7 @@ def _measure(result: ConvertResult, module: str, ref: mx.array, got: mx.array) -
     result.err_den += n
 
 
-CHUNK_ELEMENTS = 1 << 24  # decoded float32 values held at once when quantizing a large tensor in row chunks
+CHUNK_ELEMENTS = 1 << 22  # decoded float32 values held at once when quantizing a large tensor in row chunks
 
 
 def _chunkable(v) -> bool:

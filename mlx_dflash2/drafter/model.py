@@ -393,24 +393,32 @@ class DraftModel(nn.Module):
             x = layer(x, lambda attn, v: attn(v, ck, cv, P))
         return self.norm(x)
 
-    def forward_blocks(self, block_embeddings: mx.array, features: mx.array, anchors: mx.array) -> mx.array:
+    def context_kv_all(self, features: mx.array) -> list[tuple[mx.array, mx.array]]:
+        """Per-layer context K/V of whole sequences: features ``[N, T, k*D]`` ->
+        ``[(k [N, KV, T, hd], v)]`` (positions ``0..T-1``)."""
+        c = self.fuse(features)
+        return [layer.self_attn.kv(c, 0) for layer in self.layers]
+
+    def forward_blocks(self, block_embeddings: mx.array, features: mx.array | None, anchors: mx.array,
+                       ctx_kv: list | None = None) -> mx.array:
         """Drafter forward over many blocks at once (training, replay evaluation).
 
         Args:
             block_embeddings: ``[N*A, B, D]`` embeddings of ``[anchor, mask...]``
                 per block (times the input scale), sequence-major.
             features: ``[N, T, k*D]`` context features of each sequence
-                (concatenated target taps at positions ``0..T-1``).
+                (concatenated target taps at positions ``0..T-1``), or None
+                when ``ctx_kv`` (from :meth:`context_kv_all`) is given.
             anchors: int ``[N, A]`` anchor positions; block ``(n, a)`` sees
                 context positions ``< anchors[n, a]`` only.
 
         Returns:
             Final-normed hidden states ``[N*A, B, D]``.
         """
-        c = self.fuse(features)
+        if ctx_kv is None:
+            ctx_kv = self.context_kv_all(features)
         x = block_embeddings
-        for layer in self.layers:
-            ck, cv = layer.self_attn.kv(c, 0)
+        for layer, (ck, cv) in zip(self.layers, ctx_kv):
             x = layer(x, lambda attn, v, ck=ck, cv=cv: attn.blocks(v, ck, cv, anchors))
         return self.norm(x)
 

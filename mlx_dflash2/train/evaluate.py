@@ -80,8 +80,8 @@ def replay(
         toks = np.zeros((len(seqs), T), dtype=np.int32)
         for i, s in enumerate(seqs):
             toks[i, : len(s)] = s
-        feats = target.taps(mx.array(toks), tuple(cfg.target_layer_ids))
-        mx.eval(feats)
+        ctx_kv = drafter.context_kv_all(target.taps(mx.array(toks), tuple(cfg.target_layer_ids)))
+        mx.eval(ctx_kv)
         P = np.array([len(r["prompt_ids"]) for r in group])  # anchor positions
         resp_len = np.array([len(r["response_ids"]) for r in group])
         emitted = np.ones(len(group), dtype=np.int64)  # the first token comes from the prefill
@@ -110,7 +110,8 @@ def replay(
                 emb = target.embed(block)
                 if cfg.input_embedding_scale != 1.0:
                     emb = emb * cfg.input_embedding_scale
-                h = drafter.forward_blocks(emb, feats[idx], anchors)[:, 1:]
+                kv = [(k[idx], v[idx]) for k, v in ctx_kv]
+                h = drafter.forward_blocks(emb, None, anchors, ctx_kv=kv)[:, 1:]
                 unary = drafter.unary_logits(h, target.lm_head)
                 if invalid is not None:
                     unary = mx.where(invalid, mx.array(-mx.inf, unary.dtype), unary)

@@ -361,23 +361,39 @@ def gguf_tensors(h: GGUFHeader, cfg: dict | None = None) -> dict[str, GGUFTensor
     return out
 
 
+def _unpermute_mx(w: mx.array, n_head: int) -> mx.array:
+    """Inverse of llama.cpp's q/k ``permute`` over the row axis (mx arrays; see :class:`GGUFTensor`)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
 def _load_tensors(h: GGUFHeader, cfg: dict) -> tuple[dict[str, mx.array], dict[str, dict]]:
-    """Return (mlx-lm named weights, per-module quantization settings)."""
+    """Return (mlx-lm named weights, per-module quantization settings).
+
+    Files whose tensors are all F32/F16/Q4_0/Q4_1/Q8_0 are read with ``mx.load``
+    (MLX's own exact GGUF decoding, natively quantized; MLX >= 0.32.0); any other
+    file is dequantized tensor by tensor with ``gguf.quants.dequantize``.
+    """
     tensors = gguf_tensors(h, cfg)
     native = all(t.ggml_type in _MX_NATIVE_TYPES for t in tensors.values())
     weights: dict[str, mx.array] = {}
     quant: dict[str, dict] = {}
-    for name, t in tensors.items():
-        if native and t.is_native:
-            w, s, b, bits = t.native()
-            module = name[: -len(".weight")]
-            weights[name] = mx.array(w)
-            weights[f"{module}.scales"] = mx.array(s)
-            weights[f"{module}.biases"] = mx.array(b)
-            quant[module] = {"group_size": 32, "bits": int(bits)}
-        elif native:  # F32 / F16 stay as stored
-            weights[name] = mx.array(np.asarray(t.data).reshape(t.shape))
-        else:
+    if native:
+        raw = mx.load(str(h.path))
+        for t in tensors.values():
+            base = t.gguf_name[: -len(".weight")] if t.gguf_name.endswith(".weight") else t.gguf_name
+            module = t.name[: -len(".weight")] if t.name.endswith(".weight") else t.name
+            parts = {"weight": raw[t.gguf_name]}
+            if t.is_native:
+                parts.update(scales=raw[f"{base}.scales"], biases=raw[f"{base}.biases"])
+                bits = (parts["weight"].shape[-1] * 32) // (parts["scales"].shape[-1] * 32)
+                quant[module] = {"group_size": 32, "bits": int(bits)}
+            for suffix, arr in parts.items():
+                if t.unpermute_heads is not None:
+                    arr = _unpermute_mx(arr, t.unpermute_heads)
+                weights[t.name if suffix == "weight" else f"{module}.{suffix}"] = arr
+    else:
+        for name, t in tensors.items():
             weights[name] = mx.array(t.dense())
     return weights, quant
 

@@ -41,7 +41,8 @@ def test_cli_stdin_prompt_and_raw_mode():
     "args,msg",
     [
         (["--drafter", "/nonexistent/drafter"], "not found"),
-        (["--temp", "0.7"], "not supported yet"),
+        (["--top-p", "1.5"], "top_p"),
+        (["--temp", "-1"], "temp"),
         (["--model", "/nonexistent/model"], "not found"),
         (["--max-tokens", "0"], "max-tokens"),
     ],
@@ -79,8 +80,8 @@ def test_python_api(smol_q):
     assert text == "".join(x.text for x in resps)
     ref, _ = plain_reference(target, chat_ids(tok, "Name three colors."), 10)
     assert [x.token for x in resps] == ref[: len(resps)]
-    with pytest.raises(NotImplementedError):
-        list(mlx_dflash2.stream_generate(model, tok, prompt, temp=0.5))
+    with pytest.raises(ValueError, match="temp"):
+        list(mlx_dflash2.stream_generate(model, tok, prompt, temp=-0.5))
 
 
 def test_load_default():

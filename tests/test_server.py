@@ -227,18 +227,21 @@ def test_sampling_parameters_are_validated_and_passed(client, http):
                                                     "chat_template_kwargs": None, "stream_options": None})
     assert same.status_code == 200, same.text
     assert same.json()["choices"][0]["message"]["content"] == greedy
-    # sampling / processors: served once issue 5 lands; refused with a clear 400 until then
+    # sampling and processors go through the lossless speculative path
     for extra in ({"temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "seed": 1},
                   {"repetition_penalty": 1.3}, {"presence_penalty": 0.5}, {"frequency_penalty": 0.5},
                   {"logit_bias": {"42": -100}}):
         r = http.post("/v1/chat/completions", json={**kw, **extra})
-        assert r.status_code in (200, 400), r.text
-        if r.status_code == 400:
-            err = r.json()["error"]
-            assert err["type"] == "invalid_request_error" and "not supported" in err["message"]
-            assert err["param"] in extra, err
-        else:
-            assert r.json()["usage"]["completion_tokens"] <= 3
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] <= 3
+    # a seeded sampled request is reproducible; a strong logit bias forces its token
+    sk = {**kw, "temperature": 1.0, "seed": 11, "max_tokens": 8}
+    a = http.post("/v1/chat/completions", json=sk).json()["choices"][0]["message"]["content"]
+    assert a == http.post("/v1/chat/completions", json=sk).json()["choices"][0]["message"]["content"]
+    tok_id = 330
+    forced = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "logit_bias": {str(tok_id): 100},
+                                                 "logprobs": 1}).json()
+    assert forced["choices"][0]["logprobs"]["tokens"][0] == forced["choices"][0]["logprobs"]["tokens"][1]
     assert http.get("/health").json()["status"] == "ok"
 
 

@@ -193,9 +193,11 @@ def evaluate_sets(
     valid_vocab = min(len(tokenizer), target.vocab_rows)
     for name in sets:
         prompts = load_eval_set(name, limit)
-        cdir = Path(cache_dir) / f"{name}-{len(prompts)}-{max_tokens}"
-        regenerate(target, tokenizer, prompts, cdir, max_tokens=max_tokens, batch_size=gen_batch,
-                   shard_size=max(len(prompts), 1), progress=progress)
+        cdir = _continuation_cache(Path(cache_dir), name, len(prompts), max_tokens)
+        if cdir is None:
+            cdir = Path(cache_dir) / f"{name}-{len(prompts)}-{max_tokens}"
+            regenerate(target, tokenizer, prompts, cdir, max_tokens=max_tokens, batch_size=gen_batch,
+                       shard_size=max(len(prompts), 1), progress=progress)
         rows = read_responses(cdir)
         for label, model in drafters.items():
             for B in block_sizes:
@@ -217,6 +219,20 @@ def evaluate_sets(
                 if progress:
                     print(f"{name:10s} {label:10s} B={B:<3d} tau={st.tau:.3f}", file=sys.stderr)
     return {"max_tokens": max_tokens, "results": results}
+
+
+def _continuation_cache(cache_dir: Path, name: str, n: int, max_tokens: int) -> Path | None:
+    """A complete cache of greedy continuations made with at least ``max_tokens``
+    (a longer continuation's prefix is the shorter one: replay stops at ``max_tokens``)."""
+    best = None
+    for d in cache_dir.glob(f"{name}-{n}-*"):
+        try:
+            m = int(d.name.rsplit("-", 1)[1])
+        except ValueError:
+            continue
+        if m >= max_tokens and (d / "shard-00000.jsonl").is_file() and (best is None or m < best[0]):
+            best = (m, d)
+    return best[1] if best else None
 
 
 def plot_acceptance(report: dict, path: str | Path) -> Path | None:

@@ -26,14 +26,15 @@ setup)
 regen)
   budget=${1:-240}
   $PY -m mlx_dflash2.train regen --model "$MODEL" $RTD --prompts .cache/train/prompts.jsonl --limit $N \
-      --out "$W/responses" --max-tokens $MAXT --batch-size $BS --shard-size 512 --temp-fraction 0.2 --time-budget "$budget"
+      --out "$W/responses" --max-tokens $MAXT --batch-size $BS --shard-size 512 --temps 0,0.7,1.0 --time-budget "$budget"
   $PY - "$W/responses" <<'PYEOF'
 import sys, json, glob
 rows = [json.loads(l) for f in sorted(glob.glob(sys.argv[1] + "/shard-*.jsonl")) for l in open(f)]
 print(json.dumps({"sequences": len(rows), "response_tokens": sum(len(r["response_ids"]) for r in rows),
                   "prompt_tokens": sum(len(r["prompt_ids"]) for r in rows)}))
 PYEOF
-  tar -czf "$OUT/responses.tar.gz" -C "$W" responses
+  # $OUT files are limited to 16 MB each: the tarball comes back in parts (cat responses.tar.gz.part* | tar -xz)
+  tar -czf - -C "$W" responses | split -b 15000000 -d -a 1 - "$OUT/responses.tar.gz.part"
   ;;
 train)
   arch=$1; name=$2; spec=$3

@@ -56,6 +56,8 @@ def main(argv=None) -> int:
     r.add_argument("--shard-size", type=int, default=1024)
     r.add_argument("--temp-fraction", type=float, default=0.0, help="fraction answered by sampling at --temp")
     r.add_argument("--temp", type=float, default=0.7)
+    r.add_argument("--temps", default=None,
+                   help="answer every prompt once per temperature, e.g. 0,0.7,1.0 (overrides --temp-fraction)")
     r.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--time-budget", type=float, default=None, help="stop between shards after this many seconds")
@@ -106,7 +108,8 @@ def main(argv=None) -> int:
             target, tok = _target(args)
             st = regenerate(target, tok, prompts, args.out, args.max_tokens, args.batch_size, args.shard_size,
                             args.temp_fraction, args.temp, seed=args.seed,
-                            time_budget=args.time_budget)
+                            time_budget=args.time_budget,
+                            temps=[float(x) for x in args.temps.split(",")] if args.temps else None)
             print(json.dumps(st))
         elif args.cmd == "fit":
             from .trainer import Trainer

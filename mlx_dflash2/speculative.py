@@ -227,7 +227,7 @@ def speculative_generate_step(
         return
     proposer = proposer or PLAIN_PROPOSER
     verifier = verifier or GreedyVerifier()
-    B = int(block_size or proposer.block_size or 1)
+    B = int(block_size if block_size is not None else (proposer.block_size or 1))
     if B < 1:
         raise ValueError(f"block size must be >= 1, got {B}")
     if B == 1:

@@ -45,6 +45,7 @@ def test_cli_stdin_prompt_and_raw_mode():
         (["--temp", "-1"], "temp"),
         (["--model", "/nonexistent/model"], "not found"),
         (["--max-tokens", "0"], "max-tokens"),
+        (["--block-size", "0"], "block size must be >= 1"),
     ],
 )
 def test_cli_errors_are_clean(args, msg):

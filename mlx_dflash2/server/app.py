@@ -99,6 +99,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         return bad_request(f"the request body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}")
     param = _param_from_loc(e.get("loc", ()))
     msg = e.get("msg", "invalid value")
+    if msg.startswith("Value error, "):  # pydantic's prefix for validator errors
+        msg = msg[len("Value error, "):]
     if kind == "missing":
         return bad_request(f"Missing required parameter: '{param}'" if param else "the request body is missing",
                            param)

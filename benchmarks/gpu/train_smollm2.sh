@@ -4,6 +4,8 @@
 #   setup | regen SECONDS | train ARCH OUTNAME (SECONDS | steps:N) | eval | bench
 # SMOKE=1 runs every stage at toy size on any machine (CPU included) to check the pipeline.
 set -euo pipefail
+# Paths below are defaults for the lent device machine (its work dir /root/work, the payload that
+# ../shared/gpu/prepare unpacks to /root/payload, wheels installed to /tmp/site); override WORK, MODEL, PY.
 cd "$(dirname "$0")/../.."
 W=${WORK:-/root/work}
 OUT=${OUT:-$W/out}

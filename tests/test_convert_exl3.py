@@ -65,6 +65,14 @@ def test_fixture_decodes_exactly(path):
     assert rel < {2.0: 0.3, 2.5: 0.22, 3.0: 0.17, 4.0: 0.09}[K], rel
 
 
+def test_committed_fixtures_come_from_exllamav3():
+    """The committed fixtures are exllamav3's own encodings (tests/fixtures/README.md), not our encoder's."""
+    assert len(FIXTURES) == 5
+    for path in FIXTURES:
+        with safe_open(str(path), "numpy") as f:
+            assert f.metadata()["producer"].startswith("exllamav3 "), path.name
+
+
 def test_legacy_packed_signs():
     rng = np.random.default_rng(5)
     signs = rng.choice([-1.0, 1.0], 128)

@@ -218,6 +218,17 @@ def test_prompt_file_formats(tmp_path):
         read_prompt_file(tmp_path / "c.jsonl")
 
 
+def test_regen_skip_and_limit_are_checked(tmp_path, capsys):
+    from mlx_dflash2.train.cli import main
+
+    (tmp_path / "p.txt").write_text("first\n\nsecond\n")
+    base = ["regen", "--prompts", str(tmp_path / "p.txt"), "--out", str(tmp_path / "out")]
+    assert main(base + ["--skip", "2"]) == 2
+    assert "no prompts left after --skip 2" in capsys.readouterr().err
+    assert main(base + ["--skip", "-1"]) == 2 and main(base + ["--limit", "0"]) == 2
+    assert not (tmp_path / "out").exists()
+
+
 def test_sharded_checkpoint_roundtrip(tiny, tmp_path):
     target, tok = tiny
     d = init_drafter(target, tok, num_layers=2, block_size=6, selector_rank=4)

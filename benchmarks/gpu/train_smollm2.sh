@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The recipe of the shipped SmolLM2-135M-Instruct drafter, run on the lent H200 (MLX CUDA backend).
 # Stages (one device call each, back to back; the machine keeps /root/work while warm):
-#   setup | regen SECONDS | train ARCH OUTNAME (SECONDS | steps:N) | eval | bench
+#   setup | data TARBALL... | regen SECONDS | train ARCH OUTNAME (SECONDS | steps:N) | eval | bench
+# Env: SKIP (regen: prompts answered by earlier runs), TEMPS (regen temperatures), INIT (train: drafter
+# to continue from), RTD (regen target flags; default the deployed Q4_1 weights).
 # SMOKE=1 runs every stage at toy size on any machine (CPU included) to check the pipeline.
 set -euo pipefail
 # Paths below are defaults for the lent device machine (its work dir /root/work, the payload that
@@ -18,17 +20,30 @@ SMOKE=${SMOKE:-0}
 if [ "$SMOKE" = 1 ]; then N=24; MAXT=32; BS=16; SEQ=4; ANCH=8; LAYERS=1; RANK=8; LIMIT=4; BLOCKS=4,8
   TD="--dtype float32 --dequantize"; RTD="$TD"
 else N=100000; MAXT=256; BS=512; SEQ=32; ANCH=64; LAYERS=4; RANK=32; LIMIT=-1; BLOCKS=4,8,16
-  TD="--dtype bfloat16 --dequantize"; RTD=""; fi
+  TD="--dtype bfloat16 --dequantize"; RTD=${RTD:-}; fi
 stage=$1; shift
 case "$stage" in
 setup)
   [ -d .whl ] && $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   $PY -c "import mlx.core as mx, gguf, mlx_dflash2; print('MLX', mx.__version__, mx.default_device())"
   ;;
+data)
+  # responses of earlier runs (tarballs of a responses/ dir, possibly split in parts): each run's shards
+  # go to $W/responses under a distinct name prefix, so the trainer reads them all
+  mkdir -p "$W/responses"; i=0
+  for tb in "$@"; do
+    i=$((i+1)); tmp=$(mktemp -d); cat $tb* | tar -xz -C "$tmp"
+    for f in "$tmp"/responses/shard-*.jsonl; do mv "$f" "$W/responses/shard-r$i-$(basename "$f" | cut -d- -f2)"; done
+  done
+  ls "$W/responses" | wc -l
+  ;;
 regen)
   budget=${1:-240}
-  $PY -m mlx_dflash2.train regen --model "$MODEL" $RTD --prompts .cache/train/prompts.jsonl --limit $N \
-      --out "$W/responses" --max-tokens $MAXT --batch-size $BS --shard-size 512 --temps 0,0.7,1.0 --time-budget "$budget"
+  $PY -m mlx_dflash2.train regen --model "$MODEL" $RTD --prompts .cache/train/prompts.jsonl --skip ${SKIP:-0} \
+      --limit $N --out "$W/regen" --max-tokens $MAXT --batch-size $BS --shard-size 512 --temps ${TEMPS:-0,0.7,1.0} \
+      --time-budget "$budget"
+  mkdir -p "$W/responses"
+  for f in "$W"/regen/shard-*.jsonl; do cp "$f" "$W/responses/shard-s${SKIP:-0}-$(basename "$f" | cut -d- -f2)"; done
   $PY - "$W/responses" <<'PYEOF'
 import sys, json, glob
 rows = [json.loads(l) for f in sorted(glob.glob(sys.argv[1] + "/shard-*.jsonl")) for l in open(f)]
@@ -36,15 +51,16 @@ print(json.dumps({"sequences": len(rows), "response_tokens": sum(len(r["response
                   "prompt_tokens": sum(len(r["prompt_ids"]) for r in rows)}))
 PYEOF
   # $OUT files are limited to 16 MB each: the tarball comes back in parts (cat responses.tar.gz.part* | tar -xz)
-  tar -czf - -C "$W" responses | split -b 15000000 -d -a 1 - "$OUT/responses.tar.gz.part"
+  tar -czf - -C "$W" --transform 's,^regen,responses,' regen | split -b 15000000 -d -a 1 - "$OUT/responses.tar.gz.part"
   ;;
 train)
   arch=$1; name=$2; spec=$3
   if [[ "$spec" == steps:* ]]; then lim="--steps ${spec#steps:}"; else lim="--time-budget $spec"; fi
   $PY -m mlx_dflash2.train fit --model "$MODEL" $TD --data "$W/responses" --out "$W/runs/$name" \
       --architecture "$arch" --num-layers $LAYERS --num-taps 5 --block-size 16 --selector-rank $RANK \
-      --anchors $ANCH --batch-size $SEQ --lr 1e-3 --log-every 20 --save-every 100000 $lim
-  $PY - "$W/runs/$name" "$OUT/$name" "$MODEL" <<'PYEOF'
+      --anchors $ANCH --batch-size $SEQ --lr 1e-3 --log-every 20 --save-every ${SAVE_EVERY:-100000} $lim ${INIT:+--init "$INIT"}
+  X=${EXPORT:-$OUT}; mkdir -p "$X"  # EXPORT: where the bf16 drafter and the log go (default $OUT)
+  $PY - "$W/runs/$name" "$X/$name" "$MODEL" <<'PYEOF'
 import sys, shutil, mlx.core as mx
 from mlx_dflash2.loading import load_target
 from mlx_dflash2.drafter import load_drafter, save_drafter
@@ -52,15 +68,20 @@ t, tok, _ = load_target(sys.argv[3])
 d = load_drafter(sys.argv[1] + "/drafter", t, tok, dtype=mx.bfloat16)
 save_drafter(d, sys.argv[2], overwrite=True, max_shard_mb=15)
 PYEOF
-  cp "$W/runs/$name/log.jsonl" "$OUT/$name-log.jsonl"; cp "$W/runs/$name/config.json" "$OUT/$name-train-config.json"
+  cp "$W/runs/$name/log.jsonl" "$X/$name-log.jsonl"; cp "$W/runs/$name/config.json" "$X/$name-train-config.json"
   ;;
 eval)
+  # EVAL_LIMIT / EVAL_MAXT override the prompt count per set and the response length; EVAL_LOOKUP=0
+  # skips the second pass (first drafter fused with lookup)
+  lim=${EVAL_LIMIT:-$LIMIT}; mt=${EVAL_MAXT:-$MAXT}
   args=()
   for d in "$@"; do args+=(--drafter "$d=$W/runs/$d/drafter"); done
-  $PY -m mlx_dflash2.train eval --model "$MODEL" $RTD "${args[@]}" --block-sizes $BLOCKS --max-tokens $MAXT \
-      --limit $LIMIT --cache-dir "$W/evalcache" --out "$OUT/tau.json"
-  $PY -m mlx_dflash2.train eval --model "$MODEL" $RTD --drafter "$1=$W/runs/$1/drafter" --lookup --block-sizes $BLOCKS \
-      --max-tokens $MAXT --limit $LIMIT --cache-dir "$W/evalcache" --out "$OUT/tau-lookup.json"
+  $PY -m mlx_dflash2.train eval --model "$MODEL" $RTD "${args[@]}" --block-sizes $BLOCKS --max-tokens $mt \
+      --limit $lim --cache-dir "$W/evalcache" --out "$OUT/tau.json"
+  if [ "${EVAL_LOOKUP:-1}" = 1 ]; then
+    $PY -m mlx_dflash2.train eval --model "$MODEL" $RTD --drafter "$1=$W/runs/$1/drafter" --lookup --block-sizes $BLOCKS \
+        --max-tokens $mt --limit $lim --cache-dir "$W/evalcache" --out "$OUT/tau-lookup.json"
+  fi
   ;;
 bench)
   $PY benchmarks/bench_generate.py --model "$MODEL" --drafter "$W/runs/$1/drafter" --drafter none --drafter lookup \

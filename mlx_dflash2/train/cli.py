@@ -58,7 +58,8 @@ def main(argv=None) -> int:
     r.add_argument("--temp", type=float, default=0.7)
     r.add_argument("--temps", default=None,
                    help="answer every prompt once per temperature, e.g. 0,0.7,1.0 (overrides --temp-fraction)")
-    r.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    r.add_argument("--skip", type=int, default=0, help="skip the first N prompts (e.g. answered in an earlier run)")
+    r.add_argument("--limit", type=int, default=None, help="use N prompts (after --skip)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--time-budget", type=float, default=None, help="stop between shards after this many seconds")
 
@@ -104,7 +105,12 @@ def main(argv=None) -> int:
             from .data import read_prompt_file
             from .regen import regenerate
 
-            prompts = read_prompt_file(args.prompts)[: args.limit]
+            if args.skip < 0 or (args.limit is not None and args.limit < 1):
+                raise ValueError("--skip must be >= 0 and --limit >= 1")
+            prompts = read_prompt_file(args.prompts)[args.skip :]
+            prompts = prompts[: args.limit] if args.limit is not None else prompts
+            if not prompts:
+                raise ValueError(f"{args.prompts}: no prompts left after --skip {args.skip}")
             target, tok = _target(args)
             st = regenerate(target, tok, prompts, args.out, args.max_tokens, args.batch_size, args.shard_size,
                             args.temp_fraction, args.temp, seed=args.seed,

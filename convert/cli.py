@@ -44,8 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--keep-source-layout",
         action="store_true",
-        help="keep the source's exact quantized layout where one exists (GPTQ/AWQ groups, GGUF Q4_0/Q4_1/Q8_0 "
-        "as MLX groups of 32): lossless",
+        help="keep the source's exact quantized layout where one exists (GPTQ/AWQ groups; GGUF Q4_0/Q4_1/Q5_0/"
+        "Q5_1/Q8_0/Q4_K/Q5_K as MLX groups of 32): lossless, except that Q4_K/Q5_K scales are exact only "
+        "with --dtype float32; GGUF Q6_K becomes 8-bit g32 (near-lossless); Q2_K/Q3_K take the requested spec",
     )
     p.add_argument("--overwrite", action="store_true", help="replace DEST if it exists")
     p.add_argument("--shard-size-gb", type=float, default=2.0, help="maximum shard size (GiB, default 2)")

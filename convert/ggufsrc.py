@@ -5,10 +5,18 @@ tokenizer and chat template from the metadata).
 * Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 tensors have an exact MLX affine layout at
   group size 32 (4/4/5/5/8 bits): used as-is when the requested spec is exactly
   that (e.g. with ``--keep-source-layout``, or ``--q-group-size 32`` for the Q4 tensors).
-* Every other case (another group size or bit width, K-quants, Q5_x, Q6_K,
-  BF16...) dequantizes with ``gguf.quants.dequantize`` to float32 and quantizes
-  that with MLX round-to-nearest. (``mx.load`` is never used for GGUF data: it
-  mis-decodes Q4_K and refuses Q5_0, offline-assets.md pitfall 7.)
+* Q4_K / Q5_K map onto MLX 4/5-bit group 32 with scale ``d*sc`` and bias
+  ``-dmin*m`` (:meth:`mlx_dflash2.gguf.GGUFTensor.native`): exact with float32
+  scales (``--dtype float32``); float16/bfloat16 scales round ``d*sc`` (17
+  significant bits) and ``dmin*m`` to 11/8 bits.
+* Q6_K (16-value sub-blocks with int8 scales, symmetric 6-bit) has no MLX layout
+  (group sizes are 32/64/128): ``--keep-source-layout`` quantizes its exact
+  dequantized values to MLX 8-bit group 32 (near-lossless). Q2_K/Q3_K, IQ* and
+  TQ* have none either and always take the requested spec.
+* Every other case (another group size or bit width, Q2_K/Q3_K, BF16...)
+  dequantizes with ``gguf.quants.dequantize`` to float32 and quantizes that with
+  MLX round-to-nearest. (``mx.load`` is never used for GGUF data: it mis-decodes
+  Q4_K and refuses Q5_0, offline-assets.md pitfall 7.)
 """
 
 from __future__ import annotations
@@ -22,6 +30,11 @@ from .mlxq import Packed, QSpec
 from .source import Deferred, SourceModel
 
 __all__ = ["read_gguf"]
+
+# --keep-source-layout spec of types without an MLX layout of their own: Q6_K's exact values
+# requantized to 8 bits (MLX affine RTN; relative weight error 0.49 % on Qwen2.5-Coder-0.5B's
+# Q6_K layers, tests/test_convert_slow.py).
+_NEAR_EXACT = {"Q6_K": QSpec(8, 32)}
 
 
 def read_gguf(path: Path) -> SourceModel:
@@ -60,15 +73,19 @@ def read_gguf(path: Path) -> SourceModel:
         if t.unpermute_heads is None and len(t.shape) == 2:
             rows = lambda r0, r1, t=t: mx.array(t.dense_rows(r0, r1))  # noqa: E731
         weights[name] = Deferred(t.shape, (lambda t=t: mx.array(t.dense())), load_rows=rows)
-        if t.is_native and name.endswith(".weight") and len(t.shape) == 2:
-            module = name[: -len(".weight")]
-            bits = {"Q8_0": 8, "Q5_0": 5, "Q5_1": 5}.get(t.ggml_type, 4)
+        if not (name.endswith(".weight") and len(t.shape) == 2):
+            continue
+        module = name[: -len(".weight")]
+        if t.ggml_type in _NEAR_EXACT:
+            native[module] = _NEAR_EXACT[t.ggml_type]  # requantized by the pipeline from t.dense()
+        elif t.is_native:
+            bits = t.native_bits
             native[module] = QSpec(bits, 32)
 
             def make(spec: QSpec, t=t, bits=bits):
                 if spec != QSpec(bits, 32):
                     return None
-                w, s, b, _ = t.native()
+                w, s, b, _ = t.native()  # scales/biases float32 for Q4_K/Q5_K: cast to --dtype by the pipeline
                 return Packed(mx.array(w), mx.array(s), mx.array(b), spec)
 
             packed[module] = make
@@ -82,6 +99,19 @@ def read_gguf(path: Path) -> SourceModel:
     for t in tensors.values():
         types[t.ggml_type] = types.get(t.ggml_type, 0) + 1
     src_q = {"gguf_file": path.name, "file_type": h.metadata.get("general.file_type"), "tensor_types": types}
+    notes = [f"GGUF tensor types: {types}"]
+    kept = sorted({t.ggml_type for t in tensors.values() if t.is_native or t.ggml_type in _NEAR_EXACT})
+    if kept:
+        notes.append(
+            f"source types {'/'.join(kept)} map onto MLX groups of 32"
+            + (" (Q6_K onto 8-bit, near-exact)" if "Q6_K" in kept else "")
+            + ": --keep-source-layout keeps them; the default 4-bit g64 requantizes them (adds error)"
+        )
+    lossy = sorted({t.ggml_type for t in tensors.values() if t.ggml_type in ("Q2_K", "Q3_K")})
+    if lossy:
+        notes.append(
+            f"{'/'.join(lossy)} have no MLX layout: requantized to the requested spec even with --keep-source-layout"
+        )
     return SourceModel(
         "gguf",
         path,
@@ -93,5 +123,5 @@ def read_gguf(path: Path) -> SourceModel:
         tokenizer=tok._tokenizer,
         default_dtype="float16",
         source_quantization=src_q,
-        notes=[f"GGUF tensor types: {types}"],
+        notes=notes,
     )

@@ -140,7 +140,7 @@ class QuantPlan:
         overrides: ``(regex, spec-or-None)`` in order; the last matching one wins.
             A spec given as ``(bits, None)`` takes the default group size.
         keep_source_layout: where the source has an exact MLX layout (GPTQ/AWQ groups,
-            GGUF Q4_0/Q4_1/Q8_0 blocks), use the source's own bits/group size for that
+            GGUF Q4_x/Q5_x/Q8_0/Q4_K/Q5_K blocks; GGUF Q6_K -> 8-bit g32), use the source's own bits/group size for that
             layer instead of the default (lossless), unless an override names the layer.
     """
 

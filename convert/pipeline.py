@@ -311,7 +311,8 @@ def convert(
         overrides: ``(regex, (bits, group) | None)`` per-layer overrides
             (:func:`~.mlxq.parse_override`), e.g. keep embeddings / LM head at 8 bits.
         keep_source_layout: keep the source's own exact group layout where one exists
-            (GPTQ/AWQ groups, GGUF Q4_0/Q4_1/Q8_0 as 32-groups): lossless.
+            (GPTQ/AWQ groups; GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K as 32-groups, K-quant
+            scales exact in float32 only; GGUF Q6_K as 8-bit g32, near-lossless).
         overwrite: replace an existing ``dest``.
         shard_bytes: maximum shard size in bytes.
         progress: show a tqdm progress bar.
@@ -409,7 +410,6 @@ def _convert_model(
             raise ShapeMismatchError(f"{source.path}: tensor {k} has shape {got}, expected {shape}")
 
     dtype = _resolve_dtype(dtype_name, source, cfg)
-    user_dtype = dtype_name is not None
     cast_predicate = getattr(model, "cast_predicate", lambda _k: True)
     quant_predicate = getattr(model, "quant_predicate", None)
     modules = dict(model.named_modules())
@@ -455,7 +455,7 @@ def _convert_model(
                 dense_ref = None
                 if packed is not None:
                     scales, biases = packed.scales, packed.biases
-                    if user_dtype and dtype is not None and scales.dtype != dtype:
+                    if dtype is not None and scales.dtype != dtype:
                         scales, biases = scales.astype(dtype), biases.astype(dtype)
                     wq = packed.weight
                     result.exact.append(p)

@@ -13,8 +13,9 @@ What it does (see ``shared/research/offline-assets.md`` §3 for the derivation):
   weights with scales/biases), loaded into ``QuantizedLinear``/``QuantizedEmbedding``
   with no requantization. Files with other types (K-quants, Q5_x, Q6_K...) are
   dequantized with ``gguf.quants.dequantize`` (numpy) to dense weights, because
-  ``mx.load`` rejects Q5_0 and silently mis-decodes Q4_K. (Q5_0/Q5_1 also have an
-  exact MLX 5-bit layout, used by the converter's ``--keep-source-layout``.)
+  ``mx.load`` rejects Q5_0 and silently mis-decodes Q4_K. (Q5_0/Q5_1 and the
+  K-quants Q4_K/Q5_K also have an MLX affine layout at group size 32,
+  :meth:`GGUFTensor.native`, used by the converter's ``--keep-source-layout``.)
 * Undoes llama.cpp's q/k row permutation for the ``llama`` architecture (the
   inverse of ``LlamaModel.permute`` in llama.cpp's ``convert_hf_to_gguf.py``);
   being a row permutation, it applies unchanged to packed weights, scales and
@@ -207,6 +208,8 @@ def _mlx_name(gguf_name: str) -> str | None:
 
 # Block layouts (gguf-py quants.py / ggml-common.h): bytes per block of 32 values, bits per value.
 _NATIVE_BLOCKS = {"Q4_0": (18, 4), "Q4_1": (20, 4), "Q8_0": (34, 8), "Q5_0": (22, 5), "Q5_1": (24, 5)}
+# K-quant super-blocks of 256 values (8 sub-blocks of 32): bytes per super-block, bits per value.
+_K_BLOCKS = {"Q4_K": (144, 4), "Q5_K": (176, 5)}
 
 
 def _pack_stream(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -217,8 +220,19 @@ def _pack_stream(codes: np.ndarray, bits: int) -> np.ndarray:
     return np.ascontiguousarray(packed).view("<u4").astype(np.uint32)
 
 
+def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Codes ``(rows, ...)`` (any trailing shape, row-major order) -> MLX uint32 words ``(rows, n*bits/32)``."""
+    rows = codes.shape[0]
+    if 32 % bits:
+        return _pack_stream(codes.reshape(rows, -1), bits)
+    per = 32 // bits
+    codes = codes.astype(np.uint32).reshape(rows, -1, per)
+    shifts = (np.arange(per, dtype=np.uint32) * bits)[None, None, :]
+    return np.bitwise_or.reduce(codes << shifts, axis=-1).astype(np.uint32)
+
+
 def _repack_native(blocks: np.ndarray, ggml_type: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """Q4_0/Q4_1/Q8_0 blocks ``(rows, row_bytes)`` -> MLX affine (group 32) numpy arrays.
+    """Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 blocks ``(rows, row_bytes)`` -> MLX affine (group 32) numpy arrays.
 
     Exact: Q4_0 ``w = d*(q-8)`` -> scale ``d``, bias ``-8d``; Q4_1 ``w = d*q + m`` -> ``(d, m)``;
     Q8_0 ``w = d*q`` (int8) -> code ``q+128``, scale ``d``, bias ``-128d``; Q5_0 ``w = d*(q-16)``
@@ -247,13 +261,45 @@ def _repack_native(blocks: np.ndarray, ggml_type: str) -> tuple[np.ndarray, np.n
             biases = (d.astype(np.float32) * -(1 << (bits - 1))).astype(np.float16)
         else:
             biases = b[..., 2:4].copy().view(np.float16)[..., 0]
+    return _pack(codes, bits), d, biases, bits
+
+
+def _repack_k(blocks: np.ndarray, ggml_type: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Q4_K/Q5_K super-blocks ``(rows, row_bytes)`` -> MLX affine (group 32) numpy arrays.
+
+    Layout (ggml-common.h ``block_q4_K``/``block_q5_K``, mirrored from gguf-py ``quants.py``
+    ``Q4_K``/``Q5_K.dequantize_blocks``; formats.md §6.2): per 256 values, fp16 ``d`` and
+    ``dmin``, 12 bytes of eight 6-bit ``(sc, m)`` pairs, [Q5_K: ``qh[32]``,] ``qs[128]``.
+    Sub-block ``2k`` holds the low nibbles of ``qs[32k:32k+32]``, ``2k+1`` the high ones; Q5_K's
+    fifth bit of value ``i`` of sub-block ``j`` is bit ``j`` of ``qh[i]``. ``w = d*sc*q - dmin*m``
+    is MLX affine with group 32, scale ``d*sc``, bias ``-dmin*m``.
+
+    Returns:
+        ``(weight uint32 (rows, cols*bits/32), scales float32 (rows, cols/32), biases float32, bits)``.
+        The scales and biases are computed in float32 exactly as gguf-py does, and
+        ``d*sc*q`` (at most 22 significant bits) is exact in float32, so ``mx.dequantize``
+        in float32 reproduces ``gguf.quants.dequantize`` bit for bit (FMA or not);
+        ``d*sc`` has up to 17 significant bits, so casting them to float16 (or bfloat16)
+        rounds them (relative error up to 2**-11, resp. 2**-8).
+    """
+    nbytes, bits = _K_BLOCKS[ggml_type]
+    rows = blocks.shape[0]
+    b = blocks.reshape(rows, -1, nbytes)
+    d = b[..., 0:2].copy().view(np.float16).astype(np.float32)  # (rows, nb, 1)
+    dmin = b[..., 2:4].copy().view(np.float16).astype(np.float32)
+    sc6 = b[..., 4:16]
+    lo, hi, mix = sc6[..., 0:4], sc6[..., 4:8], sc6[..., 8:12]
+    sc = np.concatenate([lo & 0x3F, (mix & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
+    m = np.concatenate([hi & 0x3F, (mix >> 4) | ((hi >> 2) & 0x30)], axis=-1)
+    scales = d * sc.astype(np.float32)  # (rows, nb, 8)
+    biases = -(dmin * m.astype(np.float32))
+    qs = b[..., nbytes - 128 :].reshape(rows, -1, 4, 1, 32)
+    codes = (qs >> np.array([0, 4], dtype=np.uint8)[:, None]) & 0x0F  # (rows, nb, 4, 2, 32)
+    codes = codes.reshape(rows, -1, 8, 32)
     if bits == 5:
-        return _pack_stream(codes.reshape(rows, -1), 5), d, biases, bits
-    per = 32 // bits
-    codes = codes.reshape(rows, -1, per)
-    shifts = (np.arange(per, dtype=np.uint32) * bits)[None, None, :]
-    weight = np.bitwise_or.reduce(codes << shifts, axis=-1).astype(np.uint32)
-    return weight, d, biases, bits
+        qh = b[..., 16:48].reshape(rows, -1, 1, 32)
+        codes = codes | (((qh >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 4)
+    return _pack(codes, bits), scales.reshape(rows, -1), biases.reshape(rows, -1), bits
 
 
 @dataclass
@@ -279,9 +325,17 @@ class GGUFTensor:
     unpermute_heads: int | None = None
 
     @property
+    def native_bits(self) -> int | None:
+        """MLX bits of :meth:`native`'s layout (group size 32): 4 for Q4_0/Q4_1/Q4_K, 5 for
+        Q5_0/Q5_1/Q5_K, 8 for Q8_0; ``None`` for types without one (Q6_K, Q2_K, Q3_K, IQ*...)."""
+        spec = _NATIVE_BLOCKS.get(self.ggml_type) or _K_BLOCKS.get(self.ggml_type)
+        return spec[1] if spec else None
+
+    @property
     def is_native(self) -> bool:
-        """True for types with an exact MLX affine layout at group size 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)."""
-        return self.ggml_type in _NATIVE_BLOCKS
+        """True for types with an MLX affine layout at group size 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+        Q4_K, Q5_K): see :meth:`native`."""
+        return self.native_bits is not None
 
     def _rows(self, a: np.ndarray) -> np.ndarray:
         if self.unpermute_heads is None:
@@ -309,17 +363,25 @@ class GGUFTensor:
         return np.asarray(arr, dtype=np.float32).reshape(r1 - r0, self.shape[1])
 
     def native(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-        """The exact MLX affine form (group 32) of a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 tensor:
-        ``(weight uint32, scales fp16, biases fp16, bits)``.
+        """The MLX affine form (group size 32, no requantization) of a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0
+        or Q4_K/Q5_K tensor, rows un-permuted like :meth:`dense`.
+
+        Returns:
+            ``(weight, scales, biases, bits)``: ``weight`` uint32 ``(*shape[:-1], shape[-1]*bits/32)``,
+            ``scales``/``biases`` ``(*shape[:-1], shape[-1]/32)``. They are the block fields
+            themselves (float16, exact) for the 32-value block types, and float32 for Q4_K/Q5_K
+            (``d*sc`` and ``-dmin*m``; ``mx.dequantize`` in float32 then equals
+            ``gguf.quants.dequantize`` exactly, while a cast to float16/bfloat16 rounds them).
 
         Raises:
             GGUFError: another type.
         """
         if not self.is_native:
-            raise GGUFError(f"{self.gguf_name}: {self.ggml_type} has no exact MLX layout")
+            raise GGUFError(f"{self.gguf_name}: {self.ggml_type} has no MLX affine layout")
         rows = int(np.prod(self.shape[:-1]))
         blocks = np.asarray(self.data).reshape(rows, -1)
-        w, s, b, bits = _repack_native(blocks, self.ggml_type)
+        repack = _repack_k if self.ggml_type in _K_BLOCKS else _repack_native
+        w, s, b, bits = repack(blocks, self.ggml_type)
         w = w.reshape(*self.shape[:-1], -1)
         s = s.reshape(*self.shape[:-1], -1)
         b = b.reshape(*self.shape[:-1], -1)

@@ -266,7 +266,8 @@ def greedy_agreement(source_model, converted_model, tokenizer, prompts, n_tokens
 
     Returns:
         a list of dicts per generated position: ``match`` (same argmax), ``margin``
-        (source's top-1 minus top-2 logit), ``prompt``.
+        (source's top-1 minus top-2 logit), ``dlogit`` (max |logit difference| over the
+        vocabulary; an argmax can only flip where ``margin <= 2 * dlogit``), ``prompt``, ``pos``.
     """
     from mlx_lm.generate import generate_step
 
@@ -283,8 +284,10 @@ def greedy_agreement(source_model, converted_model, tokenizer, prompts, n_tokens
         margin = np.array(top2[:, 1] - top2[:, 0])
         ma = np.array(mx.argmax(a, -1))
         mb = np.array(mx.argmax(b, -1))
+        dlogit = np.array(mx.max(mx.abs(a - b), axis=-1))
         for i in range(len(gen)):
-            rows.append({"prompt": name, "pos": i, "match": bool(ma[i] == mb[i]), "margin": float(margin[i])})
+            rows.append({"prompt": name, "pos": i, "match": bool(ma[i] == mb[i]), "margin": float(margin[i]),
+                         "dlogit": float(dlogit[i])})
     return rows
 
 

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from mlx_dflash2.loading import load_target, make_proposer
 from mlx_dflash2.speculative import SpecStats, speculative_generate_step
@@ -47,6 +48,35 @@ def run_once(target, ids, proposer, block_size, max_tokens):
     return toks, stats
 
 
+def plot(rows: list[dict], path: Path, title: str) -> Path | None:
+    """Speedup and tau per prompt, one bar per drafter (None without matplotlib).
+    ``python benchmarks/bench_generate.py --replot results/generate-*.json`` redraws saved runs."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    prompts = list(dict.fromkeys(r["prompt"] for r in rows))
+    drafters = list(dict.fromkeys(r["drafter"] for r in rows))
+    width = 0.8 / len(drafters)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    for ax, key, ylabel in ((axes[0], "speedup", "speedup vs plain (decode tok/s)"), (axes[1], "tau", "acceptance length tau")):
+        for j, d in enumerate(drafters):
+            vals = [next((r[key] for r in rows if r["prompt"] == p and r["drafter"] == d), 0) for p in prompts]
+            ax.bar(np.arange(len(prompts)) + j * width, vals, width, label=d)
+        ax.set_xticks(np.arange(len(prompts)) + width * (len(drafters) - 1) / 2, prompts)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_ylabel(ylabel)
+    axes[0].legend(fontsize=7, loc="lower left")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
@@ -58,7 +88,13 @@ def main(argv=None):
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--dequantize", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/generate.json")
+    ap.add_argument("--replot", default=None, metavar="JSON", help="only redraw the plot of a saved run")
     args = ap.parse_args(argv)
+    if args.replot:
+        saved = json.loads(Path(args.replot).read_text())
+        m = saved["meta"]
+        print(plot(saved["rows"], Path(args.replot).with_suffix(".png"), f"{Path(m.get('target') or 'embedded model').name} on {m['device']}"))
+        return
 
     from tqdm import tqdm
 
@@ -121,27 +157,9 @@ def main(argv=None):
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-        labels = [f"{r['prompt']}\n{r['drafter']}" for r in rows]
-        axes[0].bar(labels, [r["speedup"] for r in rows])
-        axes[0].axhline(1.0, color="k", lw=0.8)
-        axes[0].set_ylabel("speedup vs plain (decode tok/s)")
-        axes[1].bar(labels, [r["tau"] for r in rows])
-        axes[1].set_ylabel("acceptance length tau")
-        for ax in axes:
-            ax.tick_params(axis="x", labelsize=7)
-        fig.suptitle(f"{name} on {meta['device']}")
-        fig.tight_layout()
-        fig.savefig(out.with_suffix(".png"), dpi=120)
-        print(f"plot: {out.with_suffix('.png')}")
-    except ImportError:
-        pass
+    png = plot(rows, out.with_suffix(".png"), f"{name} on {meta['device']}")
+    if png:
+        print(f"plot: {png}")
     print(f"results: {out}")
 
 

@@ -15,6 +15,7 @@ from .errors import (
     CorruptCheckpointError,
     MissingTensorError,
     OutputExistsError,
+    OutputWriteError,
     ShapeMismatchError,
     UnsupportedFormatError,
 )
@@ -37,4 +38,5 @@ __all__ = [
     "MissingTensorError",
     "ShapeMismatchError",
     "OutputExistsError",
+    "OutputWriteError",
 ]

@@ -14,6 +14,7 @@ __all__ = [
     "MissingTensorError",
     "ShapeMismatchError",
     "OutputExistsError",
+    "OutputWriteError",
 ]
 
 
@@ -42,3 +43,8 @@ class ShapeMismatchError(ConvertError):
 
 class OutputExistsError(ConvertError, FileExistsError):
     """The destination exists and ``overwrite`` was not requested."""
+
+
+class OutputWriteError(ConvertError):
+    """The output cannot be written: the destination's parent is not a writable directory,
+    the disk is full, or a file write failed (nothing is left behind)."""

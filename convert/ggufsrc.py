@@ -100,13 +100,6 @@ def read_gguf(path: Path) -> SourceModel:
         types[t.ggml_type] = types.get(t.ggml_type, 0) + 1
     src_q = {"gguf_file": path.name, "file_type": h.metadata.get("general.file_type"), "tensor_types": types}
     notes = [f"GGUF tensor types: {types}"]
-    kept = sorted({t.ggml_type for t in tensors.values() if t.is_native or t.ggml_type in _NEAR_EXACT})
-    if kept:
-        notes.append(
-            f"source types {'/'.join(kept)} map onto MLX groups of 32"
-            + (" (Q6_K onto 8-bit, near-exact)" if "Q6_K" in kept else "")
-            + ": --keep-source-layout keeps them; the default 4-bit g64 requantizes them (adds error)"
-        )
     lossy = sorted({t.ggml_type for t in tensors.values() if t.ggml_type in ("Q2_K", "Q3_K")})
     if lossy:
         notes.append(

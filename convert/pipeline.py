@@ -173,6 +173,29 @@ def _reader(fmt: str):
 # ----------------------------------------------------------------------------
 
 
+def _layout_notes(plan: QuantPlan, native: dict, requantized: list, quantizable: list, notes: list) -> None:
+    """Notes on the quantization decisions: layers that had an exact source layout (GPTQ/AWQ
+    groups, GGUF blocks) but were requantized, and ``--q-override`` patterns matching no layer."""
+    redone = [p for p in requantized if p in native]
+    if redone:
+        kinds: dict[str, int] = {}
+        for p in redone:
+            k = f"{native[p].bits}-bit g{native[p].group_size}"
+            kinds[k] = kinds.get(k, 0) + 1
+        how = "; --q-override named them" if plan.keep_source_layout else "; --keep-source-layout keeps them"
+        notes.append(
+            f"{len(redone)} layers with an exact source layout ("
+            + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items()))
+            + f") are requantized (a second rounding, which adds error){how}"
+        )
+    for rx, _ in plan.overrides:
+        if not any(rx.search(p) for p in quantizable):
+            notes.append(
+                f"--q-override {rx.pattern!r} matches no quantizable layer (a tied lm_head is the embedding, "
+                "embed_tokens)"
+            )
+
+
 def normalize_config(cfg: dict, weights: dict, notes: list) -> dict:
     """Make rope and embedding-tying settings explicit for mlx-lm.
 
@@ -380,6 +403,7 @@ def _convert_model(
     weights = dict(source.weights)
     source.weights.clear()
     packed_fns = dict(source.packed)
+    exact_capable = {p: sp for p, sp in source.native.items() if p in packed_fns}  # Q6_K etc. are never exact
     source.packed.clear()
     tied = bool(cfg.get("tie_word_embeddings", False))
     redundant_head = sorted(k for k in weights if k.startswith("lm_head.") and k not in expected) if tied else []
@@ -421,6 +445,7 @@ def _convert_model(
 
     # decide per module
     specs: dict[str, QSpec] = {}
+    quantizable: list[str] = []
     for name in expected:
         if not name.endswith(".weight"):
             continue
@@ -430,6 +455,7 @@ def _convert_model(
             continue
         if len(expected[name]) < 2:
             continue
+        quantizable.append(p)
         choice = quant_predicate(p, m) if quant_predicate is not None else True
         spec, overridden = plan.spec_for(p, expected[name][-1], choice)
         if spec is None:
@@ -500,6 +526,7 @@ def _convert_model(
                 packed_fns.pop(p, None)
             bar.update(1)
         writer.close()
+        _layout_notes(plan, exact_capable, result.requantized, quantizable, result.notes)
     finally:
         bar.close()
     result.tensors = sum(len(k) for _, k in writer.files)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .errors import OutputExistsError
+from .errors import ConvertError, OutputExistsError, OutputWriteError
 
 __all__ = ["AtomicOutput", "ShardWriter", "write_config", "DEFAULT_SHARD_BYTES"]
 
@@ -59,12 +59,16 @@ class AtomicOutput:
     Raises:
         OutputExistsError: ``dest`` exists and ``overwrite`` is False (checked on entry
             and again before the final rename).
+        OutputWriteError: the output cannot be created or written (permissions, a file in
+            the way, disk full); the temporary directory and any parent directories this
+            writer created are removed.
     """
 
     def __init__(self, dest: str | Path, overwrite: bool = False):
         self.dest = Path(dest).expanduser().absolute()
         self.overwrite = overwrite
         self.tmp: Path | None = None
+        self.made: list[Path] = []  # parent directories created here (removed again on failure)
 
     def check(self) -> None:
         if self.dest.exists() and not self.overwrite:
@@ -72,17 +76,35 @@ class AtomicOutput:
 
     def __enter__(self) -> Path:
         self.check()
-        self.dest.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.dest.name}.tmp-", dir=self.dest.parent))
+        self.made = [p for p in [self.dest.parent, *self.dest.parent.parents] if not p.exists()]
+        try:
+            self.dest.parent.mkdir(parents=True, exist_ok=True)
+            self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.dest.name}.tmp-", dir=self.dest.parent))
+        except OSError as e:
+            self._remove_made()
+            raise OutputWriteError(f"cannot create the output {self.dest}: {e.strerror or e}") from e
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(self.tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; the output is an ordinary directory
         return self.tmp
 
+    def _remove_made(self) -> None:
+        for p in self.made:  # deepest first
+            try:
+                p.rmdir()
+            except OSError:
+                break
+
+    def _failed(self, exc) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self._remove_made()
+        if isinstance(exc, OSError) and not isinstance(exc, ConvertError):
+            raise OutputWriteError(f"cannot write the output {self.dest}: {exc.strerror or exc}") from exc
+
     def __exit__(self, exc_type, exc, tb):
         assert self.tmp is not None
         if exc_type is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+            self._failed(exc)
             return False
         try:
             self.check()
@@ -93,8 +115,8 @@ class AtomicOutput:
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.replace(self.tmp, self.dest)
-        except BaseException:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+        except BaseException as e:
+            self._failed(e)
             raise
         return False
 
@@ -138,7 +160,10 @@ class ShardWriter:
         if not self.current:
             return
         tmp_name = f".part-{len(self.files):05d}.safetensors"
-        mx.save_safetensors(str(self.dir / tmp_name), self.current, metadata={"format": "mlx"})
+        try:
+            mx.save_safetensors(str(self.dir / tmp_name), self.current, metadata={"format": "mlx"})
+        except RuntimeError as e:  # MLX reports failed writes (disk full...) as RuntimeError
+            raise OutputWriteError(f"cannot write shard {self.dir / tmp_name}: {e}") from e
         self.files.append((tmp_name, sorted(self.current)))
         self.current = {}
         self.current_bytes = 0

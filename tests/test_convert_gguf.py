@@ -281,14 +281,15 @@ def test_smollm2_lossless_layout_matches_exactly(tmp_path, smol_source):
     print(f"\nSmolLM2 Q4_1 --keep-source-layout: relative error {res.total_error}, greedy agreement {agree:.1%} "
           f"of {len(rows)}, max |dlogit| {max(r['dlogit'] for r in rows)}")
     assert len(res.exact) == 211 and not res.requantized
+    assert not [n for n in res.notes if "requantized" in n], res.notes  # no advice to use the flag it used
     assert res.total_error == 0.0
     assert all(r["match"] for r in rows)
 
 
 def test_smollm2_4bit_g32_differs_only_at_near_ties(tmp_path, smol_source):
     res, rows = _agreement(tmp_path, smol_source, q_group_size=32)
-    hint = "source types Q4_1/Q8_0 map onto MLX groups of 32: --keep-source-layout keeps them; the default"
-    assert sum(n.startswith(hint) for n in res.notes) == 1, res.notes
+    hint = "1 layers with an exact source layout (8-bit g32 x1) are requantized"  # the Q8_0 embedding
+    assert sum(n.startswith(hint) and n.endswith("--keep-source-layout keeps them") for n in res.notes) == 1, res.notes
     bad = [r for r in rows if not r["match"]]
     assert all(r["margin"] < 1.0 for r in bad), bad
     assert len(bad) <= 0.1 * len(rows)

@@ -20,6 +20,7 @@ from mlx_dflash2.convert import (
     CorruptCheckpointError,
     MissingTensorError,
     OutputExistsError,
+    OutputWriteError,
     ShapeMismatchError,
     UnsupportedFormatError,
     convert,
@@ -197,6 +198,33 @@ def test_refuses_to_overwrite_unless_asked(tmp_path):
     convert(src, tmp_path / "out", progress=False, overwrite=True)
     assert not (tmp_path / "out" / "keep.txt").exists() and (tmp_path / "out" / "model.safetensors").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+
+
+def test_override_matching_nothing_is_noted(tmp_path):
+    cfg = tiny_config("llama")  # tied: there is no lm_head layer
+    src = write_hf(tmp_path / "src", cfg, random_weights(cfg))
+    res = convert(src, tmp_path / "out", progress=False, overrides=[parse_override("lm_head=8"),
+                                                                    parse_override("embed_tokens=8")])
+    assert [n for n in res.notes if "--q-override 'lm_head' matches no quantizable layer" in n]
+    assert not [n for n in res.notes if "'embed_tokens' matches no" in n]
+
+
+def test_unwritable_output_is_a_clear_error(tmp_path, monkeypatch):
+    cfg = tiny_config("llama")
+    src = write_hf(tmp_path / "src", cfg, random_weights(cfg))
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(OutputWriteError, match="cannot create the output"):
+        convert(src, tmp_path / "afile" / "out", progress=False)  # a file where a directory must be
+    import mlx_dflash2.convert.writer as writer
+
+    def full_disk(*a, **k):
+        raise RuntimeError("[write] Unable to write 34655 bytes to file.")
+
+    monkeypatch.setattr(writer.mx, "save_safetensors", full_disk)
+    with pytest.raises(OutputWriteError, match="cannot write shard"):
+        convert(src, tmp_path / "new" / "deep" / "out", progress=False)
+    assert not (tmp_path / "new").exists()  # the parents it created are gone too
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "src"]
 
 
 def _src(tmp_path, **kw):

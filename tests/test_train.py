@@ -226,7 +226,25 @@ def test_regen_skip_and_limit_are_checked(tmp_path, capsys):
     assert main(base + ["--skip", "2"]) == 2
     assert "no prompts left after --skip 2" in capsys.readouterr().err
     assert main(base + ["--skip", "-1"]) == 2 and main(base + ["--limit", "0"]) == 2
+    assert main(base + ["--batch-size", "0"]) == 2 and main(base + ["--temps", "0,abc"]) == 2
+    assert "--temps '0,abc': expected comma-separated floats" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+    (tmp_path / "empty.txt").write_text("\n")
+    assert main(["regen", "--prompts", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "out")]) == 2
+    assert "empty.txt: no prompts" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("x")
+    assert main(base[:-1] + [str(tmp_path / "afile")]) == 2
+    assert "is a file, not a directory" in capsys.readouterr().err
+    # fit / eval: bad arguments are refused before any model is loaded
+    assert main(["fit", "--data", str(tmp_path / "nodata"), "--out", str(tmp_path / "run")]) == 2
+    assert "--data" in capsys.readouterr().err
+    ev = ["eval", "--drafter", "x", "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "t.json")]
+    for bad, msg in [(["--sets", "nosuch"], "unknown evaluation set 'nosuch'"), (["--block-sizes", "4,x"], "--block-sizes"),
+                     (["--limit", "0"], "--limit must be -1")]:
+        assert main(ev + bad) == 2
+        err = capsys.readouterr().err
+        assert msg in err and not err.startswith('error: "'), err
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()
 
 
 def test_sharded_checkpoint_roundtrip(tiny, tmp_path):

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The recipe of the shipped SmolLM2-135M-Instruct drafter, run on the lent H200 (MLX CUDA backend).
+# The recipe of the SmolLM2-135M-Instruct drafters (none shipped yet: benchmarks/README.md), run on the
+# lent H200 (MLX CUDA backend).
 # Stages (one device call each, back to back; the machine keeps /root/work while warm):
 #   setup | data TARBALL... | regen SECONDS | train ARCH OUTNAME (SECONDS | steps:N) | eval | bench
 # Env: SKIP (regen: prompts answered by earlier runs), TEMPS (regen temperatures), INIT (train: drafter

@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 from dataclasses import fields
+from pathlib import Path
 
 from .trainer import TrainConfig
 
@@ -32,6 +33,14 @@ def _add_target_args(p):
     p.add_argument("--model", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", help="target dtype for scales/non-packed weights (auto: float32 on CPU)")
     p.add_argument("--dequantize", action="store_true", help="run the target dense (more memory)")
+
+
+def _numbers(flag: str, text: str, kind=float) -> list:
+    """``"0,0.7"`` -> ``[0.0, 0.7]`` (``kind`` int or float); a ValueError naming ``flag`` otherwise."""
+    try:
+        return [kind(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: expected comma-separated {kind.__name__}s") from None
 
 
 def main(argv=None) -> int:
@@ -107,7 +116,18 @@ def main(argv=None) -> int:
 
             if args.skip < 0 or (args.limit is not None and args.limit < 1):
                 raise ValueError("--skip must be >= 0 and --limit >= 1")
-            prompts = read_prompt_file(args.prompts)[args.skip :]
+            for flag in ("batch_size", "shard_size", "max_tokens"):
+                if getattr(args, flag) < 1:
+                    raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+            temps = _numbers("--temps", args.temps) if args.temps else None
+            if temps and any(t < 0 for t in temps):
+                raise ValueError("--temps must be >= 0")
+            if Path(args.out).exists() and not Path(args.out).is_dir():
+                raise ValueError(f"--out {args.out} is a file, not a directory")
+            prompts = read_prompt_file(args.prompts)
+            if not prompts:
+                raise ValueError(f"{args.prompts}: no prompts")
+            prompts = prompts[args.skip :]
             prompts = prompts[: args.limit] if args.limit is not None else prompts
             if not prompts:
                 raise ValueError(f"{args.prompts}: no prompts left after --skip {args.skip}")
@@ -115,11 +135,13 @@ def main(argv=None) -> int:
             st = regenerate(target, tok, prompts, args.out, args.max_tokens, args.batch_size, args.shard_size,
                             args.temp_fraction, args.temp, seed=args.seed,
                             time_budget=args.time_budget,
-                            temps=[float(x) for x in args.temps.split(",")] if args.temps else None)
+                            temps=temps)
             print(json.dumps(st))
         elif args.cmd == "fit":
             from .trainer import Trainer
 
+            if not Path(args.data).exists():
+                raise FileNotFoundError(f"--data {args.data}: no such file or directory")
             cfg = TrainConfig(**{fl.name: getattr(args, fl.name) for fl in fields(TrainConfig) if fl.name != "extra"})
             target, tok = _target(args)
             tr = Trainer(cfg, target, tok)
@@ -130,6 +152,15 @@ def main(argv=None) -> int:
             from ..loading import _default_dtype
             from .evaluate import evaluate_sets, plot_acceptance, write_report
 
+            from .data import load_eval_set
+
+            blocks = _numbers("--block-sizes", args.block_sizes, int)
+            if any(b < 2 for b in blocks):
+                raise ValueError("--block-sizes must be >= 2")
+            if args.limit is not None and args.limit != -1 and args.limit < 1:
+                raise ValueError("--limit must be -1 (the standard counts) or >= 1")
+            for name in args.sets.split(","):
+                load_eval_set(name, 1)  # KeyError names the known sets
             target, tok = _target(args)
             drafters = {}
             for spec in args.drafter:
@@ -137,7 +168,7 @@ def main(argv=None) -> int:
                 model = load_drafter(path, target, tok, dtype=_default_dtype())
                 drafters[label or model.config.architecture] = model
             rep = evaluate_sets(target, tok, drafters, args.sets.split(","),
-                                [int(b) for b in args.block_sizes.split(",")], args.max_tokens,
+                                blocks, args.max_tokens,
                                 None if args.limit is None else args.limit, args.cache_dir, lookup=args.lookup)
             out = write_report(rep, args.out)
             png = plot_acceptance(rep, out.with_suffix(".png"))
@@ -145,8 +176,9 @@ def main(argv=None) -> int:
             for r in rep["results"]:
                 print(f"{r['set']:10} {r['drafter']:12} {r['block_size']:>3} {r['tau']:>6.3f}")
             print(f"report: {out}" + (f"\nplot: {png}" if png else ""))
-    except (FileNotFoundError, ValueError, KeyError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    except (OSError, ValueError, KeyError) as err:
+        msg = err.args[0] if isinstance(err, KeyError) and err.args else err
+        print(f"error: {msg}", file=sys.stderr)
         return 2
     return 0
 

@@ -276,7 +276,8 @@ def plot_acceptance(report: dict, path: str | Path) -> Path | None:
     axes[0].set_xticks(np.arange(len(sets)) + width * (len(drafters) * len(blocks) - 1) / 2, sets)
     axes[0].set_ylabel("acceptance length tau (tokens / target forward)")
     axes[0].axhline(1.0, color="k", lw=0.5)
-    axes[0].legend(fontsize=7)
+    axes[0].set_ylim(0, max(r["tau"] for r in res) * 1.3)  # head room for the legend
+    axes[0].legend(fontsize=7, ncol=len(drafters), loc="upper left")
     for d in drafters:
         best_B = max(blocks, key=lambda B: np.mean([r["tau"] for r in res if r["drafter"] == d and r["block_size"] == B]))
         for s in sets:

@@ -206,7 +206,7 @@ def main() -> None:
             ("gguf SmolLM2-135M Q4_1", "--keep-source-layout (Q4_1/Q8_0 as g32)", {"keep_source_layout": True}),
             ("gguf Qwen2.5-Coder-0.5B K-quants", "4-bit g64 (default)", {}),
             ("gguf Qwen2.5-Coder-0.5B K-quants", "4-bit g32", {"q_group_size": 32}),
-            ("gguf Qwen2.5-Coder-0.5B K-quants", "--keep-source-layout (Q5_0 as 5-bit, Q8_0 as 8-bit g32)",
+            ("gguf Qwen2.5-Coder-0.5B K-quants", "--keep-source-layout (Q5_0 5-bit, Q8_0 8-bit, Q4_K 4-bit g32; Q6_K -> 8-bit g32)",
              {"keep_source_layout": True}),
         ]
         for name, label, kw in settings:

@@ -60,6 +60,9 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from .pipeline import convert
 
+    if not args.shard_size_gb > 0:
+        print("error: --shard-size-gb must be > 0", file=sys.stderr)
+        return 2
     try:
         overrides = [parse_override(o) for o in args.q_override]
         res = convert(
@@ -95,6 +98,7 @@ def main(argv=None) -> int:
                 "tensors": res.tensors,
                 "weights": res.weights,
                 "exact_layers": len(res.exact),
+                "rounded_layers": len(res.rounded),
                 "requantized_layers": len(res.requantized),
                 "seconds": round(res.seconds, 2),
                 "weights_per_s": round(res.weights / res.seconds) if res.seconds else None,

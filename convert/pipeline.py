@@ -52,6 +52,8 @@ class ConvertResult:
         weights: number of weights (logical parameters) written.
         seconds: wall time of the conversion.
         exact: module paths repacked exactly from the source's quantized layout.
+        rounded: module paths whose codes were kept but whose scales/biases the output dtype
+            rounds (e.g. float16 GGUF scales written as bfloat16, float32 Q4_K scales as float16).
         requantized: module paths quantized with MLX round-to-nearest.
         layer_errors: module path -> relative Frobenius error ``||W_out - W_src|| / ||W_src||``
             against the (dequantized) source, when ``measure_error`` was requested.
@@ -64,6 +66,7 @@ class ConvertResult:
     weights: int = 0
     seconds: float = 0.0
     exact: list = field(default_factory=list)
+    rounded: list = field(default_factory=list)
     requantized: list = field(default_factory=list)
     layer_errors: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
@@ -481,10 +484,14 @@ def _convert_model(
                 dense_ref = None
                 if packed is not None:
                     scales, biases = packed.scales, packed.biases
+                    lossless = True
                     if dtype is not None and scales.dtype != dtype:
-                        scales, biases = scales.astype(dtype), biases.astype(dtype)
+                        s2, b2 = scales.astype(dtype), biases.astype(dtype)
+                        lossless = bool(mx.array_equal(s2.astype(scales.dtype), scales).item()
+                                        and mx.array_equal(b2.astype(biases.dtype), biases).item())
+                        scales, biases = s2, b2
                     wq = packed.weight
-                    result.exact.append(p)
+                    (result.exact if lossless else result.rounded).append(p)
                 elif _chunkable(weights[name]):
                     wq, scales, biases = _quantize_chunked(weights[name], spec, dtype, result if measure_error else None, p)
                     result.requantized.append(p)
@@ -542,6 +549,7 @@ def _convert_model(
         "source_format": source.format,
         "source_quantization_config": source.source_quantization,
         "exact_layers": len(result.exact),
+        "rounded_layers": len(result.rounded),
         "requantized_layers": len(result.requantized),
         "notes": result.notes,
     }

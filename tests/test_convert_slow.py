@@ -97,7 +97,7 @@ def test_qwen_coder_keep_source_layout(tmp_path, qwen, dtype):
     t_conv = time.perf_counter() - t0
     by_type = _errors_by_type(path, res.layer_errors)
     print(f"\nQwen2.5-Coder-0.5B GGUF --keep-source-layout ({dtype}): {len(res.exact)} exact, "
-          f"{len(res.requantized)} requantized layers, total relative error {res.total_error:.3e}, "
+          f"{len(res.rounded)} with rounded scales, {len(res.requantized)} requantized layers, total relative error {res.total_error:.3e}, "
           f"conversion {t_conv:.1f} s; per source type: "
           + ", ".join(f"{k} x{n} {e:.3e}" for k, (e, n) in by_type.items()))
     q = json.loads((tmp_path / "out/config.json").read_text())["quantization"]

@@ -193,10 +193,8 @@ def _layout_notes(plan: QuantPlan, native: dict, requantized: list, quantizable:
         )
     for rx, _ in plan.overrides:
         if not any(rx.search(p) for p in quantizable):
-            notes.append(
-                f"--q-override {rx.pattern!r} matches no quantizable layer (a tied lm_head is the embedding, "
-                "embed_tokens)"
-            )
+            hint = " (the head of a tied model is embed_tokens)" if "lm_head" in rx.pattern else ""
+            notes.append(f"--q-override {rx.pattern!r} matches no quantizable layer{hint}")
 
 
 def normalize_config(cfg: dict, weights: dict, notes: list) -> dict:

@@ -110,6 +110,9 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:  # gguf raises ValueError/struct errors/IndexError on bad files
+        if "cannot reshape" in str(e) or "buffer is smaller" in str(e):
+            raise GGUFError(f"{path}: truncated or corrupt GGUF file: its header describes more tensor data "
+                            f"than the file's {path.stat().st_size} bytes hold ({e})") from e
         raise GGUFError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
     metadata = {}
     for name, field in reader.fields.items():

@@ -245,6 +245,13 @@ def test_regen_skip_and_limit_are_checked(tmp_path, capsys):
         err = capsys.readouterr().err
         assert msg in err and not err.startswith('error: "'), err
     assert not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()
+    # the Python API checks the same settings itself, before writing anything
+    from mlx_dflash2.train.regen import regenerate
+
+    for kw in ({"batch_size": 0}, {"shard_size": 0}, {"max_tokens": 0}, {"temps": [0.0, -1.0]}):
+        with pytest.raises(ValueError, match="must be >= "):
+            regenerate(None, None, [{"id": "a", "messages": []}], tmp_path / "api", **kw)
+    assert not (tmp_path / "api").exists()
 
 
 def test_sharded_checkpoint_roundtrip(tiny, tmp_path):

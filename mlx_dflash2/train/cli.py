@@ -112,18 +112,12 @@ def main(argv=None) -> int:
             print(json.dumps(build_prompts(args.out, args.sharegpt, args.code, args.math, args.seed, args.cache_dir)))
         elif args.cmd == "regen":
             from .data import read_prompt_file
-            from .regen import regenerate
+            from .regen import check_regen_args, regenerate
 
             if args.skip < 0 or (args.limit is not None and args.limit < 1):
                 raise ValueError("--skip must be >= 0 and --limit >= 1")
-            for flag in ("batch_size", "shard_size", "max_tokens"):
-                if getattr(args, flag) < 1:
-                    raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
             temps = _numbers("--temps", args.temps) if args.temps else None
-            if temps and any(t < 0 for t in temps):
-                raise ValueError("--temps must be >= 0")
-            if Path(args.out).exists() and not Path(args.out).is_dir():
-                raise ValueError(f"--out {args.out} is a file, not a directory")
+            check_regen_args(args.out, args.max_tokens, args.batch_size, args.shard_size, temps)  # before loading
             prompts = read_prompt_file(args.prompts)
             if not prompts:
                 raise ValueError(f"{args.prompts}: no prompts")

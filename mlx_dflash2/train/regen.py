@@ -126,6 +126,21 @@ def _temps_for(temps, temp_fraction: float, temp: float, idx: int, seed: int) ->
     return [temp if sampled else 0.0]
 
 
+def check_regen_args(out, max_tokens: int, batch_size: int, shard_size: int, temps=None) -> None:
+    """Validate :func:`regenerate`'s settings before anything is loaded or written.
+
+    Raises:
+        ValueError: a count below 1, a negative temperature, or ``out`` an existing file.
+    """
+    for flag, v in (("max_tokens", max_tokens), ("batch_size", batch_size), ("shard_size", shard_size)):
+        if v < 1:
+            raise ValueError(f"{flag} (--{flag.replace('_', '-')}) must be >= 1, got {v}")
+    if temps and any(t < 0 for t in temps):
+        raise ValueError(f"temps (--temps) must be >= 0, got {temps}")
+    if Path(out).exists() and not Path(out).is_dir():
+        raise ValueError(f"{out} is a file, not a directory")
+
+
 def regenerate(
     target,
     tokenizer,
@@ -165,9 +180,13 @@ def regenerate(
 
     Returns:
         ``{"shards", "written", "skipped_shards", "tokens", "seconds", "tokens_per_s"}``.
+
+    Raises:
+        ValueError: bad settings (:func:`check_regen_args`), checked before anything is written.
     """
     from tqdm import tqdm
 
+    check_regen_args(out, max_tokens, batch_size, shard_size, temps)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"max_tokens": max_tokens, "temp_fraction": temp_fraction, "temp": temp, "temps": temps, "seed": seed}

@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
 # The recipe of the SmolLM2-135M-Instruct drafters (none shipped yet: benchmarks/README.md), run on the
 # lent H200 (MLX CUDA backend).
-# Stages (one device call each, back to back; the machine keeps /root/work while warm):
+# Stages (one device call each, back to back; the machine keeps $WORK while warm):
 #   setup | data TARBALL... | regen SECONDS | train ARCH OUTNAME (SECONDS | steps:N) | eval | bench
 # Env: SKIP (regen: prompts answered by earlier runs), TEMPS (regen temperatures), INIT (train: drafter
 # to continue from), RTD (regen target flags; default the deployed Q4_1 weights).
 # SMOKE=1 runs every stage at toy size on any machine (CPU included) to check the pipeline.
 set -euo pipefail
-# Paths below are defaults for the lent device machine (its work dir /root/work, the payload that
-# ../shared/gpu/prepare unpacks to /root/payload, wheels installed to /tmp/site); override WORK, MODEL, PY.
+# Env: WORK (work dir, default .cache/gpu-work in the checkout: keep it outside the checkout on the device
+# machine, whose checkout is replaced each call), MODEL (target; default the embedded SmolLM2, which on the
+# device machine is the GGUF that ../shared/gpu/prepare unpacked), PY (python), OUT (results).
 cd "$(dirname "$0")/../.."
-W=${WORK:-/root/work}
+W=${WORK:-$PWD/.cache/gpu-work}
 OUT=${OUT:-$W/out}
 mkdir -p "$W" "$OUT"
-export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-MODEL=${MODEL:-/root/payload/SmolLM2-135M-Instruct.Q4_1.gguf}
+export PYTHONPATH="$PWD:$W/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1  # setup installs wheels to $W/site
 PY=${PY:-python3}
+MODEL=${MODEL:-$($PY -c "from mlx_dflash2.assets import embedded_model_path as p; print(p())" 2>/dev/null || true)}
+[ -n "$MODEL" ] || { echo "MODEL is not set and the embedded SmolLM2 is not installed" >&2; exit 2; }
 SMOKE=${SMOKE:-0}
 # TD: target settings for training (features); RTD: for generating responses (the deployed Q4_1 weights).
 if [ "$SMOKE" = 1 ]; then N=24; MAXT=32; BS=16; SEQ=4; ANCH=8; LAYERS=1; RANK=8; LIMIT=4; BLOCKS=4,8
@@ -25,7 +27,7 @@ else N=100000; MAXT=256; BS=512; SEQ=32; ANCH=64; LAYERS=4; RANK=32; LIMIT=-1; B
 stage=$1; shift
 case "$stage" in
 setup)
-  [ -d .whl ] && $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  [ -d .whl ] && $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$W/site" .whl/*.whl
   $PY -c "import mlx.core as mx, gguf, mlx_dflash2; print('MLX', mx.__version__, mx.default_device())"
   ;;
 data)

@@ -165,25 +165,29 @@ class TargetAdapter:
         logits = self._head(self.inner.norm(h))[0]
         return ForwardResult(logits, features)
 
-    def taps(self, tokens: mx.array, tap_ids: Sequence[int]) -> mx.array:
+    def taps(self, tokens: mx.array, tap_ids: Sequence[int], final: bool = False):
         """Context features of whole sequences, without a cache (training, replay).
 
         Args:
             tokens: int ``[N, T]`` (right padding is harmless: attention is causal).
             tap_ids: decoder layer ids to tap (non-empty).
+            final: also return the final-normed last-layer states (the LM
+                head's input: ``lm_head(final)`` are the target's logits).
 
         Returns:
-            ``[N, T, len(tap_ids)*D]``; layers after the last tap are not run.
+            ``[N, T, len(tap_ids)*D]`` (layers after the last tap are not run),
+            or ``(taps, final [N, T, D])`` with ``final=True``.
         """
         h = self.inner.embed_tokens(tokens)
         mask = create_attention_mask(h, None)
         want = {i: None for i in tap_ids}
-        last = max(tap_ids)
+        last = len(self.layers) - 1 if final else max(tap_ids)
         for i, layer in enumerate(self.layers[: last + 1]):
             h = layer(h, mask, None)
             if i in want:
                 want[i] = h
-        return mx.concatenate([want[i] for i in tap_ids], axis=-1)
+        feats = mx.concatenate([want[i] for i in tap_ids], axis=-1)
+        return (feats, self.inner.norm(h)) if final else feats
 
     def check_parity(self, tolerance: float = PARITY_TOLERANCE) -> float:
         """Tap-parity probe: the adapter must reproduce ``model(...)``.

@@ -287,3 +287,72 @@ def test_batched_decode_equals_solo_greedy(tiny):
     mx.random.seed(5)
     b = batched_decode(target.model, prompts, 8, [1.0, 0, 1.0, 0, 1.0])
     assert a == b and a[1] == got[1][:8]
+
+
+def test_target_labels_equal_greedy_data_and_distillation_trains(tiny, tmp_path):
+    """labels="target" takes the target's greedy choice after the data prefix: on the target's own
+    greedy responses it equals the data labels. Distillation and a strided selector subset train."""
+    from mlx_lm.generate import generate_step
+
+    target, tok = tiny
+    rng = np.random.RandomState(7)
+    (tmp_path / "greedy").mkdir()
+    with open(tmp_path / "greedy" / "shard-00000.jsonl", "w") as f:
+        for i in range(4):
+            p = rng.randint(2, 60, size=5).tolist()
+            r = [t for t, _ in generate_step(mx.array(p), target.model, max_tokens=16)]
+            f.write(json.dumps({"id": str(i), "prompt_ids": p, "response_ids": r}) + "\n")
+    tr = Trainer(_cfg(tmp_path, data=str(tmp_path / "greedy"), labels="target"), target, tok)
+    b = make_batch(tr.rows, 0, tr.cfg, tr.pad_id)
+    _, final = target.taps(mx.array(b["tokens"]), tr.tap_ids, final=True)
+    teacher = tr.teacher_logits(final, mx.array(b["anchors"]))
+    got = np.array(mx.argmax(teacher, axis=-1)).reshape(b["labels"].shape)
+    assert np.array_equal(got[b["label_valid"]], b["labels"][b["label_valid"]])
+    # full logits of the plain forward agree with the teacher rows
+    full = target.lm_head(final)
+    a0 = int(b["anchors"][0, 0])
+    np.testing.assert_allclose(np.array(teacher[0, 0]), np.array(full[0, a0]), rtol=1e-5, atol=1e-5)
+    _patterned_data(tmp_path / "data")
+    kd = Trainer(_cfg(tmp_path, out=str(tmp_path / "kd"), steps=24, lr=1e-2, labels="target", kd_weight=1.0,
+                      selector_fraction=0.5), target, tok)
+    kd.fit(progress=False)
+    logs = [json.loads(l) for l in open(tmp_path / "kd" / "log.jsonl")]
+    assert all("kd" in l for l in logs) and "sel_acc" in logs[-1]  # the selector loss starts after a ramp
+    assert np.mean([l["loss"] for l in logs[-3:]]) < np.mean([l["loss"] for l in logs[:3]])
+    for bad in (dict(labels="gold"), dict(kd_weight=-1.0), dict(selector_fraction=0.0)):
+        with pytest.raises(ValueError):
+            Trainer(_cfg(tmp_path, **bad), target, tok)
+
+
+def test_long_sequences_lose_prompt_start_not_response(tmp_path):
+    rows = [{"prompt_ids": list(range(2, 50)), "response_ids": list(range(50, 62))}]
+    b = make_batch(rows, 0, _cfg(tmp_path, max_len=20), pad_id=1)
+    seq = rows[0]["prompt_ids"] + rows[0]["response_ids"]
+    assert b["tokens"][0, :20].tolist() == seq[-20:]
+    assert (b["anchors"][0] >= 8).all()  # anchors stay in the (kept) response
+
+
+def test_sharegpt_later_turns_keep_their_context(tmp_path):
+    """Later human turns become prompts with the conversation before them (oldest pairs dropped
+    past the context limit); non-alternating conversations are skipped; the dump may be truncated."""
+    from mlx_dflash2.train.data import build_prompts, sharegpt_later_turns
+
+    convs = [
+        {"id": "a", "conversations": [{"from": "human", "value": "first question here"},
+                                      {"from": "gpt", "value": "first answer"},
+                                      {"from": "human", "value": "second question here"},
+                                      {"from": "gpt", "value": "second answer"},
+                                      {"from": "human", "value": "third question here"}]},
+        {"id": "b", "conversations": [{"from": "human", "value": "q one here"}, {"from": "human", "value": "q two here"}]},
+    ]
+    text = "[" + ",\n".join(json.dumps(c) for c in convs) + ',\n{"id": "trunc'
+    (tmp_path / "ShareGPT_V3_unfiltered_cleaned_split.json").write_text(text)
+    rows = sharegpt_later_turns(tmp_path)
+    assert [r["id"] for r in rows] == ["sharegpt-a_1", "sharegpt-a_2"]
+    assert [m["role"] for m in rows[1]["messages"]] == ["user", "assistant"] * 2 + ["user"]
+    assert rows[1]["messages"][-1]["content"] == "third question here"
+    short = sharegpt_later_turns(tmp_path, max_context_chars=60)
+    assert short[1]["messages"][0]["content"] == "second question here"  # the first pair was dropped
+    st = build_prompts(tmp_path / "p.jsonl", 0, 0, 0, cache_dir=tmp_path, n_sharegpt_turns=5)
+    assert st["kept"]["sharegpt-turns"] == 2
+    assert read_prompt_file(tmp_path / "p.jsonl")[0]["messages"][-1]["role"] == "user"

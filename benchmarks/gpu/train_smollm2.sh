@@ -3,8 +3,10 @@
 # lent H200 (MLX CUDA backend).
 # Stages (one device call each, back to back; the machine keeps $WORK while warm):
 #   setup | data TARBALL... | regen SECONDS | train ARCH OUTNAME (SECONDS | steps:N) | eval | bench
-# Env: SKIP (regen: prompts answered by earlier runs), TEMPS (regen temperatures), INIT (train: drafter
-# to continue from), RTD (regen target flags; default the deployed Q4_1 weights).
+# Env: SKIP (regen: prompts answered by earlier runs), TEMPS (regen temperatures), PROMPTS (regen prompt
+# file), REGEN_INTO (where regen's shards are added; default $WORK/responses), INIT (train: drafter to
+# continue from), DATA (train: responses dir; default $WORK/responses), TRAIN_ARGS (more `fit` flags, e.g.
+# "--labels target --kd-weight 1"), RTD (regen target flags; default the deployed Q4_1 weights).
 # SMOKE=1 runs every stage at toy size on any machine (CPU included) to check the pipeline.
 set -euo pipefail
 # Env: WORK (work dir, default .cache/gpu-work in the checkout: keep it outside the checkout on the device
@@ -42,12 +44,12 @@ data)
   ;;
 regen)
   budget=${1:-240}
-  $PY -m mlx_dflash2.train regen --model "$MODEL" $RTD --prompts .cache/train/prompts.jsonl --skip ${SKIP:-0} \
+  $PY -m mlx_dflash2.train regen --model "$MODEL" $RTD --prompts ${PROMPTS:-.cache/train/prompts.jsonl} --skip ${SKIP:-0} \
       --limit $N --out "$W/regen" --max-tokens $MAXT --batch-size $BS --shard-size 512 --temps ${TEMPS:-0,0.7,1.0} \
       --time-budget "$budget"
-  mkdir -p "$W/responses"
-  for f in "$W"/regen/shard-*.jsonl; do cp "$f" "$W/responses/shard-s${SKIP:-0}-$(basename "$f" | cut -d- -f2)"; done
-  $PY - "$W/responses" <<'PYEOF'
+  into=${REGEN_INTO:-$W/responses}; mkdir -p "$into"
+  for f in "$W"/regen/shard-*.jsonl; do cp "$f" "$into/shard-s${SKIP:-0}-$(basename "$f" | cut -d- -f2)"; done
+  $PY - "$into" <<'PYEOF'
 import sys, json, glob
 rows = [json.loads(l) for f in sorted(glob.glob(sys.argv[1] + "/shard-*.jsonl")) for l in open(f)]
 print(json.dumps({"sequences": len(rows), "response_tokens": sum(len(r["response_ids"]) for r in rows),
@@ -59,9 +61,10 @@ PYEOF
 train)
   arch=$1; name=$2; spec=$3
   if [[ "$spec" == steps:* ]]; then lim="--steps ${spec#steps:}"; else lim="--time-budget $spec"; fi
-  $PY -m mlx_dflash2.train fit --model "$MODEL" $TD --data "$W/responses" --out "$W/runs/$name" \
+  $PY -m mlx_dflash2.train fit --model "$MODEL" $TD --data "${DATA:-$W/responses}" --out "$W/runs/$name" \
       --architecture "$arch" --num-layers $LAYERS --num-taps 5 --block-size 16 --selector-rank $RANK \
-      --anchors $ANCH --batch-size $SEQ --lr 1e-3 --log-every 20 --save-every ${SAVE_EVERY:-100000} $lim ${INIT:+--init "$INIT"}
+      --anchors $ANCH --batch-size $SEQ --lr 1e-3 --log-every 20 --save-every ${SAVE_EVERY:-100000} $lim \
+      ${INIT:+--init "$INIT"} ${TRAIN_ARGS:-}
   X=${EXPORT:-$OUT}; mkdir -p "$X"  # EXPORT: where the bf16 drafter and the log go (default $OUT)
   $PY - "$W/runs/$name" "$X/$name" "$MODEL" <<'PYEOF'
 import sys, shutil, mlx.core as mx

@@ -53,6 +53,8 @@ def main(argv=None) -> int:
     p.add_argument("--sharegpt", type=int, default=12000)
     p.add_argument("--code", type=int, default=4000)
     p.add_argument("--math", type=int, default=4000)
+    p.add_argument("--sharegpt-turns", type=int, default=0,
+                   help="later ShareGPT turns, each with the conversation before it")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache-dir", default=".cache/train")
 
@@ -109,7 +111,8 @@ def main(argv=None) -> int:
         if args.cmd == "prompts":
             from .data import build_prompts
 
-            print(json.dumps(build_prompts(args.out, args.sharegpt, args.code, args.math, args.seed, args.cache_dir)))
+            print(json.dumps(build_prompts(args.out, args.sharegpt, args.code, args.math, args.seed, args.cache_dir,
+                                            args.sharegpt_turns)))
         elif args.cmd == "regen":
             from .data import read_prompt_file
             from .regen import check_regen_args, regenerate

@@ -20,6 +20,23 @@ Recipe (DFlash2 spec §3 and §5.8; DFlash paper §3.3; SpecForge
 * AdamW, linear warmup + cosine decay, gradient clipping; the embedding and LM
   head are the target's and stay frozen (they are not drafter parameters).
 
+Options beyond the published recipe (off by default):
+
+* ``labels="target"``: the label of block position k is the target's own
+  greedy choice after the data prefix (argmax of its logits at ``anchor+k-1``)
+  instead of the data token. On greedy target-generated data the two agree
+  (up to near-ties between weight formats); on sampled responses or text not
+  written by the target the greedy choice is what a greedy verify accepts.
+* ``kd_weight > 0``: adds soft knowledge distillation, the cross-entropy of the
+  drafter's unary distribution against the target's full distribution at the
+  same position, with the same position weights (DistillSpec, Zhou et al.
+  2024, §3: forward KL). Both need the target's logits at the label positions,
+  from the same frozen forward that gives the context features.
+* ``selector_fraction < 1``: the selector loss over a strided subset of the
+  blocks (its top-K over the vocabulary is the costly part of a DFlash2 step).
+
+The LM head runs in the target's dtype (bf16 on a GPU), the loss in float32.
+
 Determinism: the data order of epoch ``e`` is a permutation seeded by
 ``seed + e`` and the anchors of step ``s`` by ``(seed, s)``, so a run resumed
 from a checkpoint (drafter, optimizer state, step) continues exactly as an
@@ -81,6 +98,9 @@ class TrainConfig:
     grad_clip: float = 1.0
     gamma: float | None = None
     selector_alpha: float = 1.0
+    labels: str = "data"
+    kd_weight: float = 0.0
+    selector_fraction: float = 1.0
     seed: int = 0
     save_every: int = 200
     log_every: int = 10
@@ -105,9 +125,13 @@ def make_batch(rows: list[dict], step: int, cfg: TrainConfig, pad_id: int) -> di
     B, A = cfg.block_size, cfg.anchors
     seqs, plens = [], []
     for r in rows:
-        ids = (list(r["prompt_ids"]) + list(r["response_ids"]))[: cfg.max_len]
+        ids = list(r["prompt_ids"]) + list(r["response_ids"])
+        cut = max(0, len(ids) - cfg.max_len)  # long sequences lose the start of their prompt
+        if cut and cut > len(r["prompt_ids"]):
+            cut = len(r["prompt_ids"])  # ... but never response tokens: cut the end instead
+        ids = ids[cut:][: cfg.max_len]
         seqs.append(ids)
-        plens.append(min(len(r["prompt_ids"]), len(ids)))
+        plens.append(min(len(r["prompt_ids"]) - cut, len(ids)))
     T = max(64, int(math.ceil(max(len(s) for s in seqs) / 64) * 64))
     N = len(seqs)
     tokens = np.full((N, T), pad_id, dtype=np.int32)
@@ -138,8 +162,9 @@ def make_batch(rows: list[dict], step: int, cfg: TrainConfig, pad_id: int) -> di
 
 
 def dflash_loss(drafter: DraftModel, target, features, tokens, anchors, labels, label_valid, weights, alpha,
-                valid_vocab: int | None = None):
-    """DFlash block loss (+ DFlash2 selector loss).
+                valid_vocab: int | None = None, teacher_logits=None, kd_weight: float = 0.0,
+                selector_fraction: float = 1.0):
+    """DFlash block loss (+ DFlash2 selector loss, + optional distillation).
 
     Args:
         drafter: the model being trained.
@@ -149,6 +174,10 @@ def dflash_loss(drafter: DraftModel, target, features, tokens, anchors, labels, 
         label_valid: bool ``[N, A, B-1]``; weights: float ``[B-1]`` position weights;
         alpha: selector-loss weight (DFlash2 only).
         valid_vocab: ids ``>=`` this are excluded from the softmax.
+        teacher_logits: ``[N*A, B-1, V]`` target logits at the label positions
+            (invalid ids already very negative), needed for ``kd_weight > 0``.
+        kd_weight: weight of the distillation term (see the module doc).
+        selector_fraction: fraction of the blocks (strided) in the selector loss.
 
     Returns:
         ``(loss, metrics)``: scalar loss; metrics ``main``, ``selector``,
@@ -165,7 +194,7 @@ def dflash_loss(drafter: DraftModel, target, features, tokens, anchors, labels, 
     if cfg.input_embedding_scale != 1.0:
         emb = emb * cfg.input_embedding_scale
     h = drafter.forward_blocks(emb, mx.stop_gradient(features), anchors)[:, 1:]  # [M, B-1, D]
-    logits = drafter.unary_logits(h, target.lm_head).astype(mx.float32)  # [M, B-1, V]
+    logits = drafter.unary_logits(h.astype(target.dtype), target.lm_head).astype(mx.float32)  # [M, B-1, V]
     if valid_vocab is not None and valid_vocab < logits.shape[-1]:
         logits = mx.where(mx.arange(logits.shape[-1]) < valid_vocab, logits, -1e9)
     lab = labels.reshape(M, Bm1)
@@ -177,17 +206,27 @@ def dflash_loss(drafter: DraftModel, target, features, tokens, anchors, labels, 
     hit_top1 = (mx.argmax(logits, axis=-1) == lab).astype(mx.float32) * valid
     metrics = {"main": main, "acc_hits": hit_top1.sum(0), "acc_count": valid.sum(0)}
     loss = main
+    if kd_weight > 0:
+        p_t = mx.softmax(mx.stop_gradient(teacher_logits).astype(mx.float32), axis=-1)
+        kd_ce = lse - (p_t * logits).sum(-1)  # -sum_v p_target(v) log q(v)
+        kd = (kd_ce * w).sum() / mx.maximum(w.sum(), 1.0)
+        metrics["kd"] = kd
+        loss = loss + kd_weight * kd
     if cfg.is_dflash2 and alpha > 0:
         sel = drafter.candidate_selector
         K = min(sel.top_k, logits.shape[-1])
-        cand = mx.stop_gradient(mx.argpartition(-logits, K - 1, axis=-1)[..., :K])  # [M, B-1, K]
+        stride = max(1, int(round(1.0 / selector_fraction)))
         pred = mx.concatenate([anchor_tok.reshape(M, 1), lab[:, :-1]], axis=1)  # gold predecessors
-        Hs = sel.hidden_projection(h)  # [M, B-1, r]
+        if stride > 1:
+            logits, h, lab, valid, pred = (x[::stride] for x in (logits, h, lab, valid, pred))
+        cand = mx.stop_gradient(mx.argpartition(-logits, K - 1, axis=-1)[..., :K])  # [M', B-1, K]
+        Hs = sel.hidden_projection(h)  # [M', B-1, r]
         Ap = sel.predecessor_codebook[pred]  # [M, B-1, r]
         Bs = sel.successor_codebook[cand]  # [M, B-1, K, r]
         s = mx.take_along_axis(logits, cand, axis=-1) + (Bs @ (Ap * Hs)[..., None])[..., 0].astype(mx.float32)
         hit = (cand == lab[..., None]).astype(mx.float32)
         has = hit.sum(-1) * valid
+        metrics["sel_count"] = valid.sum(0)
         ce = mx.logsumexp(s, axis=-1) - (s * hit).sum(-1)
         ws = weights[None, :] * has
         selector = (ce * ws).sum() / mx.maximum(ws.sum(), 1.0)
@@ -229,6 +268,12 @@ class Trainer:
     """
 
     def __init__(self, cfg: TrainConfig, target, tokenizer):
+        if cfg.labels not in ("data", "target"):
+            raise ValueError(f"labels must be 'data' or 'target', not {cfg.labels!r}")
+        if not cfg.kd_weight >= 0:
+            raise ValueError(f"kd_weight must be >= 0, not {cfg.kd_weight}")
+        if not 0 < cfg.selector_fraction <= 1:
+            raise ValueError(f"selector_fraction must be in (0, 1], not {cfg.selector_fraction}")
         self.cfg, self.target, self.tokenizer = cfg, target, tokenizer
         self.out = Path(cfg.out)
         self.rows = _read_rows(cfg.data)
@@ -334,22 +379,47 @@ class Trainer:
         return True
 
     # -- training ------------------------------------------------------------
+    def teacher_logits(self, final: mx.array, anchors: mx.array) -> mx.array:
+        """Target logits at the label positions: ``final`` ``[N, T, D]`` (final-normed
+        target states), ``anchors`` ``[N, A]`` -> ``[N*A, B-1, V]`` (position
+        ``anchor + k - 1`` predicts block position k; ids ``>= valid_vocab`` get -1e9)."""
+        N, T, _ = final.shape
+        Bm1 = self.cfg.block_size - 1
+        pos = mx.minimum(anchors[..., None] + mx.arange(Bm1)[None, None, :], T - 1).reshape(N, -1)
+        rows = mx.take_along_axis(final, pos[..., None], axis=1)  # [N, A*(B-1), D]
+        logits = self.target.lm_head(rows).reshape(N * anchors.shape[1], Bm1, -1)
+        if self.valid_vocab < logits.shape[-1]:
+            logits = mx.where(mx.arange(logits.shape[-1]) < self.valid_vocab, logits,
+                              mx.array(-1e9 if logits.dtype == mx.float32 else -6e4, logits.dtype))
+        return mx.stop_gradient(logits)
+
     def train_step(self, batch: dict) -> dict:
         cfg = self.cfg
         tokens = mx.array(batch["tokens"])
-        features = self.target.taps(tokens, self.tap_ids)
+        anchors = mx.array(batch["anchors"])
+        labels = mx.array(batch["labels"])
+        teacher = None
+        if cfg.labels == "target" or cfg.kd_weight > 0:
+            features, final = self.target.taps(tokens, self.tap_ids, final=True)
+            teacher = self.teacher_logits(final, anchors)
+            if cfg.labels == "target":
+                labels = mx.argmax(teacher, axis=-1).astype(labels.dtype).reshape(labels.shape)
+        else:
+            features = self.target.taps(tokens, self.tap_ids)
         args = (
             features,
             tokens,
-            mx.array(batch["anchors"]),
-            mx.array(batch["labels"]),
+            anchors,
+            labels,
             mx.array(batch["label_valid"]),
             self.weights,
             self.alpha(self.step),
         )
 
         def loss_fn(model, *a):
-            return dflash_loss(model, self.target, *a, valid_vocab=self.valid_vocab)
+            return dflash_loss(model, self.target, *a, valid_vocab=self.valid_vocab,
+                               teacher_logits=teacher if cfg.kd_weight > 0 else None, kd_weight=cfg.kd_weight,
+                               selector_fraction=cfg.selector_fraction)
 
         (loss, metrics), grads = nn.value_and_grad(self.drafter, loss_fn)(self.drafter, *args)
         grads, norm = optim.clip_grad_norm(grads, cfg.grad_clip)
@@ -446,27 +516,29 @@ class _Accumulator:
         self.hits = None
         self.count = None
         self.sel_hits = None
+        self.sel_count = None
         self.tokens = 0
 
     def add(self, m: dict, n_tokens: int):
         self.n += 1
         self.tokens += n_tokens
-        for k in ("loss", "main", "selector", "recall", "grad_norm"):
+        for k in ("loss", "main", "kd", "selector", "recall", "grad_norm"):
             if k in m:
                 self.sums[k] = self.sums.get(k, 0.0) + float(m[k].item())
         h, c = np.array(m["acc_hits"]), np.array(m["acc_count"])
         self.hits = h if self.hits is None else self.hits + h
         self.count = c if self.count is None else self.count + c
         if "sel_hits" in m:
-            s = np.array(m["sel_hits"])
+            s, c = np.array(m["sel_hits"]), np.array(m["sel_count"])
             self.sel_hits = s if self.sel_hits is None else self.sel_hits + s
+            self.sel_count = c if self.sel_count is None else self.sel_count + c
 
     def summary(self, step: int, lr: float, seconds: float) -> dict:
         out = {k: v / max(self.n, 1) for k, v in self.sums.items()}
         cnt = np.maximum(self.count, 1)
         out.update(step=step, lr=lr, acc=(self.hits / cnt).round(4).tolist(), tokens_per_s=self.tokens / max(seconds, 1e-9))
         if self.sel_hits is not None:
-            out["sel_acc"] = (self.sel_hits / cnt).round(4).tolist()
+            out["sel_acc"] = (self.sel_hits / np.maximum(self.sel_count, 1)).round(4).tolist()
         return out
 
 

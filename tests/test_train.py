@@ -356,3 +356,26 @@ def test_sharegpt_later_turns_keep_their_context(tmp_path):
     st = build_prompts(tmp_path / "p.jsonl", 0, 0, 0, cache_dir=tmp_path, n_sharegpt_turns=5)
     assert st["kept"]["sharegpt-turns"] == 2
     assert read_prompt_file(tmp_path / "p.jsonl")[0]["messages"][-1]["role"] == "user"
+
+
+def test_eval_cache_is_per_target(tiny, tmp_path):
+    """Greedy continuations cached for one target are never replayed for another (other weights or dtype)."""
+    from mlx_lm.models import llama
+
+    from mlx_dflash2.train.evaluate import _continuation_cache, target_fingerprint
+
+    target, _ = tiny
+    fp = target_fingerprint(target)
+    assert fp == target_fingerprint(target)
+    other = llama.Model(llama.ModelArgs.from_dict(target.config))
+    mx.eval(other.parameters())
+    assert target_fingerprint(TargetAdapter(other, target.config)) != fp
+    other.load_weights(list(tree_flatten(target.model.parameters())))
+    assert target_fingerprint(TargetAdapter(other, target.config)) == fp  # same weights, same dtype
+    other.set_dtype(mx.float16)
+    assert target_fingerprint(TargetAdapter(other, target.config, probe=False)) != fp
+    for name in (f"gsm8k-4-{fp}-64", f"gsm8k-4-{fp}-32", "gsm8k-4-0123456789-256", "gsm8k-4-256"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "shard-00000.jsonl").write_text("")
+    assert _continuation_cache(tmp_path, f"gsm8k-4-{fp}", 48).name == f"gsm8k-4-{fp}-64"
+    assert _continuation_cache(tmp_path, f"gsm8k-4-{fp}", 128) is None

@@ -193,7 +193,10 @@ def evaluate_sets(
     Args:
         drafters: ``{label: DraftModel}``.
         sets: names from :data:`~.data.EVAL_SETS`.
-        cache_dir: where the target's greedy continuations are kept (made once).
+        cache_dir: where the target's greedy continuations are kept (made once
+            per target: the folder name carries :func:`target_fingerprint`, so a
+            cache made by other weights, another dtype or another backend is
+            never replayed as this target's output).
 
     Returns:
         ``{"max_tokens", "results": [{set, drafter, block_size, tau, rounds,
@@ -204,11 +207,12 @@ def evaluate_sets(
 
     results = []
     valid_vocab = min(len(tokenizer), target.vocab_rows)
+    fp = target_fingerprint(target)
     for name in sets:
         prompts = load_eval_set(name, limit)
-        cdir = _continuation_cache(Path(cache_dir), name, len(prompts), max_tokens)
+        cdir = _continuation_cache(Path(cache_dir), f"{name}-{len(prompts)}-{fp}", max_tokens)
         if cdir is None:
-            cdir = Path(cache_dir) / f"{name}-{len(prompts)}-{max_tokens}"
+            cdir = Path(cache_dir) / f"{name}-{len(prompts)}-{fp}-{max_tokens}"
             regenerate(target, tokenizer, prompts, cdir, max_tokens=max_tokens, batch_size=gen_batch,
                        shard_size=max(len(prompts), 1), progress=progress)
         rows = read_responses(cdir)
@@ -236,11 +240,22 @@ def evaluate_sets(
     return {"max_tokens": max_tokens, "results": results}
 
 
-def _continuation_cache(cache_dir: Path, name: str, n: int, max_tokens: int) -> Path | None:
-    """A complete cache of greedy continuations made with at least ``max_tokens``
+def target_fingerprint(target) -> str:
+    """Short hash of the target's float32 logits on a fixed 9-token probe: equal
+    for the same weights, dtype and backend, different otherwise (greedy
+    continuations of one target are not those of another)."""
+    import hashlib
+
+    ids = mx.array([[(17 + 7919 * i) % target.vocab_rows for i in range(9)]], dtype=mx.int32)
+    logits = np.array(target.model(ids)[0].astype(mx.float32))
+    return hashlib.sha1(logits.tobytes()).hexdigest()[:10]
+
+
+def _continuation_cache(cache_dir: Path, prefix: str, max_tokens: int) -> Path | None:
+    """A complete cache ``{prefix}-{m}`` of greedy continuations made with ``m >= max_tokens``
     (a longer continuation's prefix is the shorter one: replay stops at ``max_tokens``)."""
     best = None
-    for d in cache_dir.glob(f"{name}-{n}-*"):
+    for d in cache_dir.glob(f"{prefix}-*"):
         try:
             m = int(d.name.rsplit("-", 1)[1])
         except ValueError:

@@ -319,17 +319,30 @@ def test_target_labels_equal_greedy_data_and_distillation_trains(tiny, tmp_path)
     logs = [json.loads(l) for l in open(tmp_path / "kd" / "log.jsonl")]
     assert all("kd" in l for l in logs) and "sel_acc" in logs[-1]  # the selector loss starts after a ramp
     assert np.mean([l["loss"] for l in logs[-3:]]) < np.mean([l["loss"] for l in logs[:3]])
+    # the loss is main + kd_weight * kd + alpha * selector (the selector term must not drop kd)
+    b = make_batch(kd._batch_rows(0), 0, kd.cfg, kd.pad_id)
+    toks, anc = mx.array(b["tokens"]), mx.array(b["anchors"])
+    feats, final = target.taps(toks, kd.tap_ids, final=True)
+    teacher = kd.teacher_logits(final, anc)
+    lab = mx.argmax(teacher, axis=-1).reshape(b["labels"].shape)
+    loss, m = dflash_loss(kd.drafter, target, feats, toks, anc, lab, mx.array(b["label_valid"]), kd.weights, 0.5,
+                          teacher_logits=teacher, kd_weight=2.0, selector_fraction=0.5)
+    assert loss.item() == pytest.approx(m["main"].item() + 2.0 * m["kd"].item() + 0.5 * m["selector"].item(), rel=1e-5)
     for bad in (dict(labels="gold"), dict(kd_weight=-1.0), dict(selector_fraction=0.0)):
         with pytest.raises(ValueError):
             Trainer(_cfg(tmp_path, **bad), target, tok)
 
 
-def test_long_sequences_lose_prompt_start_not_response(tmp_path):
-    rows = [{"prompt_ids": list(range(2, 50)), "response_ids": list(range(50, 62))}]
-    b = make_batch(rows, 0, _cfg(tmp_path, max_len=20), pad_id=1)
+def test_long_sequences_lose_middle_of_prompt_not_response(tmp_path):
+    rows = [{"prompt_ids": list(range(2, 62)), "response_ids": list(range(62, 74))},  # 60 + 12
+            {"prompt_ids": list(range(2, 12)), "response_ids": list(range(12, 74))}]  # 10 + 62
+    b = make_batch(rows, 0, _cfg(tmp_path, max_len=50), pad_id=1)
     seq = rows[0]["prompt_ids"] + rows[0]["response_ids"]
-    assert b["tokens"][0, :20].tolist() == seq[-20:]
-    assert (b["anchors"][0] >= 8).all()  # anchors stay in the (kept) response
+    assert b["tokens"][0, :50].tolist() == seq[:32] + seq[54:]  # the head and the response are kept
+    assert (b["anchors"][0] >= 38).all()  # anchors stay in the response
+    seq = rows[1]["prompt_ids"] + rows[1]["response_ids"]
+    assert b["tokens"][1, :50].tolist() == seq[:50]  # prompt too short to cut: the end goes
+    assert (b["anchors"][1] >= 10).all() and (b["anchors"][1] <= 48).all()
 
 
 def test_sharegpt_later_turns_keep_their_context(tmp_path):
@@ -353,6 +366,7 @@ def test_sharegpt_later_turns_keep_their_context(tmp_path):
     assert rows[1]["messages"][-1]["content"] == "third question here"
     short = sharegpt_later_turns(tmp_path, max_context_chars=60)
     assert short[1]["messages"][0]["content"] == "second question here"  # the first pair was dropped
+    assert sharegpt_later_turns(tmp_path, max_context_chars=10) == []  # no turn left without context
     st = build_prompts(tmp_path / "p.jsonl", 0, 0, 0, cache_dir=tmp_path, n_sharegpt_turns=5)
     assert st["kept"]["sharegpt-turns"] == 2
     assert read_prompt_file(tmp_path / "p.jsonl")[0]["messages"][-1]["role"] == "user"

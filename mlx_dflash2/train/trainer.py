@@ -25,17 +25,24 @@ Options beyond the published recipe (off by default):
 * ``labels="target"``: the label of block position k is the target's own
   greedy choice after the data prefix (argmax of its logits at ``anchor+k-1``)
   instead of the data token. On greedy target-generated data the two agree
-  (up to near-ties between weight formats); on sampled responses or text not
-  written by the target the greedy choice is what a greedy verify accepts.
+  (up to near-ties between weight formats). On sampled responses it is the
+  token a greedy verify accepts at position 1, and at k >= 2 the greedy choice
+  after the *data's* tokens, so the block's labels are only a greedy path
+  where the data follows it.
 * ``kd_weight > 0``: adds soft knowledge distillation, the cross-entropy of the
   drafter's unary distribution against the target's full distribution at the
   same position, with the same position weights (DistillSpec, Zhou et al.
   2024, §3: forward KL). Both need the target's logits at the label positions,
   from the same frozen forward that gives the context features.
-* ``selector_fraction < 1``: the selector loss over a strided subset of the
-  blocks (its top-K over the vocabulary is the costly part of a DFlash2 step).
+* ``selector_fraction < 1``: the selector loss over every s-th block,
+  ``s = round(1 / selector_fraction)`` (its top-K over the vocabulary is the
+  costly part of a DFlash2 step).
 
-The LM head runs in the target's dtype (bf16 on a GPU), the loss in float32.
+The LM head runs in the target's dtype (bf16 on a GPU: near-ties among the
+drafter's logits may then order differently than in float32), the loss in
+float32. Sequences longer than ``max_len`` lose prompt tokens after the first
+32 (the chat template's head stays) or, where the prompt is too short for
+that, their end.
 
 Determinism: the data order of epoch ``e`` is a permutation seeded by
 ``seed + e`` and the anchors of step ``s`` by ``(seed, s)``, so a run resumed
@@ -125,13 +132,14 @@ def make_batch(rows: list[dict], step: int, cfg: TrainConfig, pad_id: int) -> di
     B, A = cfg.block_size, cfg.anchors
     seqs, plens = [], []
     for r in rows:
-        ids = list(r["prompt_ids"]) + list(r["response_ids"])
-        cut = max(0, len(ids) - cfg.max_len)  # long sequences lose the start of their prompt
-        if cut and cut > len(r["prompt_ids"]):
-            cut = len(r["prompt_ids"])  # ... but never response tokens: cut the end instead
-        ids = ids[cut:][: cfg.max_len]
+        ids, plen = list(r["prompt_ids"]) + list(r["response_ids"]), len(r["prompt_ids"])
+        over = len(ids) - cfg.max_len
+        head = min(32, plen)
+        if 0 < over <= plen - head:  # drop prompt tokens after a 32-token head (BOS, system part)
+            ids, plen = ids[:head] + ids[head + over :], plen - over
+        ids = ids[: cfg.max_len]  # otherwise keep the prompt and cut the end
         seqs.append(ids)
-        plens.append(min(len(r["prompt_ids"]) - cut, len(ids)))
+        plens.append(min(plen, len(ids)))
     T = max(64, int(math.ceil(max(len(s) for s in seqs) / 64) * 64))
     N = len(seqs)
     tokens = np.full((N, T), pad_id, dtype=np.int32)
@@ -182,7 +190,9 @@ def dflash_loss(drafter: DraftModel, target, features, tokens, anchors, labels, 
     Returns:
         ``(loss, metrics)``: scalar loss; metrics ``main``, ``selector``,
         ``acc`` ``[B-1]`` (unary top-1 accuracy by position, with its
-        ``count``), ``sel_acc``/``recall`` (selector accuracy and top-K recall).
+        ``count``), ``kd`` (distillation cross-entropy, with ``kd_weight``),
+        ``sel_acc``/``recall``/``sel_count`` (selector accuracy, top-K recall,
+        blocks counted).
     """
     cfg = drafter.config
     N, A = anchors.shape
@@ -236,7 +246,7 @@ def dflash_loss(drafter: DraftModel, target, features, tokens, anchors, labels, 
             sel_hits=((chosen == lab).astype(mx.float32) * valid).sum(0),
             recall=has.sum() / mx.maximum(valid.sum(), 1.0),
         )
-        loss = main + alpha * selector
+        loss = loss + alpha * selector
     return loss, metrics
 
 
@@ -382,7 +392,8 @@ class Trainer:
     def teacher_logits(self, final: mx.array, anchors: mx.array) -> mx.array:
         """Target logits at the label positions: ``final`` ``[N, T, D]`` (final-normed
         target states), ``anchors`` ``[N, A]`` -> ``[N*A, B-1, V]`` (position
-        ``anchor + k - 1`` predicts block position k; ids ``>= valid_vocab`` get -1e9)."""
+        ``anchor + k - 1`` predicts block position k; ids ``>= valid_vocab`` get -1e9,
+        -6e4 in half precision)."""
         N, T, _ = final.shape
         Bm1 = self.cfg.block_size - 1
         pos = mx.minimum(anchors[..., None] + mx.arange(Bm1)[None, None, :], T - 1).reshape(N, -1)

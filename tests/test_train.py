@@ -393,3 +393,16 @@ def test_eval_cache_is_per_target(tiny, tmp_path):
         (tmp_path / name / "shard-00000.jsonl").write_text("")
     assert _continuation_cache(tmp_path, f"gsm8k-4-{fp}", 48).name == f"gsm8k-4-{fp}-64"
     assert _continuation_cache(tmp_path, f"gsm8k-4-{fp}", 128) is None
+
+
+def test_code_api_prompts_are_new_and_clean():
+    """Standard-library code prompts (built in a subprocess: it imports every stdlib module)."""
+    import subprocess
+    import sys
+
+    code = ("import json; from mlx_dflash2.train.data import code_api_prompts, code_prompts; "
+            "a = code_api_prompts(); b = {r['prompt'] for r in code_prompts()}; "
+            "print(json.dumps([len(a), sum(r['prompt'] in b for r in a), sorted({r['source'] for r in a})]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    n, overlap, sources = json.loads(out.stdout.strip().splitlines()[-1])
+    assert n > 3000 and overlap < 0.01 * n and sources == ["code-api"]

@@ -55,6 +55,8 @@ def main(argv=None) -> int:
     p.add_argument("--math", type=int, default=4000)
     p.add_argument("--sharegpt-turns", type=int, default=0,
                    help="later ShareGPT turns, each with the conversation before it")
+    p.add_argument("--code-api", type=int, default=0,
+                   help="code prompts from the functions and methods of the whole standard library")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache-dir", default=".cache/train")
 
@@ -112,7 +114,7 @@ def main(argv=None) -> int:
             from .data import build_prompts
 
             print(json.dumps(build_prompts(args.out, args.sharegpt, args.code, args.math, args.seed, args.cache_dir,
-                                            args.sharegpt_turns)))
+                                            args.sharegpt_turns, args.code_api)))
         elif args.cmd == "regen":
             from .data import read_prompt_file
             from .regen import check_regen_args, regenerate

@@ -288,6 +288,62 @@ def code_prompts(seed: int = 0) -> list[dict]:
     return out
 
 
+_SKIP_MODULES = {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "lib2to3", "ensurepip",
+                 "venv", "test", "pydoc_data", "xxlimited", "xxsubtype"}
+
+
+def _first_sentence(doc: str | None) -> str | None:
+    if not doc:
+        return None
+    first = doc.strip().split("\n\n")[0].replace("\n", " ").strip()
+    first = re.split(r"(?<=\.)\s", first)[0]
+    return first if 10 <= len(first) <= 200 else None
+
+
+def code_api_prompts(seed: int = 0) -> list[dict]:
+    """Code prompts from the whole standard library of the running Python: its
+    public functions and the public methods of its public classes (signature and
+    first docstring sentence), each as a "write", "complete" and "explain" request.
+
+    The top-level functions of the modules :func:`code_prompts` uses are left
+    out (it asks for them already). The set depends on the Python version
+    (``sys.stdlib_module_names``, 3.10+); modules that fail to import are skipped.
+    """
+    out = []
+    names = sorted(m for m in getattr(sys, "stdlib_module_names", _STDLIB_MODULES)
+                   if not m.startswith("_") and m not in _SKIP_MODULES)
+    for mod_name in names:
+        try:
+            mod = importlib.import_module(mod_name)
+        except Exception:  # platform-specific or broken modules
+            continue
+        items = []
+        for name, obj in sorted(vars(mod).items()):
+            if name.startswith("_") or getattr(obj, "__module__", None) != mod_name:
+                continue
+            if inspect.isclass(obj):
+                items += [(f"{name}.{m}", m, f) for m, f in sorted(vars(obj).items())
+                          if not m.startswith("_") and callable(f)]
+            elif callable(obj) and mod_name not in _STDLIB_MODULES:  # those are code_prompts' already
+                items.append((name, name, obj))
+        for qual, short, fn in items:
+            first = _first_sentence(getattr(fn, "__doc__", None))
+            if first is None:
+                continue
+            try:
+                sig = str(inspect.signature(fn))
+            except (TypeError, ValueError):
+                sig = "(...)"
+            pid = f"code-api-{mod_name}.{qual}"
+            out.append({"id": pid, "source": "code-api",
+                        "prompt": f"Write a Python function `{short}{sig}` that does the following: {first}"})
+            out.append({"id": pid + "-complete", "source": "code-api", "prompt": _complete_form(f"{short}{sig}", first)})
+            out.append({"id": pid + "-explain", "source": "code-api",
+                        "prompt": f"Explain what `{mod_name}.{qual}` does in Python and show a short example."})
+    random.Random(seed).shuffle(out)
+    return out
+
+
 _NAMES = ["Ava", "Ben", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana", "Ivan", "Jade", "Kofi", "Lena", "Marco",
           "Nia", "Omar", "Priya", "Quinn", "Rosa", "Sam", "Tara", "Uma", "Victor", "Wen", "Yusuf", "Zoe"]
 _ITEMS = ["apples", "stickers", "marbles", "books", "cookies", "pencils", "stamps", "shells", "cards", "coins"]
@@ -336,11 +392,14 @@ def build_prompts(
     seed: int = 0,
     cache_dir: str | Path = ".cache/train",
     n_sharegpt_turns: int = 0,
+    n_code_api: int = 0,
 ) -> dict:
     """Write a decontaminated training prompt file (JSONL of ``{id, source, messages}``).
 
     ``n_sharegpt_turns`` adds later turns of ShareGPT conversations
-    (:func:`sharegpt_later_turns`), disjoint from the first-turn prompts.
+    (:func:`sharegpt_later_turns`), disjoint from the first-turn prompts;
+    ``n_code_api`` code prompts from the whole standard library
+    (:func:`code_api_prompts`, disjoint from ``code``'s requests).
 
     Returns:
         Counts per source (kept) and the number dropped by decontamination.
@@ -352,7 +411,8 @@ def build_prompts(
     turns = sharegpt_later_turns(Path(cache_dir)) if n_sharegpt_turns else []
     rng.shuffle(turns)
     pools = {"sharegpt": (sg, n_sharegpt), "code": (code_prompts(seed), n_code),
-             "math": (math_prompts(4 * n_math + 16, seed), n_math), "sharegpt-turns": (turns, n_sharegpt_turns)}
+             "math": (math_prompts(4 * n_math + 16, seed), n_math), "sharegpt-turns": (turns, n_sharegpt_turns),
+             "code-api": (code_api_prompts(seed) if n_code_api else [], n_code_api)}
     kept, dropped, rows = {}, 0, []
     seen = set()
     for src, (pool, n) in pools.items():

@@ -250,6 +250,31 @@ def _complete_form(signature: str, doc: str) -> str:
     return f'Complete the following Python function.\n\n```python\ndef {signature}:\n    """{doc}"""\n```'
 
 
+def _first_sentence(doc: str | None) -> str | None:
+    if not doc:
+        return None
+    first = doc.strip().split("\n\n")[0].replace("\n", " ").strip()
+    first = re.split(r"(?<=\.)\s", first)[0]
+    return first if 10 <= len(first) <= 200 else None
+
+
+def _api_requests(pid: str, source: str, mod_name: str, qual: str, short: str, fn) -> list[dict]:
+    """"Write", "explain" and "complete" requests for a documented callable (none without a usable doc)."""
+    first = _first_sentence(getattr(fn, "__doc__", None))
+    if first is None:
+        return []
+    try:
+        sig = str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        sig = "(...)"
+    return [
+        {"id": pid, "source": source, "prompt": f"Write a Python function `{short}{sig}` that does the following: {first}"},
+        {"id": pid + "-explain", "source": source,
+         "prompt": f"Explain what `{mod_name}.{qual}` does in Python and show a short example."},
+        {"id": pid + "-complete", "source": source, "prompt": _complete_form(f"{short}{sig}", first)},
+    ]
+
+
 def code_prompts(seed: int = 0) -> list[dict]:
     out = []
     for mod_name in _STDLIB_MODULES:
@@ -258,25 +283,11 @@ def code_prompts(seed: int = 0) -> list[dict]:
         except ImportError:
             continue
         for name, fn in sorted(vars(mod).items()):
-            if name.startswith("_") or not callable(fn) or not getattr(fn, "__doc__", None):
+            if name.startswith("_") or not callable(fn):
                 continue
             if getattr(fn, "__module__", mod_name) not in (mod_name, mod_name.split(".")[0], None):
                 continue
-            first = fn.__doc__.strip().split("\n\n")[0].replace("\n", " ").strip()
-            first = re.split(r"(?<=\.)\s", first)[0]
-            if not (10 <= len(first) <= 200):
-                continue
-            try:
-                sig = str(inspect.signature(fn))
-            except (TypeError, ValueError):
-                sig = "(...)"
-            pid = f"code-stdlib-{mod_name}.{name}"
-            out.append({"id": pid, "source": "code",
-                        "prompt": f"Write a Python function `{name}{sig}` that does the following: {first}"})
-            out.append({"id": pid + "-explain", "source": "code",
-                        "prompt": f"Explain what `{mod_name}.{name}` does in Python and show a short example."})
-            out.append({"id": pid + "-complete", "source": "code",
-                        "prompt": _complete_form(f"{name}{sig}", first)})
+            out += _api_requests(f"code-stdlib-{mod_name}.{name}", "code", mod_name, name, name, fn)
     for i, task in enumerate(_CODE_TASKS):
         for j, form in enumerate(_CODE_FORMS):
             out.append({"id": f"code-task-{i}-{j}", "source": "code", "prompt": form.format(task=task)})
@@ -290,14 +301,6 @@ def code_prompts(seed: int = 0) -> list[dict]:
 
 _SKIP_MODULES = {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "lib2to3", "ensurepip",
                  "venv", "test", "pydoc_data", "xxlimited", "xxsubtype"}
-
-
-def _first_sentence(doc: str | None) -> str | None:
-    if not doc:
-        return None
-    first = doc.strip().split("\n\n")[0].replace("\n", " ").strip()
-    first = re.split(r"(?<=\.)\s", first)[0]
-    return first if 10 <= len(first) <= 200 else None
 
 
 def code_api_prompts(seed: int = 0) -> list[dict]:
@@ -327,19 +330,7 @@ def code_api_prompts(seed: int = 0) -> list[dict]:
             elif callable(obj) and mod_name not in _STDLIB_MODULES:  # those are code_prompts' already
                 items.append((name, name, obj))
         for qual, short, fn in items:
-            first = _first_sentence(getattr(fn, "__doc__", None))
-            if first is None:
-                continue
-            try:
-                sig = str(inspect.signature(fn))
-            except (TypeError, ValueError):
-                sig = "(...)"
-            pid = f"code-api-{mod_name}.{qual}"
-            out.append({"id": pid, "source": "code-api",
-                        "prompt": f"Write a Python function `{short}{sig}` that does the following: {first}"})
-            out.append({"id": pid + "-complete", "source": "code-api", "prompt": _complete_form(f"{short}{sig}", first)})
-            out.append({"id": pid + "-explain", "source": "code-api",
-                        "prompt": f"Explain what `{mod_name}.{qual}` does in Python and show a short example."})
+            out += _api_requests(f"code-api-{mod_name}.{qual}", "code-api", mod_name, qual, short, fn)
     random.Random(seed).shuffle(out)
     return out
 

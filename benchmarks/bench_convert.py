@@ -191,7 +191,8 @@ def main() -> None:
     for r in rows:
         print(f"| {r['name']} | {r['weights'] / 1e6:.1f} M | {r['seconds']:.1f} | {r['weights'] / r['seconds'] / 1e6:.2f} M "
               f"| {r['peak_rss_mb']:.0f} | {r['base_rss_mb']:.0f} | {r['src_mb']:.0f} | {r['out_mb']:.0f} |")
-    result = {"throughput": rows, "config": vars(args) | {"out": str(args.out)}}
+    out_rel = os.path.relpath(args.out, ROOT) if Path(args.out).resolve().is_relative_to(ROOT) else Path(args.out).name
+    result = {"throughput": rows, "config": vars(args) | {"out": out_rel}}  # no machine paths in results
     if args.errors:
         erows = []
         settings = [

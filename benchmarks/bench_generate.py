@@ -136,7 +136,7 @@ def main(argv=None):
         )
 
     meta = {
-        "target": name,
+        "target": Path(str(name)).name,  # the model's name, not this machine's path
         "dtype": args.dtype,
         "dequantize": args.dequantize,
         "device": str(mx.default_device()),

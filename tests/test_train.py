@@ -406,3 +406,13 @@ def test_code_api_prompts_are_new_and_clean():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     n, overlap, sources = json.loads(out.stdout.strip().splitlines()[-1])
     assert n > 3000 and overlap < 0.01 * n and sources == ["code-api"]
+
+
+def test_padding_rows_of_the_head_are_masked():
+    from mlx_dflash2.train.trainer import _mask_vocab
+
+    x = mx.zeros((2, 6))
+    assert _mask_vocab(x, None) is x and _mask_vocab(x, 6) is x
+    assert np.array(_mask_vocab(x, 4))[:, 4:].max() == -1e9
+    h = np.array(_mask_vocab(x.astype(mx.float16), 4).astype(mx.float32))
+    assert h[0, :4].max() == 0 and h[0, 4:].max() < -5e4

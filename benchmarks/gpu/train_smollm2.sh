@@ -74,7 +74,7 @@ t, tok, _ = load_target(sys.argv[3])
 d = load_drafter(sys.argv[1] + "/drafter", t, tok, dtype=mx.bfloat16)
 save_drafter(d, sys.argv[2], overwrite=True, max_shard_mb=15)
 PYEOF
-  cp "$W/runs/$name/log.jsonl" "$X/$name-log.jsonl"; cp "$W/runs/$name/config.json" "$X/$name-train-config.json"
+  cp "$W/runs/$name/log.jsonl" "$X/$name-log.jsonl"; sed "s#$W#\$WORK#g" "$W/runs/$name/config.json" > "$X/$name-train-config.json"  # no machine paths
   ;;
 eval)
   # EVAL_LIMIT / EVAL_MAXT override the prompt count per set and the response length; EVAL_LOOKUP=0

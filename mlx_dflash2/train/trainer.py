@@ -169,6 +169,14 @@ def make_batch(rows: list[dict], step: int, cfg: TrainConfig, pad_id: int) -> di
     }
 
 
+def _mask_vocab(logits: mx.array, valid_vocab: int | None) -> mx.array:
+    """Logits of ids ``>= valid_vocab`` (LM-head padding rows) set to -1e9 (-6e4 in half precision)."""
+    if valid_vocab is None or valid_vocab >= logits.shape[-1]:
+        return logits
+    neg = mx.array(-1e9 if logits.dtype == mx.float32 else -6e4, logits.dtype)
+    return mx.where(mx.arange(logits.shape[-1]) < valid_vocab, logits, neg)
+
+
 def dflash_loss(drafter: DraftModel, target, features, tokens, anchors, labels, label_valid, weights, alpha,
                 valid_vocab: int | None = None, teacher_logits=None, kd_weight: float = 0.0,
                 selector_fraction: float = 1.0):
@@ -205,8 +213,7 @@ def dflash_loss(drafter: DraftModel, target, features, tokens, anchors, labels, 
         emb = emb * cfg.input_embedding_scale
     h = drafter.forward_blocks(emb, mx.stop_gradient(features), anchors)[:, 1:]  # [M, B-1, D]
     logits = drafter.unary_logits(h.astype(target.dtype), target.lm_head).astype(mx.float32)  # [M, B-1, V]
-    if valid_vocab is not None and valid_vocab < logits.shape[-1]:
-        logits = mx.where(mx.arange(logits.shape[-1]) < valid_vocab, logits, -1e9)
+    logits = _mask_vocab(logits, valid_vocab)
     lab = labels.reshape(M, Bm1)
     valid = label_valid.reshape(M, Bm1).astype(mx.float32)
     lse = mx.logsumexp(logits, axis=-1)
@@ -399,10 +406,7 @@ class Trainer:
         pos = mx.minimum(anchors[..., None] + mx.arange(Bm1)[None, None, :], T - 1).reshape(N, -1)
         rows = mx.take_along_axis(final, pos[..., None], axis=1)  # [N, A*(B-1), D]
         logits = self.target.lm_head(rows).reshape(N * anchors.shape[1], Bm1, -1)
-        if self.valid_vocab < logits.shape[-1]:
-            logits = mx.where(mx.arange(logits.shape[-1]) < self.valid_vocab, logits,
-                              mx.array(-1e9 if logits.dtype == mx.float32 else -6e4, logits.dtype))
-        return mx.stop_gradient(logits)
+        return mx.stop_gradient(_mask_vocab(logits, self.valid_vocab))
 
     def train_step(self, batch: dict) -> dict:
         cfg = self.cfg

@@ -139,6 +139,23 @@ def test_loss_decreases_and_resume_is_exact(tiny, tmp_path):
         np.testing.assert_array_equal(np.array(pa[k]), np.array(pb[k]), err_msg=k)
 
 
+def test_compiled_step_equals_eager(tiny, tmp_path):
+    """``compile=True`` (mx.compile over drafter + optimizer state) trains exactly as the eager step,
+    DFlash2 with selector, distillation and target labels included."""
+    target, tok = tiny
+    _patterned_data(tmp_path / "data")
+    runs = {}
+    for comp in (False, True):
+        tr = Trainer(_cfg(tmp_path, out=str(tmp_path / f"c{int(comp)}"), steps=8, compile=comp, labels="target",
+                          kd_weight=0.5), target, tok)
+        tr.fit(progress=False)
+        runs[comp] = ([json.loads(l)["loss"] for l in open(tmp_path / f"c{int(comp)}" / "log.jsonl")],
+                      dict(tree_flatten(tr.drafter.parameters())))
+    np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=1e-4)
+    for k, v in runs[False][1].items():
+        np.testing.assert_allclose(np.array(runs[True][1][k]), np.array(v), rtol=1e-3, atol=1e-5, err_msg=k)
+
+
 def test_finetune_from_dflash_v1_starts_as_noop(tiny, tmp_path):
     """Fine-tuning a published-style DFlash (v1) drafter as DFlash2: conv and selector start as exact no-ops."""
     target, tok = tiny
@@ -155,6 +172,29 @@ def test_finetune_from_dflash_v1_starts_as_noop(tiny, tmp_path):
     assert mx.array_equal(v1(emb, c1), tr.drafter(emb, c2)).item()
     tr.fit(progress=False)
     assert (tmp_path / "run" / "drafter" / "config.json").is_file()
+
+
+def test_finetune_from_quantized_drafter_starts_dense(tiny, tmp_path):
+    """A 4-bit drafter (as shipped) is fine-tuned from its dequantized weights: same outputs at the start,
+    every linear layer trainable."""
+    import mlx.nn as nn
+
+    target, tok = tiny
+    _patterned_data(tmp_path / "data")
+    d = init_drafter(target, tok, num_layers=1, block_size=6, selector_rank=4, selector_top_k=4, seed=2)
+    nn.quantize(d, group_size=32, bits=4, class_predicate=lambda p, m: isinstance(m, nn.Linear))
+    save_drafter(d, tmp_path / "q4")
+    q = load_drafter(tmp_path / "q4", target, tok)
+    tr = Trainer(_cfg(tmp_path, init=str(tmp_path / "q4"), steps=2), target, tok)
+    assert not any(isinstance(m, nn.QuantizedLinear) for _, m in tr.drafter.named_modules())
+    feats = mx.random.normal((1, 12, len(q.config.target_layer_ids) * 32))
+    emb = mx.random.normal((1, 6, 32))
+    c1, c2 = DraftContext(q), DraftContext(tr.drafter)
+    c1.append(q, feats[0])
+    c2.append(tr.drafter, feats[0])
+    np.testing.assert_allclose(np.array(q(emb, c1)), np.array(tr.drafter(emb, c2)), rtol=1e-4, atol=1e-4)
+    tr.fit(progress=False)
+    assert load_drafter(tmp_path / "run" / "drafter", target, tok).config.is_dflash2
 
 
 def test_time_budget_calibrates_steps(tiny, tmp_path):

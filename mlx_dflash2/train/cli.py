@@ -23,9 +23,14 @@ from .trainer import TrainConfig
 
 
 def _target(args):
-    from ..loading import load_target
+    from ..loading import load_target, shipped_drafter_path
 
-    target, tokenizer, _ = load_target(args.model, dtype=args.dtype, dequantize=args.dequantize)
+    target, tokenizer, name = load_target(args.model, dtype=args.dtype, dequantize=args.dequantize)
+    if getattr(args, "init", None) == "shipped":
+        path = shipped_drafter_path(name)
+        if path is None:
+            raise FileNotFoundError(f"--init shipped: no drafter is shipped for the target {name!r}")
+        args.init = str(path)
     return target, tokenizer
 
 
@@ -85,12 +90,16 @@ def main(argv=None) -> int:
         default = getattr(TrainConfig(), fld.name)
         if fld.name in ("data", "out"):
             f.add_argument(name, required=True)
+        elif isinstance(default, bool) and default:
+            f.add_argument("--no-" + fld.name.replace("_", "-"), dest=fld.name, action="store_false",
+                           help=f"turn off {fld.name} (on by default)")
         elif isinstance(default, bool):
             f.add_argument(name, action="store_true")
         elif fld.name == "target_layer_ids":
             f.add_argument(name, type=json.loads, default=None)
         elif fld.name in ("init",):
-            f.add_argument(name, default=None, help="existing drafter (DFlash or DFlash2) to fine-tune")
+            f.add_argument(name, default=None, help="existing drafter (DFlash or DFlash2) to fine-tune, or 'shipped' "
+                           "(the drafter shipped for the embedded target)")
         else:
             typ = type(default) if default is not None else (float if fld.name in ("gamma",) else int)
             f.add_argument(name, type=typ, default=default)
@@ -141,8 +150,8 @@ def main(argv=None) -> int:
 
             if not Path(args.data).exists():
                 raise FileNotFoundError(f"--data {args.data}: no such file or directory")
+            target, tok = _target(args)  # resolves --init shipped
             cfg = TrainConfig(**{fl.name: getattr(args, fl.name) for fl in fields(TrainConfig) if fl.name != "extra"})
-            target, tok = _target(args)
             tr = Trainer(cfg, target, tok)
             last = tr.fit(resume=not args.no_resume, max_steps=args.max_steps)
             print(json.dumps({"step": tr.step, "total_steps": tr.total_steps, **last}))

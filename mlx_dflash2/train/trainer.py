@@ -113,6 +113,7 @@ class TrainConfig:
     log_every: int = 10
     keep_checkpoints: int = 2
     time_budget: float | None = None
+    compile: bool = False
     extra: dict = field(default_factory=dict)
 
 
@@ -229,7 +230,7 @@ def dflash_loss(drafter: DraftModel, target, features, tokens, anchors, labels, 
         kd = (kd_ce * w).sum() / mx.maximum(w.sum(), 1.0)
         metrics["kd"] = kd
         loss = loss + kd_weight * kd
-    if cfg.is_dflash2 and alpha > 0:
+    if cfg.is_dflash2 and (isinstance(alpha, mx.array) or alpha > 0):  # an array: a compiled step's weight
         sel = drafter.candidate_selector
         K = min(sel.top_k, logits.shape[-1])
         stride = max(1, int(round(1.0 / selector_fraction)))
@@ -243,7 +244,9 @@ def dflash_loss(drafter: DraftModel, target, features, tokens, anchors, labels, 
         s = mx.take_along_axis(logits, cand, axis=-1) + (Bs @ (Ap * Hs)[..., None])[..., 0].astype(mx.float32)
         hit = (cand == lab[..., None]).astype(mx.float32)
         has = hit.sum(-1) * valid
-        metrics["sel_count"] = valid.sum(0)
+        # the same array when no blocks are skipped: two equal reductions among the outputs of a
+        # compiled value_and_grad trip MLX 0.32's common-subexpression pass (IndexError _Map_base::at)
+        metrics["sel_count"] = metrics["acc_count"] if stride == 1 else valid.sum(0)
         ce = mx.logsumexp(s, axis=-1) - (s * hit).sum(-1)
         ws = weights[None, :] * has
         selector = (ce * ws).sum() / mx.maximum(ws.sum(), 1.0)
@@ -317,11 +320,17 @@ class Trainer:
         decay = optim.cosine_decay(cfg.lr, max(1, self.total_steps - warm), cfg.lr * cfg.min_lr_ratio)
         self.schedule = optim.join_schedules([optim.linear_schedule(0.0, cfg.lr, warm), decay], [warm])
         self.opt = optim.AdamW(learning_rate=self.schedule, weight_decay=cfg.weight_decay)
+        self._step_fn = None  # the compiled step captures the drafter's and the optimizer's state
 
     def _make_drafter(self) -> DraftModel:
         cfg = self.cfg
         if cfg.init:
             model = load_drafter(cfg.init, self.target, self.tokenizer, dtype=mx.float32)
+            if any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules()):
+                from mlx_lm.utils import dequantize_model  # quantized weights cannot be trained: start dense
+
+                model = dequantize_model(model)
+                mx.eval(model.parameters())
             if cfg.architecture == "DFlash2DraftModel" and not model.config.is_dflash2:
                 model = _upgrade_to_dflash2(model, cfg)
             return model
@@ -392,6 +401,7 @@ class Trainer:
         self.opt.init(self.drafter.trainable_parameters())
         saved = mx.load(str(path / "optimizer.safetensors"))
         self.opt.state = tree_unflatten(list(saved.items()))
+        self._step_fn = None
         self.step = int(state["step"])
         return True
 
@@ -408,6 +418,41 @@ class Trainer:
         logits = self.target.lm_head(rows).reshape(N * anchors.shape[1], Bm1, -1)
         return mx.stop_gradient(_mask_vocab(logits, self.valid_vocab))
 
+    def _update_fn(self):
+        """The optimisation step: loss and gradients, clipping, AdamW update.
+
+        With ``compile`` it is an ``mx.compile``d function over the drafter's and
+        the optimizer's state (MLX's documented pattern for training steps), which
+        fuses the elementwise chains over the ``[blocks, B-1, vocab]`` logits; a new
+        sequence length (``tokens`` are padded to multiples of 64) traces it again.
+        Off by default: on the H200 (MLX 0.32.4 CUDA) the compiled DFlash2 step ran
+        at 0.23 s/step but began training about 3.5 minutes after launch (an
+        uncompiled DFlash v1 run of the same data: 23 s), and on the CPU it was no
+        faster; the losses equal the uncompiled ones (tested). Rebuilt whenever the drafter or the optimizer is
+        replaced.
+        """
+        if self._step_fn is not None:
+            return self._step_fn
+        cfg = self.cfg
+
+        def step(features, tokens, anchors, labels, label_valid, weights, alpha, teacher):
+            def loss_fn(model):
+                return dflash_loss(model, self.target, features, tokens, anchors, labels, label_valid, weights, alpha,
+                                   valid_vocab=self.valid_vocab, teacher_logits=teacher, kd_weight=cfg.kd_weight,
+                                   selector_fraction=cfg.selector_fraction)
+
+            (loss, metrics), grads = nn.value_and_grad(self.drafter, loss_fn)(self.drafter)
+            grads, norm = optim.clip_grad_norm(grads, cfg.grad_clip)
+            self.opt.update(self.drafter, grads)
+            return loss, metrics, norm
+
+        if cfg.compile:
+            self.opt.init(self.drafter.trainable_parameters())  # idempotent: keeps a resumed state
+            state = [self.drafter.state, self.opt.state]
+            step = mx.compile(step, inputs=state, outputs=state)
+        self._step_fn = step
+        return step
+
     def train_step(self, batch: dict) -> dict:
         cfg = self.cfg
         tokens = mx.array(batch["tokens"])
@@ -421,24 +466,13 @@ class Trainer:
                 labels = mx.argmax(teacher, axis=-1).astype(labels.dtype).reshape(labels.shape)
         else:
             features = self.target.taps(tokens, self.tap_ids)
-        args = (
-            features,
-            tokens,
-            anchors,
-            labels,
-            mx.array(batch["label_valid"]),
-            self.weights,
-            self.alpha(self.step),
+        alpha = self.alpha(self.step)
+        if cfg.compile and self.drafter.config.is_dflash2 and cfg.selector_alpha > 0:
+            alpha = mx.array(alpha, dtype=mx.float32)  # an input, so the ramp does not retrace the step
+        loss, metrics, norm = self._update_fn()(
+            mx.stop_gradient(features), tokens, anchors, labels, mx.array(batch["label_valid"]), self.weights, alpha,
+            teacher if cfg.kd_weight > 0 else None,
         )
-
-        def loss_fn(model, *a):
-            return dflash_loss(model, self.target, *a, valid_vocab=self.valid_vocab,
-                               teacher_logits=teacher if cfg.kd_weight > 0 else None, kd_weight=cfg.kd_weight,
-                               selector_fraction=cfg.selector_fraction)
-
-        (loss, metrics), grads = nn.value_and_grad(self.drafter, loss_fn)(self.drafter, *args)
-        grads, norm = optim.clip_grad_norm(grads, cfg.grad_clip)
-        self.opt.update(self.drafter, grads)
         mx.eval(self.drafter.parameters(), self.opt.state, loss, metrics, norm)
         metrics["loss"] = loss
         metrics["grad_norm"] = norm
@@ -447,15 +481,19 @@ class Trainer:
     def calibrate(self, budget_s: float, probe_steps: int = 4) -> int:
         """Measure the step time on real batches and size the run to ``budget_s``
         seconds: sets ``total_steps`` (and the LR schedule) and resets the
-        drafter and the optimizer to their initial state. Returns the steps."""
+        drafter and the optimizer to their initial state. The probe batches run
+        twice and only the second pass is timed (the first compiles). Returns the steps."""
         init_params = tree_flatten(self.drafter.parameters())
         init_params = [(k, mx.array(v)) for k, v in init_params]
+        batches = [make_batch(self._batch_rows(s), s, self.cfg, self.pad_id) for s in range(probe_steps)]
+        for b in batches:  # warm-up: compiles the step (and MLX's kernels) for these batch shapes
+            self.train_step(b)
         times = []
-        for s in range(probe_steps):
+        for b in batches:
             t0 = time.perf_counter()
-            self.train_step(make_batch(self._batch_rows(s), s, self.cfg, self.pad_id))
+            self.train_step(b)
             times.append(time.perf_counter() - t0)
-        per_step = float(np.median(times[1:] if len(times) > 1 else times))
+        per_step = float(np.median(times))
         steps = max(1, int(budget_s / per_step))
         self.cfg.steps = steps
         self.cfg.extra["calibrated_step_s"] = per_step

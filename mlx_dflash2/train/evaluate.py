@@ -266,8 +266,9 @@ def _continuation_cache(cache_dir: Path, prefix: str, max_tokens: int) -> Path |
 
 
 def plot_acceptance(report: dict, path: str | Path) -> Path | None:
-    """Plot tau by set x block size (bars per drafter) and acceptance by block
-    position (one line per set, for each drafter's best block size).
+    """Plot tau by set x block size (one colour per drafter, lighter = smaller
+    block) and acceptance by block position (colour = drafter, line style =
+    set, at each drafter's best block size).
 
     Returns the PNG path, or None when matplotlib is not installed.
     """
@@ -279,30 +280,42 @@ def plot_acceptance(report: dict, path: str | Path) -> Path | None:
     except ImportError:
         return None
     res = report["results"]
-    sets = sorted({r["set"] for r in res}, key=lambda s: [r["set"] for r in res].index(s))
-    drafters = sorted({r["drafter"] for r in res})
+    order = [r["set"] for r in res]
+    sets = sorted(set(order), key=order.index)
+    dorder = [r["drafter"] for r in res]
+    drafters = sorted(set(dorder), key=dorder.index)
     blocks = sorted({r["block_size"] for r in res})
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    colors = {d: plt.get_cmap("tab10")(i % 10) for i, d in enumerate(drafters)}
+    styles = ["-", "--", ":", "-."]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
     width = 0.8 / max(1, len(drafters) * len(blocks))
     for j, (d, B) in enumerate([(d, B) for d in drafters for B in blocks]):
         vals = [next((r["tau"] for r in res if r["set"] == s and r["drafter"] == d and r["block_size"] == B), 0)
                 for s in sets]
-        axes[0].bar(np.arange(len(sets)) + j * width, vals, width, label=f"{d} B={B}")
+        shade = 0.35 + 0.65 * (blocks.index(B) + 1) / len(blocks)
+        axes[0].bar(np.arange(len(sets)) + j * width, vals, width, color=colors[d], alpha=shade,
+                    label=d if B == blocks[-1] else None)
     axes[0].set_xticks(np.arange(len(sets)) + width * (len(drafters) * len(blocks) - 1) / 2, sets)
     axes[0].set_ylabel("acceptance length tau (tokens / target forward)")
+    axes[0].set_title(f"tau; bars per drafter: B = {', '.join(map(str, blocks))} (lighter = smaller)", fontsize=9)
     axes[0].axhline(1.0, color="k", lw=0.5)
-    axes[0].set_ylim(0, max(r["tau"] for r in res) * 1.3)  # head room for the legend
-    axes[0].legend(fontsize=7, ncol=len(drafters), loc="upper left")
+    axes[0].set_ylim(0, max(r["tau"] for r in res) * 1.15)
+    axes[0].legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=min(4, len(drafters)))
     for d in drafters:
-        best_B = max(blocks, key=lambda B: np.mean([r["tau"] for r in res if r["drafter"] == d and r["block_size"] == B]))
-        for s in sets:
-            r = next(r for r in res if r["set"] == s and r["drafter"] == d and r["block_size"] == best_B)
+        best_B = max(blocks, key=lambda B: np.mean([r["tau"] for r in res if r["drafter"] == d and r["block_size"] == B]
+                                                    or [0.0]))
+        for k, s in enumerate(sets):
+            r = next((r for r in res if r["set"] == s and r["drafter"] == d and r["block_size"] == best_B), None)
+            if r is None:
+                continue
             acc = [x if x is not None else np.nan for x in r["acceptance_by_position"]]
-            axes[1].plot(np.arange(1, len(acc) + 1), acc, marker="o", ms=3, label=f"{d} {s} (B={best_B})")
+            axes[1].plot(np.arange(1, len(acc) + 1), acc, styles[k % len(styles)], marker="o", ms=2.5,
+                         color=colors[d], label=f"{d}, {s} (B={best_B})")
     axes[1].set_xlabel("block position")
     axes[1].set_ylabel("acceptance rate")
+    axes[1].set_title("acceptance by block position (colour = drafter, line = set)", fontsize=9)
     axes[1].set_ylim(0, 1)
-    axes[1].legend(fontsize=7)
+    axes[1].legend(fontsize=6, ncol=2)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

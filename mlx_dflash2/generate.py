@@ -29,8 +29,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="target: a GGUF file, an mlx-lm directory or hub id "
                    "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", "--draft-model", default="auto",
-                   help="drafter checkpoint directory, 'lookup', 'none', 'init' (fresh DFlash2) or 'auto' "
-                   "(the drafter shipped for the target, else lookup). Default: auto")
+                   help="drafter checkpoint directory, 'lookup', 'none', 'init' (fresh DFlash2), 'shipped' "
+                   "(the trained DFlash2 drafter shipped for the embedded target) or 'auto' (lookup until the shipped "
+                   "drafter is measured faster than plain decoding). Default: auto")
     p.add_argument("--no-lookup", action="store_true", help="do not fuse lookup proposals with the drafter's")
     p.add_argument("--prompt", "-p", default="Hello!", help="the prompt ('-' reads stdin)")
     p.add_argument("--system", default=None, help="system prompt (chat template)")

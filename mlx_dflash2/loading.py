@@ -4,12 +4,14 @@ Targets: the embedded SmolLM2-135M-Instruct (default), any GGUF file
 (:mod:`.gguf`), or an mlx-lm model directory / Hugging Face id (through
 ``mlx_lm.load``; hub ids resolve offline when cached). Drafters: a checkpoint
 directory, ``lookup`` (no weights), ``none``, ``init`` (a fresh DFlash2
-drafter, e.g. for tests) or ``auto`` (the drafter shipped for this target, else
-lookup).
+drafter, e.g. for tests), ``shipped`` (the trained DFlash2 drafter shipped for the
+embedded target) or ``auto`` (the shipped drafter once it is measured faster than
+plain decoding, else lookup).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,6 +148,19 @@ def shipped_drafter_path(target_name: str) -> Path | None:
     return p if (p / "config.json").is_file() else None
 
 
+def auto_selects_shipped(path: Path) -> bool:
+    """Whether ``--drafter auto`` uses the shipped drafter at ``path``.
+
+    Its ``shipped.json`` records how it was measured; ``"auto": true`` only once
+    it decodes faster than plain decoding (``benchmarks/``). Until then ``auto``
+    means lookup drafting and the drafter is used by name (``--drafter shipped``).
+    """
+    try:
+        return bool(json.loads((path / "shipped.json").read_text()).get("auto", False))
+    except (OSError, ValueError):
+        return False
+
+
 def make_proposer(
     drafter,
     target: TargetAdapter,
@@ -159,8 +174,10 @@ def make_proposer(
     """Build the proposer for ``drafter``.
 
     Args:
-        drafter: ``"auto"``, ``"none"``, ``"lookup"``, ``"init"``, a checkpoint
-            path, a :class:`~.drafter.model.DraftModel` or a :class:`Proposer`.
+        drafter: ``"auto"`` (the shipped drafter where :func:`auto_selects_shipped`,
+            else lookup), ``"shipped"`` (the DFlash2 drafter shipped for the
+            target), ``"none"``, ``"lookup"``, ``"init"``, a checkpoint path, a
+            :class:`~.drafter.model.DraftModel` or a :class:`Proposer`.
         lookup: fuse lookup proposals with the drafter's.
 
     Raises:
@@ -172,9 +189,11 @@ def make_proposer(
         return None
     if drafter == "lookup":
         return LookupProposer(block_size=DEFAULT_LOOKUP_BLOCK)
-    if drafter == "auto":
+    if drafter in ("auto", "shipped"):
         path = shipped_drafter_path(target_name)
-        if path is None:
+        if drafter == "shipped" and path is None:
+            raise FileNotFoundError(f"no drafter is shipped for the target {target_name!r} (only for the embedded model)")
+        if drafter == "auto" and (path is None or not auto_selects_shipped(path)):
             return LookupProposer(block_size=DEFAULT_LOOKUP_BLOCK)
         drafter = path
     if isinstance(drafter, DraftModel):

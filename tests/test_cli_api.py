@@ -162,3 +162,23 @@ def test_hub_id_resolves_offline_from_cache(tmp_path, smol_q, monkeypatch):
     assert target.num_layers == 4
     with pytest.raises(ModelNotFoundError):
         load_target("someorg/not-cached")
+
+
+def test_auto_is_lookup_until_the_shipped_drafter_is_measured_faster(smol_f32):
+    """`auto` reads the shipped drafter's shipped.json: lookup while "auto" is false; `shipped` loads it."""
+    import json
+
+    from mlx_dflash2.loading import auto_selects_shipped, make_proposer, shipped_drafter_path
+    from mlx_dflash2.proposers import FusedProposer, LookupProposer
+
+    target, tok = smol_f32
+    path = shipped_drafter_path("smollm2-135m-instruct")
+    assert path is not None and (path / "config.json").is_file()
+    meta = json.loads((path / "shipped.json").read_text())
+    assert auto_selects_shipped(path) is meta["auto"]
+    auto = make_proposer("auto", target, tok, "smollm2-135m-instruct")
+    assert isinstance(auto, FusedProposer if meta["auto"] else LookupProposer)
+    assert isinstance(make_proposer("shipped", target, tok, "smollm2-135m-instruct"), FusedProposer)
+    assert isinstance(make_proposer("auto", target, tok, "some/other-model"), LookupProposer)
+    with pytest.raises(FileNotFoundError, match="no drafter is shipped"):
+        make_proposer("shipped", target, tok, "some/other-model")

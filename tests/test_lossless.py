@@ -200,3 +200,24 @@ def test_prompt_cache_reuse_warm_equals_cold(smol_f32, fresh_dflash2):
     p3 = chat_ids(tok, "Count to five.")
     assert run(target, p3, prop, 8, 10, state=state) == plain_reference(target, p3, 10)[0]
     assert state.reused < 40
+
+
+@pytest.fixture(scope="module")
+def shipped(smol_f32):
+    from mlx_dflash2.loading import make_proposer
+
+    target, tok = smol_f32
+    return make_proposer("shipped", target, tok, "smollm2-135m-instruct")
+
+
+@pytest.mark.parametrize("B", [4, 16])
+@pytest.mark.parametrize("name", list(PROMPTS))
+def test_shipped_trained_drafter_f32_identical(smol_f32, refs, shipped, name, B):
+    """The trained DFlash2 drafter shipped in the package (4-bit, fused with lookup): float32 greedy
+    output token-identical to plain decoding, and it does accept drafts (it is trained, not noise)."""
+    target, tok = smol_f32
+    ids, ref = refs[name]
+    stats = SpecStats()
+    out = run(target, ids, shipped, B, 48, stats)
+    assert out == ref[:48]
+    assert stats.tau > 1.2, stats.tau

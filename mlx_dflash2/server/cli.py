@@ -58,8 +58,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="target: a GGUF file, an mlx-lm directory or hub id "
                    "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", "--draft-model", default="auto",
-                   help="drafter checkpoint directory, 'lookup', 'none', 'init' or 'auto' "
-                   "(the drafter shipped for the target, else lookup). Default: auto")
+                   help="drafter checkpoint directory, 'lookup', 'none', 'init', 'shipped' "
+                   "(the trained DFlash2 drafter shipped for the embedded target) or 'auto' (lookup until the shipped "
+                   "drafter is measured faster than plain decoding). Default: auto")
     p.add_argument("--no-lookup", action="store_true", help="do not fuse lookup proposals with the drafter's")
     p.add_argument("--block-size", "--num-draft-tokens", type=_positive, default=None,
                    help="block size B (verify width; 1 = no drafting); default the drafter's")

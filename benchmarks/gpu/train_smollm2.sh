@@ -2,7 +2,8 @@
 # The recipe of the SmolLM2-135M-Instruct drafters (none shipped yet: benchmarks/README.md), run on the
 # lent H200 (MLX CUDA backend).
 # Stages (one device call each, back to back; the machine keeps $WORK while warm):
-#   setup | data TARBALL... | regen SECONDS | train ARCH OUTNAME (SECONDS | steps:N) | eval | bench
+#   setup | data TARBALL... | regen SECONDS | train ARCH OUTNAME (SECONDS | steps:N) | eval | bench |
+#   quantize NAME | bg NAME STAGE ARGS... (detached; outlives the call) | wait SECONDS NAME... | pack NAME PATH...
 # Env: SKIP (regen: prompts answered by earlier runs), TEMPS (regen temperatures), PROMPTS (regen prompt
 # file), REGEN_INTO (where regen's shards are added; default $WORK/responses), INIT (train: drafter to
 # continue from), DATA (train: responses dir; default $WORK/responses), TRAIN_ARGS (more `fit` flags, e.g.
@@ -22,9 +23,9 @@ MODEL=${MODEL:-$($PY -c "from mlx_dflash2.assets import embedded_model_path as p
 [ -n "$MODEL" ] || { echo "MODEL is not set and the embedded SmolLM2 is not installed" >&2; exit 2; }
 SMOKE=${SMOKE:-0}
 # TD: target settings for training (features); RTD: for generating responses (the deployed Q4_1 weights).
-if [ "$SMOKE" = 1 ]; then N=24; MAXT=32; BS=16; SEQ=4; ANCH=8; LAYERS=1; RANK=8; LIMIT=4; BLOCKS=4,8
+if [ "$SMOKE" = 1 ]; then N=24; MAXT=32; BS=16; SEQ=4; ANCH=8; LAYERS=1; RANK=8; LIMIT=4; BLOCKS=4,8; MAXLEN=128
   TD="--dtype float32 --dequantize"; RTD="$TD"
-else N=100000; MAXT=256; BS=512; SEQ=32; ANCH=64; LAYERS=4; RANK=32; LIMIT=-1; BLOCKS=4,8,16
+else N=100000; MAXT=256; BS=512; SEQ=32; ANCH=64; LAYERS=4; RANK=32; LIMIT=-1; BLOCKS=4,8,16; MAXLEN=768
   TD="--dtype bfloat16 --dequantize"; RTD=${RTD:-}; fi
 stage=$1; shift
 case "$stage" in
@@ -63,7 +64,7 @@ train)
   if [[ "$spec" == steps:* ]]; then lim="--steps ${spec#steps:}"; else lim="--time-budget $spec"; fi
   $PY -m mlx_dflash2.train fit --model "$MODEL" $TD --data "${DATA:-$W/responses}" --out "$W/runs/$name" \
       --architecture "$arch" --num-layers $LAYERS --num-taps 5 --block-size 16 --selector-rank $RANK \
-      --anchors $ANCH --batch-size $SEQ --lr 1e-3 --log-every 20 --save-every ${SAVE_EVERY:-100000} $lim \
+      --anchors $ANCH --batch-size $SEQ --max-len $MAXLEN --lr 1e-3 --log-every 20 --save-every ${SAVE_EVERY:-100000} $lim \
       ${INIT:+--init "$INIT"} ${TRAIN_ARGS:-}
   X=${EXPORT:-$OUT}; mkdir -p "$X"  # EXPORT: where the bf16 drafter and the log go (default $OUT)
   $PY - "$W/runs/$name" "$X/$name" "$MODEL" <<'PYEOF'
@@ -92,6 +93,57 @@ eval)
 bench)
   $PY benchmarks/bench_generate.py --model "$MODEL" --drafter "$W/runs/$1/drafter" --drafter none --drafter lookup \
       --max-tokens 128 --repeats 3 --out "$OUT/generate-gpu.json"
+  ;;
+quantize)
+  # quantize NAME: the drafter of run NAME with 4-bit linear layers (what the package ships) as run NAME-q4
+  rm -rf "$W/runs/$1-q4/drafter"; mkdir -p "$W/runs/$1-q4"
+  # (python -m convert: mlx_dflash2.convert exists only in an installed package, and this checkout is not)
+  $PY -m convert "$W/runs/$1/drafter" "$W/runs/$1-q4/drafter" --from drafter --q-bits 4
+  ;;
+bg)
+  # bg NAME STAGE ARGS...: run a stage detached from this device call, from a snapshot of the checkout in
+  # $W/src (each call replaces the checkout), logging to $W/bg-NAME.log; it outlives the call while the
+  # machine stays warm. A train stage that fails within 120 s while TRAIN_ARGS has --compile is
+  # retried once without it. One MLX process on the GPU at a time: two side by side both crashed
+  # ("illegal memory access", session 5) or ran out of memory (session 4), so bg refuses to start
+  # while another bg stage is alive.
+  name=$1; shift
+  for f in "$W"/bg-*.pid; do
+    [ -e "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null && { echo "bg: $(basename "$f" .pid) is still running" >&2; exit 2; }
+  done
+  rm -rf "$W/src" && mkdir -p "$W/src" && tar -cf - --exclude=./.gpu --exclude=./.cache . | tar -xf - -C "$W/src"
+  cat > "$W/bg-$name.sh" <<EOS
+t0=\$(date +%s)
+bash "$W/src/benchmarks/gpu/train_smollm2.sh" $* && exit 0
+if [ "$1" = train ] && [[ " \${TRAIN_ARGS:-} " == *" --compile "* ]] && [ \$((\$(date +%s) - t0)) -lt 120 ]; then
+  echo "retrying without the compiled step"
+  TRAIN_ARGS="\${TRAIN_ARGS//--compile/}" bash "$W/src/benchmarks/gpu/train_smollm2.sh" $* && exit 0
+fi
+exit 1
+EOS
+  export OUT="$W/out-$name" EXPORT="${EXPORT:-$W/export}"; mkdir -p "$OUT" "$EXPORT"  # the call's $OUT is emptied
+  setsid nohup bash "$W/bg-$name.sh" > "$W/bg-$name.log" 2>&1 < /dev/null &
+  echo $! > "$W/bg-$name.pid"; echo "started $name (pid $(cat "$W/bg-$name.pid"))"
+  ;;
+wait)
+  # wait SECONDS NAME...: until the named background stages have ended or SECONDS have passed; log tails
+  limit=$1; shift; t0=$(date +%s)
+  while :; do
+    alive=0; for n in "$@"; do kill -0 "$(cat "$W/bg-$n.pid")" 2>/dev/null && alive=1; done
+    [ $alive = 0 ] && break
+    [ $(( $(date +%s) - t0 )) -ge "$limit" ] && break
+    sleep 5
+  done
+  for n in "$@"; do
+    st=running; kill -0 "$(cat "$W/bg-$n.pid")" 2>/dev/null || st=ended
+    echo "== $n ($st)"; tail -c 1500 "$W/bg-$n.log" | tr '\r' '\n' | tail -n 6
+  done
+  ;;
+pack)
+  # pack NAME PATH...: PATHs (relative to $W) as a tarball in parts of 15 MB under $OUT/NAME.tar.part*
+  # (files coming back from the device machine are limited to 16 MB each); unpack: cat NAME.tar.part* | tar -x
+  name=$1; shift
+  tar -cf - -C "$W" "$@" | split -b 15000000 -d -a 1 - "$OUT/$name.tar.part"; ls -la "$OUT"
   ;;
 *) echo "unknown stage $stage" >&2; exit 2;;
 esac

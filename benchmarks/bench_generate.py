@@ -101,6 +101,23 @@ def main(argv=None):
     target, tok, name = load_target(args.model, dtype=args.dtype, dequantize=args.dequantize)
     drafters = args.drafter or ["lookup"]
     prompts = {k: PROMPTS[k] for k in args.prompts.split(",")}
+    meta = {
+        "target": Path(str(name)).name,  # the model's name, not this machine's path
+        "dtype": args.dtype,
+        "dequantize": args.dequantize,
+        "device": str(mx.default_device()),
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    header = f"{'prompt':8} {'drafter':28} {'B':>3} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'tau':>6} same"
+
+    def line(r):
+        return (f"{r['prompt']:8} {r['drafter']:28} {r['block_size']:>3} {r['plain_tps']:>11.2f} {r['spec_tps']:>10.2f} "
+                f"{r['speedup']:>7.2f}x {r['tau']:>6.2f} {'yes' if r['identical'] else 'NO'}")
+
     rows = []
     jobs = [(p, d) for p in prompts for d in drafters]
     for pname, dname in tqdm(jobs, desc="benchmark", file=sys.stderr):
@@ -134,33 +151,22 @@ def main(argv=None):
                 ],
             }
         )
+        # each finished row is printed and saved at once: a run cut short (a device call's time limit)
+        # keeps what it measured
+        tqdm.write(line(rows[-1]), file=sys.stderr)
+        out_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
 
-    meta = {
-        "target": Path(str(name)).name,  # the model's name, not this machine's path
-        "dtype": args.dtype,
-        "dequantize": args.dequantize,
-        "device": str(mx.default_device()),
-        "max_tokens": args.max_tokens,
-        "repeats": args.repeats,
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-    }
     print(
         f"\n{name} on {meta['device']} (dequantize={args.dequantize}, dtype={args.dtype}); "
         f"medians of {args.repeats}, {args.max_tokens} tokens"
     )
-    print(f"{'prompt':8} {'drafter':28} {'B':>3} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'tau':>6} same")
+    print(header)
     for r in rows:
-        print(
-            f"{r['prompt']:8} {r['drafter']:28} {r['block_size']:>3} {r['plain_tps']:>11.2f} {r['spec_tps']:>10.2f} "
-            f"{r['speedup']:>7.2f}x {r['tau']:>6.2f} {'yes' if r['identical'] else 'NO'}"
-        )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    png = plot(rows, out.with_suffix(".png"), f"{name} on {meta['device']}")
+        print(line(r))
+    png = plot(rows, out_path.with_suffix(".png"), f"{name} on {meta['device']}")
     if png:
         print(f"plot: {png}")
-    print(f"results: {out}")
+    print(f"results: {out_path}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 # The recipe of the SmolLM2-135M-Instruct drafters (none shipped yet: benchmarks/README.md), run on the
 # lent H200 (MLX CUDA backend).
 # Stages (one device call each, back to back; the machine keeps $WORK while warm):
-#   setup | data TARBALL... | regen SECONDS | train ARCH OUTNAME (SECONDS | steps:N) | eval | bench |
+#   setup | data TARBALL... | regen SECONDS | train ARCH OUTNAME (SECONDS | steps:N) | eval RUN... | bench RUN|DIR |
 #   quantize NAME | bg NAME STAGE ARGS... (detached; outlives the call) | wait SECONDS NAME... | pack NAME PATH...
 # Env: SKIP (regen: prompts answered by earlier runs), TEMPS (regen temperatures), PROMPTS (regen prompt
 # file), REGEN_INTO (where regen's shards are added; default $WORK/responses), INIT (train: drafter to
@@ -91,7 +91,10 @@ eval)
   fi
   ;;
 bench)
-  $PY benchmarks/bench_generate.py --model "$MODEL" --drafter "$W/runs/$1/drafter" --drafter none --drafter lookup \
+  # bench RUN|DIR: speed of run RUN's drafter (or of the drafter directory DIR, e.g. the shipped
+  # mlx_dflash2/drafters/smollm2-135m-instruct) against plain decoding and lookup; rows are saved as they finish
+  d=$1; [ -d "$d" ] || d="$W/runs/$1/drafter"
+  $PY benchmarks/bench_generate.py --model "$MODEL" --drafter "$d" --drafter lookup \
       --max-tokens 128 --repeats 3 --out "$OUT/generate-gpu.json"
   ;;
 quantize)

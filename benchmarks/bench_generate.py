@@ -112,11 +112,12 @@ def main(argv=None):
     }
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    header = f"{'prompt':8} {'drafter':28} {'B':>3} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'tau':>6} same"
+    header = (f"{'prompt':8} {'drafter':28} {'B':>3} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} "
+              f"{'tau':>6} same")
 
     def line(r):
-        return (f"{r['prompt']:8} {r['drafter']:28} {r['block_size']:>3} {r['plain_tps']:>11.2f} {r['spec_tps']:>10.2f} "
-                f"{r['speedup']:>7.2f}x {r['tau']:>6.2f} {'yes' if r['identical'] else 'NO'}")
+        return (f"{r['prompt']:8} {r['drafter']:28} {r['block_size']:>3} {r['plain_tps']:>11.2f} "
+                f"{r['spec_tps']:>10.2f} {r['speedup']:>7.2f}x {r['tau']:>6.2f} {'yes' if r['identical'] else 'NO'}")
 
     rows = []
     jobs = [(p, d) for p in prompts for d in drafters]

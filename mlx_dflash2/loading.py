@@ -192,7 +192,9 @@ def make_proposer(
     if drafter in ("auto", "shipped"):
         path = shipped_drafter_path(target_name)
         if drafter == "shipped" and path is None:
-            raise FileNotFoundError(f"no drafter is shipped for the target {target_name!r} (only for the embedded model)")
+            raise FileNotFoundError(
+                f"no drafter is shipped for the target {target_name!r} (only for the embedded model)"
+            )
         if drafter == "auto" and (path is None or not auto_selects_shipped(path)):
             return LookupProposer(block_size=DEFAULT_LOOKUP_BLOCK)
         drafter = path

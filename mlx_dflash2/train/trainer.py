@@ -428,8 +428,8 @@ class Trainer:
         Off by default: on the H200 (MLX 0.32.4 CUDA) the compiled DFlash2 step ran
         at 0.23 s/step but began training about 3.5 minutes after launch (an
         uncompiled DFlash v1 run of the same data: 23 s), and on the CPU it was no
-        faster; the losses equal the uncompiled ones (tested). Rebuilt whenever the drafter or the optimizer is
-        replaced.
+        faster; the losses equal the uncompiled ones (tested). Rebuilt whenever the
+        drafter or the optimizer is replaced.
         """
         if self._step_fn is not None:
             return self._step_fn

@@ -112,18 +112,18 @@ def main(argv=None):
     }
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    header = (f"{'prompt':8} {'drafter':28} {'B':>3} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} "
+    header = (f"{'prompt':8} {'drafter':44} {'B':>3} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} "
               f"{'tau':>6} same")
 
     def line(r):
-        return (f"{r['prompt']:8} {r['drafter']:28} {r['block_size']:>3} {r['plain_tps']:>11.2f} "
+        return (f"{r['prompt']:8} {r['drafter']:44} {r['block_size']:>3} {r['plain_tps']:>11.2f} "
                 f"{r['spec_tps']:>10.2f} {r['speedup']:>7.2f}x {r['tau']:>6.2f} {'yes' if r['identical'] else 'NO'}")
 
     rows = []
     jobs = [(p, d) for p in prompts for d in drafters]
     for pname, dname in tqdm(jobs, desc="benchmark", file=sys.stderr):
         ids = tok.apply_chat_template([{"role": "user", "content": prompts[pname]}], add_generation_prompt=True)
-        proposer = make_proposer(dname, target, tok, name)
+        proposer = make_proposer(dname, target, tok, name, dequantize=args.dequantize)
         B = args.block_size or (proposer.block_size if proposer else 1)
         plain_tps, spec_tps, taus = [], [], []
         run_once(target, ids, None, 1, 8)  # warm-up
@@ -139,7 +139,9 @@ def main(argv=None):
         rows.append(
             {
                 "prompt": pname,
-                "drafter": ss.drafter,
+                # a drafter directory is named too: two checkpoints of one architecture stay apart
+                "drafter": ss.drafter if dname in ("lookup", "none", "shipped", "init", "auto")
+                else f"{ss.drafter} ({Path(dname).name})",
                 "block_size": B,
                 "tokens": len(out),
                 "identical": out == ref,

@@ -19,7 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from . import assets
-from .drafter.io import init_drafter, load_drafter
+from .drafter.io import dequantize_drafter, init_drafter, load_drafter
 from .drafter.model import DraftModel
 from .proposers import DFlashProposer, FusedProposer, LookupProposer, Proposer
 from .target import TargetAdapter
@@ -141,11 +141,31 @@ def _cast(model, dtype: mx.Dtype | None) -> None:
 
 
 def shipped_drafter_path(target_name: str) -> Path | None:
-    """Directory of the drafter shipped in this package for ``target_name``, if any."""
+    """Directory of the drafter shipped in this package for ``target_name`` (the
+    embedded model's name, or the path of its GGUF file), if any."""
     if not assets.is_embedded_name(target_name):
-        return None
+        try:
+            if Path(target_name).resolve() != assets.embedded_model_path().resolve():
+                return None
+        except (OSError, assets.AssetNotFoundError):
+            return None
+        target_name = assets.DEFAULT_MODEL
     p = Path(__file__).parent / "drafters" / target_name.lower()
     return p if (p / "config.json").is_file() else None
+
+
+def resolve_shipped(spec, target_name: str):
+    """``spec`` itself, or for ``"shipped"`` the path of the drafter shipped for ``target_name``.
+
+    Raises:
+        FileNotFoundError: ``"shipped"`` for a target that has no shipped drafter.
+    """
+    if spec != "shipped":
+        return spec
+    path = shipped_drafter_path(target_name)
+    if path is None:
+        raise FileNotFoundError(f"no drafter is shipped for the target {target_name!r} (only for the embedded model)")
+    return path
 
 
 def auto_selects_shipped(path: Path) -> bool:
@@ -169,6 +189,7 @@ def make_proposer(
     *,
     lookup: bool = True,
     drafter_dtype: mx.Dtype | None = None,
+    dequantize: bool = False,
     seed: int = 0,
 ) -> Proposer | None:
     """Build the proposer for ``drafter``.
@@ -179,6 +200,9 @@ def make_proposer(
             target), ``"none"``, ``"lookup"``, ``"init"``, a checkpoint path, a
             :class:`~.drafter.model.DraftModel` or a :class:`Proposer`.
         lookup: fuse lookup proposals with the drafter's.
+        dequantize: expand a quantized drafter's linear layers to dense weights
+            (as ``--dequantize`` does for the target; on MLX's CPU backend a
+            quantized matmul costs time linear in its rows).
 
     Raises:
         FileNotFoundError, DrafterConfigError, DrafterLoadError: bad drafter.
@@ -189,21 +213,20 @@ def make_proposer(
         return None
     if drafter == "lookup":
         return LookupProposer(block_size=DEFAULT_LOOKUP_BLOCK)
-    if drafter in ("auto", "shipped"):
+    if drafter == "auto":
         path = shipped_drafter_path(target_name)
-        if drafter == "shipped" and path is None:
-            raise FileNotFoundError(
-                f"no drafter is shipped for the target {target_name!r} (only for the embedded model)"
-            )
-        if drafter == "auto" and (path is None or not auto_selects_shipped(path)):
+        if path is None or not auto_selects_shipped(path):
             return LookupProposer(block_size=DEFAULT_LOOKUP_BLOCK)
         drafter = path
+    drafter = resolve_shipped(drafter, target_name)
     if isinstance(drafter, DraftModel):
         model = drafter
     elif drafter == "init":
         model = init_drafter(target, tokenizer, seed=seed)
     else:
         model = load_drafter(drafter, target, tokenizer, dtype=drafter_dtype or _default_dtype())
+    if dequantize:
+        model = dequantize_drafter(model)
     p = DFlashProposer(model, target, valid_vocab=len(tokenizer))
     return FusedProposer(p, LookupProposer(block_size=p.block_size)) if lookup else p
 
@@ -222,7 +245,8 @@ def load(
     Args:
         path_or_hf_repo: target (see :func:`load_target`); ``None`` = embedded SmolLM2.
         drafter: see :func:`make_proposer`.
-        dtype, dequantize: see :func:`load_target`.
+        dtype, dequantize: see :func:`load_target` (``dequantize`` also expands a
+            quantized drafter, :func:`make_proposer`).
         block_size: default block size (default: the drafter's; lookup 8).
         lookup: fuse lookup drafting with a DFlash drafter.
 
@@ -230,7 +254,7 @@ def load(
         ``(SpeculativeModel, TokenizerWrapper)``.
     """
     target, tokenizer, name = load_target(path_or_hf_repo, dtype=dtype, dequantize=dequantize)
-    proposer = make_proposer(drafter, target, tokenizer, name, lookup=lookup)
+    proposer = make_proposer(drafter, target, tokenizer, name, lookup=lookup, dequantize=dequantize)
     B = block_size if block_size is not None else (proposer.block_size if proposer else 1)
     if int(B) < 1:
         raise ValueError(f"block size must be >= 1, got {B}")

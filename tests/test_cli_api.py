@@ -182,3 +182,25 @@ def test_auto_is_lookup_until_the_shipped_drafter_is_measured_faster(smol_f32):
     assert isinstance(make_proposer("auto", target, tok, "some/other-model"), LookupProposer)
     with pytest.raises(FileNotFoundError, match="no drafter is shipped"):
         make_proposer("shipped", target, tok, "some/other-model")
+    from mlx_dflash2.assets import embedded_model_path
+
+    assert shipped_drafter_path(str(embedded_model_path())) == path  # the embedded GGUF named by its path
+
+
+def test_shipped_drafter_dequantized_and_counted(smol_f32):
+    """--dequantize expands the shipped 4-bit drafter too (same proposals: dequantization is exact);
+    its parameter count is that of the float drafter, quantized or not."""
+    from mlx_dflash2.drafter import is_quantized, load_drafter
+    from mlx_dflash2.drafter.model import param_count
+    from mlx_dflash2.loading import make_proposer, shipped_drafter_path
+
+    target, tok = smol_f32
+    q = make_proposer("shipped", target, tok, "smollm2-135m-instruct", lookup=False)
+    d = make_proposer("shipped", target, tok, "smollm2-135m-instruct", lookup=False, dequantize=True)
+    assert is_quantized(q.model) and not is_quantized(d.model)
+    assert param_count(q.model) == param_count(d.model) == 19_667_072
+    raw = load_drafter(shipped_drafter_path("smollm2-135m-instruct"), target, tok)
+    assert param_count(raw) == 19_667_072
+    r = subprocess.run([sys.executable, "-m", "mlx_dflash2.drafter", "info", "shipped"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and "parameters: 19.67M" in r.stdout, r.stderr

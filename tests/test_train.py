@@ -456,3 +456,60 @@ def test_padding_rows_of_the_head_are_masked():
     assert np.array(_mask_vocab(x, 4))[:, 4:].max() == -1e9
     h = np.array(_mask_vocab(x.astype(mx.float16), 4).astype(mx.float32))
     assert h[0, :4].max() == 0 and h[0, 4:].max() < -5e4
+
+
+class ChatTinyTok(TinyTok):
+    def apply_chat_template(self, messages, add_generation_prompt=True, **kw):
+        return [2 + (ord(c) % 58) for c in messages[-1]["content"]][:12]
+
+
+def test_regen_resumes_only_the_same_prompts_and_settings(tiny, tmp_path):
+    """A regen output folder is resumed with the same prompts and settings; other prompts or settings are
+    refused (their shards would be skipped as done and the new prompts never answered)."""
+    from mlx_dflash2.train.regen import regenerate
+
+    target, _ = tiny
+    tok = ChatTinyTok()
+    ps = [{"id": str(i), "messages": [{"role": "user", "content": f"prompt {i}"}]} for i in range(4)]
+    st = regenerate(target, tok, ps, tmp_path / "r", max_tokens=6, batch_size=4, shard_size=2, progress=False)
+    assert st["written"] == 4
+    again = regenerate(target, tok, ps, tmp_path / "r", max_tokens=6, batch_size=4, shard_size=2, progress=False)
+    assert again["skipped_shards"] == 2 and again["written"] == 0
+    meta = (tmp_path / "r" / "meta.json").read_text()
+    with pytest.raises(ValueError, match="max_tokens 6 -> 8"):
+        regenerate(target, tok, ps, tmp_path / "r", max_tokens=8, batch_size=4, shard_size=2, progress=False)
+    other = [dict(p, messages=[{"role": "user", "content": "other " + p["id"]}]) for p in ps]
+    with pytest.raises(ValueError, match="the prompts"):
+        regenerate(target, tok, other, tmp_path / "r", max_tokens=6, batch_size=4, shard_size=2, progress=False)
+    assert (tmp_path / "r" / "meta.json").read_text() == meta  # nothing rewritten
+
+
+def test_resume_refuses_other_settings_and_cuts_the_log(tiny, tmp_path):
+    """Resuming needs the run's own settings (a named error otherwise, config.json untouched); the log
+    keeps no steps past the checkpoint; --init fixes the drafter's shape (conflicting flags are refused)."""
+    target, tok = tiny
+    _patterned_data(tmp_path / "data")
+    a = Trainer(_cfg(tmp_path, steps=12, save_every=4), target, tok)
+    a.fit(progress=False, max_steps=6)  # checkpoints at 4 and 6
+    with open(tmp_path / "run" / "log.jsonl", "a") as f:  # as if interrupted after logging step 7
+        f.write(json.dumps({"step": 7, "loss": 0.0}) + "\n")
+    saved = (tmp_path / "run" / "config.json").read_text()
+    with pytest.raises(ValueError, match=r"num_layers 1 \(now 2\)"):
+        Trainer(_cfg(tmp_path, steps=12, save_every=4, num_layers=2), target, tok).fit(progress=False)
+    with pytest.raises(ValueError, match=r"lr 0.003 \(now 0.001\)"):
+        Trainer(_cfg(tmp_path, steps=12, save_every=4, lr=1e-3), target, tok).fit(progress=False)
+    assert (tmp_path / "run" / "config.json").read_text() == saved
+    b = Trainer(_cfg(tmp_path, steps=12, save_every=4), target, tok)
+    assert b.resume() and b.step == 6
+    steps = [json.loads(l)["step"] for l in open(tmp_path / "run" / "log.jsonl")]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    b.fit(progress=False)
+    steps = [json.loads(l)["step"] for l in open(tmp_path / "run" / "log.jsonl")]
+    assert steps == list(range(1, 13))
+    # --init fixes the shape: a conflicting flag is an error, the saved config holds the real shape
+    save_drafter(b.drafter, tmp_path / "d")
+    with pytest.raises(ValueError, match=r"--num-layers 2 \(it has 1\)"):
+        Trainer(_cfg(tmp_path, out=str(tmp_path / "ft"), init=str(tmp_path / "d"), num_layers=2), target, tok)
+    ft = Trainer(_cfg(tmp_path, out=str(tmp_path / "ft"), init=str(tmp_path / "d"), num_layers=None,
+                      selector_rank=None, selector_top_k=None), target, tok)
+    assert (ft.cfg.num_layers, ft.cfg.selector_rank) == (1, 4)

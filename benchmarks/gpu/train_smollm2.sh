@@ -45,11 +45,12 @@ data)
   ;;
 regen)
   budget=${1:-240}
+  rg="regen-s${SKIP:-0}"  # one folder per slice: regen resumes a folder only with the same prompts and settings
   $PY -m mlx_dflash2.train regen --model "$MODEL" $RTD --prompts ${PROMPTS:-.cache/train/prompts.jsonl} --skip ${SKIP:-0} \
-      --limit $N --out "$W/regen" --max-tokens $MAXT --batch-size $BS --shard-size 512 --temps ${TEMPS:-0,0.7,1.0} \
+      --limit $N --out "$W/$rg" --max-tokens $MAXT --batch-size $BS --shard-size 512 --temps ${TEMPS:-0,0.7,1.0} \
       --time-budget "$budget"
   into=${REGEN_INTO:-$W/responses}; mkdir -p "$into"
-  for f in "$W"/regen/shard-*.jsonl; do cp "$f" "$into/shard-s${SKIP:-0}-$(basename "$f" | cut -d- -f2)"; done
+  for f in "$W/$rg"/shard-*.jsonl; do cp "$f" "$into/shard-s${SKIP:-0}-$(basename "$f" | cut -d- -f2)"; done
   $PY - "$into" <<'PYEOF'
 import sys, json, glob
 rows = [json.loads(l) for f in sorted(glob.glob(sys.argv[1] + "/shard-*.jsonl")) for l in open(f)]
@@ -57,7 +58,7 @@ print(json.dumps({"sequences": len(rows), "response_tokens": sum(len(r["response
                   "prompt_tokens": sum(len(r["prompt_ids"]) for r in rows)}))
 PYEOF
   # $OUT files are limited to 16 MB each: the tarball comes back in parts (cat responses.tar.gz.part* | tar -xz)
-  tar -czf - -C "$W" --transform 's,^regen,responses,' regen | split -b 15000000 -d -a 1 - "$OUT/responses.tar.gz.part"
+  tar -czf - -C "$W" --transform "s,^$rg,responses," "$rg" | split -b 15000000 -d -a 1 - "$OUT/responses.tar.gz.part"
   ;;
 train)
   arch=$1; name=$2; spec=$3

@@ -1,7 +1,16 @@
 """DFlash / DFlash2 block drafters: config, MLX model, checkpoint I/O."""
 
 from .config import DrafterConfig, DrafterConfigError, default_target_layer_ids
-from .io import DrafterLoadError, init_drafter, load_drafter, pick_mask_token_id, save_drafter, validate_for_target
+from .io import (
+    DrafterLoadError,
+    dequantize_drafter,
+    init_drafter,
+    is_quantized,
+    load_drafter,
+    pick_mask_token_id,
+    save_drafter,
+    validate_for_target,
+)
 from .model import CandidateSelector, DraftContext, DraftModel, GroupedDynamicCausalConv
 
 __all__ = [
@@ -15,6 +24,8 @@ __all__ = [
     "default_target_layer_ids",
     "init_drafter",
     "load_drafter",
+    "dequantize_drafter",
+    "is_quantized",
     "save_drafter",
     "validate_for_target",
     "pick_mask_token_id",

@@ -2,7 +2,7 @@
 
     mlx_dflash2.drafter init --out DIR [--model TARGET] [--arch DFlash2DraftModel]
                              [--layers 2] [--block-size 16] [--selector-rank 64] ...
-    mlx_dflash2.drafter info DIR [--model TARGET]
+    mlx_dflash2.drafter info DIR|shipped [--model TARGET]
 
 ``init`` writes a freshly initialised drafter for the target (DFlash2's conv
 and selector as exact no-ops), the starting point of training (``--init``).
@@ -22,8 +22,8 @@ import mlx.core as mx
 def _target(args):
     from ..loading import load_target
 
-    target, tokenizer, _ = load_target(args.model)
-    return target, tokenizer
+    target, tokenizer, name = load_target(args.model)
+    return target, tokenizer, name
 
 
 def main(argv=None) -> int:
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     i.add_argument("--seed", type=int, default=0)
     i.add_argument("--overwrite", action="store_true")
     f = sub.add_parser("info", help="load a checkpoint against its target and print its config")
-    f.add_argument("path")
+    f.add_argument("path", help="checkpoint directory, or 'shipped' (the drafter shipped for the embedded target)")
     f.add_argument("--model", default=None)
     args = p.parse_args(argv)
 
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     from .model import param_count
 
     try:
-        target, tokenizer = _target(args)
+        target, tokenizer, name = _target(args)
         if args.cmd == "init":
             model = init_drafter(
                 target,
@@ -76,7 +76,9 @@ def main(argv=None) -> int:
             path = save_drafter(model, args.out, overwrite=args.overwrite)
             print(f"wrote {model.config.architecture} ({param_count(model) / 1e6:.2f}M parameters) to {path}")
         else:
-            model = load_drafter(args.path, target, tokenizer)
+            from ..loading import resolve_shipped
+
+            model = load_drafter(resolve_shipped(args.path, name), target, tokenizer)
             print(json.dumps(model.config.to_dict(), indent=2))
             print(f"parameters: {param_count(model) / 1e6:.2f}M")
     except (DrafterConfigError, DrafterLoadError, FileNotFoundError, FileExistsError, ValueError) as e:

@@ -240,6 +240,26 @@ def load_drafter(path: str | Path, target, tokenizer, dtype: mx.Dtype | None = N
     return model
 
 
+def is_quantized(model: DraftModel) -> bool:
+    """True if any layer of ``model`` is MLX-quantized."""
+    return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
+
+
+def dequantize_drafter(model: DraftModel) -> DraftModel:
+    """``model`` with its quantized linear layers expanded to dense weights
+    (``mlx_lm.utils.dequantize_model``; the same values, in the scales' dtype).
+    Used for training (quantized weights cannot be trained) and on MLX's CPU
+    backend (a quantized matmul costs time linear in its rows). A model that is
+    not quantized is returned unchanged."""
+    if not is_quantized(model):
+        return model
+    from mlx_lm.utils import dequantize_model
+
+    model = dequantize_model(model)
+    mx.eval(model.parameters())
+    return model
+
+
 def _shards(weights: dict, max_bytes: int) -> list[dict]:
     shards, cur, size = [], {}, 0
     for k, v in weights.items():

@@ -499,6 +499,17 @@ class DraftContext:
 
 
 def param_count(model: nn.Module) -> int:
+    """Number of weights; a quantized layer counts its unpacked weights, not its packed
+    words, scales or biases (so a 4-bit drafter counts as its float original)."""
     from mlx.utils import tree_flatten
 
-    return sum(math.prod(p.shape) for _, p in tree_flatten(model.parameters()))
+    total = 0
+    for name, p in tree_flatten(model.parameters()):
+        mod, _, leaf = name.rpartition(".")
+        q = dict(model.named_modules()).get(mod) if leaf in ("weight", "scales", "biases") else None
+        if isinstance(q, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            if leaf == "weight":
+                total += p.shape[0] * p.shape[1] * 32 // q.bits
+            continue
+        total += math.prod(p.shape)
+    return total

@@ -89,7 +89,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="seconds of silence before an SSE ': keep-alive' comment (default 5)")
     p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
                    help="dtype of non-packed weights/scales (auto: float32 on CPU)")
-    p.add_argument("--dequantize", action="store_true", help="expand quantized weights to dense --dtype")
+    p.add_argument("--dequantize", action="store_true",
+                   help="expand quantized weights (target and drafter) to dense --dtype")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                    help="logging level (default: INFO)")
     return p

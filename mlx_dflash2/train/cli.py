@@ -23,14 +23,18 @@ from .trainer import TrainConfig
 
 
 def _target(args):
-    from ..loading import load_target, shipped_drafter_path
+    """Load the target; ``--init shipped`` / ``--drafter [LABEL=]shipped`` become the shipped drafter's path."""
+    from ..loading import load_target, resolve_shipped
 
     target, tokenizer, name = load_target(args.model, dtype=args.dtype, dequantize=args.dequantize)
-    if getattr(args, "init", None) == "shipped":
-        path = shipped_drafter_path(name)
-        if path is None:
-            raise FileNotFoundError(f"--init shipped: no drafter is shipped for the target {name!r}")
-        args.init = str(path)
+    if getattr(args, "init", None):
+        args.init = str(resolve_shipped(args.init, name))
+    if getattr(args, "drafter", None):
+        specs = []
+        for spec in args.drafter:
+            label, eq, path = spec.rpartition("=")
+            specs.append(f"{label or 'shipped'}={resolve_shipped(path, name)}" if path == "shipped" else spec)
+        args.drafter = specs
     return target, tokenizer
 
 
@@ -38,6 +42,45 @@ def _add_target_args(p):
     p.add_argument("--model", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", help="target dtype for scales/non-packed weights (auto: float32 on CPU)")
     p.add_argument("--dequantize", action="store_true", help="run the target dense (more memory)")
+
+
+FIT_HELP = {
+    "data": "responses to train on: a regen output directory (shard-*.jsonl) or one shard file",
+    "out": "run directory: checkpoints (ckpt/), log.jsonl, config.json and the final drafter/ "
+           "(float32; `mlx_dflash2.convert DIR OUT --from drafter --q-bits 4` makes a 4-bit copy)",
+    "init": "drafter to fine-tune: a checkpoint directory (DFlash v1 ones become DFlash2 with no-op conv and "
+            "selector; 4-bit ones train from their dequantized weights) or 'shipped' (the drafter shipped for the "
+            "embedded target). It fixes the drafter's shape",
+    "architecture": "DFlash2DraftModel or DFlashDraftModel (v1: no conv, no selector)",
+    "num_layers": "drafter decoder layers (new drafters: 3)",
+    "num_taps": "target layers tapped for context features (default: one per drafter layer)",
+    "target_layer_ids": "explicit tap layer ids as JSON, e.g. [1,8,14,20,27]",
+    "block_size": "block size B the drafter is trained for (it generalises to smaller B)",
+    "intermediate_size": "drafter MLP width (default: the target's)",
+    "selector_rank": "DFlash2 selector rank (new drafters: 32)",
+    "selector_top_k": "DFlash2 selector candidates per slot (new drafters: 16)",
+    "anchors": "random anchors (blocks) per sequence per step",
+    "batch_size": "sequences per step",
+    "max_len": "tokens per sequence at most (longer ones lose prompt tokens after a 32-token head)",
+    "steps": "optimizer steps (default: --epochs, or what --time-budget allows)",
+    "epochs": "passes over the data when --steps and --time-budget are not given",
+    "lr": "peak AdamW learning rate",
+    "warmup": "fraction of the steps with linear warm-up",
+    "min_lr_ratio": "cosine decay ends at lr * this",
+    "weight_decay": "AdamW weight decay",
+    "grad_clip": "gradient norm clip",
+    "gamma": "loss decay exp(-(k-1)/gamma) over block positions (default: 7 for B=16, 5 for 10, 4 for 8)",
+    "selector_alpha": "weight of the DFlash2 selector loss",
+    "labels": "block labels: the data's tokens, or the target's own greedy choice after the data prefix",
+    "kd_weight": "weight of distillation against the target's distribution (0 = off)",
+    "selector_fraction": "fraction of the blocks in the selector loss (strided)",
+    "seed": "seed of the drafter init, data order and anchors",
+    "save_every": "checkpoint every N steps (and at the end)",
+    "log_every": "log loss / accuracy by position every N steps",
+    "keep_checkpoints": "checkpoints kept",
+    "time_budget": "seconds: size the run to it by timing a few steps; also a hard stop at 1.15x (saved)",
+    "compile": "run the step as an mx.compile'd function (same losses; slower start, see the docs)",
+}
 
 
 def _numbers(flag: str, text: str, kind=float) -> list:
@@ -67,7 +110,9 @@ def main(argv=None) -> int:
 
     r = sub.add_parser("regen", help="answer prompts with the target (resumable shards)")
     _add_target_args(r)
-    r.add_argument("--prompts", required=True, help="prompts file (see mlx_dflash2.train.data.read_prompt_file)")
+    r.add_argument("--prompts", required=True,
+                   help="prompts: a text file with one prompt per line, or JSONL rows with 'messages' (chat), "
+                   "'prompt' or 'text'")
     r.add_argument("--out", required=True)
     r.add_argument("--max-tokens", type=int, default=256)
     r.add_argument("--batch-size", type=int, default=256)
@@ -88,27 +133,32 @@ def main(argv=None) -> int:
             continue
         name = "--" + fld.name.replace("_", "-")
         default = getattr(TrainConfig(), fld.name)
+        text = FIT_HELP.get(fld.name, "")
         if fld.name in ("data", "out"):
-            f.add_argument(name, required=True)
+            f.add_argument(name, required=True, help=text)
         elif isinstance(default, bool) and default:
             f.add_argument("--no-" + fld.name.replace("_", "-"), dest=fld.name, action="store_false",
-                           help=f"turn off {fld.name} (on by default)")
+                           help=f"turn off: {text}")
         elif isinstance(default, bool):
-            f.add_argument(name, action="store_true")
+            f.add_argument(name, action="store_true", help=text)
         elif fld.name == "target_layer_ids":
-            f.add_argument(name, type=json.loads, default=None)
+            f.add_argument(name, type=json.loads, default=None, help=text)
         elif fld.name in ("init",):
-            f.add_argument(name, default=None, help="existing drafter (DFlash or DFlash2) to fine-tune, or 'shipped' "
-                           "(the drafter shipped for the embedded target)")
+            f.add_argument(name, default=None, help=text)
+        elif fld.name == "labels":
+            f.add_argument(name, choices=["data", "target"], default=default, help=text + f" (default: {default})")
         else:
             typ = type(default) if default is not None else (float if fld.name in ("gamma",) else int)
-            f.add_argument(name, type=typ, default=default)
-    f.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints in --out")
-    f.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (resume later)")
+            shown = f" (default: {default})" if default is not None else ""
+            f.add_argument(name, type=typ, default=default, help=text + shown)
+    f.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints in --out (start over)")
+    f.add_argument("--max-steps", type=int, default=None,
+                   help="stop after this many more steps in this invocation (rerun the command to resume)")
 
     e = sub.add_parser("eval", help="tau on held-out prompt sets (exact greedy replay) + plot")
     _add_target_args(e)
-    e.add_argument("--drafter", action="append", required=True, help="LABEL=PATH or PATH (repeatable)")
+    e.add_argument("--drafter", action="append", required=True,
+                   help="LABEL=PATH or PATH (repeatable); PATH 'shipped' = the drafter shipped for the embedded target")
     e.add_argument("--sets", default="humaneval,mtbench,gsm8k")
     e.add_argument("--block-sizes", default="4,8,16")
     e.add_argument("--max-tokens", type=int, default=256)
@@ -153,7 +203,13 @@ def main(argv=None) -> int:
             target, tok = _target(args)  # resolves --init shipped
             cfg = TrainConfig(**{fl.name: getattr(args, fl.name) for fl in fields(TrainConfig) if fl.name != "extra"})
             tr = Trainer(cfg, target, tok)
-            last = tr.fit(resume=not args.no_resume, max_steps=args.max_steps)
+            try:
+                last = tr.fit(resume=not args.no_resume, max_steps=args.max_steps)
+            except KeyboardInterrupt:
+                ck = tr.latest_checkpoint()
+                print(f"\ninterrupted at step {tr.step}; " + (f"rerun the same command to resume from {ck.name}"
+                      if ck else "no checkpoint yet (see --save-every)"), file=sys.stderr)
+                return 130
             print(json.dumps({"step": tr.step, "total_steps": tr.total_steps, **last}))
         else:
             from ..drafter import load_drafter
@@ -169,20 +225,25 @@ def main(argv=None) -> int:
                 raise ValueError("--limit must be -1 (the standard counts) or >= 1")
             for name in args.sets.split(","):
                 load_eval_set(name, 1)  # KeyError names the known sets
+            from ..drafter import dequantize_drafter
+
             target, tok = _target(args)
             drafters = {}
             for spec in args.drafter:
                 label, _, path = spec.rpartition("=")
                 model = load_drafter(path, target, tok, dtype=_default_dtype())
+                if args.dequantize:  # as for the target: the same numbers, faster on a CPU
+                    model = dequantize_drafter(model)
                 drafters[label or model.config.architecture] = model
             rep = evaluate_sets(target, tok, drafters, args.sets.split(","),
                                 blocks, args.max_tokens,
                                 None if args.limit is None else args.limit, args.cache_dir, lookup=args.lookup)
             out = write_report(rep, args.out)
             png = plot_acceptance(rep, out.with_suffix(".png"))
-            print(f"{'set':10} {'drafter':12} {'B':>3} {'tau':>6}")
+            w = max([12] + [len(r["drafter"]) for r in rep["results"]])
+            print(f"{'set':10} {'drafter':{w}} {'B':>3} {'tau':>6}")
             for r in rep["results"]:
-                print(f"{r['set']:10} {r['drafter']:12} {r['block_size']:>3} {r['tau']:>6.3f}")
+                print(f"{r['set']:10} {r['drafter']:{w}} {r['block_size']:>3} {r['tau']:>6.3f}")
             print(f"report: {out}" + (f"\nplot: {png}" if png else ""))
     except (OSError, ValueError, KeyError) as err:
         msg = err.args[0] if isinstance(err, KeyError) and err.args else err

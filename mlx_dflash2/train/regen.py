@@ -188,8 +188,11 @@ def regenerate(
 
     check_regen_args(out, max_tokens, batch_size, shard_size, temps)
     out = Path(out)
+    meta = {"max_tokens": max_tokens, "temp_fraction": temp_fraction, "temp": temp, "temps": temps, "seed": seed,
+            "shard_size": shard_size, "max_prompt_tokens": max_prompt_tokens, "prompts": len(prompts),
+            "prompts_sha1": _prompts_digest(prompts)}
+    _check_resumable(out, meta)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"max_tokens": max_tokens, "temp_fraction": temp_fraction, "temp": temp, "temps": temps, "seed": seed}
     (out / "meta.json").write_text(json.dumps(meta) + "\n")
     eos = sorted(tokenizer.eos_token_ids)
     n_shards = (len(prompts) + shard_size - 1) // shard_size
@@ -241,6 +244,36 @@ def regenerate(
     stats["seconds"] = time.perf_counter() - tic
     stats["tokens_per_s"] = stats["tokens"] / max(stats["seconds"], 1e-9)
     return stats
+
+
+def _prompts_digest(prompts: list[dict]) -> str:
+    import hashlib
+
+    h = hashlib.sha1()
+    for r in prompts:
+        h.update(json.dumps([r.get("id"), r.get("messages")], sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def _check_resumable(out: Path, meta: dict) -> None:
+    """An existing ``out`` is resumed only if it was made from the same prompts and settings.
+
+    Raises:
+        ValueError: ``out/meta.json`` records other prompts or settings (the
+            shards there would be skipped as done, and the new prompts never answered).
+    """
+    f = out / "meta.json"
+    if not f.is_file():
+        return
+    try:
+        old = json.loads(f.read_text())
+    except ValueError:
+        raise ValueError(f"{f}: unreadable; use another --out") from None
+    diff = [k for k in old if k in meta and old[k] != meta[k]]
+    if diff:
+        what = ", ".join(f"{k} {old[k]!r} -> {meta[k]!r}" if k != "prompts_sha1" else "the prompts" for k in diff)
+        raise ValueError(f"{out} holds answers made with other prompts or settings ({what}); "
+                         "use another --out (or delete it to start over)")
 
 
 def read_responses(path: str | Path) -> list[dict]:

@@ -67,7 +67,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..drafter import DrafterConfig, DraftModel, init_drafter, load_drafter, save_drafter
+from ..drafter import DrafterConfig, DraftModel, dequantize_drafter, init_drafter, load_drafter, save_drafter
 
 __all__ = ["TrainConfig", "Trainer", "dflash_loss", "make_batch", "default_gamma"]
 
@@ -86,13 +86,13 @@ class TrainConfig:
     out: str = ""
     init: str | None = None
     architecture: str = "DFlash2DraftModel"
-    num_layers: int = 3
+    num_layers: int | None = None  # None: 3 for a new drafter, the --init drafter's otherwise (same below)
     num_taps: int | None = None
     target_layer_ids: list | None = None
     block_size: int = 16
     intermediate_size: int | None = None
-    selector_rank: int = 32
-    selector_top_k: int = 16
+    selector_rank: int | None = None  # new drafters: 32
+    selector_top_k: int | None = None  # new drafters: 16
     anchors: int = 64
     batch_size: int = 16
     max_len: int = 768
@@ -323,30 +323,52 @@ class Trainer:
         self._step_fn = None  # the compiled step captures the drafter's and the optimizer's state
 
     def _make_drafter(self) -> DraftModel:
+        """The drafter to train: ``init`` (dequantized if quantized; DFlash v1 upgraded
+        to DFlash2 when asked) or a fresh one. Afterwards the config's shape fields
+        hold the drafter's real shape, so ``config.json`` and resume checks are true.
+
+        Raises:
+            ValueError: a shape field given together with ``init`` that the init
+                drafter does not have, or a DFlash2 init with ``architecture`` DFlash v1.
+        """
         cfg = self.cfg
         if cfg.init:
-            model = load_drafter(cfg.init, self.target, self.tokenizer, dtype=mx.float32)
-            if any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules()):
-                from mlx_lm.utils import dequantize_model  # quantized weights cannot be trained: start dense
-
-                model = dequantize_model(model)
-                mx.eval(model.parameters())
-            if cfg.architecture == "DFlash2DraftModel" and not model.config.is_dflash2:
+            # quantized weights cannot be trained: a 4-bit drafter starts from its dequantized weights
+            model = dequantize_drafter(load_drafter(cfg.init, self.target, self.tokenizer, dtype=mx.float32))
+            dc = model.config
+            if cfg.architecture == "DFlashDraftModel" and dc.is_dflash2:
+                raise ValueError(f"--init {cfg.init} is a DFlash2 drafter; it cannot be trained as DFlashDraftModel")
+            have = {"num_layers": dc.num_hidden_layers, "num_taps": len(dc.target_layer_ids),
+                    "target_layer_ids": list(dc.target_layer_ids), "intermediate_size": dc.intermediate_size}
+            if dc.is_dflash2:
+                have.update(selector_rank=dc.selector_rank, selector_top_k=dc.selector_top_k)
+            wrong = [f"--{k.replace('_', '-')} {getattr(cfg, k)} (it has {v})" for k, v in have.items()
+                     if getattr(cfg, k) is not None and list_or(getattr(cfg, k)) != list_or(v)]
+            if wrong:
+                raise ValueError(f"--init {cfg.init} fixes the drafter's shape; drop or match: {', '.join(wrong)}")
+            if cfg.architecture == "DFlash2DraftModel" and not dc.is_dflash2:
                 model = _upgrade_to_dflash2(model, cfg)
-            return model
-        return init_drafter(
-            self.target,
-            self.tokenizer,
-            architecture=cfg.architecture,
-            num_layers=cfg.num_layers,
-            block_size=cfg.block_size,
-            num_taps=cfg.num_taps,
-            target_layer_ids=cfg.target_layer_ids,
-            intermediate_size=cfg.intermediate_size,
-            selector_rank=cfg.selector_rank,
-            selector_top_k=cfg.selector_top_k,
-            seed=cfg.seed,
-        )
+        else:
+            model = init_drafter(
+                self.target,
+                self.tokenizer,
+                architecture=cfg.architecture,
+                num_layers=cfg.num_layers or 3,
+                block_size=cfg.block_size,
+                num_taps=cfg.num_taps,
+                target_layer_ids=cfg.target_layer_ids,
+                intermediate_size=cfg.intermediate_size,
+                selector_rank=cfg.selector_rank or 32,
+                selector_top_k=cfg.selector_top_k or 16,
+                seed=cfg.seed,
+            )
+        dc = model.config
+        cfg.architecture = dc.architecture
+        cfg.num_layers, cfg.num_taps = dc.num_hidden_layers, len(dc.target_layer_ids)
+        cfg.target_layer_ids, cfg.intermediate_size = list(dc.target_layer_ids), dc.intermediate_size
+        if dc.is_dflash2:
+            cfg.selector_rank, cfg.selector_top_k = dc.selector_rank, dc.selector_top_k
+        return model
 
     def _batch_rows(self, step: int) -> list[dict]:
         epoch, b = divmod(step, self.batches_per_epoch)
@@ -393,6 +415,7 @@ class Trainer:
         if path is None:
             return False
         state = json.loads((path / "state.json").read_text())
+        self._check_same_run(state["config"], path)
         saved_steps = state["config"].get("steps")
         if self.cfg.steps is None and saved_steps:
             self.cfg.steps = saved_steps  # e.g. a run sized by --time-budget
@@ -403,7 +426,34 @@ class Trainer:
         self.opt.state = tree_unflatten(list(saved.items()))
         self._step_fn = None
         self.step = int(state["step"])
+        self.tap_ids = tuple(self.drafter.config.target_layer_ids)
+        self._cut_log(self.step)
         return True
+
+    def _check_same_run(self, saved: dict, path: Path) -> None:
+        """Resume only the run this config describes (same drafter shape, data and optimisation).
+
+        Raises:
+            ValueError: naming the settings that differ from the checkpoint's.
+        """
+        cur = asdict(self.cfg)
+        keys = list(RESUME_FIELDS) + (["steps"] if self.cfg.steps is not None else [])
+        diff = [k for k in keys if k in saved and list_or(saved[k]) != list_or(cur[k])]
+        if diff:
+            what = ", ".join(f"{k} {saved[k]!r} (now {cur[k]!r})" for k in diff)
+            init = f"; it was started with --init {saved['init']}" if saved.get("init") != cur.get("init") else ""
+            raise ValueError(f"{self.out} holds a run with other settings: {what}{init}. Pass the same settings "
+                             "to resume it (they are in its config.json), or --no-resume to start over")
+
+    def _cut_log(self, step: int) -> None:
+        """Drop log lines past ``step`` (written after the checkpoint a run resumes from)."""
+        f = self.out / "log.jsonl"
+        if not f.is_file():
+            return
+        keep = [ln for ln in f.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= step]
+        tmp = f.with_suffix(".tmp")
+        tmp.write_text("".join(ln + "\n" for ln in keep))
+        os.replace(tmp, f)
 
     # -- training ------------------------------------------------------------
     def teacher_logits(self, final: mx.array, anchors: mx.array) -> mx.array:
@@ -595,12 +645,25 @@ class _Accumulator:
         return out
 
 
+def list_or(v):
+    """Tuples and lists compare equal (JSON round trips turn tuples into lists)."""
+    return list(v) if isinstance(v, (list, tuple)) else v
+
+
+# settings a resumed run must share with its checkpoint (the rest: output, logging, time budget, compile)
+RESUME_FIELDS = ("data", "architecture", "num_layers", "num_taps", "target_layer_ids", "block_size",
+                 "intermediate_size", "selector_rank", "selector_top_k", "anchors", "batch_size", "max_len", "epochs",
+                 "lr", "warmup", "min_lr_ratio", "weight_decay", "grad_clip", "gamma", "selector_alpha", "labels",
+                 "kd_weight", "selector_fraction", "seed")
+
+
 def _upgrade_to_dflash2(model: DraftModel, cfg: TrainConfig) -> DraftModel:
     """A DFlash (v1) drafter as a DFlash2 one: same weights, conv and selector as exact no-ops."""
     d = model.config.to_dict()
     d["architectures"] = ["DFlash2DraftModel"]
     d["dflash_config"].update(
-        conv_kernel_size=2, conv_group_size=16, selector_rank=cfg.selector_rank, selector_top_k=cfg.selector_top_k
+        conv_kernel_size=2, conv_group_size=16, selector_rank=cfg.selector_rank or 32,
+        selector_top_k=cfg.selector_top_k or 16,
     )
     new = DraftModel(DrafterConfig.from_dict(d))
     new.init_weights(cfg.seed)

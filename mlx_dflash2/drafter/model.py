@@ -503,10 +503,11 @@ def param_count(model: nn.Module) -> int:
     words, scales or biases (so a 4-bit drafter counts as its float original)."""
     from mlx.utils import tree_flatten
 
+    modules = dict(model.named_modules())
     total = 0
     for name, p in tree_flatten(model.parameters()):
         mod, _, leaf = name.rpartition(".")
-        q = dict(model.named_modules()).get(mod) if leaf in ("weight", "scales", "biases") else None
+        q = modules.get(mod) if leaf in ("weight", "scales", "biases") else None
         if isinstance(q, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             if leaf == "weight":
                 total += p.shape[0] * p.shape[1] * 32 // q.bits

@@ -32,7 +32,7 @@ def _target(args):
     if getattr(args, "drafter", None):
         specs = []
         for spec in args.drafter:
-            label, eq, path = spec.rpartition("=")
+            label, _, path = spec.rpartition("=")
             specs.append(f"{label or 'shipped'}={resolve_shipped(path, name)}" if path == "shipped" else spec)
         args.drafter = specs
     return target, tokenizer

@@ -78,6 +78,10 @@ def default_gamma(block_size: int) -> float:
     return table.get(block_size, max(1.0, 7.0 * block_size / 16))
 
 
+NEW_DRAFTER = {"num_layers": 3, "selector_rank": 32, "selector_top_k": 16}
+"""Shape of a new drafter where the config leaves it open (``None``)."""
+
+
 @dataclass
 class TrainConfig:
     """Training settings (saved as ``config.json`` in the run directory)."""
@@ -86,13 +90,13 @@ class TrainConfig:
     out: str = ""
     init: str | None = None
     architecture: str = "DFlash2DraftModel"
-    num_layers: int | None = None  # None: 3 for a new drafter, the --init drafter's otherwise (same below)
+    num_layers: int | None = None  # None: NEW_DRAFTER's value for a new drafter, the --init drafter's otherwise
     num_taps: int | None = None
     target_layer_ids: list | None = None
     block_size: int = 16
     intermediate_size: int | None = None
-    selector_rank: int | None = None  # new drafters: 32
-    selector_top_k: int | None = None  # new drafters: 16
+    selector_rank: int | None = None  # (the same for these two)
+    selector_top_k: int | None = None
     anchors: int = 64
     batch_size: int = 16
     max_len: int = 768
@@ -343,7 +347,7 @@ class Trainer:
             if dc.is_dflash2:
                 have.update(selector_rank=dc.selector_rank, selector_top_k=dc.selector_top_k)
             wrong = [f"--{k.replace('_', '-')} {getattr(cfg, k)} (it has {v})" for k, v in have.items()
-                     if getattr(cfg, k) is not None and list_or(getattr(cfg, k)) != list_or(v)]
+                     if getattr(cfg, k) is not None and _plain(getattr(cfg, k)) != _plain(v)]
             if wrong:
                 raise ValueError(f"--init {cfg.init} fixes the drafter's shape; drop or match: {', '.join(wrong)}")
             if cfg.architecture == "DFlash2DraftModel" and not dc.is_dflash2:
@@ -353,13 +357,13 @@ class Trainer:
                 self.target,
                 self.tokenizer,
                 architecture=cfg.architecture,
-                num_layers=cfg.num_layers or 3,
+                num_layers=cfg.num_layers or NEW_DRAFTER["num_layers"],
                 block_size=cfg.block_size,
                 num_taps=cfg.num_taps,
                 target_layer_ids=cfg.target_layer_ids,
                 intermediate_size=cfg.intermediate_size,
-                selector_rank=cfg.selector_rank or 32,
-                selector_top_k=cfg.selector_top_k or 16,
+                selector_rank=cfg.selector_rank or NEW_DRAFTER["selector_rank"],
+                selector_top_k=cfg.selector_top_k or NEW_DRAFTER["selector_top_k"],
                 seed=cfg.seed,
             )
         dc = model.config
@@ -415,7 +419,7 @@ class Trainer:
         if path is None:
             return False
         state = json.loads((path / "state.json").read_text())
-        self._check_same_run(state["config"], path)
+        self._check_same_run(state["config"])
         saved_steps = state["config"].get("steps")
         if self.cfg.steps is None and saved_steps:
             self.cfg.steps = saved_steps  # e.g. a run sized by --time-budget
@@ -430,7 +434,7 @@ class Trainer:
         self._cut_log(self.step)
         return True
 
-    def _check_same_run(self, saved: dict, path: Path) -> None:
+    def _check_same_run(self, saved: dict) -> None:
         """Resume only the run this config describes (same drafter shape, data and optimisation).
 
         Raises:
@@ -438,7 +442,7 @@ class Trainer:
         """
         cur = asdict(self.cfg)
         keys = list(RESUME_FIELDS) + (["steps"] if self.cfg.steps is not None else [])
-        diff = [k for k in keys if k in saved and list_or(saved[k]) != list_or(cur[k])]
+        diff = [k for k in keys if k in saved and _plain(saved[k]) != _plain(cur[k])]
         if diff:
             what = ", ".join(f"{k} {saved[k]!r} (now {cur[k]!r})" for k in diff)
             init = f"; it was started with --init {saved['init']}" if saved.get("init") != cur.get("init") else ""
@@ -645,8 +649,8 @@ class _Accumulator:
         return out
 
 
-def list_or(v):
-    """Tuples and lists compare equal (JSON round trips turn tuples into lists)."""
+def _plain(v):
+    """Tuples as lists, so that values compare equal across a JSON round trip."""
     return list(v) if isinstance(v, (list, tuple)) else v
 
 
@@ -662,8 +666,8 @@ def _upgrade_to_dflash2(model: DraftModel, cfg: TrainConfig) -> DraftModel:
     d = model.config.to_dict()
     d["architectures"] = ["DFlash2DraftModel"]
     d["dflash_config"].update(
-        conv_kernel_size=2, conv_group_size=16, selector_rank=cfg.selector_rank or 32,
-        selector_top_k=cfg.selector_top_k or 16,
+        conv_kernel_size=2, conv_group_size=16, selector_rank=cfg.selector_rank or NEW_DRAFTER["selector_rank"],
+        selector_top_k=cfg.selector_top_k or NEW_DRAFTER["selector_top_k"],
     )
     new = DraftModel(DrafterConfig.from_dict(d))
     new.init_weights(cfg.seed)

@@ -22,7 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mlx_dflash2.loading import load_target, make_proposer
+from mlx_dflash2.loading import default_min_confidence, load_target, make_proposer
 from mlx_dflash2.speculative import SpecStats, speculative_generate_step
 
 PROMPTS = {
@@ -87,6 +87,9 @@ def main(argv=None):
     ap.add_argument("--prompts", default=",".join(PROMPTS), help="comma-separated subset of " + ",".join(PROMPTS))
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--dequantize", action="store_true")
+    ap.add_argument("--min-confidence", default="auto",
+                    help="drafters: dynamic draft length (DFlashProposer min_confidence; 0 = full blocks; auto = "
+                    "the product's default for this device); a comma-separated list runs each value")
     ap.add_argument("--out", default="benchmarks/results/generate.json")
     ap.add_argument("--replot", default=None, metavar="JSON", help="only redraw the plot of a saved run")
     args = ap.parse_args(argv)
@@ -120,10 +123,11 @@ def main(argv=None):
                 f"{r['spec_tps']:>10.2f} {r['speedup']:>7.2f}x {r['tau']:>6.2f} {'yes' if r['identical'] else 'NO'}")
 
     rows = []
-    jobs = [(p, d) for p in prompts for d in drafters]
-    for pname, dname in tqdm(jobs, desc="benchmark", file=sys.stderr):
+    confs = [default_min_confidence() if c == "auto" else float(c) for c in args.min_confidence.split(",")]
+    jobs = [(p, d, c) for p in prompts for d in drafters for c in (confs if d not in ("lookup", "none") else [0.0])]
+    for pname, dname, conf in tqdm(jobs, desc="benchmark", file=sys.stderr):
         ids = tok.apply_chat_template([{"role": "user", "content": prompts[pname]}], add_generation_prompt=True)
-        proposer = make_proposer(dname, target, tok, name, dequantize=args.dequantize)
+        proposer = make_proposer(dname, target, tok, name, dequantize=args.dequantize, min_confidence=conf)
         B = args.block_size or (proposer.block_size if proposer else 1)
         plain_tps, spec_tps, taus = [], [], []
         run_once(target, ids, None, 1, 8)  # warm-up
@@ -140,8 +144,9 @@ def main(argv=None):
             {
                 "prompt": pname,
                 # a drafter directory is named too: two checkpoints of one architecture stay apart
-                "drafter": ss.drafter if dname in ("lookup", "none", "shipped", "init", "auto")
-                else f"{ss.drafter} ({Path(dname).name})",
+                "drafter": (ss.drafter if dname in ("lookup", "none", "shipped", "init", "auto")
+                            else f"{ss.drafter} ({Path(dname).name})") + (f" c={conf:g}" if conf else ""),
+                "min_confidence": conf,
                 "block_size": B,
                 "tokens": len(out),
                 "identical": out == ref,

@@ -15,7 +15,7 @@ from typing import Generator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 
-from .loading import SpeculativeModel, load, make_proposer
+from .loading import SpeculativeModel, make_proposer
 from .speculative import GenerationState, SpecStats, speculative_generate_step
 from .sampling import SamplingParams
 from .verify import make_verifier

@@ -13,7 +13,7 @@ import sys
 
 from .api import GenerationResponse, _consume, generate, stream_generate
 from .sampling import SamplingParams
-from .loading import load
+from .loading import draft_confidence_arg, load
 
 __all__ = ["main", "generate", "stream_generate", "GenerationResponse"]
 
@@ -33,6 +33,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    "(the trained DFlash2 drafter shipped for the embedded target) or 'auto' (lookup until the shipped "
                    "drafter is measured faster than plain decoding). Default: auto")
     p.add_argument("--no-lookup", action="store_true", help="do not fuse lookup proposals with the drafter's")
+    p.add_argument("--draft-confidence", type=draft_confidence_arg, default=None, metavar="C",
+                   help="dynamic draft length: keep the drafter's tokens while their cumulative confidence is >= C "
+                   "(0 = full blocks; default 0.05 on CPU, 0 on GPU)")
     p.add_argument("--prompt", "-p", default="Hello!", help="the prompt ('-' reads stdin)")
     p.add_argument("--system", default=None, help="system prompt (chat template)")
     p.add_argument("--max-tokens", "-m", type=int, default=256, help="maximum tokens to generate")
@@ -86,6 +89,7 @@ def main(argv=None) -> int:
             dequantize=args.dequantize,
             block_size=args.block_size,
             lookup=not args.no_lookup,
+            draft_confidence=args.draft_confidence,
         )
         prompt = _build_prompt(args, tokenizer)
         responses = stream_generate(

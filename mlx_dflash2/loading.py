@@ -181,6 +181,36 @@ def auto_selects_shipped(path: Path) -> bool:
         return False
 
 
+CPU_MIN_CONFIDENCE = 0.05
+
+
+def default_min_confidence() -> float:
+    """The drafter's dynamic-draft-length threshold for the default device.
+
+    ``0.05`` on MLX's CPU backend, where a verify's cost grows with its width:
+    the shipped SmolLM2 drafter went from 0.72-1.06x to 0.86-1.12x of plain
+    decoding (chat/code/math, dense float32, 2 cores). ``0`` (full blocks) on
+    GPUs: on the H200 the cut's extra host synchronisation cost more than the
+    shorter verify saved (code 1.17x -> 0.90x, math 0.97x -> 0.76x;
+    ``benchmarks/README.md``, session 6). No Apple-GPU measurement exists.
+    """
+    return CPU_MIN_CONFIDENCE if mx.default_device() == mx.cpu else 0.0
+
+
+def draft_confidence_arg(text: str) -> float:
+    """argparse type of ``--draft-confidence`` (generate, server): a float in ``[0, 1)``.
+
+    Raises:
+        argparse.ArgumentTypeError: outside ``[0, 1)``.
+    """
+    import argparse
+
+    v = float(text)
+    if not 0.0 <= v < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {v}")
+    return v
+
+
 def make_proposer(
     drafter,
     target: TargetAdapter,
@@ -191,6 +221,7 @@ def make_proposer(
     drafter_dtype: mx.Dtype | None = None,
     dequantize: bool = False,
     seed: int = 0,
+    min_confidence: float | None = None,
 ) -> Proposer | None:
     """Build the proposer for ``drafter``.
 
@@ -203,6 +234,9 @@ def make_proposer(
         dequantize: expand a quantized drafter's linear layers to dense weights
             (as ``--dequantize`` does for the target; on MLX's CPU backend a
             quantized matmul costs time linear in its rows).
+        min_confidence: dynamic draft length of the drafter (see
+            :class:`~.proposers.DFlashProposer`; 0 = always the full block;
+            ``None``: :func:`default_min_confidence`).
 
     Raises:
         FileNotFoundError, DrafterConfigError, DrafterLoadError: bad drafter.
@@ -227,7 +261,9 @@ def make_proposer(
         model = load_drafter(drafter, target, tokenizer, dtype=drafter_dtype or _default_dtype())
     if dequantize:
         model = dequantize_drafter(model)
-    p = DFlashProposer(model, target, valid_vocab=len(tokenizer))
+    if min_confidence is None:
+        min_confidence = default_min_confidence()
+    p = DFlashProposer(model, target, valid_vocab=len(tokenizer), min_confidence=min_confidence)
     return FusedProposer(p, LookupProposer(block_size=p.block_size)) if lookup else p
 
 
@@ -239,6 +275,7 @@ def load(
     dequantize: bool = False,
     block_size: int | None = None,
     lookup: bool = True,
+    draft_confidence: float | None = None,
 ):
     """Load a target and its drafter (mirrors ``mlx_lm.load``).
 
@@ -249,12 +286,19 @@ def load(
             quantized drafter, :func:`make_proposer`).
         block_size: default block size (default: the drafter's; lookup 8).
         lookup: fuse lookup drafting with a DFlash drafter.
+        draft_confidence: the drafter's dynamic draft length (``min_confidence``
+            of :func:`make_proposer`; ``None``: :func:`default_min_confidence`).
 
     Returns:
         ``(SpeculativeModel, TokenizerWrapper)``.
+
+    Raises:
+        ValueError: a bad block size or ``draft_confidence`` outside ``[0, 1)``;
+            and what :func:`load_target` and :func:`make_proposer` raise.
     """
     target, tokenizer, name = load_target(path_or_hf_repo, dtype=dtype, dequantize=dequantize)
-    proposer = make_proposer(drafter, target, tokenizer, name, lookup=lookup, dequantize=dequantize)
+    proposer = make_proposer(drafter, target, tokenizer, name, lookup=lookup, dequantize=dequantize,
+                             min_confidence=draft_confidence)
     B = block_size if block_size is not None else (proposer.block_size if proposer else 1)
     if int(B) < 1:
         raise ValueError(f"block size must be >= 1, got {B}")

@@ -14,6 +14,8 @@ DFlash2 selector's realised row, spec §5.7 and §6.1).
 
 from __future__ import annotations
 
+import math
+import warnings
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -113,9 +115,21 @@ class DFlashProposer(Proposer):
         target: the :class:`~.target.TargetAdapter` (embedding + LM head shared).
         valid_vocab: ids ``>=`` this are never proposed (tokenizer size;
             padded embedding rows are masked before top-k/argmax).
+        min_confidence: dynamic draft length. ``0`` (default) always drafts
+            the ``n`` slots asked for; ``c > 0`` keeps only the leading slots
+            whose cumulative drafter confidence (product of the drafter's
+            softmax probability of each drafted token) is ``>= c``, at least
+            one. A verify of fewer tokens is cheaper where its cost grows with
+            its width (MLX CPU, CUDA at small targets: ``benchmarks/profile_round.py``).
+            Lossless: the cut depends on the drafter's own state only
+            (adaptive draft length, e.g. SpecDec++, arXiv 2405.19715); it
+            costs one host synchronisation per round.
     """
 
-    def __init__(self, model: DraftModel, target, valid_vocab: int):
+    def __init__(self, model: DraftModel, target, valid_vocab: int, min_confidence: float = 0.0):
+        if not 0.0 <= min_confidence < 1.0:
+            raise ValueError(f"min_confidence must be in [0, 1), got {min_confidence}")
+        self.min_confidence = float(min_confidence)
         self.model = model
         self.target = target
         cfg = model.config
@@ -127,6 +141,7 @@ class DFlashProposer(Proposer):
             limit = min(limit, cfg.vocab_size)
         self.valid_vocab = limit
         self._invalid = None
+        self._warned_block = False  # one warning per drafter for a block size past the trained one
         if limit < target.vocab_rows:
             self._invalid = mx.arange(target.vocab_rows) >= limit
 
@@ -162,6 +177,13 @@ class _DFlashSession(ProposerSession):
             return Proposal.empty()
         p, model = self.p, self.p.model
         cfg = model.config
+        if n + 1 > self.block_size and not p._warned_block:
+            p._warned_block = True
+            warnings.warn(
+                f"block size {n + 1} exceeds the drafter's trained block size {self.block_size}: output stays "
+                "lossless, but slots past the trained block are rarely accepted and cost verify time",
+                stacklevel=3,
+            )
         B = max(self.block_size, n + 1)
         block = mx.array([anchor] + [cfg.mask_token_id] * (B - 1), dtype=mx.int32)
         emb = p.target.embed(block)[None]
@@ -173,16 +195,34 @@ class _DFlashSession(ProposerSession):
             unary = mx.where(p._invalid, mx.array(-mx.inf, unary.dtype), unary)
         if cfg.is_dflash2:
             out = model.candidate_selector.walk(unary, h, mx.array(anchor, dtype=mx.int32), temperature, key)
-            return Proposal(out.tokens, out.cand_ids if out.q is not None else None, out.q)
-        if temperature > 0:
+            prop = Proposal(out.tokens, out.cand_ids if out.q is not None else None, out.q)
+        elif temperature > 0:
             # v1 sampled draft: per-slot sample from the top-K truncated softmax (a valid q, spec §6.3)
             K = 16
             cand = mx.argpartition(-unary, K - 1, axis=-1)[:, :K].astype(mx.int32)
             logits = mx.take_along_axis(unary, cand, axis=-1).astype(mx.float32) / temperature
             q = mx.softmax(logits, axis=-1)
             idx = mx.random.categorical(logits, key=key)
-            return Proposal(mx.take_along_axis(cand, idx[:, None], axis=-1)[:, 0], cand, q)
-        return Proposal(mx.argmax(unary, axis=-1).astype(mx.int32))
+            prop = Proposal(mx.take_along_axis(cand, idx[:, None], axis=-1)[:, 0], cand, q)
+        else:
+            prop = Proposal(mx.argmax(unary, axis=-1).astype(mx.int32))
+        if p.min_confidence > 0 and n > 1:
+            prop = _cut(prop, unary, p.min_confidence)
+        return prop
+
+
+def _cut(prop: Proposal, unary: mx.array, min_confidence: float) -> Proposal:
+    """The leading slots of ``prop`` whose cumulative confidence (product of the
+    unary softmax probabilities of the drafted tokens) is ``>= min_confidence``
+    (at least one); one host synchronisation."""
+    logp = mx.take_along_axis(unary.astype(mx.float32), prop.tokens[:, None], axis=-1)[:, 0]
+    logp = logp - mx.logsumexp(unary.astype(mx.float32), axis=-1)
+    keep = max(1, int(mx.sum(mx.cumsum(logp) >= math.log(min_confidence)).item()))
+    if keep >= prop.n:
+        return prop
+    if prop.q is None:
+        return Proposal(prop.tokens[:keep])
+    return Proposal(prop.tokens[:keep], prop.cand_ids[:keep], prop.q[:keep])
 
 
 # ----------------------------------------------------------------------------
@@ -237,8 +277,9 @@ class FusedProposer(Proposer):
     On the drafter's slots the lookup wins if its match is ``>= long_match``
     tokens, or ``>= short_match`` and the drafter agrees on the first two
     slots; lookup tokens are point-mass proposals, the drafter's keep their
-    own ``q``. The decision that needs the drafter's tokens is taken on the
-    device (``mx.where``), so fusion adds no host synchronisation.
+    own ``q``. A long match that fills the block skips the drafter forward;
+    the decision that needs the drafter's tokens is taken on the device
+    (``mx.where``), so fusion adds no host synchronisation.
     """
 
     def __init__(self, drafter: DFlashProposer, lookup: LookupProposer, long_match: int = 8, short_match: int = 6):
@@ -271,10 +312,14 @@ class _FusedSession(ProposerSession):
         return _FusedSession(self.p, self.d.clone(), self.l.clone())
 
     def propose(self, anchor, n, temperature=0.0, key=None):
-        dp = self.d.propose(anchor, n, temperature, key)
         m, lt = self.l.match(anchor, n)
+        if m >= self.p.long_match and len(lt) >= n > 0:
+            # the lookup wins and fills every slot, known on the host: no drafter forward at all
+            return Proposal(mx.array(lt[:n], dtype=mx.int32))
+        dp = self.d.propose(anchor, n, temperature, key)
         if m < self.p.short_match or not lt or dp.n == 0:
             return dp
+        lt = lt[: dp.n]  # the drafter may have cut its draft short (min_confidence)
         k = len(lt)
         lookup_tokens = mx.concatenate([mx.array(lt, dtype=mx.int32), dp.tokens[k:]])
         if m >= self.p.long_match:

@@ -44,12 +44,14 @@ class _Fixed(Proposer):
 
     def __init__(self, toks):
         self.toks = toks
+        self.calls = 0
 
     def start(self, prompt):
         p = self
 
         class S(ProposerSession):
             def propose(self, anchor, n, temperature=0.0, key=None):
+                p.calls += 1
                 return Proposal(mx.array(p.toks[:n], dtype=mx.int32))
 
         return S()
@@ -62,6 +64,7 @@ def test_fusion_rule():
     s = fp.start([])
     s.extend(hist, None)
     assert s.propose(8, 4).tokens.tolist() == [9, 10, 11, 12]
+    assert fp.drafter.calls == 0  # the match fills the block: the drafter is not run at all
     # 6-token match: lookup wins only if the drafter agrees on the first two slots
     hist = [9, 9, 1, 2, 3, 4, 5, 6, 40, 41, 42, 0, 1, 2, 3, 4, 5]
     for drafter_toks, want in [([40, 41, 77], [40, 41, 42]), ([40, 99, 77], [40, 99, 77])]:

@@ -221,3 +221,51 @@ def test_shipped_trained_drafter_f32_identical(smol_f32, refs, shipped, name, B)
     out = run(target, ids, shipped, B, 48, stats)
     assert out == ref[:48]
     assert stats.tau > 1.2, stats.tau
+
+
+def test_block_past_trained_size_warns_once_and_stays_lossless(smol_f32, refs, fresh_dflash2):
+    """B = 24 with a drafter trained at B = 16: one warning for the drafter, output still identical."""
+    import warnings
+
+    target, tok = smol_f32
+    ids, ref = refs["code"]
+    prop = DFlashProposer(fresh_dflash2, target, len(tok))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            assert run(target, ids, prop, 24, 40) == ref[:40]
+    msgs = [str(w.message) for w in caught if "trained block size" in str(w.message)]
+    assert len(msgs) == 1 and "block size 24" in msgs[0], msgs
+
+
+@pytest.mark.parametrize("conf", [0.05, 0.5])
+def test_dynamic_draft_length_f32_identical(smol_f32, refs, fresh_dflash2, conf):
+    """min_confidence cuts drafts short (a fresh drafter is rarely confident): still token-identical."""
+    target, tok = smol_f32
+    ids, ref = refs["math"]
+    prop = FusedProposer(DFlashProposer(fresh_dflash2, target, len(tok), min_confidence=conf),
+                         LookupProposer(block_size=16))
+    stats = SpecStats()
+    assert run(target, ids, prop, 16, 30, stats) == ref[:30]
+    assert 0 < stats.drafted < stats.rounds * 15  # some blocks were cut
+
+
+def test_dynamic_draft_length_is_a_prefix(smol_f32, fresh_dflash2):
+    """The cut keeps a prefix of the full proposal (same key), with its own q rows intact."""
+    target, tok = smol_f32
+    ids = chat_ids(tok, PROMPTS["chat"])
+    full, cut = (DFlashProposer(fresh_dflash2, target, len(tok), min_confidence=c) for c in (0.0, 0.3))
+    sessions = []
+    for p in (full, cut):
+        s = p.start(ids)
+        s.extend(ids, target.forward(mx.array(ids, mx.int32), target.make_cache(), p.tap_ids).features)
+        sessions.append(s)
+    for temp in (0.0, 0.8):
+        a = sessions[0].propose(ids[-1], 15, temp, mx.random.key(7))
+        b = sessions[1].propose(ids[-1], 15, temp, mx.random.key(7))
+        assert 1 <= b.n < a.n == 15
+        assert b.tokens.tolist() == a.tokens[: b.n].tolist()
+        if temp > 0:
+            assert mx.allclose(b.q, a.q[: b.n]).item() and b.cand_ids.tolist() == a.cand_ids[: b.n].tolist()
+    with pytest.raises(ValueError, match="min_confidence"):
+        DFlashProposer(fresh_dflash2, target, len(tok), min_confidence=1.0)

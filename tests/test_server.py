@@ -368,7 +368,7 @@ def _stream_once(url, prompt, max_tokens, block_size=None):
     if block_size:
         body["num_draft_tokens"] = block_size
     t0 = time.perf_counter()
-    text, n, first = "", 0, None
+    text, first = "", None
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as r:
         assert r.status_code == 200
         for line in r.iter_lines():

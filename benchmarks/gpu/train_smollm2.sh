@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The recipe of the SmolLM2-135M-Instruct drafters (none shipped yet: benchmarks/README.md), run on the
-# lent H200 (MLX CUDA backend).
+# The recipe of the SmolLM2-135M-Instruct drafters (session 5's ships in the package; benchmarks/README.md),
+# run on the lent H200 (MLX CUDA backend).
 # Stages (one device call each, back to back; the machine keeps $WORK while warm):
 #   setup | data TARBALL... | regen SECONDS | train ARCH OUTNAME (SECONDS | steps:N) | eval RUN... | bench RUN|DIR |
-#   quantize NAME | bg NAME STAGE ARGS... (detached; outlives the call) | wait SECONDS NAME... | pack NAME PATH...
+#   quantize NAME | bg NAME STAGE ARGS... [--then STAGE ARGS...] (detached chain; outlives the call) |
+#   wait SECONDS NAME... | pack NAME PATH...
 # Env: SKIP (regen: prompts answered by earlier runs), TEMPS (regen temperatures), PROMPTS (regen prompt
 # file), REGEN_INTO (where regen's shards are added; default $WORK/responses), INIT (train: drafter to
 # continue from), DATA (train: responses dir; default $WORK/responses), TRAIN_ARGS (more `fit` flags, e.g.
@@ -105,9 +106,11 @@ quantize)
   $PY -m convert "$W/runs/$1/drafter" "$W/runs/$1-q4/drafter" --from drafter --q-bits 4
   ;;
 bg)
-  # bg NAME STAGE ARGS...: run a stage detached from this device call, from a snapshot of the checkout in
-  # $W/src (each call replaces the checkout), logging to $W/bg-NAME.log; it outlives the call while the
-  # machine stays warm. A train stage that fails within 120 s while TRAIN_ARGS has --compile is
+  # bg NAME STAGE ARGS... [--then STAGE ARGS...]...: run stages one after the other, detached from this
+  # device call, from a snapshot of the checkout in $W/src (each call replaces the checkout), logging to
+  # $W/bg-NAME.log; it outlives the call while the machine stays warm, and stops at the first stage that
+  # fails. A chain (e.g. train --then quantize --then eval --then bench) keeps the GPU busy without a
+  # device call per stage. A train stage that fails within 120 s while TRAIN_ARGS has --compile is
   # retried once without it. One MLX process on the GPU at a time: two side by side both crashed
   # ("illegal memory access", session 5) or ran out of memory (session 4), so bg refuses to start
   # while another bg stage is alive.
@@ -115,19 +118,28 @@ bg)
   for f in "$W"/bg-*.pid; do
     [ -e "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null && { echo "bg: $(basename "$f" .pid) is still running" >&2; exit 2; }
   done
+  segs=(); cur=""
+  for a in "$@"; do
+    if [ "$a" = "--then" ]; then segs+=("$cur"); cur=""; else cur+="${cur:+ }$(printf '%q' "$a")"; fi
+  done
+  segs+=("$cur")
+  for sg in "${segs[@]}"; do [ -n "$sg" ] || { echo "bg: an empty stage in the chain" >&2; exit 2; }; done
   rm -rf "$W/src" && mkdir -p "$W/src" && tar -cf - --exclude=./.gpu --exclude=./.cache . | tar -xf - -C "$W/src"
-  cat > "$W/bg-$name.sh" <<EOS
-t0=\$(date +%s)
-bash "$W/src/benchmarks/gpu/train_smollm2.sh" $* && exit 0
-if [ "$1" = train ] && [[ " \${TRAIN_ARGS:-} " == *" --compile "* ]] && [ \$((\$(date +%s) - t0)) -lt 120 ]; then
-  echo "retrying without the compiled step"
-  TRAIN_ARGS="\${TRAIN_ARGS//--compile/}" bash "$W/src/benchmarks/gpu/train_smollm2.sh" $* && exit 0
-fi
-exit 1
-EOS
+  {
+    echo "run() {"
+    echo "  t0=\$(date +%s)"
+    echo "  bash \"$W/src/benchmarks/gpu/train_smollm2.sh\" \"\$@\" && return 0"
+    echo "  if [ \"\$1\" = train ] && [[ \" \${TRAIN_ARGS:-} \" == *\" --compile \"* ]] && [ \$((\$(date +%s) - t0)) -lt 120 ]; then"
+    echo "    echo 'retrying without the compiled step'"
+    echo "    TRAIN_ARGS=\"\${TRAIN_ARGS//--compile/}\" bash \"$W/src/benchmarks/gpu/train_smollm2.sh\" \"\$@\" && return 0"
+    echo "  fi"
+    echo "  return 1"
+    echo "}"
+    for sg in "${segs[@]}"; do printf 'echo %q\nrun %s || exit 1\n' "== stage: $sg ($(date -u +%H:%M:%S) queued)" "$sg"; done
+  } > "$W/bg-$name.sh"
   export OUT="$W/out-$name" EXPORT="${EXPORT:-$W/export}"; mkdir -p "$OUT" "$EXPORT"  # the call's $OUT is emptied
   setsid nohup bash "$W/bg-$name.sh" > "$W/bg-$name.log" 2>&1 < /dev/null &
-  echo $! > "$W/bg-$name.pid"; echo "started $name (pid $(cat "$W/bg-$name.pid"))"
+  echo $! > "$W/bg-$name.pid"; echo "started $name (pid $(cat "$W/bg-$name.pid")): ${#segs[@]} stage(s)"
   ;;
 wait)
   # wait SECONDS NAME...: until the named background stages have ended or SECONDS have passed; log tails

@@ -14,6 +14,8 @@ import re
 import sys
 from pathlib import Path
 
+from ..loading import draft_confidence_arg
+
 __all__ = ["main", "setup_arg_parser", "build_app"]
 
 
@@ -62,6 +64,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    "(the trained DFlash2 drafter shipped for the embedded target) or 'auto' (lookup until the shipped "
                    "drafter is measured faster than plain decoding). Default: auto")
     p.add_argument("--no-lookup", action="store_true", help="do not fuse lookup proposals with the drafter's")
+    p.add_argument("--draft-confidence", type=draft_confidence_arg, default=None, metavar="C",
+                   help="dynamic draft length: keep the drafter's tokens while their cumulative confidence is >= C "
+                   "(0 = full blocks; default 0.05 on CPU, 0 on GPU)")
     p.add_argument("--block-size", "--num-draft-tokens", type=_positive, default=None,
                    help="block size B (verify width; 1 = no drafting); default the drafter's")
     p.add_argument("--host", default="127.0.0.1", help="host to listen on (default: 127.0.0.1)")
@@ -117,6 +122,7 @@ def build_app(args: argparse.Namespace, model=None, tokenizer=None):
             dequantize=args.dequantize,
             block_size=args.block_size,
             lookup=not args.no_lookup,
+            draft_confidence=args.draft_confidence,
         )
     if args.chat_template:
         template = args.chat_template

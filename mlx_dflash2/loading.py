@@ -72,7 +72,11 @@ def _resolve_local(path_or_repo: str) -> Path:
             try:
                 return Path(snapshot_download(path_or_repo))
             except Exception as e:
-                raise ModelNotFoundError(f"cannot resolve {path_or_repo!r} locally or on the hub: {e}") from e
+                why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__  # hub errors run long
+                raise ModelNotFoundError(
+                    f"{path_or_repo!r} is not a local file or directory, not in the Hugging Face cache, and could not "
+                    f"be downloaded ({why})"
+                ) from e
     raise ModelNotFoundError(f"model not found: {path_or_repo!r} (not a file, directory or hub id)")
 
 

@@ -204,3 +204,18 @@ def test_shipped_drafter_dequantized_and_counted(smol_f32):
     r = subprocess.run([sys.executable, "-m", "mlx_dflash2.drafter", "info", "shipped"], capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0 and "parameters: 19.67M" in r.stdout, r.stderr
+
+
+def test_unresolvable_hub_id_is_one_clear_line(monkeypatch):
+    """A hub id that is neither cached nor downloadable: one line naming the id and the first line of the cause."""
+    import huggingface_hub
+
+    def fail(repo, local_files_only=False, **kw):
+        raise OSError("no network\nAn error happened while trying to locate the files on the Hub, and ...")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fail)
+    with pytest.raises(ModelNotFoundError) as e:
+        load_target("someorg/missing")
+    msg = str(e.value)
+    assert "'someorg/missing'" in msg and "(no network)" in msg and "\n" not in msg

@@ -3,7 +3,9 @@
 One round (DFlash2 spec §2.2, §2.4, §5.7):
 
 1. **draft**: the request's proposer session proposes ``d_1..d_n`` after the
-   anchor (``n <= B - 1``, shrunk near ``max_tokens`` and the context limit);
+   anchor (``n <= B - 1``, shrunk near ``max_tokens`` and the context limit,
+   and by the drafter's dynamic draft length if it has one: one more host
+   synchronisation);
 2. **verify**: one target forward over ``[anchor, d_1..d_n]`` (appends
    ``n + 1`` rows to the target KV cache, taps on);
 3. **accept**: the verifier returns ``a`` and the emitted tokens (one host

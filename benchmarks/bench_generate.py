@@ -22,7 +22,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mlx_dflash2.loading import default_min_confidence, load_target, make_proposer
+from mlx_dflash2.loading import check_confidence, default_min_confidence, load_target, make_proposer
+from mlx_dflash2.proposers import DFlashProposer, FusedProposer
 from mlx_dflash2.speculative import SpecStats, speculative_generate_step
 
 PROMPTS = {
@@ -35,6 +36,20 @@ PROMPTS = {
         "the lamp for the passing ships."
     ),
 }
+
+
+def _confidences(text: str) -> list:
+    """``--min-confidence``: comma-separated ``auto`` or numbers in ``[0, 1)``."""
+    out = []
+    for c in text.split(","):
+        if c.strip() == "auto":
+            out.append("auto")
+            continue
+        try:
+            out.append(check_confidence(float(c), "--min-confidence"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"each value must be 'auto' or a number in [0, 1), got {c!r}") from None
+    return out
 
 
 def run_once(target, ids, proposer, block_size, max_tokens):
@@ -87,7 +102,7 @@ def main(argv=None):
     ap.add_argument("--prompts", default=",".join(PROMPTS), help="comma-separated subset of " + ",".join(PROMPTS))
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--dequantize", action="store_true")
-    ap.add_argument("--min-confidence", default="auto",
+    ap.add_argument("--min-confidence", default="auto", type=_confidences,
                     help="drafters: dynamic draft length (DFlashProposer min_confidence; 0 = full blocks; auto = "
                     "the product's default for this device); a comma-separated list runs each value")
     ap.add_argument("--out", default="benchmarks/results/generate.json")
@@ -123,11 +138,16 @@ def main(argv=None):
                 f"{r['spec_tps']:>10.2f} {r['speedup']:>7.2f}x {r['tau']:>6.2f} {'yes' if r['identical'] else 'NO'}")
 
     rows = []
-    confs = [default_min_confidence() if c == "auto" else float(c) for c in args.min_confidence.split(",")]
-    jobs = [(p, d, c) for p in prompts for d in drafters for c in (confs if d not in ("lookup", "none") else [0.0])]
+    confs = [default_min_confidence() if c == "auto" else c for c in args.min_confidence]
+    jobs = [(p, d, c) for p in prompts for d in drafters for c in confs]
     for pname, dname, conf in tqdm(jobs, desc="benchmark", file=sys.stderr):
         ids = tok.apply_chat_template([{"role": "user", "content": prompts[pname]}], add_generation_prompt=True)
         proposer = make_proposer(dname, target, tok, name, dequantize=args.dequantize, min_confidence=conf)
+        drafts = isinstance(proposer, (DFlashProposer, FusedProposer))
+        if not drafts:  # lookup / plain: the threshold does not apply, run them once
+            if conf != confs[0]:
+                continue
+            conf = 0.0
         B = args.block_size or (proposer.block_size if proposer else 1)
         plain_tps, spec_tps, taus = [], [], []
         run_once(target, ids, None, 1, 8)  # warm-up

@@ -18,8 +18,9 @@ target and drafter in one run:
     scripts/run python benchmarks/profile_round.py --drafter shipped
     python benchmarks/profile_round.py --model X.gguf --drafter DIR --out results/profile-gpu.json
 
-The sum of the pieces exceeds a round (each piece pays its own synchronisation);
-the point is the ratios: a round costs ``propose + target L=B`` against a plain
+Each piece is timed on its own, with its own synchronisation, so the pieces
+need not add up to a round (on a noisy host a round has read more than their
+sum); the point is the ratios: a round costs ``propose + target L=B`` against a plain
 step's ``target L=1``, so speculative decoding wins only when
 ``tau > (propose + verify) / plain step``.
 """
@@ -60,13 +61,17 @@ def main(argv=None):
     ap.add_argument("--drafter", default="shipped")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--dequantize", action="store_true")
+    ap.add_argument("--draft-confidence", type=float, default=0.0,
+                    help="the drafter's dynamic draft length for propose/round (default 0: full blocks, so a round "
+                    "verifies B tokens)")
     ap.add_argument("--context", type=int, default=256, help="tokens of context before the block")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
     target, tok, name = load_target(args.model, dtype=args.dtype, dequantize=args.dequantize)
-    proposer = make_proposer(args.drafter, target, tok, name, dequantize=args.dequantize)
+    proposer = make_proposer(args.drafter, target, tok, name, dequantize=args.dequantize,
+                             min_confidence=args.draft_confidence)
     dp = proposer.drafter if isinstance(proposer, FusedProposer) else proposer
     B = dp.block_size
     tap_ids = dp.tap_ids
@@ -175,7 +180,8 @@ def main(argv=None):
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         meta = {"target": Path(str(name)).name, "device": str(mx.default_device()), "block_size": B,
-                "context": P, "dequantize": args.dequantize, "dtype": args.dtype, "drafter": args.drafter}
+                "context": P, "dequantize": args.dequantize, "dtype": args.dtype, "drafter": args.drafter,
+                "draft_confidence": args.draft_confidence}
         Path(args.out).write_text(json.dumps({"meta": meta, "ms": r}, indent=2) + "\n")
 
 

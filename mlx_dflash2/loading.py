@@ -192,27 +192,41 @@ def default_min_confidence() -> float:
     """The drafter's dynamic-draft-length threshold for the default device.
 
     ``0.05`` on MLX's CPU backend, where a verify's cost grows with its width:
-    the shipped SmolLM2 drafter went from 0.72-1.06x to 0.86-1.12x of plain
-    decoding (chat/code/math, dense float32, 2 cores). ``0`` (full blocks) on
-    GPUs: on the H200 the cut's extra host synchronisation cost more than the
-    shorter verify saved (code 1.17x -> 0.90x, math 0.97x -> 0.76x;
-    ``benchmarks/README.md``, session 6). No Apple-GPU measurement exists.
+    the shipped SmolLM2 drafter went from 0.71 / 0.92 / 1.06 / 1.16x to
+    0.81 / 1.04 / 1.21 / 1.24x of plain decoding (chat / code / math / repeat,
+    dense float32, 2 cores). ``0`` (full blocks) on GPUs: a first H200
+    measurement showed no gain (code 1.17x -> 0.90x, math 0.97x -> 0.76x, chat
+    0.67x -> 0.78x, within that host's noise; ``benchmarks/README.md``,
+    session 6). No Apple-GPU measurement exists.
     """
     return CPU_MIN_CONFIDENCE if mx.default_device() == mx.cpu else 0.0
+
+
+def check_confidence(value, name: str = "draft_confidence") -> float | None:
+    """Validate a dynamic-draft-length threshold: ``None`` or a number in ``[0, 1)``.
+
+    Raises:
+        ValueError: anything else (named ``name``).
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) < 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
+    return float(value)
 
 
 def draft_confidence_arg(text: str) -> float:
     """argparse type of ``--draft-confidence`` (generate, server): a float in ``[0, 1)``.
 
     Raises:
-        argparse.ArgumentTypeError: outside ``[0, 1)``.
+        argparse.ArgumentTypeError: not a number in ``[0, 1)``.
     """
     import argparse
 
-    v = float(text)
-    if not 0.0 <= v < 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {v}")
-    return v
+    try:
+        return check_confidence(float(text), "--draft-confidence")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text!r}") from None
 
 
 def make_proposer(
@@ -265,6 +279,7 @@ def make_proposer(
         model = load_drafter(drafter, target, tokenizer, dtype=drafter_dtype or _default_dtype())
     if dequantize:
         model = dequantize_drafter(model)
+    min_confidence = check_confidence(min_confidence, "min_confidence")
     if min_confidence is None:
         min_confidence = default_min_confidence()
     p = DFlashProposer(model, target, valid_vocab=len(tokenizer), min_confidence=min_confidence)
@@ -300,6 +315,7 @@ def load(
         ValueError: a bad block size or ``draft_confidence`` outside ``[0, 1)``;
             and what :func:`load_target` and :func:`make_proposer` raise.
     """
+    draft_confidence = check_confidence(draft_confidence)  # before the (slow) loading
     target, tokenizer, name = load_target(path_or_hf_repo, dtype=dtype, dequantize=dequantize)
     proposer = make_proposer(drafter, target, tokenizer, name, lookup=lookup, dequantize=dequantize,
                              min_confidence=draft_confidence)

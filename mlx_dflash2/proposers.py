@@ -14,14 +14,16 @@ DFlash2 selector's realised row, spec §5.7 and §6.1).
 
 from __future__ import annotations
 
+import logging
 import math
-import warnings
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from .drafter.model import DraftContext, DraftModel
 from .lookup import SuffixIndex
+
+logger = logging.getLogger("mlx_dflash2")
 
 __all__ = [
     "Proposal",
@@ -30,6 +32,7 @@ __all__ = [
     "DFlashProposer",
     "LookupProposer",
     "FusedProposer",
+    "confident_length",
 ]
 
 
@@ -97,6 +100,7 @@ class Proposer:
     block_size: int = 1
     tap_ids: tuple[int, ...] = ()
     name: str = "none"
+    min_confidence: float = 0.0  # dynamic draft length (DFlashProposer); 0 = full blocks
 
     def start(self, prompt: list[int]) -> ProposerSession:
         return ProposerSession()
@@ -116,12 +120,13 @@ class DFlashProposer(Proposer):
         valid_vocab: ids ``>=`` this are never proposed (tokenizer size;
             padded embedding rows are masked before top-k/argmax).
         min_confidence: dynamic draft length. ``0`` (default) always drafts
-            the ``n`` slots asked for; ``c > 0`` keeps only the leading slots
-            whose cumulative drafter confidence (product of the drafter's
-            softmax probability of each drafted token) is ``>= c``, at least
-            one. A verify of fewer tokens is cheaper where its cost grows with
-            its width (MLX CPU, CUDA at small targets: ``benchmarks/profile_round.py``).
-            Lossless: the cut depends on the drafter's own state only
+            the ``n`` slots asked for; ``c > 0`` stops after the first slot
+            at which the drafter's cumulative confidence (product of its
+            softmax probabilities of the drafted tokens so far) falls below
+            ``c`` (:func:`confident_length`). A verify of fewer tokens is
+            cheaper where its cost grows with its width (MLX CPU:
+            ``benchmarks/profile_round.py``). Lossless, greedy and sampled:
+            whether a slot is verified depends only on the slots before it
             (adaptive draft length, e.g. SpecDec++, arXiv 2405.19715); it
             costs one host synchronisation per round.
     """
@@ -179,10 +184,9 @@ class _DFlashSession(ProposerSession):
         cfg = model.config
         if n + 1 > self.block_size and not p._warned_block:
             p._warned_block = True
-            warnings.warn(
-                f"block size {n + 1} exceeds the drafter's trained block size {self.block_size}: output stays "
-                "lossless, but slots past the trained block are rarely accepted and cost verify time",
-                stacklevel=3,
+            logger.warning(
+                "block size %d exceeds the drafter's trained block size %d: output stays lossless, but slots "
+                "past the trained block are rarely accepted and cost verify time", n + 1, self.block_size
             )
         B = max(self.block_size, n + 1)
         block = mx.array([anchor] + [cfg.mask_token_id] * (B - 1), dtype=mx.int32)
@@ -211,13 +215,35 @@ class _DFlashSession(ProposerSession):
         return prop
 
 
+def confident_length(logq: mx.array, min_confidence: float) -> mx.array:
+    """How many drafted slots the dynamic draft length keeps.
+
+    Slot 1 is always kept; slot ``i > 1`` is kept while the drafter's
+    cumulative confidence in the slots *before* it, ``prod_{j<i} q_j(d_j)``,
+    is ``>= min_confidence``. Whether slot ``i`` is verified thus depends only
+    on ``d_1..d_{i-1}``, never on ``d_i`` itself, so a kept ``d_i`` is still
+    distributed as ``q_i`` and rejection sampling stays exact (a rule that
+    also looked at ``d_i`` would favour confident tokens and bias sampled
+    output).
+
+    Args:
+        logq: float ``[..., n]`` log-confidence of each drafted token.
+        min_confidence: the threshold ``c`` in ``(0, 1)``.
+
+    Returns:
+        int32 ``[...]`` kept lengths in ``1..n``.
+    """
+    prefix = mx.cumsum(logq, axis=-1)[..., :-1]  # log prod_{j<=i} for i = 1..n-1: gates slot i+1
+    return (1 + mx.sum(prefix >= math.log(min_confidence), axis=-1)).astype(mx.int32)
+
+
 def _cut(prop: Proposal, unary: mx.array, min_confidence: float) -> Proposal:
-    """The leading slots of ``prop`` whose cumulative confidence (product of the
-    unary softmax probabilities of the drafted tokens) is ``>= min_confidence``
-    (at least one); one host synchronisation."""
-    logp = mx.take_along_axis(unary.astype(mx.float32), prop.tokens[:, None], axis=-1)[:, 0]
-    logp = logp - mx.logsumexp(unary.astype(mx.float32), axis=-1)
-    keep = max(1, int(mx.sum(mx.cumsum(logp) >= math.log(min_confidence)).item()))
+    """``prop`` cut to :func:`confident_length` slots, the confidence of a slot
+    being the unary softmax probability of its drafted token; one host
+    synchronisation."""
+    u = unary.astype(mx.float32)
+    logq = mx.take_along_axis(u, prop.tokens[:, None], axis=-1)[:, 0] - mx.logsumexp(u, axis=-1)
+    keep = int(confident_length(logq, min_confidence).item())
     if keep >= prop.n:
         return prop
     if prop.q is None:
@@ -287,6 +313,7 @@ class FusedProposer(Proposer):
         self.block_size = drafter.block_size
         self.tap_ids = drafter.tap_ids
         self.name = f"{drafter.name}+lookup"
+        self.min_confidence = drafter.min_confidence
         self.long_match, self.short_match = long_match, short_match
 
     def start(self, prompt):

@@ -52,6 +52,7 @@ class SpecStats:
 
     drafter: str = "none"
     block_size: int = 1
+    draft_confidence: float = 0.0
     prompt_tokens: int = 0
     cached_tokens: int = 0
     generated_tokens: int = 0
@@ -108,7 +109,9 @@ class SpecStats:
         lines = [
             f"Prompt: {self.prompt_tokens} tokens, {self.prefill_tps:.2f} tokens-per-sec",
             f"Generation: {self.generated_tokens} tokens, {self.decode_tps:.2f} tokens-per-sec",
-            f"Drafter: {self.drafter}, block size {self.block_size}; rounds {self.rounds}, "
+            f"Drafter: {self.drafter}, block size {self.block_size}"
+            + (f" (dynamic draft length, confidence {self.draft_confidence:g})" if self.draft_confidence else "")
+            + f"; rounds {self.rounds}, "
             f"acceptance length tau {self.tau:.2f} tokens/target forward",
         ]
         if self.drafted:
@@ -239,6 +242,7 @@ def speculative_generate_step(
         raise ValueError(f"prompt of {len(prompt)} tokens does not fit the target's context of {limit} tokens")
     stats = stats if stats is not None else SpecStats()
     stats.drafter, stats.block_size, stats.prompt_tokens = proposer.name, B, len(prompt)
+    stats.draft_confidence = proposer.min_confidence
     tap_ids = tuple(proposer.tap_ids)
     reuse = 0
     if state is not None and state.cache is not None and state.proposer is proposer and state.tokens:

@@ -219,3 +219,22 @@ def test_unresolvable_hub_id_is_one_clear_line(monkeypatch):
         load_target("someorg/missing")
     msg = str(e.value)
     assert "'someorg/missing'" in msg and "(no network)" in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("bad", ["abc", "0.3", 1.0, -0.1, True, float("nan")])
+def test_bad_draft_confidence_is_refused_before_loading(bad):
+    """load(draft_confidence=...) names the field and refuses before loading anything (any drafter)."""
+    from mlx_dflash2 import load
+
+    with pytest.raises(ValueError, match="draft_confidence must be a number in"):
+        load("/nonexistent/model", drafter="none", draft_confidence=bad)
+
+
+@pytest.mark.parametrize("prog", ["mlx_dflash2.generate", "mlx_dflash2.server"])
+def test_bad_draft_confidence_flag(prog, capsys):
+    import importlib
+
+    main = importlib.import_module(prog + (".cli" if prog.endswith("server") else "")).main
+    with pytest.raises(SystemExit) as e:
+        main(["--draft-confidence", "abc"])
+    assert e.value.code == 2 and "--draft-confidence: must be a number in [0, 1)" in capsys.readouterr().err

@@ -223,18 +223,15 @@ def test_shipped_trained_drafter_f32_identical(smol_f32, refs, shipped, name, B)
     assert stats.tau > 1.2, stats.tau
 
 
-def test_block_past_trained_size_warns_once_and_stays_lossless(smol_f32, refs, fresh_dflash2):
-    """B = 24 with a drafter trained at B = 16: one warning for the drafter, output still identical."""
-    import warnings
-
+def test_block_past_trained_size_warns_once_and_stays_lossless(smol_f32, refs, fresh_dflash2, caplog):
+    """B = 24 with a drafter trained at B = 16: one logged warning for the drafter, output still identical."""
     target, tok = smol_f32
     ids, ref = refs["code"]
     prop = DFlashProposer(fresh_dflash2, target, len(tok))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with caplog.at_level("WARNING", logger="mlx_dflash2"):
         for _ in range(2):
             assert run(target, ids, prop, 24, 40) == ref[:40]
-    msgs = [str(w.message) for w in caught if "trained block size" in str(w.message)]
+    msgs = [r.getMessage() for r in caplog.records if "trained block size" in r.getMessage()]
     assert len(msgs) == 1 and "block size 24" in msgs[0], msgs
 
 

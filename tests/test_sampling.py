@@ -18,7 +18,7 @@ import mlx_dflash2
 from conftest import chat_ids, plain_reference
 from mlx_dflash2.drafter import init_drafter
 from mlx_dflash2.loading import SpeculativeModel
-from mlx_dflash2.proposers import DFlashProposer, FusedProposer, LookupProposer
+from mlx_dflash2.proposers import DFlashProposer, FusedProposer, LookupProposer, confident_length
 from mlx_dflash2.sampling import SamplingParams, rejection_sample, sparse_to_dense, target_probs
 
 Z_1E4 = 3.719  # upper 1e-4 quantile of N(0, 1)
@@ -104,6 +104,52 @@ def test_q_disjoint_from_p(synthetic_p):
 
 def test_point_mass_drafts(synthetic_p):
     _check_chain(synthetic_p, None)
+
+
+def _cut_chain(p, q1, length_fn, T=200_000, seed=0):
+    """Drafts from ``q1`` cut per trial to ``length_fn(logq)`` slots, then rejection-sampled: the
+    emitted tokens at every position reached, pooled over the cut lengths."""
+    n, V = q1.shape
+    kq, kv = mx.random.split(mx.random.key(seed))
+    drafts = mx.random.categorical(mx.log(q1)[None], shape=(T, n), key=kq).astype(mx.int32)
+    logq = mx.log(mx.take_along_axis(mx.broadcast_to(q1[None], (T, n, V)), drafts[..., None], axis=-1)[..., 0])
+    lengths = np.array(confident_length(logq, 0.5) if length_fn is None else length_fn(logq))
+    drafts = np.array(drafts)
+    emitted = [[] for _ in range(n + 1)]
+    for ln in range(1, n + 1):
+        sel = np.where(lengths == ln)[0]
+        if len(sel) == 0:
+            continue
+        kv, k = mx.random.split(kv)
+        m = len(sel)
+        a, toks = rejection_sample(mx.broadcast_to(p[None, : ln + 1], (m, ln + 1, V)), mx.array(drafts[sel, :ln]),
+                                   mx.broadcast_to(q1[None, :ln], (m, ln, V)), k)
+        a, toks = np.array(a), np.array(toks)
+        for i in range(ln + 1):
+            emitted[i].append(toks[a >= i, i])
+    return [np.concatenate(e) if e else np.zeros(0, dtype=np.int64) for e in emitted], lengths
+
+
+def test_dynamic_draft_length_keeps_sampling_exact(synthetic_p):
+    """Drafts cut by confident_length: every emitted position keeps the target's p (the rule gating slot i
+    never looks at d_i). Peaked drafts that disagree with p make a biased rule fail by a wide margin."""
+    n, V = synthetic_p.shape[0] - 1, synthetic_p.shape[1]
+    q1 = np.full((n, V), 0.1 / (V - 1), dtype=np.float32)
+    for r, pr in zip(q1, np.array(synthetic_p[:-1])):
+        r[np.argmax(pr)] = 0.9  # confident drafts: slot i+1 is kept when d_1..d_i are the 0.9 tokens
+    q1 /= q1.sum(-1, keepdims=True)
+    emitted, lengths = _cut_chain(synthetic_p, mx.array(q1), None)
+    assert 1 < len(np.unique(lengths))  # the cut happened at several lengths
+    for i, toks in enumerate(emitted):
+        if len(toks) > 2000:
+            assert_distribution(np.bincount(toks, minlength=V), np.array(synthetic_p[i]), f"position {i}")
+    # the rule this replaces (slot i kept when the product *including* d_i is >= c) is biased
+    def biased(logq):
+        return mx.maximum(1, mx.sum(mx.cumsum(logq, axis=-1) >= math.log(0.5), axis=-1))
+
+    emitted, _ = _cut_chain(synthetic_p, mx.array(q1), biased)
+    stat, df = chi2_stat(np.bincount(emitted[1], minlength=V).astype(np.float64), np.array(synthetic_p[1]))
+    assert stat > 10 * chi2_crit(df)
 
 
 def test_filters_match_mlx_lm_sampler():

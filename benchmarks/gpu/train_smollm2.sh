@@ -116,15 +116,20 @@ bg)
   # while another bg stage is alive.
   name=$1; shift
   for f in "$W"/bg-*.pid; do
-    [ -e "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null && { echo "bg: $(basename "$f" .pid) is still running" >&2; exit 2; }
+    [ -e "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null && { n=$(basename "$f" .pid); echo "bg: ${n#bg-} is still running" >&2; exit 2; }
   done
   segs=(); cur=""
   for a in "$@"; do
     if [ "$a" = "--then" ]; then segs+=("$cur"); cur=""; else cur+="${cur:+ }$(printf '%q' "$a")"; fi
   done
   segs+=("$cur")
-  for sg in "${segs[@]}"; do [ -n "$sg" ] || { echo "bg: an empty stage in the chain" >&2; exit 2; }; done
-  rm -rf "$W/src" && mkdir -p "$W/src" && tar -cf - --exclude=./.gpu --exclude=./.cache . | tar -xf - -C "$W/src"
+  for sg in "${segs[@]}"; do
+    [ -n "$sg" ] || { echo "bg: an empty stage in the chain" >&2; exit 2; }
+    case "${sg%% *}" in setup|data|regen|train|eval|bench|quantize) ;; *) echo "bg: unknown stage '${sg%% *}'" >&2; exit 2;; esac
+  done
+  rm -rf "$W/src" && mkdir -p "$W/src"
+  tar -cf - --exclude=./.gpu --exclude=./.cache --exclude=./.venv . | tar -xf - -C "$W/src"
+  rm -f "$W/bg-$name.rc"
   {
     echo "run() {"
     echo "  t0=\$(date +%s)"
@@ -135,25 +140,37 @@ bg)
     echo "  fi"
     echo "  return 1"
     echo "}"
-    for sg in "${segs[@]}"; do printf 'echo %q\nrun %s || exit 1\n' "== stage: $sg ($(date -u +%H:%M:%S) queued)" "$sg"; done
+    for sg in "${segs[@]}"; do
+      printf 'echo %q; date -u +%%T\n' "== stage: $sg"
+      printf 'run %s || { rc=$?; echo %q; echo "$rc" > %q; exit "$rc"; }\n' "$sg" \
+        "== stage failed: $sg (the chain stopped here)" "$W/bg-$name.rc"
+    done
+    printf 'echo 0 > %q\n' "$W/bg-$name.rc"
   } > "$W/bg-$name.sh"
   export OUT="$W/out-$name" EXPORT="${EXPORT:-$W/export}"; mkdir -p "$OUT" "$EXPORT"  # the call's $OUT is emptied
+  case "$PY" in */*) PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")";; esac  # the snapshot has no .venv
+  export PY MODEL
   setsid nohup bash "$W/bg-$name.sh" > "$W/bg-$name.log" 2>&1 < /dev/null &
   echo $! > "$W/bg-$name.pid"; echo "started $name (pid $(cat "$W/bg-$name.pid")): ${#segs[@]} stage(s)"
   ;;
 wait)
   # wait SECONDS NAME...: until the named background stages have ended or SECONDS have passed; log tails
-  limit=$1; shift; t0=$(date +%s)
+  # (exit status 1 when a named chain failed or does not exist; 0 while running or when all stages are done)
+  limit=$1; shift; t0=$(date +%s); ok=0
   while :; do
-    alive=0; for n in "$@"; do kill -0 "$(cat "$W/bg-$n.pid")" 2>/dev/null && alive=1; done
+    alive=0; for n in "$@"; do [ -e "$W/bg-$n.pid" ] && kill -0 "$(cat "$W/bg-$n.pid")" 2>/dev/null && alive=1; done
     [ $alive = 0 ] && break
     [ $(( $(date +%s) - t0 )) -ge "$limit" ] && break
     sleep 5
   done
   for n in "$@"; do
-    st=running; kill -0 "$(cat "$W/bg-$n.pid")" 2>/dev/null || st=ended
+    if [ ! -e "$W/bg-$n.pid" ]; then echo "== $n (no such background chain)"; ok=1; continue; fi
+    if kill -0 "$(cat "$W/bg-$n.pid")" 2>/dev/null; then st=running
+    elif [ "$(cat "$W/bg-$n.rc" 2>/dev/null)" = 0 ]; then st="ended: all stages done"
+    else st="ended: FAILED (rc $(cat "$W/bg-$n.rc" 2>/dev/null || echo unknown))"; ok=1; fi
     echo "== $n ($st)"; tail -c 1500 "$W/bg-$n.log" | tr '\r' '\n' | tail -n 6
   done
+  exit $ok
   ;;
 pack)
   # pack NAME PATH...: PATHs (relative to $W) as a tarball in parts of 15 MB under $OUT/NAME.tar.part*

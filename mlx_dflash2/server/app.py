@@ -278,6 +278,7 @@ def create_app(engine: Engine, settings: Optional[ServerSettings] = None) -> Fas
         return {
             "drafter": s["drafter"],
             "block_size": s["block_size"],
+            "draft_confidence": s.get("draft_confidence", 0.0),
             "acceptance_length": round(s["tau"], 4),
             "rounds": s["rounds"],
             "drafted_tokens": s["drafted"],

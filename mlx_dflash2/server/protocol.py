@@ -246,6 +246,7 @@ class SpeculativeStats(BaseModel):
 
     drafter: str
     block_size: int
+    draft_confidence: float = Field(0.0, description="the drafter's dynamic draft length threshold (0: full blocks)")
     acceptance_length: float = Field(description="tau: tokens emitted per target forward (verify round)")
     rounds: int
     drafted_tokens: int

@@ -300,12 +300,12 @@ class _LookupSession(ProposerSession):
 class FusedProposer(Proposer):
     """Drafter proposals fused with lookup (rule of the community patch, spec §5.10).
 
-    On the drafter's slots the lookup wins if its match is ``>= long_match``
-    tokens, or ``>= short_match`` and the drafter agrees on the first two
-    slots; lookup tokens are point-mass proposals, the drafter's keep their
-    own ``q``. A long match that fills the block skips the drafter forward;
-    the decision that needs the drafter's tokens is taken on the device
-    (``mx.where``), so fusion adds no host synchronisation.
+    The lookup wins if its match is ``>= long_match`` tokens (decided on the
+    host: point-mass proposals, no drafter forward), or, for greedy drafts,
+    ``>= short_match`` tokens and the drafter agrees on the first two slots
+    (decided on the device with ``mx.where``: no host synchronisation).
+    Sampled drafts never take the short-match rule: choosing between
+    proposals by the sampled tokens themselves would bias rejection sampling.
     """
 
     def __init__(self, drafter: DFlashProposer, lookup: LookupProposer, long_match: int = 8, short_match: int = 6):
@@ -340,24 +340,17 @@ class _FusedSession(ProposerSession):
 
     def propose(self, anchor, n, temperature=0.0, key=None):
         m, lt = self.l.match(anchor, n)
-        if m >= self.p.long_match and len(lt) >= n > 0:
-            # the lookup wins and fills every slot, known on the host: no drafter forward at all
+        if m >= self.p.long_match and lt:
+            # the lookup wins, known on the host: point masses, and no drafter forward at all
             return Proposal(mx.array(lt[:n], dtype=mx.int32))
         dp = self.d.propose(anchor, n, temperature, key)
-        if m < self.p.short_match or not lt or dp.n == 0:
+        if m < self.p.short_match or not lt or dp.n == 0 or dp.q is not None:
+            # A sampled draft keeps its own tokens: taking the lookup's tokens *because* the sampled
+            # ones agree with them would make the proposal differ from the q the verifier is given
+            # (emitting a lookup token d_1 = l_1 would have probability p(1 - r(1 - q(l_1))) instead
+            # of p, r = P(d_2 = l_2 | d_1 = l_1)): biased sampling.
             return dp
         lt = lt[: dp.n]  # the drafter may have cut its draft short (min_confidence)
-        k = len(lt)
-        lookup_tokens = mx.concatenate([mx.array(lt, dtype=mx.int32), dp.tokens[k:]])
-        if m >= self.p.long_match:
-            use = mx.array(True)
-        else:
-            use = mx.all(dp.tokens[:2] == lookup_tokens[:2])
-        tokens = mx.where(use, lookup_tokens, dp.tokens)
-        if dp.q is None:
-            return Proposal(tokens)
-        # sampled drafter: lookup slots become one-hot sparse rows of the same width
-        K = dp.q.shape[1]
-        cand_l = mx.concatenate([mx.array(lt, dtype=mx.int32)[:, None] * mx.ones((1, K), mx.int32), dp.cand_ids[k:]])
-        q_l = mx.concatenate([mx.zeros((k, K)).at[:, 0].add(1.0), dp.q[k:]])
-        return Proposal(tokens, mx.where(use, cand_l, dp.cand_ids), mx.where(use, q_l, dp.q))
+        lookup_tokens = mx.concatenate([mx.array(lt, dtype=mx.int32), dp.tokens[len(lt) :]])
+        use = mx.all(dp.tokens[:2] == lookup_tokens[:2])
+        return Proposal(mx.where(use, lookup_tokens, dp.tokens))

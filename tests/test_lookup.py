@@ -85,3 +85,32 @@ def test_truncate_reindexes():
     idx.truncate(4)
     assert idx.tokens == [1, 2, 3, 1]
     assert idx.propose([2], 2) == (2, [3, 1])
+
+
+def test_fusion_keeps_sampled_drafts_on_a_short_match():
+    """A sampled draft (q given) is never swapped for lookup tokens by the agree-on-two rule (it would bias
+    rejection sampling); a long match still wins (decided on the host, independent of the draft)."""
+
+    class _Sampled(_Fixed):
+        def start(self, prompt):
+            p = self
+
+            class S(ProposerSession):
+                def propose(self, anchor, n, temperature=0.0, key=None):
+                    p.calls += 1
+                    toks = mx.array(p.toks[:n], dtype=mx.int32)
+                    return Proposal(toks, toks[:, None], mx.ones((n, 1)))
+
+            return S()
+
+    hist = [9, 9, 1, 2, 3, 4, 5, 6, 40, 41, 42, 0, 1, 2, 3, 4, 5]  # 6-token match, drafter agrees
+    fp = FusedProposer(_Sampled([40, 41, 77]), LookupProposer())
+    s = fp.start([])
+    s.extend(hist, None)
+    assert s.propose(6, 3, temperature=0.8).tokens.tolist() == [40, 41, 77]
+    hist = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 0, 1, 2, 3, 4, 5, 6, 7]  # 8-token match
+    fp = FusedProposer(_Sampled([50, 51, 52, 53]), LookupProposer())
+    s = fp.start([])
+    s.extend(hist, None)
+    prop = s.propose(8, 4, temperature=0.8)
+    assert prop.tokens.tolist() == [9, 10, 11, 12] and prop.q is None and fp.drafter.calls == 0

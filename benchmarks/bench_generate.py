@@ -22,8 +22,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mlx_dflash2.loading import check_confidence, default_min_confidence, load_target, make_proposer
-from mlx_dflash2.proposers import DFlashProposer, FusedProposer
+from mlx_dflash2.loading import default_min_confidence, load_target, make_proposer
+from mlx_dflash2.proposers import DFlashProposer, FusedProposer, check_confidence
 from mlx_dflash2.speculative import SpecStats, speculative_generate_step
 
 PROMPTS = {

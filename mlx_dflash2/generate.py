@@ -13,7 +13,7 @@ import sys
 
 from .api import GenerationResponse, _consume, generate, stream_generate
 from .sampling import SamplingParams
-from .loading import draft_confidence_arg, load
+from .loading import DRAFT_CONFIDENCE_HELP, DRAFTER_HELP, draft_confidence_arg, load
 
 __all__ = ["main", "generate", "stream_generate", "GenerationResponse"]
 
@@ -28,14 +28,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", default=None, help="target: a GGUF file, an mlx-lm directory or hub id "
                    "(default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--drafter", "--draft-model", default="auto",
-                   help="drafter checkpoint directory, 'lookup', 'none', 'init' (fresh DFlash2), 'shipped' "
-                   "(the trained DFlash2 drafter shipped for the embedded target) or 'auto' (lookup until the shipped "
-                   "drafter is measured faster than plain decoding). Default: auto")
+    p.add_argument("--drafter", "--draft-model", default="auto", help=DRAFTER_HELP)
     p.add_argument("--no-lookup", action="store_true", help="do not fuse lookup proposals with the drafter's")
     p.add_argument("--draft-confidence", type=draft_confidence_arg, default=None, metavar="C",
-                   help="dynamic draft length: keep the drafter's tokens while their cumulative confidence is >= C "
-                   "(0 = full blocks; default 0.05 on CPU, 0 on GPU)")
+                   help=DRAFT_CONFIDENCE_HELP)
     p.add_argument("--prompt", "-p", default="Hello!", help="the prompt ('-' reads stdin)")
     p.add_argument("--system", default=None, help="system prompt (chat template)")
     p.add_argument("--max-tokens", "-m", type=int, default=256, help="maximum tokens to generate")

@@ -21,7 +21,7 @@ import mlx.core as mx
 from . import assets
 from .drafter.io import dequantize_drafter, init_drafter, load_drafter
 from .drafter.model import DraftModel
-from .proposers import DFlashProposer, FusedProposer, LookupProposer, Proposer
+from .proposers import DFlashProposer, FusedProposer, LookupProposer, Proposer, check_confidence
 from .target import TargetAdapter
 
 __all__ = ["SpeculativeModel", "load", "load_target", "make_proposer", "ModelNotFoundError"]
@@ -202,21 +202,20 @@ def default_min_confidence() -> float:
     return CPU_MIN_CONFIDENCE if mx.default_device() == mx.cpu else 0.0
 
 
-def check_confidence(value, name: str = "draft_confidence") -> float | None:
-    """Validate a dynamic-draft-length threshold: ``None`` or a number in ``[0, 1)``.
-
-    Raises:
-        ValueError: anything else (named ``name``).
-    """
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) < 1.0:
-        raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
-    return float(value)
+DRAFTER_HELP = (
+    "drafter checkpoint directory, 'lookup', 'none', 'init' (fresh DFlash2), 'shipped' (the trained DFlash2 "
+    "drafter shipped for the embedded target) or 'auto' (lookup until the shipped drafter is measured faster "
+    "than plain decoding). Default: auto"
+)
+DRAFT_CONFIDENCE_HELP = (
+    "dynamic draft length: stop a draft once the drafter's cumulative confidence falls below C "
+    "(0 = full blocks; default 0.05 on CPU, 0 on GPU)"
+)
 
 
 def draft_confidence_arg(text: str) -> float:
-    """argparse type of ``--draft-confidence`` (generate, server): a float in ``[0, 1)``.
+    """argparse type of ``--draft-confidence`` (generate, server; help text
+    :data:`DRAFT_CONFIDENCE_HELP`): a float in ``[0, 1)``.
 
     Raises:
         argparse.ArgumentTypeError: not a number in ``[0, 1)``.

@@ -33,7 +33,21 @@ __all__ = [
     "LookupProposer",
     "FusedProposer",
     "confident_length",
+    "check_confidence",
 ]
+
+
+def check_confidence(value, name: str = "draft_confidence") -> float | None:
+    """Validate a dynamic-draft-length threshold: ``None`` or a number in ``[0, 1)``.
+
+    Raises:
+        ValueError: anything else (named ``name``).
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) < 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
+    return float(value)
 
 
 @dataclass
@@ -132,9 +146,7 @@ class DFlashProposer(Proposer):
     """
 
     def __init__(self, model: DraftModel, target, valid_vocab: int, min_confidence: float = 0.0):
-        if not 0.0 <= min_confidence < 1.0:
-            raise ValueError(f"min_confidence must be in [0, 1), got {min_confidence}")
-        self.min_confidence = float(min_confidence)
+        self.min_confidence = check_confidence(min_confidence, "min_confidence") or 0.0
         self.model = model
         self.target = target
         cfg = model.config

@@ -14,7 +14,7 @@ import re
 import sys
 from pathlib import Path
 
-from ..loading import draft_confidence_arg
+from ..loading import DRAFT_CONFIDENCE_HELP, DRAFTER_HELP, draft_confidence_arg
 
 __all__ = ["main", "setup_arg_parser", "build_app"]
 
@@ -59,14 +59,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", default=None, help="target: a GGUF file, an mlx-lm directory or hub id "
                    "(default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--drafter", "--draft-model", default="auto",
-                   help="drafter checkpoint directory, 'lookup', 'none', 'init', 'shipped' "
-                   "(the trained DFlash2 drafter shipped for the embedded target) or 'auto' (lookup until the shipped "
-                   "drafter is measured faster than plain decoding). Default: auto")
+    p.add_argument("--drafter", "--draft-model", default="auto", help=DRAFTER_HELP)
     p.add_argument("--no-lookup", action="store_true", help="do not fuse lookup proposals with the drafter's")
     p.add_argument("--draft-confidence", type=draft_confidence_arg, default=None, metavar="C",
-                   help="dynamic draft length: keep the drafter's tokens while their cumulative confidence is >= C "
-                   "(0 = full blocks; default 0.05 on CPU, 0 on GPU)")
+                   help=DRAFT_CONFIDENCE_HELP)
     p.add_argument("--block-size", "--num-draft-tokens", type=_positive, default=None,
                    help="block size B (verify width; 1 = no drafting); default the drafter's")
     p.add_argument("--host", default="127.0.0.1", help="host to listen on (default: 127.0.0.1)")

@@ -225,6 +225,8 @@ def stream_generate(
         block_size=B,
         draft_temperature=params.temp,
         draft_key=draft_key if not params.greedy else None,
+        # a seeded sampled run repeats token for token only if its rounds do: no timing-based schedule
+        adaptive=params.greedy or seed is None,
         max_tokens=max_tokens,
         prefill_step_size=prefill_step_size,
         stats=stats,

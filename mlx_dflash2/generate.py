@@ -13,7 +13,7 @@ import sys
 
 from .api import GenerationResponse, _consume, generate, stream_generate
 from .sampling import SamplingParams
-from .loading import DRAFT_CONFIDENCE_HELP, DRAFTER_HELP, draft_confidence_arg, load
+from .loading import ADAPTIVE_HELP, DRAFT_CONFIDENCE_HELP, DRAFTER_HELP, draft_confidence_arg, load
 
 __all__ = ["main", "generate", "stream_generate", "GenerationResponse"]
 
@@ -32,6 +32,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-lookup", action="store_true", help="do not fuse lookup proposals with the drafter's")
     p.add_argument("--draft-confidence", type=draft_confidence_arg, default=None, metavar="C",
                    help=DRAFT_CONFIDENCE_HELP)
+    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None, help=ADAPTIVE_HELP)
     p.add_argument("--prompt", "-p", default="Hello!", help="the prompt ('-' reads stdin)")
     p.add_argument("--system", default=None, help="system prompt (chat template)")
     p.add_argument("--max-tokens", "-m", type=int, default=256, help="maximum tokens to generate")
@@ -86,6 +87,7 @@ def main(argv=None) -> int:
             block_size=args.block_size,
             lookup=not args.no_lookup,
             draft_confidence=args.draft_confidence,
+            adaptive=args.adaptive,
         )
         prompt = _build_prompt(args, tokenizer)
         responses = stream_generate(

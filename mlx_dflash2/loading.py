@@ -5,13 +5,13 @@ Targets: the embedded SmolLM2-135M-Instruct (default), any GGUF file
 ``mlx_lm.load``; hub ids resolve offline when cached). Drafters: a checkpoint
 directory, ``lookup`` (no weights), ``none``, ``init`` (a fresh DFlash2
 drafter, e.g. for tests), ``shipped`` (the trained DFlash2 drafter shipped for the
-embedded target) or ``auto`` (the shipped drafter once it is measured faster than
-plain decoding, else lookup).
+embedded target) or ``auto`` (the shipped drafter fused with lookup under the
+adaptive schedule, :class:`~.proposers.AdaptiveSchedule`; lookup alone for a
+target without a shipped drafter).
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +21,7 @@ import mlx.core as mx
 from . import assets
 from .drafter.io import dequantize_drafter, init_drafter, load_drafter
 from .drafter.model import DraftModel
-from .proposers import DFlashProposer, FusedProposer, LookupProposer, Proposer, check_confidence
+from .proposers import AdaptiveSchedule, DFlashProposer, FusedProposer, LookupProposer, Proposer, check_confidence
 from .target import TargetAdapter
 
 __all__ = ["SpeculativeModel", "load", "load_target", "make_proposer", "ModelNotFoundError"]
@@ -172,19 +172,6 @@ def resolve_shipped(spec, target_name: str):
     return path
 
 
-def auto_selects_shipped(path: Path) -> bool:
-    """Whether ``--drafter auto`` uses the shipped drafter at ``path``.
-
-    Its ``shipped.json`` records how it was measured; ``"auto": true`` only once
-    it decodes faster than plain decoding (``benchmarks/``). Until then ``auto``
-    means lookup drafting and the drafter is used by name (``--drafter shipped``).
-    """
-    try:
-        return bool(json.loads((path / "shipped.json").read_text()).get("auto", False))
-    except (OSError, ValueError):
-        return False
-
-
 CPU_MIN_CONFIDENCE = 0.05
 
 
@@ -204,12 +191,16 @@ def default_min_confidence() -> float:
 
 DRAFTER_HELP = (
     "drafter checkpoint directory, 'lookup', 'none', 'init' (fresh DFlash2), 'shipped' (the trained DFlash2 "
-    "drafter shipped for the embedded target) or 'auto' (lookup until the shipped drafter is measured faster "
-    "than plain decoding). Default: auto"
+    "drafter shipped for the embedded target) or 'auto' (the shipped drafter, drafting only in rounds where "
+    "it is measured to pay, else lookup/plain steps; lookup for other targets). Default: auto"
 )
 DRAFT_CONFIDENCE_HELP = (
     "dynamic draft length: stop a draft once the drafter's cumulative confidence falls below C "
     "(0 = full blocks; default 0.05 on CPU, 0 on GPU)"
+)
+ADAPTIVE_HELP = (
+    "schedule the drafter per round by measured tokens/second (draft only where it pays, else the lookup's "
+    "tokens or a plain step); the default for --drafter auto. Lossless either way"
 )
 
 
@@ -239,12 +230,13 @@ def make_proposer(
     dequantize: bool = False,
     seed: int = 0,
     min_confidence: float | None = None,
+    adaptive: bool | None = None,
 ) -> Proposer | None:
     """Build the proposer for ``drafter``.
 
     Args:
-        drafter: ``"auto"`` (the shipped drafter where :func:`auto_selects_shipped`,
-            else lookup), ``"shipped"`` (the DFlash2 drafter shipped for the
+        drafter: ``"auto"`` (the shipped drafter, adaptive; lookup for a target
+            without one), ``"shipped"`` (the DFlash2 drafter shipped for the
             target), ``"none"``, ``"lookup"``, ``"init"``, a checkpoint path, a
             :class:`~.drafter.model.DraftModel` or a :class:`Proposer`.
         lookup: fuse lookup proposals with the drafter's.
@@ -254,9 +246,13 @@ def make_proposer(
         min_confidence: dynamic draft length of the drafter (see
             :class:`~.proposers.DFlashProposer`; 0 = always the full block;
             ``None``: :func:`default_min_confidence`).
+        adaptive: schedule the fused drafter per round by measured throughput
+            (:class:`~.proposers.AdaptiveSchedule`); ``None``: only for
+            ``"auto"``. Needs ``lookup``.
 
     Raises:
         FileNotFoundError, DrafterConfigError, DrafterLoadError: bad drafter.
+        ValueError: ``adaptive`` without ``lookup``.
     """
     if isinstance(drafter, Proposer):
         return drafter
@@ -264,9 +260,13 @@ def make_proposer(
         return None
     if drafter == "lookup":
         return LookupProposer(block_size=DEFAULT_LOOKUP_BLOCK)
+    if adaptive is None:
+        adaptive = drafter == "auto" and lookup
+    if adaptive and not lookup:
+        raise ValueError("the adaptive schedule chooses between the drafter and lookup: it needs lookup on")
     if drafter == "auto":
         path = shipped_drafter_path(target_name)
-        if path is None or not auto_selects_shipped(path):
+        if path is None:
             return LookupProposer(block_size=DEFAULT_LOOKUP_BLOCK)
         drafter = path
     drafter = resolve_shipped(drafter, target_name)
@@ -282,7 +282,11 @@ def make_proposer(
     if min_confidence is None:
         min_confidence = default_min_confidence()
     p = DFlashProposer(model, target, valid_vocab=len(tokenizer), min_confidence=min_confidence)
-    return FusedProposer(p, LookupProposer(block_size=p.block_size)) if lookup else p
+    if not lookup:
+        return p
+    # the lookup's own block (DEFAULT_LOOKUP_BLOCK) caps the adaptive schedule's lookup-only rounds
+    return FusedProposer(p, LookupProposer(block_size=DEFAULT_LOOKUP_BLOCK),
+                         schedule=AdaptiveSchedule() if adaptive else None)
 
 
 def load(
@@ -294,6 +298,7 @@ def load(
     block_size: int | None = None,
     lookup: bool = True,
     draft_confidence: float | None = None,
+    adaptive: bool | None = None,
 ):
     """Load a target and its drafter (mirrors ``mlx_lm.load``).
 
@@ -306,6 +311,8 @@ def load(
         lookup: fuse lookup drafting with a DFlash drafter.
         draft_confidence: the drafter's dynamic draft length (``min_confidence``
             of :func:`make_proposer`; ``None``: :func:`default_min_confidence`).
+        adaptive: the adaptive schedule of a fused drafter (see
+            :func:`make_proposer`; ``None``: on for ``drafter="auto"``).
 
     Returns:
         ``(SpeculativeModel, TokenizerWrapper)``.
@@ -317,7 +324,7 @@ def load(
     draft_confidence = check_confidence(draft_confidence)  # before the (slow) loading
     target, tokenizer, name = load_target(path_or_hf_repo, dtype=dtype, dequantize=dequantize)
     proposer = make_proposer(drafter, target, tokenizer, name, lookup=lookup, dequantize=dequantize,
-                             min_confidence=draft_confidence)
+                             min_confidence=draft_confidence, adaptive=adaptive)
     B = block_size if block_size is not None else (proposer.block_size if proposer else 1)
     if int(B) < 1:
         raise ValueError(f"block size must be >= 1, got {B}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -32,6 +33,7 @@ __all__ = [
     "DFlashProposer",
     "LookupProposer",
     "FusedProposer",
+    "AdaptiveSchedule",
     "confident_length",
     "check_confidence",
 ]
@@ -59,11 +61,14 @@ class Proposal:
         cand_ids: int32 ``[n, K]`` ids where ``q`` is non-zero, or ``None``.
         q: float32 ``[n, K]`` probabilities over ``cand_ids``, or ``None`` for
             point masses on ``tokens``.
+        source: what made it, for the statistics: ``"drafter"`` (a drafter
+            forward ran), ``"lookup"`` (copied from the history) or ``""``.
     """
 
     tokens: mx.array
     cand_ids: mx.array | None = None
     q: mx.array | None = None
+    source: str = ""
 
     @property
     def n(self) -> int:
@@ -81,7 +86,13 @@ class Proposal:
 
 
 class ProposerSession:
-    """Per-request proposer state (base class: proposes nothing)."""
+    """Per-request proposer state (base class: proposes nothing).
+
+    ``adaptive``: whether a proposer's adaptive schedule may choose this
+    request's rounds (set by the loop; sessions without a schedule ignore it).
+    """
+
+    adaptive: bool = True
 
     def extend(self, tokens: list[int], features: mx.array | None) -> None:
         """Commit tokens (positions ``offset..``) and their tap features ``[len, k*D]``."""
@@ -89,6 +100,11 @@ class ProposerSession:
     def propose(self, anchor: int, n: int, temperature: float = 0.0, key: mx.array | None = None) -> Proposal:
         """Propose up to ``n`` tokens to follow ``anchor`` (not yet committed)."""
         return Proposal.empty()
+
+    def verified(self, tokens: int) -> None:
+        """The round proposed last has been verified and will emit ``tokens``
+        (accepted drafts + the correction/bonus token); called right after the
+        round's host synchronisation, before the tokens are handed out."""
 
     def state_arrays(self) -> list[mx.array]:
         """Arrays to evaluate together with the target cache (prefill)."""
@@ -211,7 +227,7 @@ class _DFlashSession(ProposerSession):
             unary = mx.where(p._invalid, mx.array(-mx.inf, unary.dtype), unary)
         if cfg.is_dflash2:
             out = model.candidate_selector.walk(unary, h, mx.array(anchor, dtype=mx.int32), temperature, key)
-            prop = Proposal(out.tokens, out.cand_ids if out.q is not None else None, out.q)
+            prop = Proposal(out.tokens, out.cand_ids if out.q is not None else None, out.q, "drafter")
         elif temperature > 0:
             # v1 sampled draft: per-slot sample from the top-K truncated softmax (a valid q, spec §6.3)
             K = 16
@@ -219,9 +235,9 @@ class _DFlashSession(ProposerSession):
             logits = mx.take_along_axis(unary, cand, axis=-1).astype(mx.float32) / temperature
             q = mx.softmax(logits, axis=-1)
             idx = mx.random.categorical(logits, key=key)
-            prop = Proposal(mx.take_along_axis(cand, idx[:, None], axis=-1)[:, 0], cand, q)
+            prop = Proposal(mx.take_along_axis(cand, idx[:, None], axis=-1)[:, 0], cand, q, "drafter")
         else:
-            prop = Proposal(mx.argmax(unary, axis=-1).astype(mx.int32))
+            prop = Proposal(mx.argmax(unary, axis=-1).astype(mx.int32), source="drafter")
         if p.min_confidence > 0 and n > 1:
             prop = _cut(prop, unary, p.min_confidence)
         return prop
@@ -259,8 +275,8 @@ def _cut(prop: Proposal, unary: mx.array, min_confidence: float) -> Proposal:
     if keep >= prop.n:
         return prop
     if prop.q is None:
-        return Proposal(prop.tokens[:keep])
-    return Proposal(prop.tokens[:keep], prop.cand_ids[:keep], prop.q[:keep])
+        return Proposal(prop.tokens[:keep], source=prop.source)
+    return Proposal(prop.tokens[:keep], prop.cand_ids[:keep], prop.q[:keep], prop.source)
 
 
 # ----------------------------------------------------------------------------
@@ -306,7 +322,100 @@ class _LookupSession(ProposerSession):
 
     def propose(self, anchor, n, temperature=0.0, key=None):
         _, toks = self.match(anchor, n)
-        return Proposal(mx.array(toks, dtype=mx.int32)) if toks else Proposal.empty()
+        return Proposal(mx.array(toks, dtype=mx.int32), source="lookup") if toks else Proposal.empty()
+
+
+class AdaptiveSchedule:
+    """Per-round choice between a drafter forward and a cheaper round, by measured throughput.
+
+    On a small target, or where a wide verify costs much more than a one-token
+    step (MLX's CPU backend, quantized matmuls on CPU), a drafter round can
+    emit fewer tokens per second than a lookup round or a plain step even at
+    a good acceptance length; on a large memory-bound target it wins by far.
+    This schedule measures instead of guessing: in each *context* (``"match"``:
+    the lookup has a short match; ``"none"``: it has none) it keeps an
+    exponential moving average of the tokens emitted and of the wall-clock
+    seconds of the rounds of each *arm* (``True``: draft with the drafter;
+    ``False``: the lookup's tokens, or a plain one-token step), and picks the
+    arm with the higher tokens/second. Every arm is tried ``min_samples`` times
+    first (after ``warmup`` discarded rounds, which carry kernel compilation);
+    after that, one decision in ``explore_every * r`` takes the other arm, ``r``
+    being how many times slower it measured (clamped to 1..4), so a change of
+    regime is noticed at a bounded cost. (Adaptive speculation in the spirit of
+    e.g. SpecDec++, arXiv 2405.19715, and "speculation is not always worth it"
+    cost models; the rule here is this package's.)
+
+    Lossless: the choice depends only on rounds already verified, never on
+    the draft it selects, so greedy output is unchanged and rejection sampling
+    stays exact. Timing-dependent: the sequence of rounds (not the greedy
+    output) can differ between runs, so a seeded sampled request drafts every
+    round instead (``speculative_generate_step(adaptive=False)``, which
+    ``stream_generate`` passes when ``seed`` is given with ``temp > 0``).
+
+    The statistics belong to the proposer, so they carry over between requests.
+
+    Args:
+        explore_every: decisions of a context between two exploratory ones when
+            both arms measure alike (>= 2).
+        decay: EMA decay per round, in ``(0, 1)``.
+        min_samples: measured rounds of each arm before choosing by rate.
+        warmup: first rounds of each (context, arm) not measured.
+        clock: seconds as a float (``time.perf_counter``; tests pass a fake).
+    """
+
+    def __init__(self, explore_every: int = 16, decay: float = 0.9, min_samples: int = 3, warmup: int = 1,
+                 clock=time.perf_counter):
+        if explore_every < 2 or not 0.0 < decay < 1.0 or min_samples < 1 or warmup < 0:
+            raise ValueError("explore_every >= 2, 0 < decay < 1, min_samples >= 1 and warmup >= 0 are required")
+        self.explore_every, self.decay, self.min_samples, self.warmup = explore_every, decay, min_samples, warmup
+        self.clock = clock
+        self._ema: dict[tuple[str, bool], list[float]] = {}  # (context, arm) -> [tokens, seconds]
+        self._seen: dict[tuple[str, bool], int] = {}
+        self._decisions: dict[str, int] = {}
+
+    def rate(self, context: str, arm: bool) -> float | None:
+        """Measured tokens per second of ``arm`` in ``context`` (``None``: not measured)."""
+        e = self._ema.get((context, arm))
+        return e[0] / e[1] if e and e[1] > 0 else None
+
+    def choose(self, context: str) -> bool:
+        """Whether the next round in ``context`` drafts with the drafter."""
+        for arm in (True, False):
+            if self._seen.get((context, arm), 0) < self.warmup + self.min_samples:
+                return arm
+        rd, ro = self.rate(context, True), self.rate(context, False)
+        if rd is None or ro is None:  # not measurable (a clock that did not advance): draft
+            return True
+        best = rd >= ro
+        # explore the other arm less often the worse it measured (at most 4x less often)
+        ratio = max(rd, ro) / max(min(rd, ro), 1e-12)
+        k = self._decisions[context] = self._decisions.get(context, 0) + 1
+        if k >= self.explore_every * min(ratio, 4.0):
+            self._decisions[context] = 0
+            return not best
+        return best
+
+    def record(self, context: str, arm: bool, tokens: int, seconds: float) -> None:
+        """One round of ``arm`` in ``context`` emitted ``tokens`` in ``seconds``."""
+        key = (context, arm)
+        seconds = max(float(seconds), 1e-9)  # a coarse or faked clock may not advance
+        seen = self._seen[key] = self._seen.get(key, 0) + 1
+        if seen <= self.warmup:
+            return
+        e = self._ema.get(key)
+        if e is None:
+            self._ema[key] = [float(tokens), float(seconds)]
+        else:
+            a = 1.0 - self.decay
+            e[0] += a * (tokens - e[0])
+            e[1] += a * (seconds - e[1])
+
+    def summary(self) -> dict:
+        """``{context: {"drafter": tok/s, "other": tok/s}}`` as measured so far."""
+        out = {}
+        for ctx in sorted({c for c, _ in self._ema}):
+            out[ctx] = {name: self.rate(ctx, arm) for name, arm in (("drafter", True), ("other", False))}
+        return out
 
 
 class FusedProposer(Proposer):
@@ -318,13 +427,20 @@ class FusedProposer(Proposer):
     (decided on the device with ``mx.where``: no host synchronisation).
     Sampled drafts never take the short-match rule: choosing between
     proposals by the sampled tokens themselves would bias rejection sampling.
+
+    With ``schedule`` (an :class:`AdaptiveSchedule`), each round without a
+    long match first asks the schedule whether a drafter forward pays here;
+    if not, the round proposes the lookup's tokens (at most the lookup's own
+    block) or nothing (a plain one-token step of the target).
     """
 
-    def __init__(self, drafter: DFlashProposer, lookup: LookupProposer, long_match: int = 8, short_match: int = 6):
+    def __init__(self, drafter: DFlashProposer, lookup: LookupProposer, long_match: int = 8, short_match: int = 6,
+                 schedule: AdaptiveSchedule | None = None):
         self.drafter, self.lookup = drafter, lookup
         self.block_size = drafter.block_size
         self.tap_ids = drafter.tap_ids
-        self.name = f"{drafter.name}+lookup"
+        self.schedule = schedule
+        self.name = f"{drafter.name}+lookup" + (" (adaptive)" if schedule is not None else "")
         self.min_confidence = drafter.min_confidence
         self.long_match, self.short_match = long_match, short_match
 
@@ -335,6 +451,15 @@ class FusedProposer(Proposer):
 class _FusedSession(ProposerSession):
     def __init__(self, p: FusedProposer, d: _DFlashSession, l: _LookupSession):
         self.p, self.d, self.l = p, d, l
+        self._round = None  # (context, arm, start time) of the round being verified (adaptive schedule)
+        self.adaptive = True  # the loop sets False for a request that must draft every round
+
+    def verified(self, tokens):
+        if self._round is not None:  # the round ends at its host synchronisation (consumer time excluded)
+            ctx, arm, t0 = self._round
+            self._round = None
+            sch = self.p.schedule
+            sch.record(ctx, arm, tokens, sch.clock() - t0)
 
     def extend(self, tokens, features):
         self.d.extend(tokens, features)
@@ -344,6 +469,7 @@ class _FusedSession(ProposerSession):
         return self.d.state_arrays()
 
     def truncate(self, n):
+        self._round = None
         self.d.truncate(n)
         self.l.truncate(n)
 
@@ -354,7 +480,16 @@ class _FusedSession(ProposerSession):
         m, lt = self.l.match(anchor, n)
         if m >= self.p.long_match and lt:
             # the lookup wins, known on the host: point masses, and no drafter forward at all
-            return Proposal(mx.array(lt[:n], dtype=mx.int32))
+            return Proposal(mx.array(lt[:n], dtype=mx.int32), source="lookup")
+        sch = self.p.schedule
+        if sch is not None and self.adaptive:
+            ctx = "match" if lt else "none"
+            arm = sch.choose(ctx)
+            self._round = (ctx, arm, sch.clock())
+            if not arm:
+                if not lt:
+                    return Proposal.empty()
+                return Proposal(mx.array(lt[: min(n, self.p.lookup.block_size - 1)], dtype=mx.int32), source="lookup")
         dp = self.d.propose(anchor, n, temperature, key)
         if m < self.p.short_match or not lt or dp.n == 0 or dp.q is not None:
             # A sampled draft keeps its own tokens: taking the lookup's tokens *because* the sampled
@@ -365,4 +500,4 @@ class _FusedSession(ProposerSession):
         lt = lt[: dp.n]  # the drafter may have cut its draft short (min_confidence)
         lookup_tokens = mx.concatenate([mx.array(lt, dtype=mx.int32), dp.tokens[len(lt) :]])
         use = mx.all(dp.tokens[:2] == lookup_tokens[:2])
-        return Proposal(mx.where(use, lookup_tokens, dp.tokens))
+        return Proposal(mx.where(use, lookup_tokens, dp.tokens), source="drafter")

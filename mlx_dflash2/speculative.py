@@ -47,7 +47,8 @@ class SpecStats:
     target, bonus/correction included (the prefill's first token is not a
     round). ``accept_hist[k]`` counts rounds that accepted exactly ``k`` drafts;
     ``position_accepted[i] / position_proposed[i]`` is the acceptance rate of
-    block position ``i + 1``.
+    block position ``i + 1``. ``rounds_by_source`` counts rounds by what made
+    their draft (``"drafter"``, ``"lookup"``, ``"none"``: no draft).
     """
 
     drafter: str = "none"
@@ -65,6 +66,7 @@ class SpecStats:
     accept_hist: list[int] = field(default_factory=list)
     position_proposed: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
+    rounds_by_source: dict[str, int] = field(default_factory=dict)
 
     @property
     def tau(self) -> float:
@@ -82,10 +84,13 @@ class SpecStats:
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
-    def record_round(self, drafted: int, accepted: int, emitted: int) -> None:
+    def record_round(self, drafted: int, accepted: int, emitted: int, source: str = "") -> None:
         """One verify forward that proposed ``drafted``, accepted ``accepted``
-        of them and emitted ``emitted`` tokens (after any stop)."""
+        of them and emitted ``emitted`` tokens (after any stop); ``source``:
+        what made the draft (:attr:`~.proposers.Proposal.source`)."""
         self.rounds += 1
+        src = (source or "drafter") if drafted else "none"
+        self.rounds_by_source[src] = self.rounds_by_source.get(src, 0) + 1
         self.round_tokens += emitted
         self.drafted += drafted
         self.accepted += accepted
@@ -120,6 +125,9 @@ class SpecStats:
             ]
             lines.append(f"Acceptance by block position 1..: {' '.join(rates)}")
             lines.append(f"Accepted-length histogram 0..: {' '.join(map(str, self.accept_hist))}")
+        if len(self.rounds_by_source) > 1:
+            by = ", ".join(f"{k} {v}" for k, v in sorted(self.rounds_by_source.items()))
+            lines.append(f"Rounds by draft source: {by}")
         return "\n".join(lines)
 
 
@@ -197,6 +205,7 @@ def speculative_generate_step(
     state: GenerationState | None = None,
     draft_temperature: float = 0.0,
     draft_key: mx.array | None = None,
+    adaptive: bool = True,
     prompt_progress_callback: Callable[[int, int], None] | None = None,
 ) -> Generator[tuple[int, mx.array, bool], None, None]:
     """Generate tokens with speculative decoding.
@@ -213,6 +222,9 @@ def speculative_generate_step(
         state: a :class:`GenerationState`: reused as a prompt cache if it holds
             caches of the same proposer, and filled with this request's caches.
         draft_temperature, draft_key: drafter sampling (0 = greedy drafts).
+        adaptive: let a proposer's adaptive schedule (:class:`~.proposers.AdaptiveSchedule`)
+            choose the rounds; ``False`` drafts every round (what a seeded
+            sampled request needs to repeat token for token).
         prompt_progress_callback: ``f(processed, total)`` during prefill.
 
     Yields:
@@ -242,6 +254,8 @@ def speculative_generate_step(
         raise ValueError(f"prompt of {len(prompt)} tokens does not fit the target's context of {limit} tokens")
     stats = stats if stats is not None else SpecStats()
     stats.drafter, stats.block_size, stats.prompt_tokens = proposer.name, B, len(prompt)
+    if not adaptive:
+        stats.drafter = stats.drafter.replace(" (adaptive)", "")
     stats.draft_confidence = proposer.min_confidence
     tap_ids = tuple(proposer.tap_ids)
     reuse = 0
@@ -254,6 +268,7 @@ def speculative_generate_step(
     else:
         cache = target.make_cache()
         session = proposer.start(prompt)
+    session.adaptive = adaptive  # read by sessions that have a schedule (FusedProposer)
     if state is not None:
         state.cache, state.session, state.proposer, state.reused = cache, session, proposer, reuse
         state.tokens = prompt[:reuse]
@@ -341,9 +356,10 @@ def speculative_generate_step(
             vr = verifier.verify(res.logits, prop, history)
             mx.eval(vr.num_accepted, vr.tokens, vr.logprobs)  # the round's one host synchronisation
             a = int(vr.num_accepted.item())
+            session.verified(a + 1)
             toks = vr.tokens[: a + 1].tolist()
             trim_cache(cache, n - a)  # rollback of the rejected drafts
-            pending = [n, a, toks, res.features, 0, anchor]
+            pending = [n, a, toks, res.features, 0, anchor, prop.source]
             for i, tok in enumerate(toks):
                 pending[4] = i
                 history.append(tok)
@@ -351,7 +367,7 @@ def speculative_generate_step(
                 stats.generated_tokens = n_out
                 yield tok, vr.logprobs[i], i < a
             pending = None
-            stats.record_round(n, a, a + 1)
+            stats.record_round(n, a, a + 1, prop.source)
             session.extend([anchor] + toks[:a], feats(res.features[: a + 1] if tap_ids else None))
             anchor = toks[-1]
     finally:
@@ -361,9 +377,9 @@ def speculative_generate_step(
                 if pending[1]:
                     trim_cache(cache, 1)
             else:
-                n, a, toks, features, i, anc = pending
+                n, a, toks, features, i, anc, src = pending
                 trim_cache(cache, a - i)
-                stats.record_round(n, min(a, i + 1), i + 1)
+                stats.record_round(n, min(a, i + 1), i + 1, src)
                 session.extend([anc] + toks[:i], feats(features[: i + 1] if tap_ids else None))
         stats.decode_s = time.perf_counter() - tic
         if state is not None:

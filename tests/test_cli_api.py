@@ -164,21 +164,24 @@ def test_hub_id_resolves_offline_from_cache(tmp_path, smol_q, monkeypatch):
         load_target("someorg/not-cached")
 
 
-def test_auto_is_lookup_until_the_shipped_drafter_is_measured_faster(smol_f32):
-    """`auto` reads the shipped drafter's shipped.json: lookup while "auto" is false; `shipped` loads it."""
-    import json
-
-    from mlx_dflash2.loading import auto_selects_shipped, make_proposer, shipped_drafter_path
-    from mlx_dflash2.proposers import FusedProposer, LookupProposer
+def test_auto_is_the_shipped_drafter_under_the_adaptive_schedule(smol_f32):
+    """`auto` (the default) = the shipped drafter fused with lookup, adaptive; `shipped` drafts every round;
+    other targets get lookup; the adaptive schedule needs lookup."""
+    from mlx_dflash2.loading import make_proposer, shipped_drafter_path
+    from mlx_dflash2.proposers import AdaptiveSchedule, DFlashProposer, FusedProposer, LookupProposer
 
     target, tok = smol_f32
     path = shipped_drafter_path("smollm2-135m-instruct")
     assert path is not None and (path / "config.json").is_file()
-    meta = json.loads((path / "shipped.json").read_text())
-    assert auto_selects_shipped(path) is meta["auto"]
     auto = make_proposer("auto", target, tok, "smollm2-135m-instruct")
-    assert isinstance(auto, FusedProposer if meta["auto"] else LookupProposer)
-    assert isinstance(make_proposer("shipped", target, tok, "smollm2-135m-instruct"), FusedProposer)
+    assert isinstance(auto, FusedProposer) and isinstance(auto.schedule, AdaptiveSchedule)
+    assert auto.name.endswith("(adaptive)")
+    pinned = make_proposer("shipped", target, tok, "smollm2-135m-instruct")
+    assert isinstance(pinned, FusedProposer) and pinned.schedule is None
+    assert make_proposer("shipped", target, tok, "smollm2-135m-instruct", adaptive=True).schedule is not None
+    assert isinstance(make_proposer("auto", target, tok, "smollm2-135m-instruct", lookup=False), DFlashProposer)
+    with pytest.raises(ValueError, match="needs lookup"):
+        make_proposer("auto", target, tok, "smollm2-135m-instruct", lookup=False, adaptive=True)
     assert isinstance(make_proposer("auto", target, tok, "some/other-model"), LookupProposer)
     with pytest.raises(FileNotFoundError, match="no drafter is shipped"):
         make_proposer("shipped", target, tok, "some/other-model")

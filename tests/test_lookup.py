@@ -114,3 +114,62 @@ def test_fusion_keeps_sampled_drafts_on_a_short_match():
     s.extend(hist, None)
     prop = s.propose(8, 4, temperature=0.8)
     assert prop.tokens.tolist() == [9, 10, 11, 12] and prop.q is None and fp.drafter.calls == 0
+
+
+# ---------------------------------------------------------------------------
+# Adaptive schedule (AdaptiveSchedule + FusedProposer(schedule=...))
+# ---------------------------------------------------------------------------
+
+
+def test_adaptive_schedule_tries_both_arms_then_takes_the_faster_and_explores_less_the_worse_it_is():
+    import pytest
+
+    from mlx_dflash2.proposers import AdaptiveSchedule
+
+    sch = AdaptiveSchedule(explore_every=4, decay=0.5, min_samples=1, warmup=1)
+    picks = []
+    for _ in range(4):  # warm-up + one measured round of each arm, drafter first
+        arm = sch.choose("none")
+        picks.append(arm)
+        sch.record("none", arm, 4 if arm else 1, 1.0)  # drafter: 4 tok/s, the other arm 1 tok/s
+    assert picks == [True, True, False, False]
+    assert sch.rate("none", True) == 4.0 and sch.rate("none", False) == 1.0
+    assert sch.rate("match", True) is None  # contexts are measured apart
+    # the other arm measured 4x slower: one exploration in explore_every * 4 = 16 decisions (the cap)
+    arms = [sch.choose("none") for _ in range(32)]
+    assert arms.count(False) == 2 and arms[15] is False and arms[31] is False
+    # a regime change is followed: the drafter gets slow, the EMA moves, the choice flips
+    for _ in range(6):
+        sch.record("none", True, 4, 40.0)
+    assert sch.choose("none") is False
+    assert sch.summary()["none"]["other"] == 1.0
+    with pytest.raises(ValueError):
+        AdaptiveSchedule(explore_every=1)
+    with pytest.raises(ValueError):
+        AdaptiveSchedule(decay=1.0)
+
+
+def test_fused_adaptive_rounds_without_the_drafter():
+    """A round the schedule does not give to the drafter proposes the lookup's tokens (at most its own
+    block) or nothing, and runs no drafter forward; the round's time and tokens are recorded at its verify."""
+    from mlx_dflash2.proposers import AdaptiveSchedule
+
+    t = [0.0]
+    sch = AdaptiveSchedule(explore_every=8, min_samples=1, warmup=0, clock=lambda: t[0])
+    sch.record("match", True, 1, 10.0)  # the drafter measured slow in both contexts
+    sch.record("match", False, 1, 1.0)
+    sch.record("none", True, 1, 10.0)
+    sch.record("none", False, 1, 1.0)
+    fp = FusedProposer(_Fixed([50, 51, 52, 53, 54, 55, 56, 57, 58, 59]), LookupProposer(block_size=4), schedule=sch)
+    assert fp.name == "fixed+lookup (adaptive)"
+    s = fp.start([])
+    s.extend([1, 2, 3, 4, 5, 6, 9, 1, 2], None)  # [1, 2] recurs: a 2-token match, "match" context
+    p = s.propose(3, 10)
+    assert p.tokens.tolist() == [4, 5, 6] and p.source == "lookup"  # capped to the lookup's B - 1 = 3
+    assert fp.drafter.calls == 0
+    t[0] += 2.0
+    s.verified(2)  # the round's verify: 2 tokens in 2 s
+    s.extend([3, 4], None)
+    assert sch.rate("match", False) == 0.8 * 1.0 + 0.2 * 1.0  # EMA of (1 tok / 1 s) and (2 tok / 2 s)
+    p = s.propose(77, 10)  # nothing matches "77": a plain step
+    assert p.n == 0 and fp.drafter.calls == 0

@@ -223,6 +223,49 @@ def test_shipped_trained_drafter_f32_identical(smol_f32, refs, shipped, name, B)
     assert stats.tau > 1.2, stats.tau
 
 
+@pytest.mark.parametrize("name", ["code", "story"])
+def test_adaptive_schedule_f32_identical_while_it_switches(smol_f32, refs, shipped, name):
+    """The adaptive schedule (the default of `--drafter auto`) over the shipped drafter, with a scripted
+    clock that makes drafter rounds cheap for a while and then 50x dearer: the schedule drafts, then stops
+    drafting (lookup / plain rounds), and float32 greedy output stays token-identical throughout."""
+    from mlx_dflash2.proposers import AdaptiveSchedule
+
+    target, _ = smol_f32
+    ids, ref = refs[name]
+    clock = {"t": 0.0, "drafter_cost": 0.1, "calls": 0}
+
+    def now():  # called at the start and at the commit of each scheduled round: 1 s per round
+        clock["t"] += 0.5
+        clock["calls"] += 1
+        if clock["calls"] == 24:  # after 12 rounds the drafter becomes 50x dearer than a round
+            clock["drafter_cost"] = 50.0
+        return clock["t"]
+
+    sch = AdaptiveSchedule(explore_every=4, min_samples=1, warmup=0, clock=now)
+    prop = FusedProposer(shipped.drafter, LookupProposer(block_size=8), schedule=sch)
+    inner = prop.drafter.start  # charge the scripted cost whenever a drafter forward runs
+
+    class Timed:
+        def __init__(self, s):
+            self.s = s
+
+        def __getattr__(self, k):
+            return getattr(self.s, k)
+
+        def propose(self, *a, **kw):
+            clock["t"] += clock["drafter_cost"]
+            return self.s.propose(*a, **kw)
+
+    prop.drafter = type("D", (), {"start": lambda self, prompt: Timed(inner(prompt)),
+                                  "block_size": shipped.drafter.block_size, "tap_ids": shipped.drafter.tap_ids,
+                                  "name": "shipped", "min_confidence": 0.0})()
+
+    stats = SpecStats()
+    assert run(target, ids, prop, 16, 120, stats) == ref[:120]
+    src = stats.rounds_by_source
+    assert src.get("drafter", 0) >= 3 and src.get("none", 0) + src.get("lookup", 0) >= 10, src
+
+
 def test_block_past_trained_size_warns_once_and_stays_lossless(smol_f32, refs, fresh_dflash2, caplog):
     """B = 24 with a drafter trained at B = 16: one logged warning for the drafter, output still identical."""
     target, tok = smol_f32

@@ -229,6 +229,27 @@ def test_seed_reproducible_and_top_k1_is_greedy(spec_model):
     assert _tokens(model, tok, ids, max_tokens=20, temp=1.0, top_p=1e-6, seed=7) == greedy
 
 
+def test_seeded_sampling_stays_reproducible_under_the_adaptive_schedule(smol_f32):
+    """The adaptive schedule chooses rounds by measured time; a seeded sampled request must not depend on
+    it (it drafts every round), so with a clock that reads noise two seeded runs still agree."""
+    import random
+
+    from mlx_dflash2.proposers import AdaptiveSchedule
+
+    target, tok = smol_f32
+    d = init_drafter(target, tok, num_layers=1, block_size=8, selector_rank=8, seed=1)
+    noise = random.Random(0)
+    sch = AdaptiveSchedule(explore_every=2, warmup=0, clock=lambda: noise.random())
+    prop = FusedProposer(DFlashProposer(d, target, len(tok)), LookupProposer(), schedule=sch)
+    model = SpeculativeModel(target, prop, 8, "t", target.config)
+    ids = chat_ids(tok, "Tell me a short story.")
+    runs = [list(mlx_dflash2.stream_generate(model, tok, ids, max_tokens=24, temp=0.9, seed=3)) for _ in range(2)]
+    assert [r.token for r in runs[0]] == [r.token for r in runs[1]]
+    assert "(adaptive)" not in runs[0][-1].stats.drafter
+    greedy = list(mlx_dflash2.stream_generate(model, tok, ids, max_tokens=24))  # greedy: the schedule runs
+    assert "(adaptive)" in greedy[-1].stats.drafter
+
+
 @pytest.mark.parametrize(
     "kw",
     [

@@ -281,6 +281,7 @@ def create_app(engine: Engine, settings: Optional[ServerSettings] = None) -> Fas
             "draft_confidence": s.get("draft_confidence", 0.0),
             "acceptance_length": round(s["tau"], 4),
             "rounds": s["rounds"],
+            "rounds_by_source": dict(s.get("rounds_by_source") or {}),
             "drafted_tokens": s["drafted"],
             "accepted_tokens": s["accepted"],
             "acceptance_rate": round(s["acceptance_rate"], 4),

@@ -249,6 +249,8 @@ class SpeculativeStats(BaseModel):
     draft_confidence: float = Field(0.0, description="the drafter's dynamic draft length threshold (0: full blocks)")
     acceptance_length: float = Field(description="tau: tokens emitted per target forward (verify round)")
     rounds: int
+    rounds_by_source: dict[str, int] = Field(
+        default_factory=dict, description="rounds by what made their draft: drafter, lookup, none (no draft)")
     drafted_tokens: int
     accepted_tokens: int
     acceptance_rate: float

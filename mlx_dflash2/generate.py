@@ -51,8 +51,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
                    help="dtype of non-packed weights/scales (auto: float32 on CPU)")
-    p.add_argument("--dequantize", action="store_true",
-                   help="expand quantized weights (target and drafter) to dense --dtype")
+    p.add_argument("--dequantize", action=argparse.BooleanOptionalAction, default=None,
+                   help="expand quantized weights (target and drafter) to dense --dtype (default: only on "
+                   "the CPU backend for a target of at most 2 GiB dense, where quantized matmuls are slow)")
     p.add_argument("--prefill-step-size", type=int, default=2048, help="prompt chunk size")
     p.add_argument("--verbose", action="store_true", help="print the statistics after the text")
     return p

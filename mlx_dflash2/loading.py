@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from . import assets
 from .drafter.io import dequantize_drafter, init_drafter, load_drafter
@@ -95,7 +96,8 @@ def load_target(
             (``"auto"``: float32 on CPU, the file's dtypes on GPU; ``None``:
             the file's).
         dequantize: expand quantized layers to dense weights of ``dtype``
-            (e.g. an exact float32 target for losslessness tests).
+            (e.g. an exact float32 target for losslessness tests); ``None``:
+            :func:`auto_dequantize`.
 
     Returns:
         ``(TargetAdapter, TokenizerWrapper, name)``.
@@ -125,6 +127,8 @@ def load_target(
             raise ModelNotFoundError(f"{path} has no config.json; not an mlx-lm model directory")
         model, tokenizer, config = mlx_lm.load(str(path), return_config=True)
         _cast(model, dtype)
+    if dequantize is None:
+        dequantize = auto_dequantize(model, dtype)
     if dequantize:
         from mlx_lm.utils import dequantize_model
 
@@ -133,6 +137,35 @@ def load_target(
         config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
     mx.eval(model.parameters())
     return TargetAdapter(model, config), tokenizer, name
+
+
+CPU_DEQUANTIZE_LIMIT = 2 << 30  # bytes
+
+
+def auto_dequantize(model, dtype: mx.Dtype | None) -> bool:
+    """Whether ``dequantize=None`` expands a quantized target: on MLX's CPU backend only, and only
+    when the dense weights (at ``dtype``, float32 if ``None``) take at most :data:`CPU_DEQUANTIZE_LIMIT`
+    bytes (2 GiB).
+
+    On the CPU backend a quantized matmul costs time linear in its rows, so a verify of B tokens
+    costs about B decode steps, and even plain decoding is slower than with dense weights: the
+    embedded SmolLM2-135M decodes at 10 tok/s from Q4_1 and 14.7 tok/s dense float32 on a 2-core
+    host (``benchmarks/README.md``, session 7). GPUs (Metal, CUDA) keep the packed weights.
+    """
+    if mx.default_device() != mx.cpu:
+        return False
+    import mlx.nn as nn
+
+    width = (dtype or mx.float32).size
+    dense, packed = 0, False
+    for _, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            packed = True
+            dense += m.weight.size * (32 // m.bits) * width
+            dense += m.bias.size * width if "bias" in m else 0
+        elif not m.children():
+            dense += sum(v.size for _, v in tree_flatten(m.parameters())) * width
+    return packed and dense <= CPU_DEQUANTIZE_LIMIT
 
 
 def _cast(model, dtype: mx.Dtype | None) -> None:
@@ -294,7 +327,7 @@ def load(
     drafter="auto",
     *,
     dtype: mx.Dtype | str | None = "auto",
-    dequantize: bool = False,
+    dequantize: bool | None = None,
     block_size: int | None = None,
     lookup: bool = True,
     draft_confidence: float | None = None,
@@ -306,7 +339,8 @@ def load(
         path_or_hf_repo: target (see :func:`load_target`); ``None`` = embedded SmolLM2.
         drafter: see :func:`make_proposer`.
         dtype, dequantize: see :func:`load_target` (``dequantize`` also expands a
-            quantized drafter, :func:`make_proposer`).
+            quantized drafter, :func:`make_proposer`; ``None``, the default:
+            :func:`auto_dequantize`, i.e. dense weights for a small target on CPU).
         block_size: default block size (default: the drafter's; lookup 8).
         lookup: fuse lookup drafting with a DFlash drafter.
         draft_confidence: the drafter's dynamic draft length (``min_confidence``
@@ -323,6 +357,8 @@ def load(
     """
     draft_confidence = check_confidence(draft_confidence)  # before the (slow) loading
     target, tokenizer, name = load_target(path_or_hf_repo, dtype=dtype, dequantize=dequantize)
+    if dequantize is None:  # on CPU the drafter follows the target's choice; GPUs keep packed drafters
+        dequantize = mx.default_device() == mx.cpu and "quantization" not in target.config
     proposer = make_proposer(drafter, target, tokenizer, name, lookup=lookup, dequantize=dequantize,
                              min_confidence=draft_confidence, adaptive=adaptive)
     B = block_size if block_size is not None else (proposer.block_size if proposer else 1)

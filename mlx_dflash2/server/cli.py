@@ -91,8 +91,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="seconds of silence before an SSE ': keep-alive' comment (default 5)")
     p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
                    help="dtype of non-packed weights/scales (auto: float32 on CPU)")
-    p.add_argument("--dequantize", action="store_true",
-                   help="expand quantized weights (target and drafter) to dense --dtype")
+    p.add_argument("--dequantize", action=argparse.BooleanOptionalAction, default=None,
+                   help="expand quantized weights (target and drafter) to dense --dtype (default: only on "
+                   "the CPU backend for a target of at most 2 GiB dense, where quantized matmuls are slow)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                    help="logging level (default: INFO)")
     return p

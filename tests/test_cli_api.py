@@ -89,6 +89,24 @@ def test_load_default():
     model, tok = mlx_dflash2.load(drafter="lookup")
     assert model.name == "smollm2-135m-instruct" and model.block_size == 8
     assert isinstance(model.proposer, LookupProposer)
+    # on the CPU backend a small quantized target is expanded to dense weights by default
+    assert mx.default_device() == mx.cpu and "quantization" not in model.target.config
+
+
+def test_auto_dequantize_rule(smol_q):
+    """Dense on CPU only for a quantized target within the limit; --no-dequantize keeps the packed weights."""
+    from mlx_dflash2 import loading
+
+    model = smol_q[0].model
+    assert loading.auto_dequantize(model, mx.float32)
+    old = loading.CPU_DEQUANTIZE_LIMIT
+    try:
+        loading.CPU_DEQUANTIZE_LIMIT = 100 << 20  # the dense SmolLM2 (about 540 MB in float32) exceeds it
+        assert not loading.auto_dequantize(model, mx.float32)
+    finally:
+        loading.CPU_DEQUANTIZE_LIMIT = old
+    kept, _ = mlx_dflash2.load(drafter="lookup", dequantize=False)
+    assert "quantization" in kept.target.config
 
 
 # ---------------------------------------------------------------------------- mlx-lm directories

@@ -356,6 +356,8 @@ def load(
             and what :func:`load_target` and :func:`make_proposer` raise.
     """
     draft_confidence = check_confidence(draft_confidence)  # before the (slow) loading
+    if adaptive and not lookup:
+        raise ValueError("the adaptive schedule chooses between the drafter and lookup: it needs lookup on")
     target, tokenizer, name = load_target(path_or_hf_repo, dtype=dtype, dequantize=dequantize)
     if dequantize is None:  # on CPU the drafter follows the target's choice; GPUs keep packed drafters
         dequantize = mx.default_device() == mx.cpu and "quantization" not in target.config

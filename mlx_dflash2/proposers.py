@@ -62,7 +62,8 @@ class Proposal:
         q: float32 ``[n, K]`` probabilities over ``cand_ids``, or ``None`` for
             point masses on ``tokens``.
         source: what made it, for the statistics: ``"drafter"`` (a drafter
-            forward ran), ``"lookup"`` (copied from the history) or ``""``.
+            forward ran), ``"lookup"`` (copied from the history) or ``""``
+            (unspecified, e.g. a custom proposer: counted as ``"drafter"``).
     """
 
     tokens: mx.array
@@ -432,6 +433,13 @@ class FusedProposer(Proposer):
     long match first asks the schedule whether a drafter forward pays here;
     if not, the round proposes the lookup's tokens (at most the lookup's own
     block) or nothing (a plain one-token step of the target).
+
+    Args:
+        drafter: the :class:`DFlashProposer` (its block size is the fused one).
+        lookup: the :class:`LookupProposer` (its block size caps lookup-only
+            rounds of the schedule).
+        long_match / short_match: match lengths (tokens) of the two rules above.
+        schedule: an :class:`AdaptiveSchedule`, or ``None`` to draft every round.
     """
 
     def __init__(self, drafter: DFlashProposer, lookup: LookupProposer, long_match: int = 8, short_match: int = 6,
@@ -464,6 +472,9 @@ class _FusedSession(ProposerSession):
     def extend(self, tokens, features):
         self.d.extend(tokens, features)
         self.l.extend(tokens, features)
+        # evaluate the drafter's context append now: after rounds without a drafter forward nothing
+        # else would, and the next drafter round would pay (and be timed) for all of them at once
+        mx.async_eval(self.d.state_arrays())
 
     def state_arrays(self):
         return self.d.state_arrays()

@@ -155,7 +155,7 @@ def test_fused_adaptive_rounds_without_the_drafter():
     from mlx_dflash2.proposers import AdaptiveSchedule
 
     t = [0.0]
-    sch = AdaptiveSchedule(explore_every=8, min_samples=1, warmup=0, clock=lambda: t[0])
+    sch = AdaptiveSchedule(explore_every=8, decay=0.8, min_samples=1, warmup=0, clock=lambda: t[0])
     sch.record("match", True, 1, 10.0)  # the drafter measured slow in both contexts
     sch.record("match", False, 1, 1.0)
     sch.record("none", True, 1, 10.0)
@@ -168,8 +168,9 @@ def test_fused_adaptive_rounds_without_the_drafter():
     assert p.tokens.tolist() == [4, 5, 6] and p.source == "lookup"  # capped to the lookup's B - 1 = 3
     assert fp.drafter.calls == 0
     t[0] += 2.0
-    s.verified(2)  # the round's verify: 2 tokens in 2 s
+    s.verified(4)  # the round's verify: 4 tokens in 2 s
     s.extend([3, 4], None)
-    assert sch.rate("match", False) == 0.8 * 1.0 + 0.2 * 1.0  # EMA of (1 tok / 1 s) and (2 tok / 2 s)
+    # EMA (decay 0.8) of (1 tok, 1 s) and (4 tok, 2 s): 1.6 tok / 1.2 s
+    assert abs(sch.rate("match", False) - 1.6 / 1.2) < 1e-9
     p = s.propose(77, 10)  # nothing matches "77": a plain step
     assert p.n == 0 and fp.drafter.calls == 0

@@ -252,6 +252,12 @@ def draft_confidence_arg(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text!r}") from None
 
 
+def _check_adaptive(adaptive, lookup: bool) -> None:
+    """Raises ValueError for ``adaptive`` without ``lookup`` (the schedule's cheaper rounds are lookup's)."""
+    if adaptive and not lookup:
+        raise ValueError("the adaptive schedule chooses between the drafter and lookup: it needs lookup on")
+
+
 def make_proposer(
     drafter,
     target: TargetAdapter,
@@ -295,8 +301,7 @@ def make_proposer(
         return LookupProposer(block_size=DEFAULT_LOOKUP_BLOCK)
     if adaptive is None:
         adaptive = drafter == "auto" and lookup
-    if adaptive and not lookup:
-        raise ValueError("the adaptive schedule chooses between the drafter and lookup: it needs lookup on")
+    _check_adaptive(adaptive, lookup)
     if drafter == "auto":
         path = shipped_drafter_path(target_name)
         if path is None:
@@ -356,8 +361,7 @@ def load(
             and what :func:`load_target` and :func:`make_proposer` raise.
     """
     draft_confidence = check_confidence(draft_confidence)  # before the (slow) loading
-    if adaptive and not lookup:
-        raise ValueError("the adaptive schedule chooses between the drafter and lookup: it needs lookup on")
+    _check_adaptive(adaptive, lookup)
     target, tokenizer, name = load_target(path_or_hf_repo, dtype=dtype, dequantize=dequantize)
     if dequantize is None:  # on CPU the drafter follows the target's choice; GPUs keep packed drafters
         dequantize = mx.default_device() == mx.cpu and "quantization" not in target.config

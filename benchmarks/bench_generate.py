@@ -105,6 +105,9 @@ def main(argv=None):
     ap.add_argument("--min-confidence", default="auto", type=_confidences,
                     help="drafters: dynamic draft length (DFlashProposer min_confidence; 0 = full blocks; auto = "
                     "the product's default for this device); a comma-separated list runs each value")
+    ap.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
+                    help="run the drafters under the adaptive schedule (default: only 'auto'); its state carries "
+                         "over the repeats of a row, as in a long-running server")
     ap.add_argument("--out", default="benchmarks/results/generate.json")
     ap.add_argument("--replot", default=None, metavar="JSON", help="only redraw the plot of a saved run")
     args = ap.parse_args(argv)
@@ -126,6 +129,7 @@ def main(argv=None):
         "device": str(mx.default_device()),
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
+        "adaptive": args.adaptive,
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }
     out_path = Path(args.out)
@@ -142,7 +146,8 @@ def main(argv=None):
     jobs = [(p, d, c) for p in prompts for d in drafters for c in confs]
     for pname, dname, conf in tqdm(jobs, desc="benchmark", file=sys.stderr):
         ids = tok.apply_chat_template([{"role": "user", "content": prompts[pname]}], add_generation_prompt=True)
-        proposer = make_proposer(dname, target, tok, name, dequantize=args.dequantize, min_confidence=conf)
+        proposer = make_proposer(dname, target, tok, name, dequantize=args.dequantize, min_confidence=conf,
+                                 adaptive=args.adaptive)
         drafts = isinstance(proposer, (DFlashProposer, FusedProposer))
         if not drafts:  # lookup / plain: the threshold does not apply, run them once
             if conf != confs[0]:

@@ -8,7 +8,7 @@
 # Env: SKIP (regen: prompts answered by earlier runs), TEMPS (regen temperatures), PROMPTS (regen prompt
 # file), REGEN_INTO (where regen's shards are added; default $WORK/responses), INIT (train: drafter to
 # continue from), DATA (train: responses dir; default $WORK/responses), TRAIN_ARGS (more `fit` flags, e.g.
-# "--labels target --kd-weight 1"), RTD (regen target flags; default the deployed Q4_1 weights).
+# "--labels target --kd-weight 1"), BENCH_ARGS (more bench_generate.py flags, e.g. --adaptive), RTD (regen target flags; default the deployed Q4_1 weights).
 # SMOKE=1 runs every stage at toy size on any machine (CPU included) to check the pipeline.
 set -euo pipefail
 # Env: WORK (work dir, default .cache/gpu-work in the checkout: keep it outside the checkout on the device
@@ -81,14 +81,14 @@ PYEOF
   ;;
 eval)
   # EVAL_LIMIT / EVAL_MAXT override the prompt count per set and the response length; EVAL_LOOKUP=0
-  # skips the second pass (first drafter fused with lookup)
+  # skips the second pass (first drafter fused with lookup; LOOKUP_BLOCKS: its block sizes)
   lim=${EVAL_LIMIT:-$LIMIT}; mt=${EVAL_MAXT:-$MAXT}
   args=()
   for d in "$@"; do args+=(--drafter "$d=$W/runs/$d/drafter"); done
   $PY -m mlx_dflash2.train eval --model "$MODEL" $RTD "${args[@]}" --block-sizes $BLOCKS --max-tokens $mt \
       --limit $lim --cache-dir "$W/evalcache" --out "$OUT/tau.json"
   if [ "${EVAL_LOOKUP:-1}" = 1 ]; then
-    $PY -m mlx_dflash2.train eval --model "$MODEL" $RTD --drafter "$1=$W/runs/$1/drafter" --lookup --block-sizes $BLOCKS \
+    $PY -m mlx_dflash2.train eval --model "$MODEL" $RTD --drafter "$1=$W/runs/$1/drafter" --lookup --block-sizes ${LOOKUP_BLOCKS:-$BLOCKS} \
         --max-tokens $mt --limit $lim --cache-dir "$W/evalcache" --out "$OUT/tau-lookup.json"
   fi
   ;;
@@ -97,7 +97,7 @@ bench)
   # mlx_dflash2/drafters/smollm2-135m-instruct) against plain decoding and lookup; rows are saved as they finish
   d=$1; [ -d "$d" ] || d="$W/runs/$1/drafter"
   $PY benchmarks/bench_generate.py --model "$MODEL" --drafter "$d" --drafter lookup \
-      --max-tokens 128 --repeats 3 --out "$OUT/generate-gpu.json"
+      --max-tokens 128 --repeats 3 --out "$OUT/generate-gpu.json" ${BENCH_ARGS:-}
   ;;
 quantize)
   # quantize NAME: the drafter of run NAME with 4-bit linear layers (what the package ships) as run NAME-q4

@@ -45,7 +45,8 @@ class SpecStats:
 
     ``tau`` is the acceptance length: tokens emitted per verify forward of the
     target, bonus/correction included (the prefill's first token is not a
-    round). ``accept_hist[k]`` counts rounds that accepted exactly ``k`` drafts;
+    round). ``accept_hist[k]`` counts rounds with a draft that accepted exactly
+    ``k`` of it (rounds without a draft are in ``rounds_by_source["none"]``);
     ``position_accepted[i] / position_proposed[i]`` is the acceptance rate of
     block position ``i + 1``. ``rounds_by_source`` counts rounds by what made
     their draft (``"drafter"``, ``"lookup"``, ``"none"``: no draft).
@@ -97,7 +98,8 @@ class SpecStats:
         need = max(drafted + 1, len(self.accept_hist))
         for lst in (self.accept_hist, self.position_proposed, self.position_accepted):
             lst.extend([0] * (need - len(lst)))
-        self.accept_hist[accepted] += 1
+        if drafted:
+            self.accept_hist[accepted] += 1
         for i in range(drafted):
             self.position_proposed[i] += 1
             if i < accepted:

@@ -31,6 +31,19 @@ def test_cli_generates_with_stats():
     assert "Traceback" not in r.stderr and "RuntimeWarning" not in r.stderr
 
 
+def test_cli_adaptive_flags_end_to_end():
+    """--adaptive puts a pinned drafter under the schedule, --no-adaptive takes the default's off; the
+    verbose summary names the proposer and counts rounds by draft source; both outputs are the same."""
+    prompt = ("--prompt", "Write a Python function that returns the square of x.", "--max-tokens", "24", "--verbose")
+    a = cli(*prompt, "--drafter", "shipped", "--adaptive")
+    b = cli(*prompt, "--no-adaptive")
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert "Drafter: DFlash2DraftModel+lookup (adaptive)" in a.stdout
+    assert "Drafter: DFlash2DraftModel+lookup," in b.stdout
+    text = [r.stdout.split("\n==========")[0] for r in (a, b)]
+    assert text[0] == text[1] and text[0].strip()
+
+
 def test_cli_stdin_prompt_and_raw_mode():
     r = cli("--prompt", "-", "--max-tokens", "5", "--drafter", "none", "--ignore-chat-template", stdin="1, 2, 3, 4,")
     assert r.returncode == 0, r.stderr

@@ -147,6 +147,8 @@ def test_chat_streamed_equals_non_streamed(client):
         assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
         spec = full.model_extra["speculative"]
         assert spec["drafter"] == "lookup" and spec["acceptance_length"] >= 1.0
+        assert sum(spec["rounds_by_source"].values()) == spec["rounds"]  # each round counted by its draft source
+        assert set(spec["rounds_by_source"]) <= {"lookup", "none"}
         content, reasoning, finish, usage, sspec = stream_chat(client, stream_options={"include_usage": True}, **kw)
         assert content.encode() == ch.message.content.encode()
         assert reasoning == "" and finish == ch.finish_reason

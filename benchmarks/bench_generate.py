@@ -168,8 +168,10 @@ def main(argv=None):
         rows.append(
             {
                 "prompt": pname,
-                # a drafter directory is named too: two checkpoints of one architecture stay apart
-                "drafter": (ss.drafter if dname in ("lookup", "none", "shipped", "init", "auto")
+                # the drafter argument is named too: two checkpoints of one architecture, or `shipped` and
+                # `auto` under --adaptive, stay apart
+                "drafter": (ss.drafter if dname in ("lookup", "none")
+                            else f"{ss.drafter} ({dname})" if dname in ("shipped", "init", "auto")
                             else f"{ss.drafter} ({Path(dname).name})") + (f" c={conf:g}" if conf else ""),
                 "min_confidence": conf,
                 "block_size": B,

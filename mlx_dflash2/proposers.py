@@ -334,8 +334,8 @@ class AdaptiveSchedule:
     emit fewer tokens per second than a lookup round or a plain step even at
     a good acceptance length; on a large memory-bound target it wins by far.
     This schedule measures instead of guessing: in each *context* (``"match"``:
-    the lookup has a short match; ``"none"``: it has none) it keeps an
-    exponential moving average of the tokens emitted and of the wall-clock
+    the lookup has a short match; ``"none"``: it has none) it keeps
+    exponentially discounted sums of the tokens emitted and of the wall-clock
     seconds of the rounds of each *arm* (``True``: draft with the drafter;
     ``False``: the lookup's tokens, or a plain one-token step), and picks the
     arm with the higher tokens/second. Every arm is tried ``min_samples`` times
@@ -358,7 +358,7 @@ class AdaptiveSchedule:
     Args:
         explore_every: decisions of a context between two exploratory ones when
             both arms measure alike (>= 2).
-        decay: EMA decay per round, in ``(0, 1)``.
+        decay: discount per round of the sums, in ``(0, 1)``.
         min_samples: measured rounds of each arm before choosing by rate.
         warmup: first rounds of each (context, arm) not measured.
         clock: seconds as a float (``time.perf_counter``; tests pass a fake).
@@ -403,13 +403,15 @@ class AdaptiveSchedule:
         seen = self._seen[key] = self._seen.get(key, 0) + 1
         if seen <= self.warmup:
             return
+        # discounted sums (each measured round weighs decay ** age, the first one too; their ratio is
+        # the rate): an average seeded with its first round would give that one round most of the weight
+        # for the first ~1 / (1 - decay) rounds, i.e. decide after the trial rounds on one of them
         e = self._ema.get(key)
         if e is None:
             self._ema[key] = [float(tokens), float(seconds)]
         else:
-            a = 1.0 - self.decay
-            e[0] += a * (tokens - e[0])
-            e[1] += a * (seconds - e[1])
+            e[0] = self.decay * e[0] + tokens
+            e[1] = self.decay * e[1] + seconds
 
     def summary(self) -> dict:
         """``{context: {"drafter": tok/s, "other": tok/s}}`` as measured so far."""

@@ -95,11 +95,12 @@ class SpecStats:
         self.round_tokens += emitted
         self.drafted += drafted
         self.accepted += accepted
+        if not drafted:
+            return
         need = max(drafted + 1, len(self.accept_hist))
         for lst in (self.accept_hist, self.position_proposed, self.position_accepted):
             lst.extend([0] * (need - len(lst)))
-        if drafted:
-            self.accept_hist[accepted] += 1
+        self.accept_hist[accepted] += 1
         for i in range(drafted):
             self.position_proposed[i] += 1
             if i < accepted:

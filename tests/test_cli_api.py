@@ -32,8 +32,8 @@ def test_cli_generates_with_stats():
 
 
 def test_cli_adaptive_flags_end_to_end():
-    """--adaptive puts a pinned drafter under the schedule, --no-adaptive takes the default's off; the
-    verbose summary names the proposer and counts rounds by draft source; both outputs are the same."""
+    """--adaptive puts a pinned drafter under the schedule, --no-adaptive takes the default's off (the
+    verbose summary names the proposer); both outputs are the same."""
     prompt = ("--prompt", "Write a Python function that returns the square of x.", "--max-tokens", "24", "--verbose")
     a = cli(*prompt, "--drafter", "shipped", "--adaptive")
     b = cli(*prompt, "--no-adaptive")

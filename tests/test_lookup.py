@@ -138,7 +138,7 @@ def test_adaptive_schedule_tries_both_arms_then_takes_the_faster_and_explores_le
     # the other arm measured 4x slower: one exploration in explore_every * 4 = 16 decisions (the cap)
     arms = [sch.choose("none") for _ in range(32)]
     assert arms.count(False) == 2 and arms[15] is False and arms[31] is False
-    # a regime change is followed: the drafter gets slow, the EMA moves, the choice flips
+    # a regime change is followed: the drafter gets slow, its rate moves, the choice flips
     for _ in range(6):
         sch.record("none", True, 4, 40.0)
     assert sch.choose("none") is False
@@ -170,7 +170,7 @@ def test_fused_adaptive_rounds_without_the_drafter():
     t[0] += 2.0
     s.verified(4)  # the round's verify: 4 tokens in 2 s
     s.extend([3, 4], None)
-    # EMA (decay 0.8) of (1 tok, 1 s) and (4 tok, 2 s): 1.6 tok / 1.2 s
-    assert abs(sch.rate("match", False) - 1.6 / 1.2) < 1e-9
+    # discounted sums (decay 0.8) of (1 tok, 1 s) and (4 tok, 2 s): 4.8 tok / 2.8 s
+    assert abs(sch.rate("match", False) - 4.8 / 2.8) < 1e-9
     p = s.propose(77, 10)  # nothing matches "77": a plain step
     assert p.n == 0 and fp.drafter.calls == 0

@@ -301,16 +301,18 @@ def shipped_model(smol_f32):
 
 
 @pytest.mark.parametrize("which", ["shipped", pytest.param("init", marks=pytest.mark.slow)])
-def test_first_two_tokens_distribution_real_loop(spec_model, shipped_model, which):
+def test_first_two_tokens_distribution_real_loop(request, which):
     """End to end through the loop: the joint law of the first two emitted tokens is the target's.
     The first comes from the prefill, the second from the first speculative round (a one-token draft,
     capped by ``max_tokens=3``): with the random drafter ("init") it is mostly rejected (residual
     path), with the trained one ("shipped", selector q over its top-16) about 3 in 10 are accepted, so
     both branches of the rejection sampler emit. Every run reuses the prompt cache, so only the last
-    prompt token is refilled (0.3 s a run on 2 CPU cores)."""
+    prompt token is refilled (0.3 s a run on 2 CPU cores). With 300 runs over 9 cells and a 1e-4
+    false-alarm level this catches gross errors of the sampled path (a wrong q, a missing residual);
+    the per-position exactness of the sampler itself is tested above on 200k synthetic rounds."""
     from mlx_dflash2.speculative import GenerationState
 
-    model, tok = spec_model if which == "init" else shipped_model
+    model, tok = request.getfixturevalue("spec_model" if which == "init" else "shipped_model")
     ids = chat_ids(tok, "Pick a random digit:")
     params = SamplingParams(temp=1.0, top_k=3)
 
@@ -324,17 +326,16 @@ def test_first_two_tokens_distribution_real_loop(spec_model, shipped_model, whic
     cells = sorted(joint)
     state = GenerationState()
     counts = np.zeros(len(cells))
-    drafted = accepted = 0
+    accepted = 0
     N = 300
     for s in range(N):
         rs = list(mlx_dflash2.stream_generate(model, tok, ids, max_tokens=3, temp=1.0, top_k=3, seed=2000 + s,
                                               state=state))
         counts[cells.index((rs[0].token, rs[1].token))] += 1  # a pair outside the support raises here
-        drafted += rs[-1].stats.drafted
+        assert rs[-1].stats.drafted == 1  # the second token was a one-token draft in every run
         accepted += rs[-1].stats.accepted
-    assert drafted >= N  # the second token was drafted in every run
     if which == "shipped":
-        assert 0.1 < accepted / drafted < 0.9
+        assert 0.1 < accepted / N < 0.9
     assert_distribution(counts, np.array([joint[c] for c in cells]), "first two tokens")
 
 

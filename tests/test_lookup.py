@@ -149,6 +149,19 @@ def test_adaptive_schedule_tries_both_arms_then_takes_the_faster_and_explores_le
         AdaptiveSchedule(decay=1.0)
 
 
+def test_adaptive_schedule_weighs_every_measured_round():
+    """The rate is a ratio of discounted sums: each measured round weighs decay ** age, the first one
+    too. (An EMA seeded with its first round gave that round 81 % of the weight after three rounds at
+    decay 0.9, so one lucky or unlucky trial round decided the arm: session 8, benchmarks/README.md.)"""
+    from mlx_dflash2.proposers import AdaptiveSchedule
+
+    sch = AdaptiveSchedule(decay=0.9, min_samples=3, warmup=0)
+    for tokens in (10, 1, 1):  # one long acceptance, then two one-token rounds, 1 s each
+        sch.record("none", True, tokens, 1.0)
+    w = [0.81, 0.9, 1.0]
+    assert abs(sch.rate("none", True) - (w[0] * 10 + w[1] + w[2]) / sum(w)) < 1e-9  # 3.69 tok/s, not ~8.2
+
+
 def test_fused_adaptive_rounds_without_the_drafter():
     """A round the schedule does not give to the drafter proposes the lookup's tokens (at most its own
     block) or nothing, and runs no drafter forward; the round's time and tokens are recorded at its verify."""

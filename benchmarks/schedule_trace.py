@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mlx.core as mx  # noqa: E402
 
 from bench_generate import PROMPTS, run_once  # noqa: E402
-from mlx_dflash2.loading import load_target, make_proposer  # noqa: E402
+from mlx_dflash2.loading import drafter_dequantize, load_target, make_proposer  # noqa: E402
 from mlx_dflash2.proposers import AdaptiveSchedule  # noqa: E402
 
 
@@ -42,9 +42,7 @@ def main(argv=None) -> int:
                     help="dense weights (default: as the product decides, loading.auto_dequantize)")
     args = ap.parse_args(argv)
     target, tok, name = load_target(args.model, dtype=args.dtype, dequantize=args.dequantize)
-    dq = args.dequantize
-    if dq is None:  # as load(): on CPU the drafter follows the target's choice
-        dq = mx.default_device() == mx.cpu and "quantization" not in target.config
+    dq = drafter_dequantize(args.dequantize, target)  # as load() decides
     ids = tok.apply_chat_template([{"role": "user", "content": PROMPTS[args.prompt]}], add_generation_prompt=True)
     prop = make_proposer(args.drafter, target, tok, name, dequantize=dq)
     sch = getattr(prop, "schedule", None)

@@ -168,6 +168,15 @@ def auto_dequantize(model, dtype: mx.Dtype | None) -> bool:
     return packed and dense <= CPU_DEQUANTIZE_LIMIT
 
 
+def drafter_dequantize(dequantize: bool | None, target: TargetAdapter) -> bool:
+    """Whether to expand a quantized drafter, given the target's ``dequantize`` setting: as set, or for
+    ``None`` on the CPU backend as :func:`auto_dequantize` decided for the target (the target has no
+    ``"quantization"`` left in its config), never on a GPU (which keeps packed drafters)."""
+    if dequantize is not None:
+        return dequantize
+    return mx.default_device() == mx.cpu and "quantization" not in target.config
+
+
 def _cast(model, dtype: mx.Dtype | None) -> None:
     """Cast a model's floating parameters to ``dtype`` in place (packed ints untouched)."""
     if dtype is None:
@@ -363,8 +372,7 @@ def load(
     draft_confidence = check_confidence(draft_confidence)  # before the (slow) loading
     _check_adaptive(adaptive, lookup)
     target, tokenizer, name = load_target(path_or_hf_repo, dtype=dtype, dequantize=dequantize)
-    if dequantize is None:  # on CPU the drafter follows the target's choice; GPUs keep packed drafters
-        dequantize = mx.default_device() == mx.cpu and "quantization" not in target.config
+    dequantize = drafter_dequantize(dequantize, target)
     proposer = make_proposer(drafter, target, tokenizer, name, lookup=lookup, dequantize=dequantize,
                              min_confidence=draft_confidence, adaptive=adaptive)
     B = block_size if block_size is not None else (proposer.block_size if proposer else 1)

@@ -370,13 +370,13 @@ class AdaptiveSchedule:
             raise ValueError("explore_every >= 2, 0 < decay < 1, min_samples >= 1 and warmup >= 0 are required")
         self.explore_every, self.decay, self.min_samples, self.warmup = explore_every, decay, min_samples, warmup
         self.clock = clock
-        self._ema: dict[tuple[str, bool], list[float]] = {}  # (context, arm) -> [tokens, seconds]
+        self._sums: dict[tuple[str, bool], list[float]] = {}  # (context, arm) -> discounted [tokens, seconds]
         self._seen: dict[tuple[str, bool], int] = {}
         self._decisions: dict[str, int] = {}
 
     def rate(self, context: str, arm: bool) -> float | None:
         """Measured tokens per second of ``arm`` in ``context`` (``None``: not measured)."""
-        e = self._ema.get((context, arm))
+        e = self._sums.get((context, arm))
         return e[0] / e[1] if e and e[1] > 0 else None
 
     def choose(self, context: str) -> bool:
@@ -406,17 +406,14 @@ class AdaptiveSchedule:
         # discounted sums (each measured round weighs decay ** age, the first one too; their ratio is
         # the rate): an average seeded with its first round would give that one round most of the weight
         # for the first ~1 / (1 - decay) rounds, i.e. decide after the trial rounds on one of them
-        e = self._ema.get(key)
-        if e is None:
-            self._ema[key] = [float(tokens), float(seconds)]
-        else:
-            e[0] = self.decay * e[0] + tokens
-            e[1] = self.decay * e[1] + seconds
+        e = self._sums.setdefault(key, [0.0, 0.0])
+        e[0] = self.decay * e[0] + tokens
+        e[1] = self.decay * e[1] + seconds
 
     def summary(self) -> dict:
         """``{context: {"drafter": tok/s, "other": tok/s}}`` as measured so far."""
         out = {}
-        for ctx in sorted({c for c, _ in self._ema}):
+        for ctx in sorted({c for c, _ in self._sums}):
             out[ctx] = {name: self.rate(ctx, arm) for name, arm in (("drafter", True), ("other", False))}
         return out
 
@@ -462,7 +459,6 @@ class _FusedSession(ProposerSession):
     def __init__(self, p: FusedProposer, d: _DFlashSession, l: _LookupSession):
         self.p, self.d, self.l = p, d, l
         self._round = None  # (context, arm, start time) of the round being verified (adaptive schedule)
-        self.adaptive = True  # the loop sets False for a request that must draft every round
 
     def verified(self, tokens):
         if self._round is not None:  # the round ends at its host synchronisation (consumer time excluded)

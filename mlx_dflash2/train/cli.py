@@ -163,8 +163,9 @@ def main(argv=None) -> int:
     e.add_argument("--block-sizes", default="4,8,16")
     e.add_argument("--max-tokens", type=int, default=256)
     e.add_argument("--limit", type=int, default=-1, help="prompts per set (-1: the standard counts)")
-    e.add_argument("--lookup", action="store_true", help="fuse lookup proposals in every round (what --drafter shipped runs; the "
-                   "default's adaptive schedule chooses rounds by measured speed, which a replay does not model)")
+    e.add_argument("--lookup", action="store_true",
+                   help="fuse lookup proposals in every round (what --drafter shipped runs; the default's adaptive "
+                   "schedule chooses rounds by measured speed, which a replay does not model)")
     e.add_argument("--cache-dir", default=".cache/eval")
     e.add_argument("--out", default="benchmarks/results/tau.json")
     args = ap.parse_args(argv)

@@ -513,3 +513,86 @@ def test_resume_refuses_other_settings_and_cuts_the_log(tiny, tmp_path):
     ft = Trainer(_cfg(tmp_path, out=str(tmp_path / "ft"), init=str(tmp_path / "d"), num_layers=None,
                       selector_rank=None, selector_top_k=None), target, tok)
     assert (ft.cfg.num_layers, ft.cfg.selector_rank) == (1, 4)
+
+
+class TemplateTinyTok(TinyTok):
+    """A character-level tokenizer with a chat template (ids 2..61 <-> characters)."""
+
+    chat_template = "tiny"
+    _chars = "abcdefghijklmnopqrstuvwxyz .,?!'-<>|0123456789"
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, **kw):
+        text = "".join(f"<{m['role']}>{m['content']}|" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+        return text if not tokenize else self.encode(text)
+
+    def encode(self, text, add_special_tokens=True):
+        return [2 + self._chars.index(c) if c in self._chars else 2 for c in text]
+
+    def decode(self, ids):
+        return "".join(self._chars[i - 2] if 2 <= i < 2 + len(self._chars) else "" for i in ids)
+
+
+def test_self_instruct_filters_dedupes_decontaminates_and_resumes(tiny, tmp_path, monkeypatch):
+    """Self-instruct keeps only requests the target ended, long enough, new (case/punctuation ignored) and
+    clean of the eval sets; each batch is saved before the next, so a crashed run resumes where it stopped
+    and ends with the same file as an uninterrupted one; other settings are refused."""
+    from mlx_dflash2.train import selfinstruct as si
+
+    target, _ = tiny
+    tok = TemplateTinyTok()
+    assert si.user_turn_prefix(tok) == "<user>"
+    gsm = load_eval_set("gsm8k", 1)[0]["messages"][0]["content"]  # an eval prompt: must be dropped
+    valid = [f"please tell me about {w} today" for w in ("cats", "dogs", "trains", "rivers", "bread", "music",
+                                                          "chess", "stars", "rain", "glass")]
+    pool = [valid[0], valid[0].replace(" ", "  ") + "!", "too short", None, gsm[:200].lower(), *valid[1:4], valid[2], *valid[4:]]
+    state = {"row": 0, "calls": 0, "crash_at": None}
+    monkeypatch.setattr(si, "STARTERS", {"open": (0.5, ("",)), "math": (0.5, ("",))})
+
+    def scripted(model, prompts, max_tokens, temps, eos_ids):
+        if state["calls"] == state["crash_at"]:
+            raise RuntimeError("crash")
+        state["calls"] += 1
+        out = []
+        for p in prompts:
+            assert tok.decode(p) == "<user>"
+            t = pool[state["row"] % len(pool)]
+            state["row"] += 1
+            out.append(tok.encode("x" * 300) if t is None else tok.encode(t) + [1])
+        return out
+
+    monkeypatch.setattr(si, "batched_decode", scripted)
+    full = si.self_instruct(target, tok, 9, tmp_path / "a.jsonl", batch_size=4, progress=False, seed=3)
+    rows = [json.loads(x) for x in (tmp_path / "a.jsonl").read_text().splitlines()]
+    assert full["kept"] == len(rows) == 9 and not (tmp_path / "a.jsonl.partial").exists()
+    assert full["batches"] == 4 and full["sampled"] == 16
+    contents = [r["messages"][0]["content"] for r in rows]
+    assert contents == valid[:9]
+    assert full["dropped"] == {"unfinished": 1, "short": 1, "long": 0, "template": 0, "duplicate": 3,
+                               "contaminated": 1}
+    assert {r["source"] for r in rows} <= {"self-instruct:open", "self-instruct:math"}
+    assert read_prompt_file(tmp_path / "a.jsonl")[0]["source"] == rows[0]["source"]
+
+    # a run that crashes in its third batch resumes there and writes the same file
+    state.update(row=0, calls=0, crash_at=2)
+    with pytest.raises(RuntimeError):
+        si.self_instruct(target, tok, 9, tmp_path / "b.jsonl", batch_size=4, progress=False, seed=3)
+    assert not (tmp_path / "b.jsonl").exists() and (tmp_path / "b.jsonl.partial").exists()
+    with pytest.raises(ValueError, match="other settings"):
+        si.self_instruct(target, tok, 9, tmp_path / "b.jsonl", batch_size=4, progress=False, seed=4)
+    state.update(crash_at=None)
+    again = si.self_instruct(target, tok, 9, tmp_path / "b.jsonl", batch_size=4, progress=False, seed=3)
+    assert again["resumed_batches"] == 2 and again["dropped"] == full["dropped"]
+    assert (tmp_path / "b.jsonl").read_text() == (tmp_path / "a.jsonl").read_text()
+
+
+def test_self_instruct_runs_on_a_real_decode(tiny, tmp_path):
+    """The unscripted path (batched sampling on the tiny random target) runs and accounts for every sample."""
+    from mlx_dflash2.train.selfinstruct import self_instruct
+
+    target, _ = tiny
+    st = self_instruct(target, TemplateTinyTok(), 2, tmp_path / "p.jsonl", max_tokens=6, batch_size=8,
+                       max_batches=2, min_words=1, progress=False)
+    assert st["sampled"] == 16 and st["kept"] + sum(st["dropped"].values()) == 16
+    assert (tmp_path / "p.jsonl").is_file()
+    with pytest.raises(ValueError, match="chat template"):
+        self_instruct(target, TinyTok(), 2, tmp_path / "q.jsonl", progress=False)

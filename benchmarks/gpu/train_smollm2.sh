@@ -2,13 +2,13 @@
 # The recipe of the SmolLM2-135M-Instruct drafters (session 5's ships in the package; benchmarks/README.md),
 # run on the lent H200 (MLX CUDA backend).
 # Stages (one device call each, back to back; the machine keeps $WORK while warm):
-#   setup | data TARBALL... | regen SECONDS | train ARCH OUTNAME (SECONDS | steps:N) | eval RUN... | bench RUN|DIR |
+#   setup | data TARBALL... | selfinstruct N | regen SECONDS | train ARCH OUTNAME (SECONDS | steps:N) | eval RUN... | bench RUN|DIR |
 #   quantize NAME | bg NAME STAGE ARGS... [--then STAGE ARGS...] (detached chain; outlives the call) |
 #   wait SECONDS NAME... | pack NAME PATH...
 # Env: SKIP (regen: prompts answered by earlier runs), TEMPS (regen temperatures), PROMPTS (regen prompt
 # file), REGEN_INTO (where regen's shards are added; default $WORK/responses), INIT (train: drafter to
 # continue from), DATA (train: responses dir; default $WORK/responses), TRAIN_ARGS (more `fit` flags, e.g.
-# "--labels target --kd-weight 1"), BENCH_ARGS (more bench_generate.py flags, e.g. --adaptive), RTD (regen target flags; default the deployed Q4_1 weights).
+# "--labels target --kd-weight 1"), REGEN_BS (selfinstruct/regen batch size), EVAL_BLOCKS (eval block sizes), EVAL_RTD (eval target flags; default RTD), BENCH_ARGS (more bench_generate.py flags, e.g. --adaptive), RTD (regen target flags; default the deployed Q4_1 weights).
 # SMOKE=1 runs every stage at toy size on any machine (CPU included) to check the pipeline.
 set -euo pipefail
 # Env: WORK (work dir, default .cache/gpu-work in the checkout: keep it outside the checkout on the device
@@ -24,9 +24,9 @@ MODEL=${MODEL:-$($PY -c "from mlx_dflash2.assets import embedded_model_path as p
 [ -n "$MODEL" ] || { echo "MODEL is not set and the embedded SmolLM2 is not installed" >&2; exit 2; }
 SMOKE=${SMOKE:-0}
 # TD: target settings for training (features); RTD: for generating responses (the deployed Q4_1 weights).
-if [ "$SMOKE" = 1 ]; then N=24; MAXT=32; BS=16; SEQ=4; ANCH=8; LAYERS=1; RANK=8; LIMIT=4; BLOCKS=4,8; MAXLEN=128
+if [ "$SMOKE" = 1 ]; then N=24; MAXT=32; SIMAXT=16; BS=16; SEQ=4; ANCH=8; LAYERS=1; RANK=8; LIMIT=4; BLOCKS=4,8; MAXLEN=128
   TD="--dtype float32 --dequantize"; RTD="$TD"
-else N=100000; MAXT=256; BS=512; SEQ=32; ANCH=64; LAYERS=4; RANK=32; LIMIT=-1; BLOCKS=4,8,16; MAXLEN=768
+else N=100000; MAXT=256; SIMAXT=128; BS=512; SEQ=32; ANCH=64; LAYERS=4; RANK=32; LIMIT=-1; BLOCKS=4,8,16; MAXLEN=768
   TD="--dtype bfloat16 --dequantize"; RTD=${RTD:-}; fi
 stage=$1; shift
 case "$stage" in
@@ -44,11 +44,18 @@ data)
   done
   ls "$W/responses" | wc -l
   ;;
+selfinstruct)
+  # selfinstruct N: the target writes N user requests (Magpie; mlx_dflash2.train self-instruct) into
+  # $W/prompts-self.jsonl (a copy goes to $OUT); answer them with PROMPTS=$W/prompts-self.jsonl TEMPS=0 regen
+  $PY -m mlx_dflash2.train self-instruct --model "$MODEL" $RTD --n "$1" --out "$W/prompts-self.jsonl" \
+      --batch-size ${REGEN_BS:-$BS} --max-tokens $SIMAXT --seed ${SEED:-0}
+  cp "$W/prompts-self.jsonl" "$OUT/"
+  ;;
 regen)
   budget=${1:-240}
   rg="regen-s${SKIP:-0}"  # one folder per slice: regen resumes a folder only with the same prompts and settings
   $PY -m mlx_dflash2.train regen --model "$MODEL" $RTD --prompts ${PROMPTS:-.cache/train/prompts.jsonl} --skip ${SKIP:-0} \
-      --limit $N --out "$W/$rg" --max-tokens $MAXT --batch-size $BS --shard-size 512 --temps ${TEMPS:-0,0.7,1.0} \
+      --limit $N --out "$W/$rg" --max-tokens $MAXT --batch-size ${REGEN_BS:-$BS} --shard-size ${REGEN_BS:-512} --temps ${TEMPS:-0,0.7,1.0} \
       --time-budget "$budget"
   into=${REGEN_INTO:-$W/responses}; mkdir -p "$into"
   for f in "$W/$rg"/shard-*.jsonl; do cp "$f" "$into/shard-s${SKIP:-0}-$(basename "$f" | cut -d- -f2)"; done
@@ -85,10 +92,11 @@ eval)
   lim=${EVAL_LIMIT:-$LIMIT}; mt=${EVAL_MAXT:-$MAXT}
   args=()
   for d in "$@"; do args+=(--drafter "$d=$W/runs/$d/drafter"); done
-  $PY -m mlx_dflash2.train eval --model "$MODEL" $RTD "${args[@]}" --block-sizes $BLOCKS --max-tokens $mt \
+  ert=${EVAL_RTD-$RTD}  # EVAL_RTD: eval's target flags when they differ from regen's (EVAL_RTD= : the deployed Q4_1)
+  $PY -m mlx_dflash2.train eval --model "$MODEL" $ert "${args[@]}" --block-sizes ${EVAL_BLOCKS:-$BLOCKS} --max-tokens $mt \
       --limit $lim --cache-dir "$W/evalcache" --out "$OUT/tau.json"
   if [ "${EVAL_LOOKUP:-1}" = 1 ]; then
-    $PY -m mlx_dflash2.train eval --model "$MODEL" $RTD --drafter "$1=$W/runs/$1/drafter" --lookup --block-sizes ${LOOKUP_BLOCKS:-$BLOCKS} \
+    $PY -m mlx_dflash2.train eval --model "$MODEL" $ert --drafter "$1=$W/runs/$1/drafter" --lookup --block-sizes ${LOOKUP_BLOCKS:-$BLOCKS} \
         --max-tokens $mt --limit $lim --cache-dir "$W/evalcache" --out "$OUT/tau-lookup.json"
   fi
   ;;
@@ -125,7 +133,7 @@ bg)
   segs+=("$cur")
   for sg in "${segs[@]}"; do
     [ -n "$sg" ] || { echo "bg: an empty stage in the chain" >&2; exit 2; }
-    case "${sg%% *}" in setup|data|regen|train|eval|bench|quantize) ;; *) echo "bg: unknown stage '${sg%% *}'" >&2; exit 2;; esac
+    case "${sg%% *}" in setup|data|selfinstruct|regen|train|eval|bench|quantize) ;; *) echo "bg: unknown stage '${sg%% *}'" >&2; exit 2;; esac
   done
   rm -rf "$W/src" && mkdir -p "$W/src"
   tar -cf - --exclude=./.gpu --exclude=./.cache --exclude=./.venv . | tar -xf - -C "$W/src"

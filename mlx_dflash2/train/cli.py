@@ -1,6 +1,7 @@
 """``mlx_dflash2.train``: build data, train / fine-tune, and evaluate drafters.
 
     mlx_dflash2.train prompts --out data/prompts.jsonl            # decontaminated training prompts
+    mlx_dflash2.train self-instruct --n 10000 --out data/self.jsonl  # (optional) the target writes requests too
     mlx_dflash2.train regen   --prompts data/prompts.jsonl --out data/responses   # target answers them
     mlx_dflash2.train fit     --data data/responses --out runs/d2 [--init DRAFTER] [--steps N]
     mlx_dflash2.train eval    --drafter runs/d2/drafter [--sets humaneval,mtbench,gsm8k] [--block-sizes 4,8,16]
@@ -126,6 +127,15 @@ def main(argv=None) -> int:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--time-budget", type=float, default=None, help="stop between shards after this many seconds")
 
+    si = sub.add_parser("self-instruct", help="the target writes user requests itself (Magpie), for regen")
+    _add_target_args(si)
+    si.add_argument("--out", required=True, help="prompt file to write (JSONL; resumes from OUT.partial)")
+    si.add_argument("--n", type=int, required=True, help="requests to keep")
+    si.add_argument("--temp", type=float, default=1.0, help="sampling temperature of the requests")
+    si.add_argument("--max-tokens", type=int, default=128, help="requests not ended within this many tokens are dropped")
+    si.add_argument("--batch-size", type=int, default=512)
+    si.add_argument("--seed", type=int, default=0)
+
     f = sub.add_parser("fit", help="train or fine-tune a drafter")
     _add_target_args(f)
     for fld in fields(TrainConfig):
@@ -196,6 +206,18 @@ def main(argv=None) -> int:
                             args.temp_fraction, args.temp, seed=args.seed,
                             time_budget=args.time_budget,
                             temps=temps)
+            print(json.dumps(st))
+        elif args.cmd == "self-instruct":
+            from .selfinstruct import self_instruct
+
+            for flag, v in (("--n", args.n), ("--batch-size", args.batch_size), ("--max-tokens", args.max_tokens)):
+                if v < 1:
+                    raise ValueError(f"{flag} must be >= 1, got {v}")
+            if args.temp <= 0:
+                raise ValueError(f"--temp must be > 0 (greedy would write one request), got {args.temp}")
+            target, tok = _target(args)
+            st = self_instruct(target, tok, args.n, args.out, temp=args.temp, max_tokens=args.max_tokens,
+                               batch_size=args.batch_size, seed=args.seed)
             print(json.dumps(st))
         elif args.cmd == "fit":
             from .trainer import Trainer

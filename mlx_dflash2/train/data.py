@@ -438,7 +438,7 @@ def read_prompt_file(path: str | Path) -> list[dict]:
     or ``text`` (one user turn), or a plain text file with one prompt per line.
 
     Returns:
-        ``[{"id", "source", "messages"}]``.
+        ``[{"id", "source", "messages"}]`` (``source``: the row's own, else the file's stem).
 
     Raises:
         FileNotFoundError, ValueError: missing file or a row without a prompt.
@@ -463,8 +463,9 @@ def read_prompt_file(path: str | Path) -> list[dict]:
                     msgs = [{"role": "user", "content": r.get("prompt") or r.get("text")}]
                 else:
                     raise ValueError(f"{path}:{i + 1}: a row needs 'messages', 'prompt' or 'text'")
-                rid = str(r.get("id", f"{path.stem}-{i}")) if isinstance(r, dict) else f"{path.stem}-{i}"
+                rid = str(r.get("id", f"{path.stem}-{i}"))
+                src = r["source"] if isinstance(r.get("source"), str) else path.stem
             else:
-                msgs, rid = [{"role": "user", "content": line}], f"{path.stem}-{i}"
-            rows.append({"id": rid, "source": path.stem, "messages": msgs})
+                msgs, rid, src = [{"role": "user", "content": line}], f"{path.stem}-{i}", path.stem
+            rows.append({"id": rid, "source": src, "messages": msgs})
     return rows

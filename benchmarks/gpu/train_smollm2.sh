@@ -47,18 +47,21 @@ data)
 selfinstruct)
   # selfinstruct N: the target writes N user requests (Magpie; mlx_dflash2.train self-instruct) into
   # $W/prompts-self.jsonl (a copy goes to $OUT); answer them with PROMPTS=$W/prompts-self.jsonl TEMPS=0 regen
-  $PY -m mlx_dflash2.train self-instruct --model "$MODEL" $RTD --n "$1" --out "$W/prompts-self.jsonl" \
+  # (SEED=K: other requests, written to $W/prompts-self-sK.jsonl)
+  sf="$W/prompts-self${SEED:+-s$SEED}.jsonl"
+  $PY -m mlx_dflash2.train self-instruct --model "$MODEL" $RTD --n "$1" --out "$sf" \
       --batch-size ${REGEN_BS:-$BS} --max-tokens $SIMAXT --seed ${SEED:-0}
-  cp "$W/prompts-self.jsonl" "$OUT/"
+  cp "$sf" "$OUT/"
   ;;
 regen)
   budget=${1:-240}
-  rg="regen-s${SKIP:-0}"  # one folder per slice: regen resumes a folder only with the same prompts and settings
+  # one folder per slice (REGEN_TAG names it; default s$SKIP): regen resumes a folder only with the same prompts and settings
+  rg="regen-${REGEN_TAG:-s${SKIP:-0}}"
   $PY -m mlx_dflash2.train regen --model "$MODEL" $RTD --prompts ${PROMPTS:-.cache/train/prompts.jsonl} --skip ${SKIP:-0} \
       --limit $N --out "$W/$rg" --max-tokens $MAXT --batch-size ${REGEN_BS:-$BS} --shard-size ${REGEN_BS:-512} --temps ${TEMPS:-0,0.7,1.0} \
       --time-budget "$budget"
   into=${REGEN_INTO:-$W/responses}; mkdir -p "$into"
-  for f in "$W/$rg"/shard-*.jsonl; do cp "$f" "$into/shard-s${SKIP:-0}-$(basename "$f" | cut -d- -f2)"; done
+  for f in "$W/$rg"/shard-*.jsonl; do cp "$f" "$into/shard-${REGEN_TAG:-s${SKIP:-0}}-$(basename "$f" | cut -d- -f2)"; done
   $PY - "$into" <<'PYEOF'
 import sys, json, glob
 rows = [json.loads(l) for f in sorted(glob.glob(sys.argv[1] + "/shard-*.jsonl")) for l in open(f)]

@@ -564,7 +564,7 @@ def test_self_instruct_filters_dedupes_decontaminates_and_resumes(tiny, tmp_path
     full = si.self_instruct(target, tok, 9, tmp_path / "a.jsonl", batch_size=4, progress=False, seed=3)
     rows = [json.loads(x) for x in (tmp_path / "a.jsonl").read_text().splitlines()]
     assert full["kept"] == len(rows) == 9 and not (tmp_path / "a.jsonl.partial").exists()
-    assert full["batches"] == 4 and full["sampled"] == 16
+    assert full["batches"] == 4 and full["sampled"] == 16 == 9 + sum(full["dropped"].values()) + full["surplus"]
     contents = [r["messages"][0]["content"] for r in rows]
     assert contents == valid[:9]
     assert full["dropped"] == {"unfinished": 1, "short": 1, "long": 0, "template": 0, "duplicate": 3,
@@ -580,19 +580,48 @@ def test_self_instruct_filters_dedupes_decontaminates_and_resumes(tiny, tmp_path
     with pytest.raises(ValueError, match="other settings"):
         si.self_instruct(target, tok, 9, tmp_path / "b.jsonl", batch_size=4, progress=False, seed=4)
     state.update(crash_at=None)
+    part = tmp_path / "b.jsonl.partial"
+    part.write_text(part.read_text() + '{"batch": 2, "rows": [{"id"')  # a killed append leaves a cut line
     again = si.self_instruct(target, tok, 9, tmp_path / "b.jsonl", batch_size=4, progress=False, seed=3)
     assert again["resumed_batches"] == 2 and again["dropped"] == full["dropped"]
     assert (tmp_path / "b.jsonl").read_text() == (tmp_path / "a.jsonl").read_text()
 
+    # requests of --exclude files count as seen; a foreign partial file is refused by name
+    state.update(row=0)
+    ex = si.self_instruct(target, tok, 1, tmp_path / "c.jsonl", batch_size=4, progress=False, seed=3,
+                          exclude=[tmp_path / "a.jsonl"], max_batches=8)
+    got = [json.loads(x)["messages"][0]["content"] for x in (tmp_path / "c.jsonl").read_text().splitlines()]
+    assert got == [valid[9]] and ex["dropped"]["duplicate"] >= 2 + 9  # the pool's own two and a.jsonl's nine
+    (tmp_path / "d.jsonl.partial").write_text("[1, 2]\n")
+    with pytest.raises(ValueError, match="not a self-instruct partial"):
+        si.self_instruct(target, tok, 5, tmp_path / "d.jsonl", batch_size=4, progress=False)
 
-def test_self_instruct_runs_on_a_real_decode(tiny, tmp_path):
-    """The unscripted path (batched sampling on the tiny random target) runs and accounts for every sample."""
-    from mlx_dflash2.train.selfinstruct import self_instruct
+
+def test_self_instruct_runs_on_a_real_decode_and_refuses_a_short_run(tiny, tmp_path):
+    """The unscripted path (batched sampling on the tiny random target) runs; a run that cannot keep --n
+    requests in its batches writes no output, keeps its partial file and continues when given more
+    batches; bad settings are refused before anything is loaded or written."""
+    from mlx_dflash2.train.selfinstruct import check_self_instruct_args, self_instruct
 
     target, _ = tiny
-    st = self_instruct(target, TemplateTinyTok(), 2, tmp_path / "p.jsonl", max_tokens=6, batch_size=8,
-                       max_batches=2, min_words=1, progress=False)
-    assert st["sampled"] == 16 and st["kept"] + sum(st["dropped"].values()) == 16
-    assert (tmp_path / "p.jsonl").is_file()
+    out = tmp_path / "p.jsonl"
+    with pytest.raises(ValueError, match="kept .* of 1000 requests after 2 batches"):
+        self_instruct(target, TemplateTinyTok(), 1000, out, max_tokens=6, batch_size=8, max_batches=2,
+                      min_words=1, progress=False)
+    assert not out.exists() and len((tmp_path / "p.jsonl.partial").read_text().splitlines()) == 3
+    with pytest.raises(ValueError, match="after 3 batches"):
+        self_instruct(target, TemplateTinyTok(), 1000, out, max_tokens=6, batch_size=8, max_batches=3,
+                      min_words=1, progress=False)
+    assert len((tmp_path / "p.jsonl.partial").read_text().splitlines()) == 4  # one more batch, not three
     with pytest.raises(ValueError, match="chat template"):
         self_instruct(target, TinyTok(), 2, tmp_path / "q.jsonl", progress=False)
+    for bad, match in ((dict(seed=-1), "seed"), (dict(temp=float("nan")), "temp"), (dict(temp=0.0), "temp"),
+                       (dict(n=0), "n "), (dict(max_batches=0), "max_batches")):
+        args = dict(out=tmp_path / "r.jsonl", n=2, batch_size=4, max_tokens=8, max_batches=None, seed=0, temp=1.0)
+        args.update(bad)
+        with pytest.raises(ValueError, match=match):
+            check_self_instruct_args(**args)
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ValueError, match="is a file"):
+        check_self_instruct_args(tmp_path / "f" / "x" / "r.jsonl", 2, 4, 8, None, 0, 1.0)
+    assert not (tmp_path / "r.jsonl").exists()

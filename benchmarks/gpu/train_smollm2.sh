@@ -8,7 +8,7 @@
 # Env: SKIP (regen: prompts answered by earlier runs), TEMPS (regen temperatures), PROMPTS (regen prompt
 # file), REGEN_INTO (where regen's shards are added; default $WORK/responses), INIT (train: drafter to
 # continue from), DATA (train: responses dir; default $WORK/responses), TRAIN_ARGS (more `fit` flags, e.g.
-# "--labels target --kd-weight 1"), REGEN_BS (selfinstruct/regen batch size), EVAL_BLOCKS (eval block sizes), EVAL_RTD (eval target flags; default RTD), BENCH_ARGS (more bench_generate.py flags, e.g. --adaptive), RTD (regen target flags; default the deployed Q4_1 weights).
+# "--labels target --kd-weight 1"), REGEN_BS (selfinstruct/regen batch size; also regen's shard size), EVAL_BLOCKS (eval block sizes), EVAL_RTD (eval target flags; default RTD), BENCH_ARGS (more bench_generate.py flags, e.g. --adaptive), RTD (regen target flags; default the deployed Q4_1 weights).
 # SMOKE=1 runs every stage at toy size on any machine (CPU included) to check the pipeline.
 set -euo pipefail
 # Env: WORK (work dir, default .cache/gpu-work in the checkout: keep it outside the checkout on the device
@@ -46,17 +46,20 @@ data)
   ;;
 selfinstruct)
   # selfinstruct N: the target writes N user requests (Magpie; mlx_dflash2.train self-instruct) into
-  # $W/prompts-self.jsonl (a copy goes to $OUT); answer them with PROMPTS=$W/prompts-self.jsonl TEMPS=0 regen
-  # (SEED=K: other requests, written to $W/prompts-self-sK.jsonl)
-  sf="$W/prompts-self${SEED:+-s$SEED}.jsonl"
+  # $W/prompts-self.jsonl (a copy goes to $OUT); answer them with PROMPTS=$W/prompts-self.jsonl TEMPS=0
+  # REGEN_TAG=self regen SECONDS. SEED=K (K > 0): other requests, in $W/prompts-self-sK.jsonl, deduplicated
+  # against the earlier prompts-self*.jsonl there
+  sf="$W/prompts-self$([ "${SEED:-0}" != 0 ] && echo "-s$SEED").jsonl"
+  ex=(); for f in "$W"/prompts-self*.jsonl; do [ -e "$f" ] && [ "$f" != "$sf" ] && ex+=(--exclude "$f"); done
   $PY -m mlx_dflash2.train self-instruct --model "$MODEL" $RTD --n "$1" --out "$sf" \
-      --batch-size ${REGEN_BS:-$BS} --max-tokens $SIMAXT --seed ${SEED:-0}
+      --batch-size ${REGEN_BS:-$BS} --max-tokens $SIMAXT --seed ${SEED:-0} "${ex[@]}"
   cp "$sf" "$OUT/"
   ;;
 regen)
   budget=${1:-240}
   # one folder per slice (REGEN_TAG names it; default s$SKIP): regen resumes a folder only with the same prompts and settings
   rg="regen-${REGEN_TAG:-s${SKIP:-0}}"
+  case "$rg" in */*) echo "REGEN_TAG must not hold a '/'" >&2; exit 2;; esac
   $PY -m mlx_dflash2.train regen --model "$MODEL" $RTD --prompts ${PROMPTS:-.cache/train/prompts.jsonl} --skip ${SKIP:-0} \
       --limit $N --out "$W/$rg" --max-tokens $MAXT --batch-size ${REGEN_BS:-$BS} --shard-size ${REGEN_BS:-512} --temps ${TEMPS:-0,0.7,1.0} \
       --time-budget "$budget"
@@ -99,7 +102,7 @@ eval)
   $PY -m mlx_dflash2.train eval --model "$MODEL" $ert "${args[@]}" --block-sizes ${EVAL_BLOCKS:-$BLOCKS} --max-tokens $mt \
       --limit $lim --cache-dir "$W/evalcache" --out "$OUT/tau.json"
   if [ "${EVAL_LOOKUP:-1}" = 1 ]; then
-    $PY -m mlx_dflash2.train eval --model "$MODEL" $ert --drafter "$1=$W/runs/$1/drafter" --lookup --block-sizes ${LOOKUP_BLOCKS:-$BLOCKS} \
+    $PY -m mlx_dflash2.train eval --model "$MODEL" $ert --drafter "$1=$W/runs/$1/drafter" --lookup --block-sizes ${LOOKUP_BLOCKS:-${EVAL_BLOCKS:-$BLOCKS}} \
         --max-tokens $mt --limit $lim --cache-dir "$W/evalcache" --out "$OUT/tau-lookup.json"
   fi
   ;;

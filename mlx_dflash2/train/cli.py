@@ -134,6 +134,11 @@ def main(argv=None) -> int:
     si.add_argument("--temp", type=float, default=1.0, help="sampling temperature of the requests")
     si.add_argument("--max-tokens", type=int, default=128, help="requests not ended within this many tokens are dropped")
     si.add_argument("--batch-size", type=int, default=512)
+    si.add_argument("--max-batches", type=int, default=None,
+                    help="stop after this many batches (default: enough if a quarter of the samples are kept); "
+                    "a run short of --n keeps OUT.partial, and rerunning with more batches continues it")
+    si.add_argument("--exclude", action="append", default=[],
+                    help="prompt file whose requests count as seen (repeatable), e.g. an earlier seed's output")
     si.add_argument("--seed", type=int, default=0)
 
     f = sub.add_parser("fit", help="train or fine-tune a drafter")
@@ -208,16 +213,21 @@ def main(argv=None) -> int:
                             temps=temps)
             print(json.dumps(st))
         elif args.cmd == "self-instruct":
-            from .selfinstruct import self_instruct
+            from .selfinstruct import check_self_instruct_args, self_instruct
 
-            for flag, v in (("--n", args.n), ("--batch-size", args.batch_size), ("--max-tokens", args.max_tokens)):
-                if v < 1:
-                    raise ValueError(f"{flag} must be >= 1, got {v}")
-            if args.temp <= 0:
-                raise ValueError(f"--temp must be > 0 (greedy would write one request), got {args.temp}")
+            check_self_instruct_args(args.out, args.n, args.batch_size, args.max_tokens, args.max_batches, args.seed,
+                                     args.temp)  # before loading
+            for f in args.exclude:
+                if not Path(f).is_file():
+                    raise FileNotFoundError(f"--exclude {f}: no such file")
             target, tok = _target(args)
-            st = self_instruct(target, tok, args.n, args.out, temp=args.temp, max_tokens=args.max_tokens,
-                               batch_size=args.batch_size, seed=args.seed)
+            try:
+                st = self_instruct(target, tok, args.n, args.out, temp=args.temp, max_tokens=args.max_tokens,
+                                   batch_size=args.batch_size, max_batches=args.max_batches, seed=args.seed,
+                                   exclude=args.exclude)
+            except KeyboardInterrupt:
+                print(f"\ninterrupted; rerun the same command to resume from {args.out}.partial", file=sys.stderr)
+                return 130
             print(json.dumps(st))
         elif args.cmd == "fit":
             from .trainer import Trainer

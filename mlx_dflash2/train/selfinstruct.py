@@ -16,14 +16,16 @@ kinds of request are spread wider than what it writes unprompted.
 Requests are sampled in batches with :func:`~.regen.batched_decode`; a request
 is kept when the target ended it (EOS) within ``max_tokens``, it has at least
 ``min_words`` words, contains no chat-template marker, is not a duplicate
-(case and punctuation ignored) and passes decontamination. Each finished batch
-is appended to ``OUT.partial``, so an interrupted run resumes at the next
-batch; the final file is written atomically.
+(case and punctuation ignored, also against the ``exclude`` prompt files, e.g. the output of an
+earlier seed) and passes decontamination. Each finished batch is appended to
+``OUT.partial``, so an interrupted run resumes at the next batch; the final
+file is written atomically, and only once ``n`` requests are kept.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
@@ -36,7 +38,7 @@ import mlx.core as mx
 from .data import Decontaminator
 from .regen import batched_decode
 
-__all__ = ["STARTERS", "self_instruct", "user_turn_prefix"]
+__all__ = ["STARTERS", "check_self_instruct_args", "self_instruct", "user_turn_prefix"]
 
 # Opening words by task kind, with the share of requests that get one ("open": none, plain Magpie).
 STARTERS: dict[str, tuple[float, tuple[str, ...]]] = {
@@ -96,6 +98,31 @@ def _plan(n_batches: int, batch_size: int, seed: int) -> list[list[tuple[str, st
     return plan
 
 
+def check_self_instruct_args(out, n: int, batch_size: int, max_tokens: int, max_batches: int | None, seed: int,
+                             temp: float) -> None:
+    """Validate :func:`self_instruct`'s settings before anything is loaded or written.
+
+    Raises:
+        ValueError: a count below 1, a negative seed, a temperature that is not a
+            positive number, or ``out`` a directory or under a file.
+    """
+    for flag, v in (("n", n), ("batch_size", batch_size), ("max_tokens", max_tokens), ("max_batches", max_batches)):
+        if v is not None and v < 1:
+            raise ValueError(f"{flag} (--{flag.replace('_', '-')}) must be >= 1, got {v}")
+    if seed < 0:
+        raise ValueError(f"seed (--seed) must be >= 0, got {seed}")
+    if not (math.isfinite(temp) and temp > 0):
+        raise ValueError(f"temp (--temp) must be a number > 0 (greedy would write one request), got {temp}")
+    out = Path(out)
+    if out.is_dir():
+        raise ValueError(f"{out} is a directory, not a file")
+    up = out.parent
+    while not up.exists() and up != up.parent:
+        up = up.parent
+    if not up.is_dir():
+        raise ValueError(f"{up} is a file, so {out} cannot be written")
+
+
 def self_instruct(
     target,
     tokenizer,
@@ -108,6 +135,7 @@ def self_instruct(
     max_chars: int = 2000,
     max_batches: int | None = None,
     seed: int = 0,
+    exclude: list[str | Path] = (),
     progress: bool = True,
 ) -> dict:
     """Have the target write ``n`` user requests; save them as a prompt file for ``regen``.
@@ -122,45 +150,47 @@ def self_instruct(
         max_tokens: a request the target has not ended within this many tokens is dropped.
         batch_size: requests sampled together.
         min_words, max_chars: shorter / longer requests are dropped.
-        max_batches: give up after this many batches (default: enough for
-            ``n`` if a quarter of the samples were kept).
-        seed: seeds the openings and ``mx.random`` per batch.
+        max_batches: stop after this many batches (default: enough for
+            ``n`` if a quarter of the samples were kept). A run that stops
+            short of ``n`` keeps ``OUT.partial`` and raises; rerunning with a
+            larger ``max_batches`` continues it.
+        seed: seeds the openings and ``mx.random`` per batch (>= 0).
+        exclude: prompt files (any :func:`~.data.read_prompt_file` format)
+            whose requests count as already seen.
 
     Returns:
-        ``{"kept", "sampled", "batches", "dropped": {reason: count}, "by_kind", "seconds", "resumed_batches"}``.
+        ``{"kept", "sampled", "batches", "dropped": {reason: count}, "surplus",
+        "by_kind", "seconds", "resumed_batches"}``; ``sampled`` = ``kept`` +
+        the dropped counts + ``surplus`` (requests of the last batch past ``n``).
 
     Raises:
-        ValueError: ``n``/``batch_size``/``max_tokens`` below 1, ``out`` a
-            directory, a tokenizer without a usable chat template, or a
-            ``OUT.partial`` from other settings.
+        ValueError: ``n``/``batch_size``/``max_tokens``/``max_batches`` below 1,
+            a negative seed, a temperature that is not a positive number, ``out``
+            a directory or under a file, a tokenizer without a usable chat
+            template, an ``OUT.partial`` from other settings or target (or not
+            one of ours), or fewer than ``n`` requests kept after ``max_batches``.
     """
     from tqdm import tqdm
 
-    for flag, v in (("n", n), ("batch_size", batch_size), ("max_tokens", max_tokens)):
-        if v < 1:
-            raise ValueError(f"{flag} must be >= 1, got {v}")
+    from .data import read_prompt_file
+    from .evaluate import target_fingerprint
+
+    check_self_instruct_args(out, n, batch_size, max_tokens, max_batches, seed, temp)
     out = Path(out)
-    if out.is_dir():
-        raise ValueError(f"{out} is a directory, not a file")
     prefix = user_turn_prefix(tokenizer)
     eos = set(int(e) for e in tokenizer.eos_token_ids)
     if max_batches is None:
         max_batches = max(1, -(-4 * n // batch_size))
     plan = _plan(max_batches, batch_size, seed)
     meta = {"n": n, "temp": temp, "max_tokens": max_tokens, "batch_size": batch_size, "min_words": min_words,
-            "max_chars": max_chars, "seed": seed, "prefix": prefix}
+            "max_chars": max_chars, "seed": seed, "prefix": prefix, "target": target_fingerprint(target)}
     partial = out.with_name(out.name + ".partial")
-    done: list[dict] = []  # one record per finished batch
-    if partial.is_file():
-        lines = [json.loads(x) for x in partial.read_text().splitlines() if x.strip()]
-        if not lines or lines[0].get("meta") != meta:
-            raise ValueError(f"{partial} was made with other settings; delete it (or use another --out)")
-        done = lines[1:]
-    else:
+    done = _read_partial(partial, meta)  # one record per finished batch
+    if not partial.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         partial.write_text(json.dumps({"meta": meta}) + "\n")
     dec = Decontaminator()
-    seen: set[str] = set()
+    seen: set[str] = {_norm(m["content"]) for f in exclude for r in read_prompt_file(f) for m in r["messages"][:1]}
     kept: list[dict] = []
     dropped = {"unfinished": 0, "short": 0, "long": 0, "template": 0, "duplicate": 0, "contaminated": 0}
     sampled = 0
@@ -206,6 +236,11 @@ def self_instruct(
         bar.update(min(len(kept), n) - bar.n)
         b += 1
     bar.close()
+    if len(kept) < n:
+        raise ValueError(f"kept {len(kept)} of {n} requests after {b} batches (dropped: "
+                         + ", ".join(f"{k} {v}" for k, v in dropped.items() if v)
+                         + f"); {partial} is kept: rerun with a larger max_batches (--max-batches) to continue")
+    surplus = len(kept) - n
     kept = kept[:n]
     tmp = out.with_name(out.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
@@ -218,4 +253,31 @@ def self_instruct(
         k = r["source"].split(":", 1)[1]
         by_kind[k] = by_kind.get(k, 0) + 1
     return {"kept": len(kept), "sampled": sampled, "batches": b, "resumed_batches": len(done), "dropped": dropped,
-            "by_kind": by_kind, "seconds": time.perf_counter() - tic}
+            "surplus": surplus, "by_kind": by_kind, "seconds": time.perf_counter() - tic}
+
+
+def _read_partial(partial: Path, meta: dict) -> list[dict]:
+    """The finished batches of an earlier run with the same settings (a cut last line, as a killed
+    run can leave, is dropped and rewritten later).
+
+    Raises:
+        ValueError: not a self-instruct partial file, or one from other settings or another target.
+    """
+    if not partial.is_file():
+        return []
+    lines = partial.read_text(encoding="utf-8").splitlines(keepends=True)
+    recs = []
+    for i, line in enumerate(lines):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            if i == len(lines) - 1 and not line.endswith("\n") and i > 0:  # a cut last append
+                partial.write_text("".join(lines[:-1]), encoding="utf-8")
+                break
+            raise ValueError(f"{partial}:{i + 1}: not valid JSON; delete the file to start over") from None
+        if not isinstance(rec, dict) or (i == 0 and "meta" not in rec) or (i > 0 and "rows" not in rec):
+            raise ValueError(f"{partial}:{i + 1}: not a self-instruct partial file; delete it to start over")
+        recs.append(rec)
+    if not recs or recs[0]["meta"] != meta:
+        raise ValueError(f"{partial} was made with other settings or another target; delete it (or use another --out)")
+    return recs[1:]

@@ -28,7 +28,6 @@ import json
 import math
 import os
 import random
-import re
 import sys
 import time
 from pathlib import Path
@@ -79,8 +78,7 @@ def user_turn_prefix(tokenizer) -> str:
     return text[: text.index(_PLACEHOLDER)]
 
 
-def _norm(text: str) -> str:
-    return " ".join(re.findall(r"\w+", text.lower()))
+_norm = Decontaminator._norm  # the dedupe key: lower-case words, punctuation ignored
 
 
 def _plan(n_batches: int, batch_size: int, seed: int) -> list[list[tuple[str, str]]]:
@@ -194,13 +192,17 @@ def self_instruct(
     kept: list[dict] = []
     dropped = {"unfinished": 0, "short": 0, "long": 0, "template": 0, "duplicate": 0, "contaminated": 0}
     sampled = 0
-    for rec in done:
-        for r in rec["rows"]:
-            seen.add(_norm(r["messages"][0]["content"]))
+
+    def absorb(rec: dict) -> None:  # one finished batch (resumed or new) into the run's totals
+        nonlocal sampled
         kept.extend(rec["rows"])
         sampled += rec["sampled"]
         for k, v in rec["dropped"].items():
             dropped[k] += v
+
+    for rec in done:
+        seen.update(_norm(r["messages"][0]["content"]) for r in rec["rows"])
+        absorb(rec)
     markers = [t for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<s>", "</s>", "[INST]") if t in prefix]
     tic = time.perf_counter()
     bar = tqdm(total=n, initial=min(len(kept), n), desc="self-instruct", unit="request", disable=not progress,
@@ -229,10 +231,7 @@ def self_instruct(
                                 "messages": [{"role": "user", "content": text}]})
         with open(partial, "a", encoding="utf-8") as f:
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-        kept.extend(rec["rows"])
-        sampled += rec["sampled"]
-        for k, v in rec["dropped"].items():
-            dropped[k] += v
+        absorb(rec)
         bar.update(min(len(kept), n) - bar.n)
         b += 1
     bar.close()

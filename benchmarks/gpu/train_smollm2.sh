@@ -43,12 +43,29 @@ data)
     for f in "$tmp"/responses/shard-*.jsonl; do mv "$f" "$W/responses/shard-r$i-$(basename "$f" | cut -d- -f2)"; done
   done
   ls "$W/responses" | wc -l
+  # the self-instruct requests these responses answer, as a prompt file: selfinstruct's --exclude reads it
+  $PY - "$MODEL" "$W/responses" "$W/prompts-self-data.jsonl" <<'PYEOF'
+import sys, json, glob
+from mlx_dflash2.loading import load_target
+_, tok, _ = load_target(sys.argv[1])
+n = 0
+with open(sys.argv[3], "w") as fo:
+    for f in sorted(glob.glob(sys.argv[2] + "/shard-*.jsonl")):
+        for line in open(f):
+            r = json.loads(line)
+            if str(r.get("source", "")).startswith("self-instruct"):
+                text = tok.decode(r["prompt_ids"])  # ChatML: the last user turn of the prompt
+                user = text.rsplit("<|im_start|>user\n", 1)[-1].split("<|im_end|>", 1)[0]
+                fo.write(json.dumps({"id": r["id"], "source": r["source"], "prompt": user}) + "\n"); n += 1
+print(n, "self-instruct requests in the data ->", sys.argv[3])
+PYEOF
   ;;
 selfinstruct)
   # selfinstruct N: the target writes N user requests (Magpie; mlx_dflash2.train self-instruct) into
   # $W/prompts-self.jsonl (a copy goes to $OUT); answer them with PROMPTS=$W/prompts-self.jsonl TEMPS=0
   # REGEN_TAG=self regen SECONDS. SEED=K (K > 0): other requests, in $W/prompts-self-sK.jsonl, deduplicated
-  # against the earlier prompts-self*.jsonl there
+  # against the earlier prompts-self*.jsonl there (the data stage writes prompts-self-data.jsonl: the requests
+  # of the unpacked responses)
   sf="$W/prompts-self$([ "${SEED:-0}" != 0 ] && echo "-s$SEED").jsonl"
   ex=(); for f in "$W"/prompts-self*.jsonl; do [ -e "$f" ] && [ "$f" != "$sf" ] && ex+=(--exclude "$f"); done
   $PY -m mlx_dflash2.train self-instruct --model "$MODEL" $RTD --n "$1" --out "$sf" \

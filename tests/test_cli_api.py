@@ -67,6 +67,7 @@ def test_cli_errors_are_clean(args, msg):
     assert msg in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow  # ~40 s; the CLI's generate path is covered by the other CLI tests
 def test_drafter_cli_init_then_generate(tmp_path):
     out = tmp_path / "drafter"
     r = cli("init", "--out", str(out), "--layers", "1", "--block-size", "4", "--selector-rank", "8",

@@ -93,7 +93,7 @@ def test_scripted_rejection_at_every_offset_f32(smol_f32, refs, name, B):
     assert sess.feature_rows == sess.committed
 
 
-@pytest.mark.parametrize("B", [4, 8])
+@pytest.mark.parametrize("B", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_quantized_diverges_only_at_near_ties(smol_q, B):
     """Q4_1 target: speculative == plain except possibly at a near-tie of plain's top-2 logits."""
     target, tok = smol_q

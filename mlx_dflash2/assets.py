@@ -68,6 +68,15 @@ def is_embedded_name(name: str) -> bool:
     return name.lower() in _EMBEDDED
 
 
+def file_sha256(path: str | Path) -> str:
+    """Hex sha256 of the file at ``path``, read in 4 MiB chunks. Raises OSError."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def embedded_name_of(path: str | Path) -> str | None:
     """The embedded model that the file at ``path`` is a byte-identical copy of, if any.
 
@@ -83,13 +92,8 @@ def embedded_name_of(path: str | Path) -> str | None:
     try:
         size = p.stat().st_size if p.is_file() else -1
         for name, (_, _, want_size, want_sha) in _EMBEDDED.items():
-            if size == want_size:
-                h = hashlib.sha256()
-                with open(p, "rb") as f:
-                    for chunk in iter(lambda: f.read(1 << 22), b""):
-                        h.update(chunk)
-                if h.hexdigest() == want_sha:
-                    return name
+            if size == want_size and file_sha256(p) == want_sha:
+                return name
     except OSError:
         return None
     return None

@@ -233,12 +233,7 @@ def test_a_copy_of_the_embedded_gguf_gets_the_shipped_drafter(tmp_path, monkeypa
 
     real = assets.embedded_model_path()
     dist, fname, size, sha = assets._EMBEDDED[assets.DEFAULT_MODEL]
-    assert real.stat().st_size == size
-    h = hashlib.sha256()
-    with open(real, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    assert h.hexdigest() == sha
+    assert real.stat().st_size == size and assets.file_sha256(real) == sha
     copy, other, short = tmp_path / "copy.gguf", tmp_path / "other.gguf", tmp_path / "short.gguf"
     copy.write_bytes(b"GGUF" + bytes(60))
     other.write_bytes(b"GGUF" + bytes(59) + b"x")

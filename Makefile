@@ -1,5 +1,5 @@
 # Two commands do all the set-up on a fresh machine:
-#   make demo   # speculative generation on the embedded SmolLM2-135M-Instruct
+#   make demo   # speculative generation on the embedded SmolLM2-135M-Instruct (+ stats, speedup over plain)
 #   make test   # the test suite (fast subset; `make test-all` adds the slow tests)
 PROMPT ?= Explain in three sentences why the sky is blue.
 ARGS ?=
@@ -10,7 +10,7 @@ setup:
 	@bash scripts/setup.sh
 
 demo: setup
-	@scripts/run python -m mlx_dflash2.generate --prompt "$(PROMPT)" --max-tokens 128 --verbose $(ARGS)
+	@scripts/run python -m mlx_dflash2.generate --prompt "$(PROMPT)" --max-tokens 128 --verbose --compare $(ARGS)
 
 test: setup
 	@scripts/run python -m pytest -q $(ARGS)

@@ -38,6 +38,7 @@ def hwm():  # peak RSS of this process image, MiB (ru_maxrss would include the p
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
 t0 = time.perf_counter()
+import mlx_dflash2  # noqa: F401,E402  (before MLX: loads the optimized OpenBLAS, mlx_dflash2/_blas.py)
 import mlx.core as mx, mlx_lm  # noqa
 from mlx_dflash2.convert import convert, parse_override
 base = hwm()

@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import mlx_dflash2  # noqa: F401,E402  (before MLX: loads the optimized OpenBLAS, mlx_dflash2/_blas.py)
 import mlx.core as mx
 import numpy as np
 

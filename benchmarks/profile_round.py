@@ -33,6 +33,7 @@ import statistics
 import time
 from pathlib import Path
 
+import mlx_dflash2  # noqa: F401,E402  (before MLX: loads the optimized OpenBLAS, mlx_dflash2/_blas.py)
 import mlx.core as mx
 
 from mlx_dflash2.loading import load_target, make_proposer

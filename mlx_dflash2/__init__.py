@@ -10,6 +10,11 @@ import os as _os
 _os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 _os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+# Before anything loads MLX: its Linux CPU wheel's reference BLAS is ~20x slower than OpenBLAS.
+from ._blas import preload as _preload_blas  # noqa: E402
+
+_preload_blas()
+
 from ._version import __version__  # noqa: E402
 from .api import GenerationResponse, generate, stream_generate  # noqa: E402
 from .loading import SpeculativeModel, load  # noqa: E402

@@ -297,7 +297,9 @@ def generate(model: SpeculativeModel, tokenizer, prompt, verbose: bool = False, 
     return _consume(stream_generate(model, tokenizer, prompt, **kwargs), echo=verbose, show_stats=verbose)
 
 
-def _consume(responses, echo: bool, show_stats: bool) -> str:
+def _consume(responses, echo: bool, show_stats: bool, return_stats: bool = False):
+    """Join the responses' text, printing it (``echo``) and the statistics (``show_stats``) as it goes;
+    returns the text, or ``(text, SpecStats)`` with ``return_stats``."""
     text = ""
     last = None
     for last in responses:
@@ -310,4 +312,6 @@ def _consume(responses, echo: bool, show_stats: bool) -> str:
         print("=" * 10)
         print(last.stats.summary())
         print(f"Peak memory: {last.peak_memory:.3f} GB")
+    if return_stats:
+        return text, (last.stats if last is not None else SpecStats())
     return text

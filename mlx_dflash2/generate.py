@@ -13,7 +13,7 @@ import sys
 
 from .api import GenerationResponse, _consume, generate, stream_generate
 from .sampling import SamplingParams
-from .loading import ADAPTIVE_HELP, DRAFT_CONFIDENCE_HELP, DRAFTER_HELP, draft_confidence_arg, load
+from .loading import ADAPTIVE_HELP, DRAFT_CONFIDENCE_HELP, DRAFTER_HELP, check_block_size, draft_confidence_arg, load
 
 __all__ = ["main", "generate", "stream_generate", "GenerationResponse"]
 
@@ -46,8 +46,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--repetition-context-size", type=int, default=20, help="tokens the penalty looks back on")
     p.add_argument("--seed", type=int, default=None, help="random seed (reproducible sampling)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--chat-template-args", type=json.loads, default={},
-                   help='JSON of extra chat template arguments, e.g. \'{"enable_thinking": false}\'')
+    p.add_argument("--chat-template-args", type=_json_object, default={},
+                   help='JSON object of extra chat template arguments, e.g. \'{"enable_thinking": false}\'')
     p.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
                    help="dtype of non-packed weights/scales (auto: float32 on CPU)")
@@ -56,7 +56,45 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    "the CPU backend for a target of at most 2 GiB dense, where quantized matmuls are slow)")
     p.add_argument("--prefill-step-size", type=int, default=2048, help="prompt chunk size")
     p.add_argument("--verbose", action="store_true", help="print the statistics after the text")
+    p.add_argument("--compare", action="store_true",
+                   help="then decode the same prompt plainly (no drafter, same settings) and print both speeds, "
+                   "the speedup and whether the outputs are identical")
     return p
+
+
+def _json_object(text: str) -> dict:
+    """argparse type of ``--chat-template-args``: a JSON object.
+
+    Raises:
+        argparse.ArgumentTypeError: not JSON, or JSON that is not an object.
+    """
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg} at character {e.pos}): {text!r}; "
+                                         'expected an object such as \'{"enable_thinking": false}\'') from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object such as '{{\"enable_thinking\": false}}', "
+                                         f"got {text!r}")
+    return value
+
+
+def _check_args(args) -> None:
+    """Every flag that can be checked without the weights, before the (slow) loading.
+
+    Raises:
+        ValueError: naming the flag.
+    """
+    if args.max_tokens == 0 or args.max_tokens < -1:
+        raise ValueError("--max-tokens must be positive (or -1 for no limit)")
+    if args.block_size is not None:
+        check_block_size(args.block_size)
+    if args.prefill_step_size < 1:
+        raise ValueError(f"--prefill-step-size must be >= 1, got {args.prefill_step_size}")
+    if args.repetition_context_size < 1:
+        raise ValueError(f"--repetition-context-size must be >= 1, got {args.repetition_context_size}")
+    SamplingParams(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                   repetition_penalty=args.repetition_penalty, seed=args.seed).validate()
 
 
 def _build_prompt(args, tokenizer) -> list[int]:
@@ -74,12 +112,8 @@ def _build_prompt(args, tokenizer) -> list[int]:
 
 def main(argv=None) -> int:
     args = setup_arg_parser().parse_args(argv)
-    if args.max_tokens == 0 or args.max_tokens < -1:
-        print("error: --max-tokens must be positive (or -1 for no limit)", file=sys.stderr)
-        return 2
     try:
-        SamplingParams(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                       repetition_penalty=args.repetition_penalty, seed=args.seed).validate()
+        _check_args(args)
         model, tokenizer = load(
             args.model,
             args.drafter,
@@ -91,10 +125,7 @@ def main(argv=None) -> int:
             adaptive=args.adaptive,
         )
         prompt = _build_prompt(args, tokenizer)
-        responses = stream_generate(
-            model,
-            tokenizer,
-            prompt,
+        kwargs = dict(
             max_tokens=args.max_tokens,
             temp=args.temp,
             top_p=args.top_p,
@@ -106,11 +137,27 @@ def main(argv=None) -> int:
             stop=args.stop,
             prefill_step_size=args.prefill_step_size,
         )
-        _consume(responses, echo=True, show_stats=args.verbose)
+        text, stats = _consume(stream_generate(model, tokenizer, prompt, **kwargs), echo=True,
+                               show_stats=args.verbose, return_stats=True)
+        if args.compare:
+            print(_compare(model, tokenizer, prompt, kwargs, text, stats))
     except (NotImplementedError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _compare(model, tokenizer, prompt, kwargs, text: str, stats) -> str:
+    """Decode ``prompt`` plainly with the same settings; a line comparing speed and output."""
+    plain_text, plain = _consume(stream_generate(model, tokenizer, prompt, drafter="none", **kwargs), echo=False,
+                                 show_stats=False, return_stats=True)
+    same = "identical" if plain_text == text else "DIFFERENT"
+    if kwargs["temp"] > 0:
+        same += " (sampled: equal in distribution, not token for token)"
+    speed = f"{stats.decode_tps / plain.decode_tps:.2f}x" if plain.decode_tps > 0 and stats.decode_tps > 0 else "n/a"
+    return (f"Plain decoding (no drafter, same settings): {plain.generated_tokens} tokens, "
+            f"{plain.decode_tps:.2f} tokens-per-sec; speculative {stats.decode_tps:.2f} tokens-per-sec: "
+            f"speedup {speed}; output {same}")
 
 
 if __name__ == "__main__":

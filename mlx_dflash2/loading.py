@@ -25,7 +25,7 @@ from .drafter.model import DraftModel
 from .proposers import AdaptiveSchedule, DFlashProposer, FusedProposer, LookupProposer, Proposer, check_confidence
 from .target import TargetAdapter
 
-__all__ = ["SpeculativeModel", "load", "load_target", "make_proposer", "ModelNotFoundError"]
+__all__ = ["SpeculativeModel", "load", "load_target", "make_proposer", "check_block_size", "ModelNotFoundError"]
 
 DEFAULT_LOOKUP_BLOCK = 8
 
@@ -372,13 +372,33 @@ def load(
         ValueError: a bad block size or ``draft_confidence`` outside ``[0, 1)``;
             and what :func:`load_target` and :func:`make_proposer` raise.
     """
-    draft_confidence = check_confidence(draft_confidence)  # before the (slow) loading
+    # everything that can be checked without the weights is checked before the (slow) loading
+    draft_confidence = check_confidence(draft_confidence)
     _check_adaptive(adaptive, lookup)
+    if block_size is not None:
+        block_size = check_block_size(block_size)
     target, tokenizer, name = load_target(path_or_hf_repo, dtype=dtype, dequantize=dequantize)
     dequantize = drafter_dequantize(dequantize, target)
     proposer = make_proposer(drafter, target, tokenizer, name, lookup=lookup, dequantize=dequantize,
                              min_confidence=draft_confidence, adaptive=adaptive)
     B = block_size if block_size is not None else (proposer.block_size if proposer else 1)
-    if int(B) < 1:
-        raise ValueError(f"block size must be >= 1, got {B}")
-    return SpeculativeModel(target, proposer, int(B), name, target.config), tokenizer
+    if proposer is not None:
+        proposer.check_block_size(B)  # a note (once) for a block past the drafter's trained one
+    return SpeculativeModel(target, proposer, B, name, target.config), tokenizer
+
+
+def check_block_size(value) -> int:
+    """Validate a block size B (verify width, tokens): an integer >= 1.
+
+    Raises:
+        ValueError: anything else (``"block size must be >= 1, got ..."``).
+    """
+    import operator
+
+    try:
+        v = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        v = None
+    if v is None or v < 1:
+        raise ValueError(f"block size must be >= 1, got {value!r}")
+    return v

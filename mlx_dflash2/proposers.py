@@ -136,6 +136,14 @@ class Proposer:
     def start(self, prompt: list[int]) -> ProposerSession:
         return ProposerSession()
 
+    def check_block_size(self, block_size: int) -> str | None:
+        """A note when ``block_size`` is past what this proposer was trained for (``None``: fine).
+
+        Logged once per proposer (a ``WARNING`` of the ``mlx_dflash2`` logger) and returned, so a
+        command line can print it before generating. The output stays lossless either way.
+        """
+        return None
+
 
 # ----------------------------------------------------------------------------
 # DFlash / DFlash2 drafter
@@ -182,6 +190,16 @@ class DFlashProposer(Proposer):
     def start(self, prompt: list[int]) -> "_DFlashSession":
         return _DFlashSession(self)
 
+    def check_block_size(self, block_size):
+        if block_size <= self.block_size:
+            return None
+        note = (f"block size {block_size} exceeds the drafter's trained block size {self.block_size}: output stays "
+                "lossless, but slots past the trained block are rarely accepted and cost verify time")
+        if not self._warned_block:
+            self._warned_block = True
+            logger.warning(note)
+        return note
+
 
 class _DFlashSession(ProposerSession):
     def __init__(self, p: DFlashProposer):
@@ -211,12 +229,6 @@ class _DFlashSession(ProposerSession):
             return Proposal.empty()
         p, model = self.p, self.p.model
         cfg = model.config
-        if n + 1 > self.block_size and not p._warned_block:
-            p._warned_block = True
-            logger.warning(
-                "block size %d exceeds the drafter's trained block size %d: output stays lossless, but slots "
-                "past the trained block are rarely accepted and cost verify time", n + 1, self.block_size
-            )
         B = max(self.block_size, n + 1)
         block = mx.array([anchor] + [cfg.mask_token_id] * (B - 1), dtype=mx.int32)
         emb = p.target.embed(block)[None]
@@ -453,6 +465,9 @@ class FusedProposer(Proposer):
 
     def start(self, prompt):
         return _FusedSession(self, self.drafter.start(prompt), self.lookup.start(prompt))
+
+    def check_block_size(self, block_size):
+        return self.drafter.check_block_size(block_size)
 
 
 class _FusedSession(ProposerSession):

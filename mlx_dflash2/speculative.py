@@ -79,7 +79,9 @@ class SpecStats:
 
     @property
     def decode_tps(self) -> float:
-        return self.generated_tokens / self.decode_s if self.decode_s > 0 else 0.0
+        """Generated tokens per second after the prefill (mlx-lm's ``generation_tps``: the prefill's
+        token counts, its time does not); 0 when no decode round ran (only the prefill's token)."""
+        return self.generated_tokens / self.decode_s if self.decode_s > 0 and self.rounds else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -113,24 +115,32 @@ class SpecStats:
         return d
 
     def summary(self) -> str:
-        """Human-readable multi-line summary (printed by ``--verbose``)."""
+        """Human-readable multi-line summary (printed by ``--verbose``), each figure with what it means."""
+        if self.rounds:
+            gen = f"Generation: {self.generated_tokens} tokens, {self.decode_tps:.2f} tokens-per-sec"
+        else:
+            gen = f"Generation: {self.generated_tokens} token (the prefill's own; no decode round ran)"
         lines = [
             f"Prompt: {self.prompt_tokens} tokens, {self.prefill_tps:.2f} tokens-per-sec",
-            f"Generation: {self.generated_tokens} tokens, {self.decode_tps:.2f} tokens-per-sec",
+            gen,
             f"Drafter: {self.drafter}, block size {self.block_size}"
             + (f" (dynamic draft length, confidence {self.draft_confidence:g})" if self.draft_confidence else "")
             + f"; rounds {self.rounds}, "
-            f"acceptance length tau {self.tau:.2f} tokens/target forward",
+            + (f"acceptance length tau {self.tau:.2f} tokens/target forward" if self.rounds
+               else "acceptance length tau - (no round)"),
         ]
         if self.drafted:
             rates = [
                 f"{a / p:.2f}" if p else "-" for a, p in zip(self.position_accepted, self.position_proposed)
             ]
-            lines.append(f"Acceptance by block position 1..: {' '.join(rates)}")
-            lines.append(f"Accepted-length histogram 0..: {' '.join(map(str, self.accept_hist))}")
+            lines.append(f"Acceptance by block position 1..: {' '.join(rates)}"
+                         "  (share of the drafts at each block position that the target accepted)")
+            lines.append(f"Accepted-length histogram 0..: {' '.join(map(str, self.accept_hist))}"
+                         "  (rounds with a draft that accepted 0, 1, 2, ... of its tokens)")
         if len(self.rounds_by_source) > 1:
             by = ", ".join(f"{k} {v}" for k, v in sorted(self.rounds_by_source.items()))
-            lines.append(f"Rounds by draft source: {by}")
+            lines.append(f"Rounds by draft source: {by}  (drafter: the drafter proposed; lookup: copied from "
+                         "this request's own text; none: a plain one-token step)")
         return "\n".join(lines)
 
 
@@ -252,6 +262,7 @@ def speculative_generate_step(
         raise ValueError(f"block size must be >= 1, got {B}")
     if B == 1:
         proposer = PLAIN_PROPOSER  # nothing to draft: plain decoding
+    proposer.check_block_size(B)
     limit = target.max_context
     if limit is not None and len(prompt) >= limit:
         raise ValueError(f"prompt of {len(prompt)} tokens does not fit the target's context of {limit} tokens")

@@ -59,12 +59,112 @@ def test_cli_stdin_prompt_and_raw_mode():
         (["--model", "/nonexistent/model"], "not found"),
         (["--max-tokens", "0"], "max-tokens"),
         (["--block-size", "0"], "block size must be >= 1"),
+        (["--chat-template-args", "notjson"], "--chat-template-args: not valid JSON"),
+        (["--chat-template-args", "[1]"], "--chat-template-args: must be a JSON object"),
     ],
 )
 def test_cli_errors_are_clean(args, msg):
     r = cli("--prompt", "hi", *args)
     assert r.returncode == 2
     assert msg in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["--block-size", "0"], "block size must be >= 1"),
+        (["--prefill-step-size", "0"], "--prefill-step-size must be >= 1"),
+        (["--max-tokens", "-5"], "--max-tokens must be positive"),
+        (["--top-p", "2"], "top_p"),
+    ],
+)
+def test_cli_flags_are_checked_before_loading(args, msg, capsys):
+    """A bad flag is reported before the model is loaded: with a model path that does not exist, the
+    flag's error comes (and not "model not found"), from main() itself without any loading."""
+    from mlx_dflash2.generate import main
+
+    assert main(["--model", "/nonexistent/model", "--prompt", "hi", *args]) == 2
+    err = capsys.readouterr().err
+    assert msg in err and "not found" not in err
+
+
+def test_load_notes_a_block_past_the_trained_one_before_generating(caplog):
+    """load(block_size > the drafter's trained block) logs the note at load time, not mid-answer."""
+    from mlx_dflash2 import load
+
+    with caplog.at_level("WARNING", logger="mlx_dflash2"):
+        model, _ = load(None, "shipped", block_size=20, dtype="float32")
+    assert model.block_size == 20
+    assert any("block size 20 exceeds the drafter's trained block size 16" in r.getMessage() for r in caplog.records)
+
+
+def test_stats_summary_without_decode_rounds():
+    """--max-tokens 1: the only token is the prefill's; no made-up tokens-per-sec or tau 0.00."""
+    from mlx_dflash2.speculative import SpecStats
+
+    s = SpecStats(prompt_tokens=31, generated_tokens=1, prefill_s=0.5, decode_s=1e-4)
+    text = s.summary()
+    assert s.decode_tps == 0.0
+    assert "Generation: 1 token (the prefill's own; no decode round ran)" in text
+    assert "tau 0.00" not in text and "tau - (no round)" in text
+
+
+def test_stats_summary_says_what_each_count_means():
+    from mlx_dflash2.speculative import SpecStats
+
+    s = SpecStats(drafter="x", block_size=4, prompt_tokens=3, generated_tokens=9, prefill_s=0.1, decode_s=1.0)
+    s.record_round(3, 2, 3, "drafter")
+    s.record_round(3, 3, 4, "lookup")
+    s.record_round(0, 0, 1)
+    text = s.summary()
+    assert "(rounds with a draft that accepted 0, 1, 2, ... of its tokens)" in text
+    assert "(share of the drafts at each block position that the target accepted)" in text
+    assert "Rounds by draft source: drafter 1, lookup 1, none 1  (drafter: the drafter proposed" in text
+
+
+def test_cli_compare_prints_the_speedup_over_plain():
+    r = cli("--prompt", "Count from one to ten.", "--max-tokens", "12", "--drafter", "lookup", "--compare")
+    assert r.returncode == 0, r.stderr
+    line = [x for x in r.stdout.splitlines() if x.startswith("Plain decoding (no drafter, same settings)")]
+    assert len(line) == 1 and "speedup" in line[0] and "output identical" in line[0], r.stdout
+
+
+def _no_preload_env() -> dict:
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)
+    env.pop("MLX_DFLASH2_OPENBLAS", None)
+    return env
+
+
+def test_openblas_is_loaded_however_the_package_starts():
+    """The console scripts, ``python -m`` and ``import mlx_dflash2`` get the optimized OpenBLAS without
+    scripts/run's help (no LD_PRELOAD): it is mapped into the process before MLX."""
+    from mlx_dflash2 import _blas
+
+    if not _blas._candidates():
+        pytest.skip("no optimized OpenBLAS on this machine (make setup could not fetch one)")
+    code = ("import mlx_dflash2.generate, mlx_dflash2._blas as b, json, mlx.core as mx; "
+            "maps = open('/proc/self/maps').read(); "
+            "print(json.dumps([b.status()['path'], 'libopenblas' in maps]))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_no_preload_env(),
+                       timeout=300, cwd="/")
+    assert r.returncode == 0, r.stderr
+    path, mapped = json.loads(r.stdout.strip().splitlines()[-1])
+    assert path and "libopenblas" in path and mapped
+
+
+def test_openblas_too_late_after_mlx_says_so():
+    """MLX imported first: the package cannot swap the BLAS any more and says how to get it."""
+    from mlx_dflash2 import _blas
+
+    if not _blas._candidates():
+        pytest.skip("no optimized OpenBLAS on this machine")
+    code = "import mlx.core, mlx_dflash2, mlx_dflash2._blas as b; print(b.status()['why'])"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_no_preload_env(),
+                       timeout=300, cwd="/")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().endswith("MLX was imported before mlx_dflash2")
+    assert "import mlx_dflash2 first" in r.stderr
 
 
 @pytest.mark.slow  # ~40 s; the CLI's generate path is covered by the other CLI tests

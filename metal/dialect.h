@@ -1,0 +1,82 @@
+// dialect.h: the few macros that let one kernel body compile as Metal (mx.fast.metal_kernel) and as
+// CUDA (mx.fast.cuda_kernel, NVRTC). Shared bodies (verify_attention.h, drafter.h) use only these:
+// functions, address spaces, barriers, 32-wide SIMD-group / warp shuffles, float conversions.
+// The op's Python code prepends this text to the body's text (MLX's `header`), so no include paths.
+#pragma once
+
+#if defined(__CUDACC__)
+// ---- CUDA (NVRTC; MLX's default header already includes cuda_bf16.h / cuda_fp16.h) ----
+#define DF_FN __device__ __forceinline__
+#define DF_DEVICE
+#define DF_TG
+#define DF_TG_DECL __shared__
+#define DF_BARRIER() __syncthreads()
+#define DF_SIMD_SYNC() __syncwarp()
+#define DF_SHFL_XOR(v, m) __shfl_xor_sync(0xffffffffu, (v), (m))
+#define DF_SHFL(v, l) __shfl_sync(0xffffffffu, (v), (l))
+#define DF_INF __int_as_float(0x7f800000)
+typedef unsigned int df_uint;
+DF_FN float df_f(float v) { return v; }
+DF_FN float df_f(__half v) { return __half2float(v); }
+DF_FN float df_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T> DF_FN T df_cast(float v);
+template <> DF_FN float df_cast<float>(float v) { return v; }
+template <> DF_FN __half df_cast<__half>(float v) { return __float2half(v); }
+template <> DF_FN __nv_bfloat16 df_cast<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
+DF_FN float df_exp(float v) { return expf(v); }
+DF_FN float df_max(float a, float b) { return fmaxf(a, b); }
+DF_FN int df_min(int a, int b) { return a < b ? a : b; }
+#elif defined(DF_CPU_EMU)
+// ---- CPU emulation (tests only: mlx_dflash2.kernels.emulate runs a shared body with one std::thread
+// per GPU thread, so its logic is tested where no GPU exists) ----
+#include <barrier>
+#include <cmath>
+struct df_ctx {
+  int lane;
+  float* xch;                 // the warp's exchange slots (32)
+  std::barrier<>* warp_bar;   // the warp's 32 threads
+  std::barrier<>* block_bar;  // the block's threads
+};
+inline thread_local df_ctx* df_tls = nullptr;
+inline float df_shfl_idx(float v, int src) {
+  df_tls->xch[df_tls->lane] = v;
+  df_tls->warp_bar->arrive_and_wait();
+  float r = df_tls->xch[src & 31];
+  df_tls->warp_bar->arrive_and_wait();
+  return r;
+}
+#define DF_FN inline
+#define DF_DEVICE
+#define DF_TG
+#define DF_TG_DECL
+#define DF_BARRIER() df_tls->block_bar->arrive_and_wait()
+#define DF_SIMD_SYNC() df_tls->warp_bar->arrive_and_wait()
+#define DF_SHFL_XOR(v, m) df_shfl_idx((v), df_tls->lane ^ (m))
+#define DF_SHFL(v, l) df_shfl_idx((v), (l))
+#define DF_INF INFINITY
+typedef unsigned int df_uint;
+DF_FN float df_f(float v) { return v; }
+template <typename T> DF_FN T df_cast(float v) { return T(v); }
+DF_FN float df_exp(float v) { return std::exp(v); }
+DF_FN float df_max(float a, float b) { return std::fmax(a, b); }
+DF_FN int df_min(int a, int b) { return a < b ? a : b; }
+#else
+// ---- Metal ----
+#include <metal_stdlib>
+using namespace metal;
+#define DF_FN inline
+#define DF_DEVICE device
+#define DF_TG threadgroup
+#define DF_TG_DECL threadgroup
+#define DF_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
+#define DF_SIMD_SYNC() simdgroup_barrier(mem_flags::mem_none)
+#define DF_SHFL_XOR(v, m) simd_shuffle_xor((v), ushort(m))
+#define DF_SHFL(v, l) simd_shuffle((v), ushort(l))
+#define DF_INF INFINITY
+typedef uint df_uint;
+template <typename T> DF_FN float df_f(T v) { return float(v); }
+template <typename T> DF_FN T df_cast(float v) { return T(v); }
+DF_FN float df_exp(float v) { return metal::precise::exp(v); }
+DF_FN float df_max(float a, float b) { return metal::max(a, b); }
+DF_FN int df_min(int a, int b) { return metal::min(a, b); }
+#endif

@@ -1,0 +1,2 @@
+#include "dialect.h"
+#include "verify_attention.h"

@@ -1,0 +1,16 @@
+"""Fused kernels for drafting and verification: one registry, each op with a pure-MLX reference, a
+Metal source and a CUDA twin (``metal/``), a numerics gate at first use and a one-line fallback
+(:mod:`.registry`). ``mlx_dflash2.selftest`` checks them all on the machine at hand.
+
+Ops (``OPS``): ``qmm`` (small-M quantized matmul), ``verify_attention`` (multi-row causal attention
+over the KV cache).
+"""
+
+from .attention import KernelAttention, route_attention, verify_attention
+from .qmm import KernelQuantizedLinear, qmm, route_quantized_linears
+from .registry import ENV, MODES, KernelError, KernelOp, backend, check_mode, default_mode
+
+OPS = {op.name: op for op in (qmm, verify_attention)}
+
+__all__ = ["OPS", "qmm", "verify_attention", "KernelOp", "KernelError", "KernelQuantizedLinear", "KernelAttention",
+           "route_quantized_linears", "route_attention", "backend", "check_mode", "default_mode", "MODES", "ENV"]

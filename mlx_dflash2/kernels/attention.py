@@ -1,0 +1,192 @@
+"""``verify_attention``: causal attention of up to 16 new query rows over a KV cache.
+
+Used for the verify forward (B rows) and the plain step (1 row) alike, so both compute a row the same
+way: the kernel is **row-count invariant** (``metal/verify_attention.h`` says how: keys split at fixed
+absolute chunk and tile positions, causal and out-of-cache keys skipped exactly, fixed-order sums).
+It also keeps the verify off MLX's CUDA cuDNN SDPA path, which builds a graph for every new key
+length (60-75 ms per verify on the H200, and an error after a few hundred misses).
+
+Reference: ``mx.fast.scaled_dot_product_attention`` with ``mask="causal"`` (bottom-right aligned)
+for more than one row. :class:`KernelAttention` routes an mlx-lm attention module (llama, mistral,
+qwen2, qwen3 families) through it.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .registry import KernelOp, KernelSpec
+
+__all__ = ["VerifyAttention", "verify_attention", "KernelAttention", "route_attention", "ATTENTION_CLASSES"]
+
+MAX_ROWS = 16
+TILE, TILES = 32, 8  # keys per tile, tiles per chunk (CHUNK = 256 keys at fixed absolute positions)
+ROWS, WARPS = 16, 8  # query rows per block, warps per block
+DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+
+
+class VerifyAttention(KernelOp):
+    """The ``verify_attention`` op. Call: ``verify_attention(q, keys, values, length, scale, mode=None)``.
+
+    Args:
+        q: ``[1, H, Lq, D]`` queries (RoPE applied) at positions ``length - Lq .. length - 1``.
+        keys, values: ``[1, Hk, S, D]`` cache buffers whose first ``length`` rows are valid
+            (``S >= length``; mlx-lm ``KVCache.keys`` / ``.values``), ``H % Hk == 0``.
+        length: valid cache rows, the new ones included.
+        scale: the softmax scale.
+
+    Returns:
+        ``[1, H, Lq, D]`` in the queries' dtype.
+    """
+
+    name = "verify_attention"
+    sources = {"cuda": "verify_attention.cu", "metal": "verify_attention.metal"}
+    row_invariant = True
+    tolerance = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 2e-2}
+
+    def reference(self, q, keys, values, length, scale):
+        k, v = keys[..., :length, :], values[..., :length, :]
+        mask = "causal" if q.shape[2] > 1 else None
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+    def supports(self, q, keys, values, length, scale):
+        if q.ndim != 4 or keys.ndim != 4 or q.shape[0] != 1 or keys.shape[0] != 1 or q.dtype not in DTYPES:
+            return False
+        H, Lq, D = q.shape[1], q.shape[2], q.shape[3]
+        Hk = keys.shape[1]
+        return (1 <= Lq <= MAX_ROWS and D % 32 == 0 and D <= 128 and H % Hk == 0 and keys.dtype == q.dtype
+                and values.dtype == q.dtype and values.shape == keys.shape and keys.shape[3] == D
+                and Lq <= length <= keys.shape[2])
+
+    def shape_key(self, q, keys, values, length, scale):
+        return (str(q.dtype), int(q.shape[1]), int(keys.shape[1]), int(q.shape[3]))
+
+    def sample(self, key):
+        dtype, H, Hk, D = key
+        dtype = getattr(mx, dtype.split(".")[-1])
+        r = mx.random.split(mx.random.key(H * 7 + D), 3)
+        L, S = 300, 320  # crosses a chunk boundary (256) and ends inside a tile
+        q = mx.random.normal((1, H, MAX_ROWS, D), key=r[0]).astype(dtype)
+        k = mx.random.normal((1, Hk, S, D), key=r[1]).astype(dtype)
+        v = mx.random.normal((1, Hk, S, D), key=r[2]).astype(dtype)
+        return (q, k, v, L, D**-0.5), {}
+
+    def check_invariance(self, be, args, kw, outs):
+        """Row i of a 16-row call equals the 1-row call at that row's position (what plain decoding
+        computes there), bit for bit."""
+        q, k, v, L, scale = args
+        Lq = q.shape[2]
+        for i in (0, 5, Lq - 1):
+            one = self.launch(be, q[:, :, i : i + 1], k, v, L - Lq + i + 1, scale)
+            if not mx.array_equal(one, outs[0][:, :, i : i + 1]):
+                return f"row {i} of a {Lq}-row call differs from the same row computed alone"
+        return None
+
+    def specs(self, backend):
+        ex = [dict(T=t, D=d, TILE=TILE, TILES=TILES, ROWS=ROWS, WARPS=WARPS)
+              for t in ("bfloat16", "float16", "float32") for d in (64, 128)]
+        ex2 = [dict(T=t, D=d) for t in ("bfloat16", "float16", "float32") for d in (64, 128)]
+        io1 = dict(inputs=[("q", "T"), ("k", "T"), ("v", "T"), ("params", "int32"), ("scale", "float32")],
+                   outputs=[("part_o", "float32"), ("part_ml", "float32")])
+        io2 = dict(inputs=[("part_o", "float32"), ("part_ml", "float32"), ("params", "int32")], outputs=[("out", "T")])
+        call = ("dflash_attn::attn_partial<T, D, TILE, TILES, ROWS, WARPS>(q, k, v, params, scale, part_o, part_ml, "
+                "tq, tk, tv, ")
+        if backend == "cuda":
+            tg, ids = "__shared__", ("blockIdx.x / n_rg, blockIdx.y, blockIdx.x % n_rg, threadIdx.x / 32, threadIdx.x % 32",
+                                      "blockIdx.x * blockDim.x + threadIdx.x")
+        else:
+            tg, ids = "threadgroup", ("int(threadgroup_position_in_grid.x) / n_rg, int(threadgroup_position_in_grid.y), "
+                                      "int(threadgroup_position_in_grid.x) % n_rg, int(simdgroup_index_in_threadgroup), "
+                                      "int(thread_index_in_simdgroup)", "int(thread_position_in_grid.x)")
+        header = "verify_attention." + ("cu" if backend == "cuda" else "metal")
+        return {
+            "partial": KernelSpec(
+                "dflash_attn_partial", header=header, examples=ex,
+                body=f"  {tg} float tq[ROWS * D];\n  {tg} float tk[TILE * (D + 1)];\n  {tg} float tv[TILE * D];\n"
+                     f"  const int n_rg = params[6];\n  {call}{ids[0]});\n", **io1),
+            "combine": KernelSpec(
+                "dflash_attn_combine", header=header, examples=ex2,
+                body=f"  const int t = {ids[1]};\n"
+                     "  dflash_attn::attn_combine<T, D>(part_o, part_ml, params, out, t / 32, t % 32);\n", **io2),
+        }
+
+    def launch(self, backend, q, keys, values, length, scale):
+        _, H, Lq, D = q.shape
+        Hk, S = keys.shape[1], keys.shape[2]
+        R = (H // Hk) * Lq
+        n_chunks = -(-length // (TILE * TILES))
+        n_rg = -(-R // ROWS)
+        params = mx.array([H, Hk, Lq, length, S * D, n_chunks, n_rg], dtype=mx.int32)
+        sc = mx.array([scale], dtype=mx.float32)
+        rows_total = Hk * R
+        part_o, part_ml = self.kernel(backend, "partial")(
+            inputs=[q, keys, values, params, sc],
+            template=[("T", q.dtype), ("D", D), ("TILE", TILE), ("TILES", TILES), ("ROWS", ROWS), ("WARPS", WARPS)],
+            grid=(n_chunks * n_rg * WARPS * 32, Hk, 1), threadgroup=(WARPS * 32, 1, 1),
+            output_shapes=[(rows_total * n_chunks * D,), (rows_total * n_chunks * 2,)],
+            output_dtypes=[mx.float32, mx.float32])
+        return self.kernel(backend, "combine")(
+            inputs=[part_o, part_ml, params], template=[("T", q.dtype), ("D", D)],
+            grid=(rows_total * 32, 1, 1), threadgroup=(128, 1, 1),
+            output_shapes=[(1, H, Lq, D)], output_dtypes=[q.dtype])[0]
+
+
+verify_attention = VerifyAttention()
+
+# mlx-lm attention classes whose __call__ is q/k/v projections -> (q/k norm) -> RoPE at the cache offset
+# -> cache.update_and_fetch -> scaled_dot_product_attention -> o_proj (checked by the target's parity probe)
+ATTENTION_CLASSES = ("mlx_lm.models.llama.Attention", "mlx_lm.models.mistral.Attention",
+                     "mlx_lm.models.qwen2.Attention", "mlx_lm.models.qwen3.Attention")
+
+
+class KernelAttention(nn.Module):
+    """An mlx-lm attention module of a supported family whose attention core goes through
+    :data:`verify_attention` when the new rows are at most 16 and the cache is a plain ``KVCache``
+    (prefill chunks and other caches keep mlx-lm's ``scaled_dot_product_attention``). The module's
+    own projections, norms and RoPE are reused (not copied).
+    """
+
+    def __init__(self, attn: nn.Module, mode: str | None = None):
+        super().__init__()
+        self.inner = attn
+        self.kernel_mode = mode
+
+    def __call__(self, x, mask=None, cache=None):
+        from mlx_lm.models.base import scaled_dot_product_attention
+        from mlx_lm.models.cache import KVCache
+
+        a = self.inner
+        B, L, _ = x.shape
+        q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
+        q = q.reshape(B, L, a.n_heads, -1)
+        k = k.reshape(B, L, a.n_kv_heads, -1)
+        if hasattr(a, "q_norm"):
+            q, k = a.q_norm(q), a.k_norm(k)
+        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
+        v = v.reshape(B, L, a.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        if cache is None:
+            q, k = a.rope(q), a.rope(k)
+            out = scaled_dot_product_attention(q, k, v, cache=None, scale=a.scale, mask=mask)
+        else:
+            q, k = a.rope(q, offset=cache.offset), a.rope(k, offset=cache.offset)
+            k, v = cache.update_and_fetch(k, v)
+            plain = type(cache) is KVCache and (mask is None or (isinstance(mask, str) and mask == "causal"))
+            if plain and B == 1 and L <= MAX_ROWS:
+                out = verify_attention(q, cache.keys, cache.values, cache.offset, a.scale, mode=self.kernel_mode)
+            else:
+                out = scaled_dot_product_attention(q, k, v, cache=cache, scale=a.scale, mask=mask)
+        return a.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+def route_attention(layers, mode: str | None = None) -> int:
+    """Wrap the ``self_attn`` of every decoder layer in ``layers`` whose class is in
+    :data:`ATTENTION_CLASSES` with :class:`KernelAttention` (this model instance only). Returns how
+    many were wrapped."""
+    n = 0
+    for layer in layers:
+        attn = getattr(layer, "self_attn", None)
+        if attn is not None and f"{type(attn).__module__}.{type(attn).__name__}" in ATTENTION_CLASSES:
+            layer.self_attn = KernelAttention(attn, mode)
+            n += 1
+    return n

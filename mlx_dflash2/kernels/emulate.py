@@ -1,0 +1,131 @@
+"""Run a kernel body shared by Metal and CUDA on the CPU, one ``std::thread`` per GPU thread.
+
+``metal/dialect.h`` has a third dialect, ``DF_CPU_EMU``: barriers are ``std::barrier``s and SIMD
+shuffles go through a per-warp exchange buffer, so a shared body (``verify_attention.h``, ...) runs
+unchanged, with its real work split, indexing, masking and reduction order. Tests use it to check
+the logic of the kernels' shared bodies (against the MLX reference, and bit-for-bit row-count
+invariance) on machines without a GPU; the GPU's own gate then checks the compiled kernel.
+
+Needs a C++20 compiler (``$CXX``, default ``g++``); float32 only (the dialect's conversions).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from .registry import source_text
+
+__all__ = ["available", "attention"]
+
+_LAUNCHER = r"""
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+#include <vector>
+#define DF_CPU_EMU 1
+@SOURCE@
+template <typename F>
+void run_block(int nthreads, F f) {
+  std::barrier<> block_bar(nthreads);
+  int nw = nthreads / 32;
+  std::vector<std::barrier<>*> wb;
+  std::vector<std::vector<float>> xch(nw, std::vector<float>(32));
+  for (int w = 0; w < nw; ++w) wb.push_back(new std::barrier<>(32));
+  std::vector<std::thread> ts;
+  for (int t = 0; t < nthreads; ++t)
+    ts.emplace_back([&, t] {
+      df_ctx c{t % 32, xch[t / 32].data(), wb[t / 32], &block_bar};
+      df_tls = &c;
+      f(t / 32, t % 32);
+    });
+  for (auto& th : ts) th.join();
+  for (auto* b : wb) delete b;
+}
+static std::vector<float> readf(const char* p, size_t n) {
+  std::vector<float> v(n); FILE* f = fopen(p, "rb"); fread(v.data(), 4, n, f); fclose(f); return v;
+}
+int main(int argc, char** argv) {
+  // argv: dir H Hk Lq L S D
+  std::string dir = argv[1];
+  int H = atoi(argv[2]), Hk = atoi(argv[3]), Lq = atoi(argv[4]), L = atoi(argv[5]), S = atoi(argv[6]);
+  constexpr int D = EMU_D, TILE = EMU_TILE, TILES = EMU_TILES, ROWS = EMU_ROWS, WARPS = EMU_WARPS;
+  auto q = readf((dir + "/q").c_str(), (size_t)H * Lq * D);
+  auto k = readf((dir + "/k").c_str(), (size_t)Hk * S * D);
+  auto v = readf((dir + "/v").c_str(), (size_t)Hk * S * D);
+  float scale = readf((dir + "/scale").c_str(), 1)[0];
+  int G = H / Hk, R = G * Lq, n_chunks = (L + TILE * TILES - 1) / (TILE * TILES), n_rg = (R + ROWS - 1) / ROWS;
+  int params[7] = {H, Hk, Lq, L, S * D, n_chunks, n_rg};
+  std::vector<float> po((size_t)Hk * R * n_chunks * D), pml((size_t)Hk * R * n_chunks * 2), out((size_t)H * Lq * D);
+  for (int hk = 0; hk < Hk; ++hk)
+    for (int bx = 0; bx < n_chunks * n_rg; ++bx) {
+      std::vector<float> tq(ROWS * D), tk(TILE * (D + 1)), tv(TILE * D);
+      run_block(WARPS * 32, [&](int warp, int lane) {
+        dflash_attn::attn_partial<float, D, TILE, TILES, ROWS, WARPS>(q.data(), k.data(), v.data(), params, &scale,
+            po.data(), pml.data(), tq.data(), tk.data(), tv.data(), bx / n_rg, hk, bx % n_rg, warp, lane);
+      });
+    }
+  int rows = Hk * R;
+  for (int r0 = 0; r0 < rows; r0 += 4)
+    run_block(128, [&](int warp, int lane) {
+      dflash_attn::attn_combine<float, D>(po.data(), pml.data(), params, out.data(), r0 + warp, lane);
+    });
+  FILE* f = fopen((dir + "/out").c_str(), "wb"); fwrite(out.data(), 4, out.size(), f); fclose(f);
+  return 0;
+}
+"""
+
+
+def _cxx() -> str:
+    return os.environ.get("CXX", "g++")
+
+
+def available() -> bool:
+    """Whether a C++20 compiler with ``<barrier>`` is here."""
+    try:
+        r = subprocess.run([_cxx(), "-std=c++20", "-x", "c++", "-fsyntax-only", "-"], input="#include <barrier>\n",
+                           capture_output=True, text=True, timeout=60)
+        return r.returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+_built: dict[str, Path] = {}
+
+
+def _binary(names: list[str], defines: dict) -> Path:
+    text = _LAUNCHER.replace("@SOURCE@", "".join(source_text(n) for n in names))
+    key = hashlib.sha256((text + repr(sorted(defines.items()))).encode()).hexdigest()[:16]
+    if key in _built:
+        return _built[key]
+    out = Path(tempfile.gettempdir()) / f"dflash_emu_{key}"
+    if not out.exists():
+        with tempfile.TemporaryDirectory() as d:
+            src = Path(d) / "emu.cpp"
+            src.write_text(text)
+            cmd = [_cxx(), "-std=c++20", "-O1", "-pthread", "-w", str(src), "-o", str(out)]
+            cmd += [f"-D{k}={v}" for k, v in defines.items()]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"emulator build failed:\n{r.stderr[:4000]}")
+    _built[key] = out
+    return out
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, length: int, scale: float) -> np.ndarray:
+    """``verify_attention.h`` emulated: ``q [H, Lq, D]``, ``k, v [Hk, S, D]`` float32 -> ``[H, Lq, D]``."""
+    from .attention import ROWS, TILE, TILES, WARPS
+
+    H, Lq, D = q.shape
+    Hk, S, _ = k.shape
+    exe = _binary(["dialect.h", "verify_attention.h"], dict(EMU_D=D, EMU_TILE=TILE, EMU_TILES=TILES, EMU_ROWS=ROWS, EMU_WARPS=WARPS))
+    with tempfile.TemporaryDirectory() as d:
+        for name, arr in (("q", q), ("k", k), ("v", v), ("scale", np.array([scale]))):
+            np.ascontiguousarray(arr, dtype=np.float32).tofile(os.path.join(d, name))
+        subprocess.run([str(exe), d, str(H), str(Hk), str(Lq), str(length), str(S)], check=True, timeout=600)
+        return np.fromfile(os.path.join(d, "out"), dtype=np.float32).reshape(H, Lq, D)

@@ -1,0 +1,221 @@
+"""``qmm``: small-M affine quantized matmul for verify widths 1..16 (and the plain step's M = 1).
+
+``y = x @ dequantize(w, scales, biases)^T`` with MLX's affine layout (``mx.quantize``: codes packed
+LSB-first in uint32 words, one scale and bias per ``group_size`` weights of a row), for 4- and
+8-bit codes, group sizes 32/64/128, float32/float16/bfloat16 activations and at most 16 rows.
+
+Why: MLX 0.32's CUDA backend runs M = 1 through ``qmv`` and M >= 2 through a ``qmm`` kernel that
+launches too few thread blocks for per-layer weights, so a verify forward of 16 tokens cost 2.1x a
+1-token forward on the H200 (chained layer after layer; ``shared research h200-profile.md``). The
+kernel (``metal/qmm.cu``, ``metal/qmm.metal``) reads every weight group once for all rows, splits K
+over the warps of a block for parallelism, accumulates in fp32, and is **row-count invariant**: a
+row's result is bit-identical whatever the number of rows beside it, so with the plain step and
+the verify both on it, greedy speculative output equals plain output token for token.
+
+Reference: ``mx.quantized_matmul(x, w, scales, biases, transpose=True, ...)`` (MLX's own kernels).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .registry import KernelOp, KernelSpec
+
+__all__ = ["QuantizedMatmul", "qmm", "KernelQuantizedLinear", "route_quantized_linears", "qmm_config"]
+
+MAX_ROWS = 16
+BITS = (4, 8)
+GROUP_SIZES = (32, 64, 128)
+DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+CUDA_TYPES = {mx.bfloat16: "bf16", mx.float16: "f16", mx.float32: "f32"}
+
+
+def qmm_config(backend: str, n: int, k: int, group_size: int, dtype) -> tuple[int, int, int]:
+    """Launch geometry ``(NT, WARPS, U)`` for an ``n x k`` weight: ``NT`` tiles of 8 output columns
+    per block (CUDA) or simdgroup (Metal), ``WARPS`` warps/simdgroups splitting K, ``U`` groups
+    loaded ahead per warp (CUDA). ``MLX_DFLASH2_QMM_CONFIG="NT,WARPS,U"`` overrides it (benchmarks)."""
+    env = os.environ.get("MLX_DFLASH2_QMM_CONFIG")
+    if env:
+        nt, w, u = (int(v) for v in env.split(","))
+        return nt, w, u
+    groups = k // group_size
+    if backend == "cuda":
+        # enough thread blocks for ~132 SMs with a dependency chain of per-layer weights, and enough
+        # loads in flight per warp to stay near bandwidth (H200 measurements: benchmarks/README.md)
+        nt = 4 if n >= 16384 else 2 if n >= 2048 else 1
+        warps = 8 if groups >= 64 else 4 if groups >= 16 else 2
+        u = 2 if dtype != mx.float32 else 1
+        return nt, warps, u
+    nt = 2 if n >= 2048 else 1
+    sg = 4 if groups >= 32 else 2
+    return nt, sg, 1
+
+
+class QuantizedMatmul(KernelOp):
+    """The ``qmm`` op. Call: ``qmm(x, w, scales, biases, group_size, bits, mode=None)``.
+
+    Args:
+        x: ``[..., M, K]`` activations (M = product of the leading axes, 1..16 for the kernel).
+        w: uint32 ``[N, K * bits / 32]`` packed codes.
+        scales, biases: ``[N, K / group_size]`` (the activations' dtype).
+        group_size, bits: MLX's affine quantization parameters.
+
+    Returns:
+        ``[..., M, N]`` in the activations' dtype.
+    """
+
+    name = "qmm"
+    sources = {"cuda": "qmm.cu", "metal": "qmm.metal"}
+    row_invariant = True
+    tolerance = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 2e-2}
+
+    def reference(self, x, w, scales, biases, group_size, bits, config=None):
+        return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
+
+    def supports(self, x, w, scales, biases, group_size, bits, config=None):
+        if biases is None or bits not in BITS or group_size not in GROUP_SIZES or x.dtype not in DTYPES:
+            return False
+        K = x.shape[-1]
+        M = math.prod(x.shape[:-1])
+        return (1 <= M <= MAX_ROWS and K % group_size == 0 and K % 16 == 0 and scales.dtype == x.dtype
+                and biases.dtype == x.dtype and w.dtype == mx.uint32 and w.shape[-1] * 32 // bits == K
+                and w.ndim == 2)
+
+    def shape_key(self, x, w, scales, biases, group_size, bits, config=None):
+        # the code path depends on dtype, bits, group size and the geometry (not on M: row-invariant)
+        return (str(x.dtype), bits, group_size, int(w.shape[0]), int(x.shape[-1]))
+
+    def sample(self, key):
+        from .registry import backend
+
+        dtype, bits, gs, n, k = key
+        dtype = getattr(mx, dtype.split(".")[-1])
+        # the kernel's path depends on K and on the launch geometry chosen for the real N, not on N's
+        # size: a slice of rows (keeping N's remainder mod 8, the ragged last tile) is checked
+        n_s = min(n, 256 + n % 8)
+        r = mx.random.split(mx.random.key(n * 131 + k), 2)
+        w = mx.random.normal((n_s, k), key=r[0]).astype(dtype) * 0.05
+        wq, s, b = mx.quantize(w, group_size=gs, bits=bits)
+        x = mx.random.normal((MAX_ROWS, k), key=r[1]).astype(dtype)
+        config = qmm_config(backend(), n, k, gs, dtype)
+        return (x, wq, s.astype(dtype), b.astype(dtype), gs, bits), {"config": config}
+
+    def rows_of(self, args, kw, n):
+        x, *rest = args
+        return (x[:n], *rest), kw
+
+    def invariance_rows(self):
+        return (1, 3, 8)
+
+    def specs(self, backend):
+        io = dict(inputs=[("x", "T"), ("w", "uint32"), ("scales", "T"), ("biases", "T"), ("params", "int32")],
+                  outputs=[("y", "T")])
+        ex = [dict(T=t, BITS=b, GS=g, NT=nt, WARPS=w, U=u) for t in ("bfloat16", "float16", "float32")
+              for b in BITS for g in GROUP_SIZES for nt, w, u in ((1, 2, 1), (4, 8, 2))]
+        if backend == "cuda":
+            return {"qmm": KernelSpec(
+                "dflash_qmm", header="qmm.cu", examples=ex,
+                body="  __shared__ float part[WARPS][NT * 4][32];\n"
+                     "  dflash_qmm::qmm_block<T, BITS, GS, NT, WARPS, U>(x, w, scales, biases, params, y, part);\n",
+                **io)}
+        ex = [{("S" if k == "WARPS" else k): v for k, v in e.items() if k != "U"} for e in ex]
+        return {"qmm": KernelSpec(
+            "dflash_qmm", header="qmm.metal", examples=ex,
+            body="  threadgroup float part[S * NT * 2 * 64];\n"
+                 "  dflash_qmm::qmm_block<T, BITS, GS, NT, S>(x, w, scales, biases, params, y, part,\n"
+                 "      threadgroup_position_in_grid.x, simdgroup_index_in_threadgroup, thread_index_in_simdgroup);\n",
+            **io)}
+
+    def launch(self, backend, x, w, scales, biases, group_size, bits, config=None):
+        lead, K, N = x.shape[:-1], x.shape[-1], w.shape[0]
+        M = math.prod(lead)
+        nt, warps, u = config or qmm_config(backend, N, K, group_size, x.dtype)
+        tmpl = [("T", x.dtype), ("BITS", bits), ("GS", group_size), ("NT", nt)]
+        tmpl += [("WARPS", warps), ("U", u)] if backend == "cuda" else [("S", warps)]
+        blocks = -(-N // (8 * nt))
+        y = self.kernel(backend, "qmm")(
+            inputs=[x.reshape(M, K), w, scales, biases, _params(M, N, K)], template=tmpl,
+            grid=(blocks * warps * 32, 1, 1), threadgroup=(warps * 32, 1, 1), output_shapes=[(M, N)],
+            output_dtypes=[x.dtype])[0]
+        return y.reshape(*lead, N)
+
+
+_param_cache: dict[tuple, mx.array] = {}
+
+
+def _params(M: int, N: int, K: int) -> mx.array:
+    """The kernel's int32 ``[M, N, K]`` (evaluated, cached: no per-call host array)."""
+    key = (M, N, K)
+    p = _param_cache.get(key)
+    if p is None:
+        p = mx.array([M, N, K], dtype=mx.int32)
+        mx.eval(p)
+        _param_cache[key] = p
+    return p
+
+
+qmm = QuantizedMatmul()
+
+
+class KernelQuantizedLinear(nn.Module):
+    """An ``nn.QuantizedLinear`` (affine mode) whose matmul goes through the registry's ``qmm``.
+
+    Holds the original layer's arrays (shared, not copied). Used by :func:`route_quantized_linears`
+    on a target the package owns; the reference path is exactly ``nn.QuantizedLinear.__call__``.
+
+    Args:
+        layer: the quantized linear layer.
+        mode: kernel mode (``None``: the process default, ``MLX_DFLASH2_KERNELS``).
+    """
+
+    def __init__(self, layer: nn.QuantizedLinear, mode: str | None = None):
+        super().__init__()
+        self.weight, self.scales = layer.weight, layer.scales
+        if getattr(layer, "biases", None) is not None:
+            self.biases = layer.biases
+        if "bias" in layer:
+            self.bias = layer.bias
+        self.group_size, self.bits = layer.group_size, layer.bits
+        self.kernel_mode = mode
+        self.freeze()
+
+    def __call__(self, x):
+        y = qmm(x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits,
+                mode=self.kernel_mode)
+        if "bias" in self:
+            y = y + self["bias"]
+        return y
+
+
+def route_quantized_linears(model: nn.Module, mode: str | None = None) -> int:
+    """Replace every affine ``nn.QuantizedLinear`` under ``model`` (this instance only) with a
+    :class:`KernelQuantizedLinear` sharing its arrays. Returns how many were replaced.
+
+    No class is patched: only the submodules of this model object change, so another copy of the
+    same checkpoint (e.g. mlx-lm's reference in a benchmark) is untouched.
+    """
+    def swap(m):
+        if isinstance(m, nn.QuantizedLinear) and getattr(m, "mode", "affine") == "affine":
+            return KernelQuantizedLinear(m, mode)
+        return None
+
+    n = 0
+    for _, parent in list(model.named_modules()):
+        for name, child in list(parent.children().items()):
+            if isinstance(child, list):  # e.g. nn.Sequential's layers: edit the module's own list
+                own = parent[name]
+                for i, c in enumerate(own):
+                    new = swap(c)
+                    if new is not None:
+                        own[i] = new
+                        n += 1
+            else:
+                new = swap(child)
+                if new is not None:
+                    setattr(parent, name, new)
+                    n += 1
+    return n

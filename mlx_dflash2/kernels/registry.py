@@ -1,0 +1,310 @@
+"""The kernel registry: every fused op with its pure-MLX reference, its Metal source and its CUDA twin.
+
+Each op (:class:`KernelOp`) is called like a function. It runs its kernel only where one can run and
+has been checked, and its reference otherwise:
+
+* **backend**: the default device's backend: ``"metal"`` (Apple GPUs, ``mx.fast.metal_kernel``),
+  ``"cuda"`` (NVIDIA, ``mx.fast.cuda_kernel``) or ``"cpu"`` (always the reference);
+* **mode**: ``"auto"`` (kernel where it builds and passes its gate, else the reference with one
+  warning), ``"reference"`` (never a kernel) or ``"kernel"`` (a kernel that fails to build or
+  disagrees raises :class:`KernelError` instead of falling back: for tests and benchmarks). The
+  environment variable ``MLX_DFLASH2_KERNELS`` sets the process default; an op call (and
+  ``mlx_dflash2.load(kernels=...)``) can pass its own;
+* **numerics gate**: the first call of an op on a new *shape key* (what the kernel's code path
+  depends on: dtypes, bit width, sizes) runs the kernel and the reference on random inputs of that
+  key and compares them (``max |kernel - reference| <= tol * max(|reference|, 1)``; row-count
+  invariance too for ops that promise it). A failure disables that key with one ``WARNING`` line of
+  the ``mlx_dflash2`` logger per op and reason.
+
+Sources live in the top-level ``metal/`` directory of the repository (installed as the data package
+``mlx_dflash2.metal``): ``<op>.metal`` and ``<op>.cu`` hold the kernel's functions (the kernel
+wrapper's header), the op passes a short body that calls them (``mx.fast.*_kernel`` generates the
+signature). Where Metal and CUDA can share one body (simple SIMD/warp code), ``<op>.h`` holds it
+with the macros of ``metal/shim/`` picking the dialect.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+__all__ = ["KernelOp", "KernelSpec", "KernelError", "GateResult", "backend", "default_mode", "MODES", "source_text", "ENV"]
+
+logger = logging.getLogger("mlx_dflash2")
+
+ENV = "MLX_DFLASH2_KERNELS"
+MODES = ("auto", "reference", "kernel")
+
+
+class KernelError(RuntimeError):
+    """A kernel failed to build or disagreed with its reference (raised in mode ``"kernel"``)."""
+
+
+def backend() -> str:
+    """``"metal"``, ``"cuda"`` or ``"cpu"``: where kernels of the default device would run."""
+    if mx.default_device() == mx.cpu:
+        return "cpu"
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def default_mode() -> str:
+    """The process default mode from ``MLX_DFLASH2_KERNELS`` (``auto`` if unset).
+
+    Raises:
+        ValueError: an unknown value (named).
+    """
+    v = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if v not in MODES:
+        raise ValueError(f"{ENV} must be one of {', '.join(MODES)}, got {v!r}")
+    return v
+
+
+def check_mode(mode: str | None) -> str:
+    """``mode`` validated (``None``: :func:`default_mode`).
+
+    Raises:
+        ValueError: not one of :data:`MODES`.
+    """
+    if mode is None:
+        return default_mode()
+    if mode not in MODES:
+        raise ValueError(f"kernels must be one of {', '.join(MODES)}, got {mode!r}")
+    return mode
+
+
+def _source_dir() -> Path:
+    try:
+        from importlib.resources import files
+
+        p = Path(str(files("mlx_dflash2.metal")))
+        if p.is_dir():
+            return p
+    except (ModuleNotFoundError, TypeError):
+        pass
+    return Path(__file__).resolve().parents[2] / "metal"  # an uninstalled checkout
+
+
+_texts: dict[str, str] = {}
+
+
+def source_text(name: str, _seen: set | None = None) -> str:
+    """Text of ``metal/<name>`` with its local ``#include "file"`` lines replaced by those files' text
+    (each file once, like ``#pragma once``): what ``mx.fast.*_kernel`` gets as ``header``.
+
+    Raises:
+        FileNotFoundError: no such source.
+    """
+    top = _seen is None
+    if top and name in _texts:
+        return _texts[name]
+    seen = set() if top else _seen
+    path = _source_dir() / name
+    if not path.is_file():
+        raise FileNotFoundError(f"kernel source {name!r} not found in {path.parent}")
+    seen.add(name)
+    out = []
+    for line in path.read_text().splitlines():
+        stripped = line.strip()
+        if stripped.startswith('#include "') and stripped.endswith('"'):
+            inc = stripped[len('#include "'):-1]
+            if inc not in seen:
+                out.append(source_text(inc, seen))
+            continue
+        if stripped == "#pragma once":
+            continue
+        out.append(line)
+    text = "\n".join(out) + "\n"
+    if top:
+        _texts[name] = text
+    return text
+
+
+@dataclass
+class KernelSpec:
+    """One ``mx.fast.metal_kernel`` / ``cuda_kernel`` of an op, declared so that the op can build it
+    and ``mlx_dflash2.kernels.check`` can compile-check it without a GPU.
+
+    Attributes:
+        name: kernel name (MLX prefixes ``custom_kernel_``).
+        inputs, outputs: ``(name, type)`` pairs; a type is a template parameter name (``"T"``) or
+            ``"uint32"``, ``"int32"``, ``"float32"``.
+        header: the source file in ``metal/`` (its local includes expanded).
+        body: the kernel body (the signature is generated from ``inputs``/``outputs``).
+        examples: template-argument dicts to instantiate in compile checks.
+    """
+
+    name: str
+    inputs: list
+    outputs: list
+    header: str
+    body: str
+    examples: list = field(default_factory=list)
+
+
+@dataclass
+class GateResult:
+    """Outcome of a numerics gate: ``ok``, the max error, and why not (``reason``)."""
+
+    ok: bool
+    max_error: float = 0.0
+    reason: str = ""
+
+
+class KernelOp:
+    """Base class of a registered op (subclasses: :mod:`mlx_dflash2.kernels`).
+
+    Subclasses define :meth:`reference` (pure MLX, the CPU path and the gate's yardstick),
+    :meth:`supports` (which calls the kernel handles), :meth:`shape_key`, :meth:`sample` (random
+    inputs of a key), :meth:`launch` (build and run the kernel on ``backend``) and ``tolerance``.
+    Calling the op runs :meth:`dispatch`.
+
+    Attributes:
+        name: the op's registry name.
+        sources: ``{backend: file name in metal/}``.
+        row_invariant: the gate also checks that a row's output does not depend on how many rows
+            are computed with it (inputs' axis ``-2``).
+    """
+
+    name: str = ""
+    sources: dict[str, str] = {}
+    row_invariant: bool = False
+    tolerance: dict = {mx.float32: 1e-4, mx.float16: 2e-2, mx.bfloat16: 3e-2}
+
+    def __init__(self):
+        self._gates: dict[tuple, GateResult] = {}
+        self._warned: set[str] = set()
+        self._kernels: dict[tuple, Any] = {}
+        self._lock = threading.Lock()
+
+    # -- to define --------------------------------------------------------
+    def reference(self, *args, **kw):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def supports(self, *args, **kw) -> bool:
+        return True
+
+    def shape_key(self, *args, **kw) -> tuple:
+        raise NotImplementedError
+
+    def sample(self, key: tuple) -> tuple[tuple, dict]:
+        raise NotImplementedError
+
+    def launch(self, backend: str, *args, **kw):
+        raise NotImplementedError
+
+    def rows_of(self, args: tuple, kw: dict, n: int) -> tuple[tuple, dict]:
+        """The inputs restricted to their first ``n`` rows (row-invariance check)."""
+        raise NotImplementedError
+
+    def specs(self, backend: str) -> dict[str, KernelSpec]:
+        """The op's kernels on ``backend`` by role (see :class:`KernelSpec`)."""
+        raise NotImplementedError
+
+    # -- machinery ----------------------------------------------------------
+    def kernel(self, backend: str, role: str):
+        """The ``mx.fast`` kernel object of ``role`` on ``backend`` (made once; MLX compiles it per
+        template instantiation at first launch)."""
+        k = (backend, role)
+        if k not in self._kernels:
+            spec = self.specs(backend)[role]
+            names = dict(input_names=[n for n, _ in spec.inputs], output_names=[n for n, _ in spec.outputs])
+            make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
+            self._kernels[k] = make(name=spec.name, header=source_text(spec.header), source=spec.body, **names)
+        return self._kernels[k]
+
+    def tol(self, dtype) -> float:
+        return self.tolerance.get(dtype, 1e-4)
+
+    def active(self, *args, mode: str | None = None, **kw) -> bool:
+        """Whether a call with these inputs would run the kernel (gating it first if needed)."""
+        mode = check_mode(mode)
+        be = backend()
+        if mode == "reference" or be == "cpu" or be not in self.sources or not self.supports(*args, **kw):
+            return False
+        key = self.shape_key(*args, **kw)
+        gate = self._gates.get(key)
+        if gate is None:
+            with self._lock:
+                gate = self._gates.get(key)
+                if gate is None:
+                    gate = self._gates[key] = self.gate(be, key)
+        if not gate.ok:
+            if mode == "kernel":
+                raise KernelError(f"kernel {self.name} {key}: {gate.reason}")
+            if gate.reason not in self._warned:
+                self._warned.add(gate.reason)
+                logger.warning("mlx_dflash2: kernel %s falls back to its MLX reference for %s: %s",
+                               self.name, key, gate.reason)
+            return False
+        return True
+
+    def dispatch(self, *args, mode: str | None = None, **kw):
+        """Run the kernel where :meth:`active`, else the reference."""
+        if self.active(*args, mode=mode, **kw):
+            return self.launch(backend(), *args, **kw)
+        return self.reference(*args, **kw)
+
+    __call__ = dispatch
+
+    def gate(self, be: str, key: tuple) -> GateResult:
+        """Build and check the kernel on random inputs of ``key`` (see the module docstring)."""
+        try:
+            args, kw = self.sample(key)
+            ref = self.reference(*args, **kw)
+            out = self.launch(be, *args, **kw)
+            refs, outs = _as_list(ref), _as_list(out)
+            mx.eval(refs, outs)
+            err = 0.0
+            for r, o in zip(refs, outs):
+                if r.shape != o.shape:
+                    return GateResult(False, float("inf"), f"shape {o.shape} != reference {r.shape}")
+                if mx.issubdtype(r.dtype, mx.floating):
+                    scale = max(float(mx.abs(r.astype(mx.float32)).max().item()), 1.0)
+                    e = float(mx.abs(r.astype(mx.float32) - o.astype(mx.float32)).max().item()) / scale
+                    tol = self.tol(r.dtype)
+                else:
+                    e = float(mx.sum(r != o).item())
+                    tol = 0.0
+                if not e <= tol:  # NaN too
+                    return GateResult(False, e, f"max error {e:.3g} > tolerance {tol:g}")
+                err = max(err, e)
+            if self.row_invariant:
+                why = self.check_invariance(be, args, kw, outs)
+                if why:
+                    return GateResult(False, err, f"not row-count invariant: {why}")
+            return GateResult(True, err)
+        except Exception as e:  # a build or launch failure: fall back, never crash the request
+            msg = str(e).strip().splitlines()
+            return GateResult(False, float("inf"), f"{type(e).__name__}: {msg[0][:300] if msg else ''}")
+
+    def check_invariance(self, be: str, args: tuple, kw: dict, outs: list) -> str | None:
+        """Row-count invariance on the gate's inputs: the first ``n`` rows computed alone (for each
+        ``n`` of :meth:`invariance_rows`) equal the same rows computed among all, bit for bit.
+        Returns why not, or ``None``."""
+        for n in self.invariance_rows():
+            a2, k2 = self.rows_of(args, kw, n)
+            part = _as_list(self.launch(be, *a2, **k2))
+            mx.eval(part)
+            for o, p in zip(outs, part):
+                if not mx.array_equal(o[..., :n, :], p):
+                    return f"{n} rows computed alone differ from the same rows computed among more"
+        return None
+
+    def invariance_rows(self) -> tuple[int, ...]:
+        """Row counts :meth:`check_invariance` recomputes on their own."""
+        return (1,)
+
+
+def _as_list(x) -> list:
+    return list(x) if isinstance(x, (list, tuple)) else [x]

@@ -1,0 +1,150 @@
+"""The kernel registry on the CPU: reference paths, the gate's fallback, and the kernel sources
+(CUDA twins through NVRTC, Metal through a C++ shim, shared bodies run in the CPU emulation)."""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_dflash2 import kernels
+from mlx_dflash2.kernels import check, emulate, registry
+from mlx_dflash2.kernels.attention import verify_attention
+from mlx_dflash2.kernels.qmm import KernelQuantizedLinear, qmm, route_quantized_linears
+
+
+def test_reference_paths_on_cpu():
+    """On the CPU backend every op is its MLX reference, whatever the mode."""
+    x = mx.random.normal((5, 128))
+    w = mx.random.normal((64, 128)) * 0.1
+    wq, s, b = mx.quantize(w, group_size=64, bits=4)
+    ref = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=64, bits=4)
+    for mode in registry.MODES:
+        assert mx.array_equal(qmm(x, wq, s, b, 64, 4, mode=mode), ref)
+    q, k, v = (mx.random.normal((1, h, n, 64)) for h, n in ((4, 3), (2, 40), (2, 40)))
+    ref = mx.fast.scaled_dot_product_attention(q, k[:, :, :20], v[:, :, :20], scale=0.125, mask="causal")
+    assert mx.allclose(verify_attention(q, k, v, 20, 0.125), ref)
+
+
+def test_quantized_linear_routing_is_the_same_layer():
+    """route_quantized_linears swaps this model's QuantizedLinear modules only (shared arrays, same output)."""
+    import mlx.nn as nn
+
+    model = nn.Sequential(nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 32, bias=False))
+    nn.quantize(model, group_size=32, bits=4)
+    x = mx.random.normal((3, 128))
+    before = model(x)
+    assert route_quantized_linears(model) == 2
+    assert all(isinstance(m, KernelQuantizedLinear) for m in (model.layers[0], model.layers[2]))
+    assert mx.array_equal(model(x), before)
+    assert nn.QuantizedLinear.__call__ is not KernelQuantizedLinear.__call__  # no class was touched
+
+
+class _FakeOp(registry.KernelOp):
+    """A kernel that fails to build, disagrees, or is not row-invariant, as configured."""
+
+    name = "fake"
+    sources = {"cuda": "none.cu"}
+    row_invariant = True
+
+    def __init__(self, how):
+        super().__init__()
+        self.how, self.launches = how, 0
+
+    def reference(self, x):
+        return x * 2
+
+    def shape_key(self, x):
+        return (x.shape[-1],)
+
+    def sample(self, key):
+        return (mx.ones((4, key[0])),), {}
+
+    def rows_of(self, args, kw, n):
+        return (args[0][:n],), kw
+
+    def launch(self, backend, x):
+        self.launches += 1
+        if self.how == "build":
+            raise RuntimeError("nvrtc: error: expected a ';'\nmore lines")
+        if self.how == "wrong":
+            return x * 3
+        if self.how == "rows":
+            return x * 2 + x.shape[0] * 1e-6
+        return x * 2
+
+
+@pytest.mark.parametrize("how,reason", [("build", "RuntimeError: nvrtc: error: expected a ';'"),
+                                        ("wrong", "max error"), ("rows", "not row-count invariant")])
+def test_gate_falls_back_with_one_warning(monkeypatch, caplog, how, reason):
+    monkeypatch.setattr(registry, "backend", lambda: "cuda")
+    op = _FakeOp(how)
+    with caplog.at_level(logging.WARNING, logger="mlx_dflash2"):
+        for _ in range(3):
+            out = op(mx.ones((2, 8)))
+            assert mx.array_equal(out, mx.full((2, 8), 2.0))  # the reference's answer, never the kernel's
+        op(mx.ones((2, 16)))  # a new shape key is gated again; same reason, no second line
+    lines = [r.getMessage() for r in caplog.records if "kernel fake" in r.getMessage()]
+    assert len(lines) == 1 and reason in lines[0] and "\n" not in lines[0], lines
+    with pytest.raises(registry.KernelError, match=reason.split(":")[0]):
+        op(mx.ones((2, 8)), mode="kernel")
+
+
+def test_gate_passes_a_good_kernel(monkeypatch):
+    monkeypatch.setattr(registry, "backend", lambda: "cuda")
+    op = _FakeOp("good")
+    assert mx.array_equal(op(mx.ones((2, 8))), mx.full((2, 8), 2.0))
+    assert op._gates[(8,)].ok and op.launches == 3  # gate: full sample + the 1-row invariance run; then the call
+    assert mx.array_equal(op(mx.ones((2, 8)), mode="reference"), mx.full((2, 8), 2.0)) and op.launches == 3
+
+
+def test_mode_env_is_checked(monkeypatch):
+    monkeypatch.setenv(registry.ENV, "fast")
+    with pytest.raises(ValueError, match="MLX_DFLASH2_KERNELS must be one of auto, reference, kernel"):
+        registry.default_mode()
+
+
+def _instances(be):
+    return [(op, role, spec, ex) for op in kernels.OPS.values() if be in op.sources
+            for role, spec in op.specs(be).items() for ex in spec.examples]
+
+
+@pytest.mark.skipif(not check.nvrtc_available(), reason="NVRTC not installed (nvidia-cuda-nvrtc wheel)")
+def test_cuda_twins_compile_with_nvrtc():
+    """Every CUDA twin, every registered instantiation, compiles for sm_90 as mx.fast.cuda_kernel builds it."""
+    bad = []
+    for op, role, spec, ex in _instances("cuda"):
+        ok, log = check.compile_cuda(check.cuda_source(spec, ex))
+        if not ok:
+            bad.append((op.name, role, ex, log[:2000]))
+    assert not bad, bad[0]
+
+
+@pytest.mark.skipif(not check.cxx_available(), reason="no C++ compiler")
+def test_metal_sources_compile_against_the_shim():
+    bad = []
+    for op, role, spec, ex in _instances("metal"):
+        ok, log = check.compile_metal(check.metal_source(spec, ex))
+        if not ok:
+            bad.append((op.name, role, ex, log[:2000]))
+    assert not bad, bad[0]
+
+
+@pytest.mark.skipif(not emulate.available(), reason="no C++20 compiler")
+@pytest.mark.parametrize("H,Hk,D,L", [(4, 2, 64, 300), (2, 2, 32, 33)])
+def test_attention_body_emulated(H, Hk, D, L):
+    """The shared attention body (metal/verify_attention.h, run in the CPU emulation) equals MLX's
+    causal SDPA, and each row equals the same row computed alone at its position, bit for bit."""
+    rng = np.random.default_rng(0)
+    Lq, S = 16, L + 20
+    q = rng.normal(size=(H, Lq, D)).astype(np.float32)
+    k, v = (rng.normal(size=(Hk, S, D)).astype(np.float32) for _ in range(2))
+    out = emulate.attention(q, k, v, L, D**-0.5)
+    ref = mx.fast.scaled_dot_product_attention(mx.array(q)[None], mx.array(k[:, :L])[None], mx.array(v[:, :L])[None],
+                                               scale=D**-0.5, mask="causal")
+    assert np.abs(np.array(ref[0]) - out).max() < 1e-5
+    for i in (0, 7, Lq - 1):
+        alone = emulate.attention(q[:, i : i + 1], k, v, L - Lq + i + 1, D**-0.5)
+        assert np.array_equal(alone[:, 0], out[:, i]), i

@@ -148,3 +148,12 @@ def test_attention_body_emulated(H, Hk, D, L):
     for i in (0, 7, Lq - 1):
         alone = emulate.attention(q[:, i : i + 1], k, v, L - Lq + i + 1, D**-0.5)
         assert np.array_equal(alone[:, 0], out[:, i]), i
+
+
+def test_selftest_runs_on_the_cpu(capsys):
+    """mlx_dflash2.selftest (what a Mac user runs) prints its table; on the CPU it checks the references."""
+    from mlx_dflash2.selftest import main
+
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert "kernel backend: cpu" in out and "reference only" in out and "qmm" in out and "verify_attention" in out

@@ -20,7 +20,6 @@ For every format the same steps run:
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import time
@@ -197,36 +196,26 @@ def _layout_notes(plan: QuantPlan, native: dict, requantized: list, quantizable:
             notes.append(f"--q-override {rx.pattern!r} matches no quantizable layer{hint}")
 
 
-def normalize_config(cfg: dict, weights: dict, notes: list) -> dict:
+def normalize_config(cfg: dict, weights: dict, notes: list, source=None) -> dict:
     """Make rope and embedding-tying settings explicit for mlx-lm.
 
-    * ``rope_parameters`` (transformers >= 5) is mirrored into ``rope_theta`` /
-      ``rope_scaling`` (several mlx-lm model classes read only those and would
-      silently fall back to a default theta); a disagreement is an error.
+    * RoPE: :func:`mlx_dflash2.modelconfig.normalize_rope` (the runtime loader's own
+      normalisation): ``rope_parameters`` (transformers >= 5) becomes explicit
+      ``rope_theta`` / ``rope_scaling`` with transformers' defaults filled in (several
+      mlx-lm model classes read only those and would silently fall back to a default
+      theta and no scaling); an unknown ``rope_type`` or a disagreement is an error.
     * ``tie_word_embeddings`` missing: decided from the presence of ``lm_head.*``
       tensors (mlx-lm's default of ``True`` would silently drop a real head).
 
     Raises:
-        ConvertError: contradictory rope settings.
+        ConvertError: an invalid, unsupported or contradictory rope setting (names the field).
     """
-    cfg = json.loads(json.dumps(cfg))
-    for sub in [cfg] + ([cfg["text_config"]] if isinstance(cfg.get("text_config"), dict) else []):
-        rp = sub.get("rope_parameters")
-        if isinstance(rp, dict) and "rope_theta" in rp:
-            theta = float(rp["rope_theta"])
-            if sub.get("rope_theta") is not None and float(sub["rope_theta"]) != theta:
-                raise ConvertError(
-                    f"config.json: rope_theta {sub['rope_theta']} disagrees with rope_parameters.rope_theta {theta}"
-                )
-            sub["rope_theta"] = theta
-            rtype = rp.get("rope_type", rp.get("type", "default"))
-            if rtype not in (None, "default"):
-                scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
-                if sub.get("rope_scaling") not in (None, scaling):
-                    old = {k: v for k, v in (sub["rope_scaling"] or {}).items() if k != "rope_theta"}
-                    if old != scaling:
-                        raise ConvertError("config.json: rope_scaling disagrees with rope_parameters")
-                sub["rope_scaling"] = scaling
+    from mlx_dflash2.modelconfig import ModelConfigError, normalize_rope
+
+    try:
+        cfg = normalize_rope(cfg)
+    except ModelConfigError as e:
+        raise ConvertError(f"{source or 'config.json'}: config field {e.field!r}: {e.detail}") from None
     if "tie_word_embeddings" not in cfg:
         has_head = any(k.startswith("lm_head.") for k in weights)
         cfg["tie_word_embeddings"] = not has_head
@@ -387,7 +376,7 @@ def _convert_model(
     from tqdm import tqdm
 
     result = ConvertResult(tmp, source.format, notes=list(source.notes))
-    cfg = normalize_config(source.config, source.weights, result.notes)
+    cfg = normalize_config(source.config, source.weights, result.notes, source.path / "config.json" if source.path.is_dir() else source.path)
     try:
         model_class, args_class = _get_classes(cfg)
     except (ValueError, KeyError) as e:

@@ -223,6 +223,24 @@ def normalize_config(cfg: dict, weights: dict, notes: list, source=None) -> dict
     return cfg
 
 
+def _window_note(cfg: dict, model, notes: list) -> None:
+    """A note when the config's sliding window changes the model but mlx-lm's class builds no
+    sliding layers (e.g. ``mistral`` without ``layer_types``): mlx-lm will run full attention."""
+    from mlx_dflash2.modelconfig import ModelConfigError, sliding_window_layers
+
+    try:
+        window, layers = sliding_window_layers(cfg)
+    except ModelConfigError:
+        return
+    inner = getattr(model, "model", model)
+    if layers and not any(getattr(l, "use_sliding", False) for l in getattr(inner, "layers", [])):
+        notes.append(
+            f"config.json sets sliding_window={window} on {len(layers)} layers, which mlx-lm's "
+            f"{cfg.get('model_type')} class runs as full attention (a different model past {window} tokens); "
+            "mlx_dflash2.load refuses such a target"
+        )
+
+
 def _resolve_dtype(dtype: str | None, source: SourceModel, cfg: dict) -> mx.Dtype | None:
     if dtype is None:
         dtype = source.default_dtype
@@ -386,6 +404,7 @@ def _convert_model(
     except Exception as e:
         raise CorruptCheckpointError(f"{source.path}/config.json: cannot build the model ({type(e).__name__}: {e})") from e
     expected = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
+    _window_note(cfg, model, result.notes)
     if source.bind is not None:
         source.bind(expected)
 

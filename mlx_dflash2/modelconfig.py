@@ -24,6 +24,9 @@ For the families the speculative loop supports (``llama``, ``mistral``, ``qwen2`
 other than 1, YaRN's ``truncate: false`` and contradictory fields are errors naming the
 field. Other families (converter only) get ``rope_parameters`` mirrored as given, and an
 unknown ``rope_type`` is an error there too.
+
+**Sliding windows.** :func:`sliding_window_layers` says which layers of a config attend
+through a sliding window, with transformers' semantics per family.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ __all__ = [
     "DEFAULT_ROPE_THETA",
     "normalize_rope",
     "rope_overrides",
+    "sliding_window_layers",
 ]
 
 # families whose mlx-lm classes build their rope with mlx_lm.models.rope_utils.initialize_rope
@@ -231,3 +235,54 @@ def rope_overrides(cfg: dict) -> dict:
     """
     norm = normalize_rope(cfg)
     return {k: v for k, v in norm.items() if cfg.get(k, _MISSING) != v}
+
+
+MISTRAL_DEFAULT_WINDOW = 4096  # transformers' MistralConfig.sliding_window default
+
+
+def sliding_window_layers(cfg: dict) -> tuple[int | None, list[int]]:
+    """Which decoder layers attend through a sliding window that changes the model's output.
+
+    transformers' semantics per family: ``qwen2`` / ``qwen3`` use a window only with
+    ``use_sliding_window: true`` (then on ``layer_types``' sliding layers, or layers
+    ``>= max_window_layers``); other families on ``layer_types``' ``sliding_attention``
+    layers, or on every layer when there are no ``layer_types`` (Mistral; a ``mistral``
+    config without the field has transformers' default window of 4096). A window that is
+    null, 0, or at least ``max_position_embeddings`` (the model's context) changes
+    nothing and yields no layers.
+
+    Args:
+        cfg: a model config dict (``num_hidden_layers`` gives the layer count).
+
+    Returns:
+        ``(window, layer ids)``; ``(None, [])`` when no layer is windowed.
+
+    Raises:
+        ModelConfigError: ``sliding_window`` or ``layer_types`` malformed.
+    """
+    model_type = cfg.get("model_type")
+    window = cfg.get("sliding_window", MISTRAL_DEFAULT_WINDOW if model_type == "mistral" else None)
+    if window is None or window == 0:
+        return None, []
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ModelConfigError("sliding_window", f"must be a non-negative integer or null, got {window!r}")
+    ctx = cfg.get("max_position_embeddings")
+    if ctx and window >= int(ctx):
+        return None, []
+    n = int(cfg.get("num_hidden_layers") or 0)
+    types = cfg.get("layer_types")
+    if types is not None and (not isinstance(types, list) or len(types) != n):
+        raise ModelConfigError("layer_types", f"must be a list of {n} layer types")
+    if model_type in ("qwen2", "qwen3"):
+        if not cfg.get("use_sliding_window", False):
+            return None, []
+        if types is None:
+            first = int(cfg.get("max_window_layers", 28))
+            layers = list(range(first, n))
+        else:
+            layers = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    elif types is not None and model_type != "mistral":  # transformers' Mistral ignores layer_types
+        layers = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    else:
+        layers = list(range(n))
+    return (window, layers) if layers else (None, [])

@@ -301,3 +301,71 @@ def test_drafter_config_uses_the_same_rope_normalisation():
     with pytest.raises(DrafterConfigError, match="foo") as e:
         DrafterConfig.from_dict(cfg)
     assert e.value.field == "rope_parameters.rope_type"
+
+
+# ---------------------------------------------------------------------------
+# Sliding windows
+# ---------------------------------------------------------------------------
+
+MISTRAL = {"architectures": ["MistralForCausalLM"], "model_type": "mistral"}
+
+
+@pytest.mark.parametrize(
+    "arch,over,refused",
+    [
+        ("llama", dict(MISTRAL, sliding_window=16), "all 2 layers"),  # mlx-lm's class would ignore the window
+        ("llama", dict(MISTRAL, sliding_window=None), None),
+        ("llama", dict(MISTRAL, sliding_window=512), None),  # >= max_position_embeddings (512): no effect
+        ("llama", dict(MISTRAL), None),  # transformers' default window 4096 >= 512
+        ("llama", dict(MISTRAL, max_position_embeddings=8192), "sliding_window=4096"),  # ... < 8192
+        ("qwen2", {"sliding_window": 16, "use_sliding_window": False}, None),  # Qwen2's usual setting
+        ("qwen2", {"sliding_window": 16}, None),  # use_sliding_window defaults to false
+        ("qwen2", {"sliding_window": 16, "use_sliding_window": True, "max_window_layers": 1}, "layers [1]"),
+        ("qwen2", {"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 0}, None),
+        ("llama", {"sliding_window": 16}, "all 2 layers"),  # no layer_types: Mistral's meaning, every layer
+    ],
+)
+def test_sliding_window_in_config_refused_unless_it_changes_nothing(tmp_path, arch, over, refused):
+    from mlx_dflash2.loading import load_target
+    from mlx_dflash2.target import TargetCompatibilityError
+
+    over = dict(over)
+    fields = {"rope_theta": 10000.0}
+    src = model_dir(tmp_path / "m", arch, fields, over.pop("max_position_embeddings", 512), **over)
+    if "sliding_window" not in over:
+        cfg = json.loads((src / "config.json").read_text())
+        cfg.pop("sliding_window", None)
+        (src / "config.json").write_text(json.dumps(cfg))
+    if refused is None:
+        load_target(str(src))
+        return
+    with pytest.raises(TargetCompatibilityError, match="sliding_window") as e:
+        load_target(str(src))
+    assert refused in str(e.value)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gguf_sliding_window_metadata_refused(tmp_path, arch):
+    from convert_helpers import write_gguf
+
+    from mlx_dflash2.loading import load_target
+    from mlx_dflash2.target import TargetCompatibilityError
+
+    cfg = tiny_config(arch, head_dim=32)
+    w = random_weights(cfg, dtype=mx.float32)
+    f = write_gguf(tmp_path / "w.gguf", cfg, w, arch=arch, sliding_window=16)
+    with pytest.raises(TargetCompatibilityError, match="sliding_window=16"):
+        load_target(str(f))
+    load_target(str(write_gguf(tmp_path / "full.gguf", cfg, w, arch=arch, sliding_window=512)))  # = the context
+    load_target(str(write_gguf(tmp_path / "none.gguf", cfg, w, arch=arch)))
+
+
+def test_converter_notes_a_window_mlx_lm_ignores(tmp_path):
+    from mlx_dflash2.convert import convert
+
+    src = model_dir(tmp_path / "m", "llama", {"rope_theta": 1e4}, 512, **dict(MISTRAL, sliding_window=16))
+    res = convert(src, tmp_path / "out", progress=False, quantize=False)
+    assert any("sliding_window=16 on 2 layers" in n for n in res.notes), res.notes
+    src2 = model_dir(tmp_path / "m2", "llama", {"rope_theta": 1e4}, 512, **dict(MISTRAL, sliding_window=None))
+    res = convert(src2, tmp_path / "out3", progress=False, quantize=False)
+    assert not any("sliding_window" in n for n in res.notes)

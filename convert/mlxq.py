@@ -142,11 +142,15 @@ class QuantPlan:
         keep_source_layout: where the source has an exact MLX layout (GPTQ/AWQ groups,
             GGUF Q4_x/Q5_x/Q8_0/Q4_K/Q5_K blocks; GGUF Q6_K -> 8-bit g32), use the source's own bits/group size for that
             layer instead of the default (lossless), unless an override names the layer.
+        requantize_reason: why layers with an exact source layout are not kept when
+            ``keep_source_layout`` is False (for the converter's note), e.g. explicit
+            ``--q-bits``/``--q-group-size``.
     """
 
     default: QSpec | None
     overrides: list = None  # type: ignore[assignment]
     keep_source_layout: bool = False
+    requantize_reason: str = ""
 
     def __post_init__(self):
         self.overrides = list(self.overrides or [])

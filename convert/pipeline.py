@@ -184,7 +184,7 @@ def _layout_notes(plan: QuantPlan, native: dict, requantized: list, quantizable:
         for p in redone:
             k = f"{native[p].bits}-bit g{native[p].group_size}"
             kinds[k] = kinds.get(k, 0) + 1
-        how = "; --q-override named them" if plan.keep_source_layout else "; --keep-source-layout keeps them"
+        how = "; --q-override named them" if plan.keep_source_layout else f"; {plan.requantize_reason}"
         notes.append(
             f"{len(redone)} layers with an exact source layout ("
             + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items()))
@@ -221,6 +221,11 @@ def normalize_config(cfg: dict, weights: dict, notes: list, source=None) -> dict
         cfg["tie_word_embeddings"] = not has_head
         notes.append(f"config had no tie_word_embeddings; set to {not has_head} (lm_head tensors {'present' if has_head else 'absent'})")
     return cfg
+
+
+def _cpu_only() -> bool:
+    """True when MLX computes on its CPU backend (no Metal or CUDA device as the default)."""
+    return mx.default_device() == mx.cpu
 
 
 def _window_note(cfg: dict, model, notes: list) -> None:
@@ -316,11 +321,11 @@ def convert(
     *,
     from_format: str | None = None,
     quantize: bool = True,
-    q_bits: int = 4,
-    q_group_size: int = 64,
+    q_bits: int | None = None,
+    q_group_size: int | None = None,
     dtype: str | None = None,
     overrides: list | tuple = (),
-    keep_source_layout: bool = False,
+    keep_source_layout: bool | None = None,
     overwrite: bool = False,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     progress: bool = True,
@@ -334,16 +339,24 @@ def convert(
         dest: output directory (must not exist unless ``overwrite``).
         from_format: force the input format (one of :data:`FORMATS`); default: detected.
         quantize: write MLX affine quantized layers (False: a float checkpoint in ``dtype``).
-        q_bits, q_group_size: the default MLX affine spec (4 bits, groups of 64).
+        q_bits, q_group_size: the MLX affine spec of layers that get one (``None``: 4 bits,
+            groups of 64). Passing either asks for that layout: unless ``keep_source_layout``
+            is True, layers whose source layout differs are requantized to it (a note says
+            how many); layers that map exactly (e.g. GPTQ g128 -> g64) stay exact.
         dtype: float dtype of unquantized tensors and of scales/biases (``float16``,
             ``bfloat16``, ``float32``). Default: the source config's ``torch_dtype`` as
             ``mlx_lm.convert`` does for float sources; the scale dtype of GPTQ/AWQ sources;
-            float16 for GGUF and EXL3.
+            float16 for GGUF and EXL3. On a CPU-only MLX a half-precision default gets a note
+            recommending float32 (mlx-lm's CPU backend is ~30x slower in float16).
         overrides: ``(regex, (bits, group) | None)`` per-layer overrides
             (:func:`~.mlxq.parse_override`), e.g. keep embeddings / LM head at 8 bits.
         keep_source_layout: keep the source's own exact group layout where one exists
             (GPTQ/AWQ groups; GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K as 32-groups, K-quant
-            scales exact in float32 only; GGUF Q6_K as 8-bit g32, near-lossless).
+            scales exact in float32 only; GGUF Q6_K as 8-bit g32, near-lossless); the
+            ``q_bits``/``q_group_size`` spec then applies to the other layers only.
+            ``None`` (default): keep it unless ``q_bits``/``q_group_size`` are given.
+            ``False`` (``--requantize``): every layer takes the ``q_bits``/``q_group_size``
+            spec, exact where the source maps onto it, requantized otherwise.
         overwrite: replace an existing ``dest``.
         shard_bytes: maximum shard size in bytes.
         progress: show a tqdm progress bar.
@@ -365,7 +378,14 @@ def convert(
     fmt = from_format or detect_format(path)
     if fmt not in FORMATS:
         raise UnsupportedFormatError(f"unknown format {fmt!r} (known: {', '.join(FORMATS)})")
-    plan = QuantPlan(QSpec(q_bits, q_group_size) if quantize else None, list(overrides), keep_source_layout)
+    explicit = q_bits is not None or q_group_size is not None
+    if keep_source_layout is None:
+        keep_source_layout = not explicit
+        reason = "--q-bits/--q-group-size ask for that layout; without them the source layout is kept"
+    else:
+        reason = "--requantize asked for it; without it the source layout is kept"
+    spec = QSpec(4 if q_bits is None else q_bits, 64 if q_group_size is None else q_group_size)
+    plan = QuantPlan(spec if quantize else None, list(overrides), keep_source_layout, reason)
     if fmt == "drafter":
         from .drafter import convert_drafter
 
@@ -443,6 +463,13 @@ def _convert_model(
             raise ShapeMismatchError(f"{source.path}: tensor {k} has shape {got}, expected {shape}")
 
     dtype = _resolve_dtype(dtype_name, source, cfg)
+    if dtype_name is None and dtype in (mx.float16, mx.bfloat16) and _cpu_only():
+        result.notes.append(
+            f"this MLX runs on the CPU (no GPU backend) and the output is {str(dtype).split('.')[-1]}, which MLX's "
+            "CPU backend computes far more slowly than float32 (SmolLM2-135M in mlx_lm: 6.7 s per token in "
+            "float16, 0.2 s in float32): for CPU use convert with --dtype float32 (mlx_dflash2.load casts to "
+            "float32 on the CPU by itself)"
+        )
     cast_predicate = getattr(model, "cast_predicate", lambda _k: True)
     quant_predicate = getattr(model, "quant_predicate", None)
     modules = dict(model.named_modules())

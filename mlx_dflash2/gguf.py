@@ -15,7 +15,7 @@ What it does (see ``shared/research/offline-assets.md`` §3 for the derivation):
   dequantized with ``gguf.quants.dequantize`` (numpy) to dense weights, because
   ``mx.load`` rejects Q5_0 and silently mis-decodes Q4_K. (Q5_0/Q5_1 and the
   K-quants Q4_K/Q5_K also have an MLX affine layout at group size 32,
-  :meth:`GGUFTensor.native`, used by the converter's ``--keep-source-layout``.)
+  :meth:`GGUFTensor.native`, which the converter keeps by default.)
 * Undoes llama.cpp's q/k row permutation for the ``llama`` architecture (the
   inverse of ``LlamaModel.permute`` in llama.cpp's ``convert_hf_to_gguf.py``);
   being a row permutation, it applies unchanged to packed weights, scales and

@@ -110,9 +110,9 @@ def test_gptq_group_sizes(tmp_path, tiny):
 
     shutil.rmtree(src)
     src, _, raw = _gptq(tmp_path, tiny, gs=32)
-    res = convert(src, tmp_path / "o2", progress=False)
+    res = convert(src, tmp_path / "o2", progress=False, q_group_size=64)
     assert not res.exact
-    res = convert(src, tmp_path / "o3", progress=False, keep_source_layout=True, measure_error=True)
+    res = convert(src, tmp_path / "o3", progress=False, measure_error=True)  # the default keeps it
     assert sorted(res.exact) == sorted(raw) and all(res.layer_errors[p] < 1e-6 for p in raw)
 
 
@@ -218,7 +218,7 @@ def test_awq_exact_and_equal_to_mlx_lm_loader(tmp_path, tiny):
                                    ours[f"{p}.biases"].astype(mx.float32), 128, 4)),
             ref[f"{p}.weight"], atol=1e-4, rtol=0,
         )
-    res = convert(src, tmp_path / "g64", progress=False)  # default group 64: still exact (scales repeated)
+    res = convert(src, tmp_path / "g64", progress=False, q_group_size=64)  # group 64: still exact (scales repeated)
     assert sorted(res.exact) == sorted(raw)
     out = load_dir_tensors(tmp_path / "g64")
     p = next(iter(raw))

@@ -53,6 +53,16 @@ class Packed:
     biases: mx.array
     spec: QSpec
 
+    def cast(self, dtype: mx.Dtype | None) -> tuple["Packed", bool]:
+        """This layer with its scales and biases in ``dtype`` (``None``: as they are), and whether
+        that cast is lossless (every value survives the round trip: an exact repack stays exact)."""
+        if dtype is None or self.scales.dtype == dtype:
+            return self, True
+        s, b = self.scales.astype(dtype), self.biases.astype(dtype)
+        lossless = bool(mx.array_equal(s.astype(self.scales.dtype), self.scales).item()
+                        and mx.array_equal(b.astype(self.biases.dtype), self.biases).item())
+        return Packed(self.weight, s, b, self.spec), lossless
+
 
 def unpack_codes(words: mx.array, bits: int, n: int) -> mx.array:
     """Unpack ``n`` codes per row from LSB-first bit-stream words.

@@ -516,14 +516,8 @@ def _convert_model(
                     packed = fn(spec)
                 dense_ref = None
                 if packed is not None:
-                    scales, biases = packed.scales, packed.biases
-                    lossless = True
-                    if dtype is not None and scales.dtype != dtype:
-                        s2, b2 = scales.astype(dtype), biases.astype(dtype)
-                        lossless = bool(mx.array_equal(s2.astype(scales.dtype), scales).item()
-                                        and mx.array_equal(b2.astype(biases.dtype), biases).item())
-                        scales, biases = s2, b2
-                    wq = packed.weight
+                    packed, lossless = packed.cast(dtype)
+                    wq, scales, biases = packed.weight, packed.scales, packed.biases
                     (result.exact if lossless else result.rounded).append(p)
                 elif _chunkable(weights[name]):
                     wq, scales, biases = _quantize_chunked(weights[name], spec, dtype, result if measure_error else None, p)

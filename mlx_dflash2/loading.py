@@ -334,7 +334,8 @@ def make_proposer(
     elif drafter == "init":
         model = init_drafter(target, tokenizer, seed=seed)
     else:
-        model = load_drafter(drafter, target, tokenizer, dtype=drafter_dtype or _default_dtype())
+        model = load_drafter(drafter, target, tokenizer, dtype=drafter_dtype or _default_dtype(),
+                             target_name=target_name or None)
     if dequantize:
         model = dequantize_drafter(model)
     min_confidence = check_confidence(min_confidence, "min_confidence")

@@ -179,7 +179,7 @@ def main() -> None:
     dst = CACHE / "out"
     rows = []
     for name, src in srcs.items():
-        kw = {"shard_bytes": args.shard_mb << 20}
+        kw = {"shard_bytes": args.shard_mb << 20, "keep_source_layout": False}  # --requantize: the full path
         r = run_child(src, dst, **kw)
         r.update(name=name, src_mb=dir_mb(src))
         r.pop("layer_errors")
@@ -198,18 +198,18 @@ def main() -> None:
         erows = []
         settings = [
             ("hf bf16", "4-bit g64 (default)", {}),
-            ("gptq 4-bit g128", "4-bit g64 (default; exact repack)", {}),
-            ("gptq 4-bit g128", "--keep-source-layout (g128)", {"keep_source_layout": True}),
-            ("gptq 4-bit g128 act-order", "4-bit g64 (dequantize + requantize)", {}),
-            ("awq 4-bit g128", "4-bit g64 (default; exact repack)", {}),
+            ("gptq 4-bit g128", "4-bit g64 (--requantize; exact repack)", {"keep_source_layout": False}),
+            ("gptq 4-bit g128", "source layout (default: g128)", {}),
+            ("gptq 4-bit g128 act-order", "4-bit g64 (default: dequantize + requantize)", {}),
+            ("awq 4-bit g128", "4-bit g64 (--requantize; exact repack)", {"keep_source_layout": False}),
             ("exl3 4.0 bpw (mcg)", "4-bit g64 (default)", {}),
-            ("gguf SmolLM2-135M Q4_1", "4-bit g64 (default)", {}),
+            ("gguf SmolLM2-135M Q4_1", "4-bit g64 (--requantize)", {"keep_source_layout": False}),
             ("gguf SmolLM2-135M Q4_1", "4-bit g32", {"q_group_size": 32}),
-            ("gguf SmolLM2-135M Q4_1", "--keep-source-layout (Q4_1/Q8_0 as g32)", {"keep_source_layout": True}),
-            ("gguf Qwen2.5-Coder-0.5B K-quants", "4-bit g64 (default)", {}),
+            ("gguf SmolLM2-135M Q4_1", "source layout (default: Q4_1/Q8_0 as g32)", {}),
+            ("gguf Qwen2.5-Coder-0.5B K-quants", "4-bit g64 (--requantize)", {"keep_source_layout": False}),
             ("gguf Qwen2.5-Coder-0.5B K-quants", "4-bit g32", {"q_group_size": 32}),
-            ("gguf Qwen2.5-Coder-0.5B K-quants", "--keep-source-layout (Q5_0 5-bit, Q8_0 8-bit, Q4_K 4-bit g32; Q6_K -> 8-bit g32)",
-             {"keep_source_layout": True}),
+            ("gguf Qwen2.5-Coder-0.5B K-quants", "source layout (default: Q5_0 5-bit, Q8_0 8-bit, Q4_K 4-bit g32; Q6_K -> 8-bit g32)",
+             {}),
         ]
         for name, label, kw in settings:
             if name not in srcs:

@@ -2,11 +2,19 @@
 
     mlx_dflash2.convert SRC DEST [--from FORMAT] [--q-bits 4] [--q-group-size 64]
                         [--dtype float16|bfloat16|float32] [--q-override REGEX=BITS[:GROUP]|none ...]
-                        [--keep-source-layout] [--no-quantize] [--overwrite] [--report-error]
+                        [--requantize | --keep-source-layout] [--no-quantize] [--overwrite] [--report-error]
 
 SRC is a checkpoint directory, a .gguf file or a Hugging Face hub id (resolved
 offline when cached). The format is detected from config.json's
 quantization_config or the file type; --from forces it.
+
+A quantized source keeps its own layout where MLX has an exact form of it
+(GPTQ/AWQ groups, GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K blocks); --q-bits /
+--q-group-size ask for another layout (layers that differ are requantized, with
+a note), --requantize takes the --q-bits/--q-group-size spec (default 4-bit g64)
+everywhere. --keep-source-layout is the default (kept so that old commands work;
+with --q-bits/--q-group-size it keeps the source layout and applies the spec to
+the other layers only).
 """
 
 from __future__ import annotations
@@ -24,13 +32,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mlx_dflash2.convert",
         description="Convert HF (bf16/fp16), GPTQ, AWQ, GGUF, EXL3 checkpoints and DFlash/DFlash2 "
-        "drafters to MLX (4-bit affine, group 64 by default).",
+        "drafters to MLX: a quantized source keeps its own layout where MLX has an exact form of it, other "
+        "layers become 4-bit affine, group 64 (--q-bits/--q-group-size, --requantize).",
     )
     p.add_argument("src", help="checkpoint directory, .gguf file or Hugging Face hub id")
     p.add_argument("dest", help="output directory (must not exist unless --overwrite)")
     p.add_argument("--from", dest="from_format", choices=FORMATS, default=None, help="force the input format")
-    p.add_argument("--q-bits", type=int, default=4, help="MLX affine bits (2, 3, 4, 5, 6, 8; default 4)")
-    p.add_argument("--q-group-size", type=int, default=64, help="MLX affine group size (32, 64, 128; default 64)")
+    p.add_argument("--q-bits", type=int, default=None,
+                   help="MLX affine bits (2, 3, 4, 5, 6, 8; default 4 for layers without an exact source layout). "
+                   "Given, it asks for that layout: layers of a quantized source whose layout differs are requantized")
+    p.add_argument("--q-group-size", type=int, default=None,
+                   help="MLX affine group size (32, 64, 128; default 64, as --q-bits)")
     p.add_argument("--no-quantize", action="store_true", help="write float weights in --dtype instead")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="float dtype of unquantized tensors and scales")
     p.add_argument(
@@ -41,12 +53,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="per-layer override, regex searched in the module path; repeatable, last match wins "
         "(e.g. 'embed_tokens=8' 'lm_head=8' 'mlp.gate$=none')",
     )
-    p.add_argument(
+    layout = p.add_mutually_exclusive_group()
+    layout.add_argument(
+        "--requantize",
+        dest="keep_source_layout",
+        action="store_false",
+        default=None,
+        help="give every layer the --q-bits/--q-group-size spec (default 4-bit g64), requantizing layers whose "
+        "source layout differs (a second rounding). Default: keep the source's exact layout where one exists",
+    )
+    layout.add_argument(
         "--keep-source-layout",
+        dest="keep_source_layout",
         action="store_true",
-        help="keep the source's exact quantized layout where one exists (GPTQ/AWQ groups; GGUF Q4_0/Q4_1/Q5_0/"
-        "Q5_1/Q8_0/Q4_K/Q5_K as MLX groups of 32): lossless, except that Q4_K/Q5_K scales are exact only "
-        "with --dtype float32; GGUF Q6_K becomes 8-bit g32 (near-lossless); Q2_K/Q3_K take the requested spec",
+        help="the default: keep the source's exact quantized layout where one exists (GPTQ/AWQ groups; GGUF "
+        "Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K as MLX groups of 32): lossless, except that Q4_K/Q5_K scales are exact "
+        "only with --dtype float32; GGUF Q6_K becomes 8-bit g32 (near-lossless); Q2_K/Q3_K take the --q-bits spec. "
+        "With --q-bits/--q-group-size it keeps the layout and applies them to the other layers only",
     )
     p.add_argument("--overwrite", action="store_true", help="replace DEST if it exists")
     p.add_argument("--shard-size-gb", type=float, default=2.0, help="maximum shard size (GiB, default 2)")

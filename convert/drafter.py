@@ -13,6 +13,14 @@ plus ``model.safetensors``; in bf16/fp16/fp32 or with the linear layers MLX-quan
 norms, conv base kernels and selector codebooks, and so the activations, stay in
 the float dtype.
 
+GPTQ- and AWQ-packed drafters (a ``quantization_config`` in ``config.json``, as
+community int4 drafters have) are read by the model converter's own readers
+(:func:`~.gptq.read_gptq`, :func:`~.gptq.read_awq`): layers with a trivial group map
+are repacked exactly (their own group size when MLX has it and it divides every
+quantized layer, else 4-bit g64 by repeating scales), act-order layers are
+dequantized through ``g_idx`` and quantized with MLX round-to-nearest. Any other
+quantization method is refused, naming it.
+
 Missing or invalid fields are an error naming the field, never a silent default
 (known-bugs row 13): the config goes through :class:`DrafterConfig` validation,
 and additionally ``mask_token_id`` must be inside ``vocab_size`` and the tap ids
@@ -22,18 +30,23 @@ inside ``num_target_layers`` (when given), and with ``target`` the whole
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .errors import ConvertError, CorruptCheckpointError, MissingTensorError, ShapeMismatchError
+from mlx_dflash2.drafter.io import _remap
+
+from .errors import ConvertError, CorruptCheckpointError, MissingTensorError, ShapeMismatchError, UnsupportedFormatError
 from .hf import open_safetensors, read_config
 from .mlxq import QuantPlan
 from .writer import AtomicOutput, ShardWriter
 
-__all__ = ["convert_drafter", "DrafterFieldError"]
+__all__ = ["convert_drafter", "DrafterFieldError", "DRAFTER_QUANT_METHODS", "drafter_quant_method"]
+
+DRAFTER_QUANT_METHODS = ("gptq", "awq")  # packed drafter checkpoints the converter reads
 
 
 class DrafterFieldError(CorruptCheckpointError):
@@ -42,6 +55,58 @@ class DrafterFieldError(CorruptCheckpointError):
     def __init__(self, path: Path, field: str, message: str):
         super().__init__(f"{path}/config.json: drafter config field {field!r}: {message}")
         self.field = field
+
+
+def drafter_quant_method(path: Path, raw: dict) -> str | None:
+    """The quantization method of a drafter checkpoint (lower case; ``None``: a float checkpoint):
+    ``config.json``'s ``quantization_config.quant_method``, or a ``quantize_config.json`` (GPTQ)
+    / ``quant_config.json`` (AWQ) side file. A ``quantization_config`` without a method reads as
+    ``"(none given)"``."""
+    qc = raw.get("quantization_config")
+    if qc is None:
+        if (Path(path) / "quantize_config.json").is_file():
+            return "gptq"
+        if (Path(path) / "quant_config.json").is_file():
+            return "awq"
+        return None
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    return str(method).lower() if method else "(none given)"
+
+
+def _quantized_source(path: Path, raw: dict):
+    """The GPTQ/AWQ reader's :class:`~.source.SourceModel` of a packed drafter, or ``None``.
+
+    Raises:
+        UnsupportedFormatError: another quantization method (named).
+    """
+    method = drafter_quant_method(path, raw)
+    if method is None:
+        return None
+    if method not in DRAFTER_QUANT_METHODS:
+        raise UnsupportedFormatError(
+            f"{path}: drafter quantization method {method!r} is not supported "
+            f"(packed drafters readable: {', '.join(DRAFTER_QUANT_METHODS)}; float drafters)"
+        )
+    from .gptq import read_awq, read_gptq
+
+    return (read_gptq if method == "gptq" else read_awq)(path)
+
+
+def _module(prefix: str) -> str:
+    """A packed layer's module path in the drafter's naming (``model.`` prefix dropped)."""
+    return _remap(prefix + ".weight")[: -len(".weight")]
+
+
+def _drafter_plan(plan: QuantPlan, native: dict, linears: dict) -> QuantPlan:
+    """The plan with the source's own spec as the drafter's one spec when the source layout is kept,
+    every packed layer shares that spec, and it divides every linear layer's inputs; else ``plan``."""
+    specs = set(native.values())
+    if not plan.keep_source_layout or plan.default is None or len(specs) != 1:
+        return plan
+    spec = specs.pop()
+    if any(in_dim % spec.group_size for in_dim in linears.values()):
+        return plan
+    return QuantPlan(spec, plan.overrides, plan.keep_source_layout, plan.requantize_reason)
 
 
 def convert_drafter(
@@ -60,7 +125,8 @@ def convert_drafter(
         path: the source directory.
         out: the atomic output (destination).
         plan: quantization plan; only its default spec and ``none`` overrides apply (drafter
-            checkpoints carry one quantization spec).
+            checkpoints carry one quantization spec). With ``keep_source_layout``, a GPTQ/AWQ
+            drafter's own spec replaces the default where it fits every linear layer.
         dtype: float dtype (default: the source's ``torch_dtype``/``dtype``, else bfloat16).
         target: optional target model (path / hub id / embedded name) to validate against;
             the converted output is then also loaded with ``load_drafter``.
@@ -70,13 +136,13 @@ def convert_drafter(
 
     Raises:
         DrafterFieldError, MissingTensorError, ShapeMismatchError, CorruptCheckpointError,
-        ConvertError: nothing is written then.
+        UnsupportedFormatError (a quantization method other than GPTQ/AWQ, or a GPTQ/AWQ
+        variant the readers refuse), ConvertError: nothing is written then.
     """
     from mlx.utils import tree_flatten
     from tqdm import tqdm
 
     from mlx_dflash2.drafter import DrafterConfig, DrafterConfigError, DraftModel
-    from mlx_dflash2.drafter.io import _remap
 
     from .pipeline import ConvertResult
 
@@ -106,12 +172,16 @@ def convert_drafter(
         except DrafterConfigError as e:
             raise DrafterFieldError(path, e.field, str(e).split(": ", 1)[-1] + f" (target {target})") from e
 
+    source = _quantized_source(path, raw)  # GPTQ / AWQ packed layers, or None for a float drafter
     src = {}
-    for k, v in open_safetensors(path).items():
+    for k, v in (source.weights if source is not None else open_safetensors(path)).items():
         new = _remap(k)
         if new in src:
             raise CorruptCheckpointError(f"{path}: tensors {k!r} and another both map to {new!r}")
         src[new] = v
+    packed = {_module(p): fn for p, fn in source.packed.items()} if source is not None else {}
+    native = {_module(p): sp for p, sp in source.native.items()} if source is not None else {}
+    dequantized = {_remap(k) for k in source.dequantized} if source is not None else set()
     model = DraftModel(cfg)
     expected = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
     missing = sorted(set(expected) - set(src))
@@ -131,12 +201,12 @@ def convert_drafter(
     if dtype_name not in ("float16", "bfloat16", "float32"):
         raise ConvertError(f"drafter dtype {dtype_name!r}: choose float16, bfloat16 or float32")
     fdtype = getattr(mx, dtype_name)
+    linears = {name: m.weight.shape[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    plan = _drafter_plan(plan, native, linears)
     spec = plan.default
     quantized = set()
-    for name, m in model.named_modules():
-        if not isinstance(m, nn.Linear):
-            continue
-        s, _ = plan.spec_for(name, m.weight.shape[-1])
+    for name, in_dim in linears.items():
+        s, _ = plan.spec_for(name, in_dim)
         if s is None:
             continue
         if spec is None or s != spec:
@@ -146,7 +216,7 @@ def convert_drafter(
             )
         quantized.add(name)
 
-    result = ConvertResult(out.dest, "drafter")
+    result = ConvertResult(out.dest, "drafter", notes=list(source.notes) if source is not None else [])
     with out as tmp:
         writer = ShardWriter(tmp)
         bar = tqdm(total=len(expected), unit="tensor", disable=not progress, desc="convert drafter")
@@ -154,12 +224,20 @@ def convert_drafter(
             for name in expected:
                 v = src.pop(name)
                 mod = name[: -len(".weight")] if name.endswith(".weight") else None
-                if mod in quantized:
-                    w = v.astype(fdtype)
+                exact = packed.pop(mod)(spec) if mod in quantized and mod in packed else None
+                if exact is not None:  # the source's codes kept bit for bit
+                    exact, lossless = exact.cast(fdtype)
+                    writer.add(name, exact.weight, logical_params=math.prod(expected[name]))
+                    writer.add(f"{mod}.scales", exact.scales, logical_params=0)
+                    writer.add(f"{mod}.biases", exact.biases, logical_params=0)
+                    (result.exact if lossless else result.rounded).append(mod)
+                elif mod in quantized:
+                    # float sources: cast, then quantize (as before); dequantized GPTQ/AWQ: from float32
+                    w = v if name in dequantized else v.astype(fdtype)
                     wq, s, b = mx.quantize(w, spec.group_size, spec.bits)
                     writer.add(name, wq, logical_params=int(w.size))
-                    writer.add(f"{mod}.scales", s, logical_params=0)
-                    writer.add(f"{mod}.biases", b, logical_params=0)
+                    writer.add(f"{mod}.scales", s.astype(fdtype), logical_params=0)
+                    writer.add(f"{mod}.biases", b.astype(fdtype), logical_params=0)
                     result.requantized.append(mod)
                 else:
                     writer.add(name, v.astype(fdtype) if mx.issubdtype(v.dtype, mx.floating) else v)
@@ -167,11 +245,23 @@ def convert_drafter(
             writer.close()
         finally:
             bar.close()
+        if source is not None:
+            from .pipeline import _layout_notes
+
+            _layout_notes(plan, native, result.requantized, list(linears), result.notes)
         out_cfg = cfg.to_dict()
         out_cfg["torch_dtype"] = dtype_name
         if quantized:
             out_cfg["quantization"] = spec.as_dict()
-        out_cfg["mlx_dflash2_convert"] = {"source_format": "drafter", "source": str(path)}
+        out_cfg["mlx_dflash2_convert"] = {
+            "source_format": "drafter",
+            "source": str(path),
+            "source_quantization_config": source.source_quantization if source is not None else None,
+            "exact_layers": len(result.exact),
+            "rounded_layers": len(result.rounded),
+            "requantized_layers": len(result.requantized),
+            "notes": result.notes,
+        }
         import json
 
         (tmp / "config.json").write_text(json.dumps(out_cfg, indent=2) + "\n")

@@ -3,16 +3,16 @@ project's one GGUF checkpoint loader: header, name map, q/k un-permute,
 tokenizer and chat template from the metadata).
 
 * Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 tensors have an exact MLX affine layout at
-  group size 32 (4/4/5/5/8 bits): used as-is when the requested spec is exactly
-  that (e.g. with ``--keep-source-layout``, or ``--q-group-size 32`` for the Q4 tensors).
+  group size 32 (4/4/5/5/8 bits): used as-is by default (the source layout is kept),
+  or when the requested spec is exactly that (``--q-group-size 32`` for the Q4 tensors).
 * Q4_K / Q5_K map onto MLX 4/5-bit group 32 with scale ``d*sc`` and bias
   ``-dmin*m`` (:meth:`mlx_dflash2.gguf.GGUFTensor.native`): exact with float32
   scales (``--dtype float32``); float16/bfloat16 scales round ``d*sc`` (17
   significant bits) and ``dmin*m`` to 11/8 bits.
 * Q6_K (16-value sub-blocks with int8 scales, symmetric 6-bit) has no MLX layout
-  (group sizes are 32/64/128): ``--keep-source-layout`` quantizes its exact
-  dequantized values to MLX 8-bit group 32 (near-lossless). Q2_K/Q3_K, IQ* and
-  TQ* have none either and always take the requested spec.
+  (group sizes are 32/64/128): keeping the source layout (the default) quantizes its
+  exact dequantized values to MLX 8-bit group 32 (near-lossless). Q2_K/Q3_K, IQ* and
+  TQ* have none either and always take the ``--q-bits``/``--q-group-size`` spec.
 * Every other case (another group size or bit width, Q2_K/Q3_K, BF16...)
   dequantizes with ``gguf.quants.dequantize`` to float32 and quantizes that with
   MLX round-to-nearest. (``mx.load`` is never used for GGUF data: it mis-decodes
@@ -31,7 +31,7 @@ from .source import Deferred, SourceModel
 
 __all__ = ["read_gguf"]
 
-# --keep-source-layout spec of types without an MLX layout of their own: Q6_K's exact values
+# source-layout spec (kept by default) of types without an MLX layout of their own: Q6_K's exact values
 # requantized to 8 bits (MLX affine RTN; relative weight error 0.49 % on Qwen2.5-Coder-0.5B's
 # Q6_K layers, tests/test_convert_slow.py).
 _NEAR_EXACT = {"Q6_K": QSpec(8, 32)}
@@ -103,7 +103,8 @@ def read_gguf(path: Path) -> SourceModel:
     lossy = sorted({t.ggml_type for t in tensors.values() if t.ggml_type in ("Q2_K", "Q3_K")})
     if lossy:
         notes.append(
-            f"{'/'.join(lossy)} have no MLX layout: requantized to the requested spec even with --keep-source-layout"
+            f"{'/'.join(lossy)} have no MLX layout: requantized to the --q-bits/--q-group-size spec "
+            "(default 4-bit g64) even when the source layout is kept"
         )
     return SourceModel(
         "gguf",

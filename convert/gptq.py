@@ -82,7 +82,7 @@ def _group_layer(
     dense = (codes_oi.astype(mx.float32) - z_oi) * s_oi
     trivial = bool(np.array_equal(g_idx, np.arange(in_f) // gs_src))
     native = None
-    if trivial and bits in BITS and gs_src in GROUP_SIZES:
+    if trivial and bits in BITS and gs_src in GROUP_SIZES and in_f % gs_src == 0:  # no partial last group
         native = QSpec(bits, gs_src)
 
     def packed(spec: QSpec):
@@ -92,9 +92,9 @@ def _group_layer(
         weight = qweight_t if qweight_t is not None else pack_codes(codes_oi, bits)
         s = scales_go.T
         b = (-(zeros_go.T.astype(mx.float32)) * s.astype(mx.float32)).astype(s.dtype)
-        if rep > 1:
-            s = mx.repeat(s, rep, axis=1)
-            b = mx.repeat(b, rep, axis=1)
+        if rep > 1:  # a partial last source group yields fewer MLX groups: trim
+            s = mx.repeat(s, rep, axis=1)[:, : in_f // spec.group_size]
+            b = mx.repeat(b, rep, axis=1)[:, : in_f // spec.group_size]
         return Packed(mx.contiguous(weight), mx.contiguous(s), mx.contiguous(b), spec)
 
     return dense, packed, native

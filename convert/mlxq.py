@@ -53,6 +53,16 @@ class Packed:
     biases: mx.array
     spec: QSpec
 
+    def cast(self, dtype: mx.Dtype | None) -> tuple["Packed", bool]:
+        """This layer with its scales and biases in ``dtype`` (``None``: as they are), and whether
+        that cast is lossless (every value survives the round trip: an exact repack stays exact)."""
+        if dtype is None or self.scales.dtype == dtype:
+            return self, True
+        s, b = self.scales.astype(dtype), self.biases.astype(dtype)
+        lossless = bool(mx.array_equal(s.astype(self.scales.dtype), self.scales).item()
+                        and mx.array_equal(b.astype(self.biases.dtype), self.biases).item())
+        return Packed(self.weight, s, b, self.spec), lossless
+
 
 def unpack_codes(words: mx.array, bits: int, n: int) -> mx.array:
     """Unpack ``n`` codes per row from LSB-first bit-stream words.
@@ -142,11 +152,15 @@ class QuantPlan:
         keep_source_layout: where the source has an exact MLX layout (GPTQ/AWQ groups,
             GGUF Q4_x/Q5_x/Q8_0/Q4_K/Q5_K blocks; GGUF Q6_K -> 8-bit g32), use the source's own bits/group size for that
             layer instead of the default (lossless), unless an override names the layer.
+        requantize_reason: why layers with an exact source layout are not kept when
+            ``keep_source_layout`` is False (for the converter's note), e.g. explicit
+            ``--q-bits``/``--q-group-size``.
     """
 
     default: QSpec | None
     overrides: list = None  # type: ignore[assignment]
     keep_source_layout: bool = False
+    requantize_reason: str = ""
 
     def __post_init__(self):
         self.overrides = list(self.overrides or [])

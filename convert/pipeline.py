@@ -20,7 +20,6 @@ For every format the same steps run:
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import time
@@ -185,7 +184,7 @@ def _layout_notes(plan: QuantPlan, native: dict, requantized: list, quantizable:
         for p in redone:
             k = f"{native[p].bits}-bit g{native[p].group_size}"
             kinds[k] = kinds.get(k, 0) + 1
-        how = "; --q-override named them" if plan.keep_source_layout else "; --keep-source-layout keeps them"
+        how = "; --q-override named them" if plan.keep_source_layout else f"; {plan.requantize_reason}"
         notes.append(
             f"{len(redone)} layers with an exact source layout ("
             + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items()))
@@ -197,41 +196,54 @@ def _layout_notes(plan: QuantPlan, native: dict, requantized: list, quantizable:
             notes.append(f"--q-override {rx.pattern!r} matches no quantizable layer{hint}")
 
 
-def normalize_config(cfg: dict, weights: dict, notes: list) -> dict:
+def normalize_config(cfg: dict, weights: dict, notes: list, source=None) -> dict:
     """Make rope and embedding-tying settings explicit for mlx-lm.
 
-    * ``rope_parameters`` (transformers >= 5) is mirrored into ``rope_theta`` /
-      ``rope_scaling`` (several mlx-lm model classes read only those and would
-      silently fall back to a default theta); a disagreement is an error.
+    * RoPE: :func:`mlx_dflash2.modelconfig.normalize_rope` (the runtime loader's own
+      normalisation): ``rope_parameters`` (transformers >= 5) becomes explicit
+      ``rope_theta`` / ``rope_scaling`` with transformers' defaults filled in (several
+      mlx-lm model classes read only those and would silently fall back to a default
+      theta and no scaling); an unknown ``rope_type`` or a disagreement is an error.
     * ``tie_word_embeddings`` missing: decided from the presence of ``lm_head.*``
       tensors (mlx-lm's default of ``True`` would silently drop a real head).
 
     Raises:
-        ConvertError: contradictory rope settings.
+        ConvertError: an invalid, unsupported or contradictory rope setting (names the field).
     """
-    cfg = json.loads(json.dumps(cfg))
-    for sub in [cfg] + ([cfg["text_config"]] if isinstance(cfg.get("text_config"), dict) else []):
-        rp = sub.get("rope_parameters")
-        if isinstance(rp, dict) and "rope_theta" in rp:
-            theta = float(rp["rope_theta"])
-            if sub.get("rope_theta") is not None and float(sub["rope_theta"]) != theta:
-                raise ConvertError(
-                    f"config.json: rope_theta {sub['rope_theta']} disagrees with rope_parameters.rope_theta {theta}"
-                )
-            sub["rope_theta"] = theta
-            rtype = rp.get("rope_type", rp.get("type", "default"))
-            if rtype not in (None, "default"):
-                scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
-                if sub.get("rope_scaling") not in (None, scaling):
-                    old = {k: v for k, v in (sub["rope_scaling"] or {}).items() if k != "rope_theta"}
-                    if old != scaling:
-                        raise ConvertError("config.json: rope_scaling disagrees with rope_parameters")
-                sub["rope_scaling"] = scaling
+    from mlx_dflash2.modelconfig import ModelConfigError, normalize_rope
+
+    try:
+        cfg = normalize_rope(cfg)
+    except ModelConfigError as e:
+        raise ConvertError(f"{source or 'config.json'}: config field {e.field!r}: {e.detail}") from None
     if "tie_word_embeddings" not in cfg:
         has_head = any(k.startswith("lm_head.") for k in weights)
         cfg["tie_word_embeddings"] = not has_head
         notes.append(f"config had no tie_word_embeddings; set to {not has_head} (lm_head tensors {'present' if has_head else 'absent'})")
     return cfg
+
+
+def _cpu_only() -> bool:
+    """True when MLX computes on its CPU backend (no Metal or CUDA device as the default)."""
+    return mx.default_device() == mx.cpu
+
+
+def _window_note(cfg: dict, model, notes: list) -> None:
+    """A note when the config's sliding window changes the model but mlx-lm's class builds no
+    sliding layers (e.g. ``mistral`` without ``layer_types``): mlx-lm will run full attention."""
+    from mlx_dflash2.modelconfig import ModelConfigError, sliding_window_layers
+
+    try:
+        window, layers = sliding_window_layers(cfg)
+    except ModelConfigError:
+        return
+    inner = getattr(model, "model", model)
+    if layers and not any(getattr(l, "use_sliding", False) for l in getattr(inner, "layers", [])):
+        notes.append(
+            f"config.json sets sliding_window={window} on {len(layers)} layers, which mlx-lm's "
+            f"{cfg.get('model_type')} class runs as full attention (a different model past {window} tokens); "
+            "mlx_dflash2.load refuses such a target"
+        )
 
 
 def _resolve_dtype(dtype: str | None, source: SourceModel, cfg: dict) -> mx.Dtype | None:
@@ -309,11 +321,11 @@ def convert(
     *,
     from_format: str | None = None,
     quantize: bool = True,
-    q_bits: int = 4,
-    q_group_size: int = 64,
+    q_bits: int | None = None,
+    q_group_size: int | None = None,
     dtype: str | None = None,
     overrides: list | tuple = (),
-    keep_source_layout: bool = False,
+    keep_source_layout: bool | None = None,
     overwrite: bool = False,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     progress: bool = True,
@@ -327,16 +339,24 @@ def convert(
         dest: output directory (must not exist unless ``overwrite``).
         from_format: force the input format (one of :data:`FORMATS`); default: detected.
         quantize: write MLX affine quantized layers (False: a float checkpoint in ``dtype``).
-        q_bits, q_group_size: the default MLX affine spec (4 bits, groups of 64).
+        q_bits, q_group_size: the MLX affine spec of layers that get one (``None``: 4 bits,
+            groups of 64). Passing either asks for that layout: unless ``keep_source_layout``
+            is True, layers whose source layout differs are requantized to it (a note says
+            how many); layers that map exactly (e.g. GPTQ g128 -> g64) stay exact.
         dtype: float dtype of unquantized tensors and of scales/biases (``float16``,
             ``bfloat16``, ``float32``). Default: the source config's ``torch_dtype`` as
             ``mlx_lm.convert`` does for float sources; the scale dtype of GPTQ/AWQ sources;
-            float16 for GGUF and EXL3.
+            float16 for GGUF and EXL3. On a CPU-only MLX a half-precision default gets a note
+            recommending float32 (mlx-lm's CPU backend is ~30x slower in float16).
         overrides: ``(regex, (bits, group) | None)`` per-layer overrides
             (:func:`~.mlxq.parse_override`), e.g. keep embeddings / LM head at 8 bits.
         keep_source_layout: keep the source's own exact group layout where one exists
             (GPTQ/AWQ groups; GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K as 32-groups, K-quant
-            scales exact in float32 only; GGUF Q6_K as 8-bit g32, near-lossless).
+            scales exact in float32 only; GGUF Q6_K as 8-bit g32, near-lossless); the
+            ``q_bits``/``q_group_size`` spec then applies to the other layers only.
+            ``None`` (default): keep it unless ``q_bits``/``q_group_size`` are given.
+            ``False`` (``--requantize``): every layer takes the ``q_bits``/``q_group_size``
+            spec, exact where the source maps onto it, requantized otherwise.
         overwrite: replace an existing ``dest``.
         shard_bytes: maximum shard size in bytes.
         progress: show a tqdm progress bar.
@@ -358,7 +378,14 @@ def convert(
     fmt = from_format or detect_format(path)
     if fmt not in FORMATS:
         raise UnsupportedFormatError(f"unknown format {fmt!r} (known: {', '.join(FORMATS)})")
-    plan = QuantPlan(QSpec(q_bits, q_group_size) if quantize else None, list(overrides), keep_source_layout)
+    explicit = q_bits is not None or q_group_size is not None
+    if keep_source_layout is None:
+        keep_source_layout = not explicit
+        reason = "--q-bits/--q-group-size ask for that layout; without them the source layout is kept"
+    else:
+        reason = "--requantize asked for it; without it the source layout is kept"
+    spec = QSpec(4 if q_bits is None else q_bits, 64 if q_group_size is None else q_group_size)
+    plan = QuantPlan(spec if quantize else None, list(overrides), keep_source_layout, reason)
     if fmt == "drafter":
         from .drafter import convert_drafter
 
@@ -387,7 +414,7 @@ def _convert_model(
     from tqdm import tqdm
 
     result = ConvertResult(tmp, source.format, notes=list(source.notes))
-    cfg = normalize_config(source.config, source.weights, result.notes)
+    cfg = normalize_config(source.config, source.weights, result.notes, source.path / "config.json" if source.path.is_dir() else source.path)
     try:
         model_class, args_class = _get_classes(cfg)
     except (ValueError, KeyError) as e:
@@ -397,6 +424,7 @@ def _convert_model(
     except Exception as e:
         raise CorruptCheckpointError(f"{source.path}/config.json: cannot build the model ({type(e).__name__}: {e})") from e
     expected = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
+    _window_note(cfg, model, result.notes)
     if source.bind is not None:
         source.bind(expected)
 
@@ -435,6 +463,13 @@ def _convert_model(
             raise ShapeMismatchError(f"{source.path}: tensor {k} has shape {got}, expected {shape}")
 
     dtype = _resolve_dtype(dtype_name, source, cfg)
+    if dtype_name is None and dtype in (mx.float16, mx.bfloat16) and _cpu_only():
+        result.notes.append(
+            f"this MLX runs on the CPU (no GPU backend) and the output is {str(dtype).split('.')[-1]}, which MLX's "
+            "CPU backend computes far more slowly than float32 (SmolLM2-135M in mlx_lm: 6.7 s per token in "
+            "float16, 0.2 s in float32): for CPU use convert with --dtype float32 (mlx_dflash2.load casts to "
+            "float32 on the CPU by itself)"
+        )
     cast_predicate = getattr(model, "cast_predicate", lambda _k: True)
     quant_predicate = getattr(model, "quant_predicate", None)
     modules = dict(model.named_modules())
@@ -481,14 +516,8 @@ def _convert_model(
                     packed = fn(spec)
                 dense_ref = None
                 if packed is not None:
-                    scales, biases = packed.scales, packed.biases
-                    lossless = True
-                    if dtype is not None and scales.dtype != dtype:
-                        s2, b2 = scales.astype(dtype), biases.astype(dtype)
-                        lossless = bool(mx.array_equal(s2.astype(scales.dtype), scales).item()
-                                        and mx.array_equal(b2.astype(biases.dtype), biases).item())
-                        scales, biases = s2, b2
-                    wq = packed.weight
+                    packed, lossless = packed.cast(dtype)
+                    wq, scales, biases = packed.weight, packed.scales, packed.biases
                     (result.exact if lossless else result.rounded).append(p)
                 elif _chunkable(weights[name]):
                     wq, scales, biases = _quantize_chunked(weights[name], spec, dtype, result if measure_error else None, p)

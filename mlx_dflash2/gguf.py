@@ -15,7 +15,7 @@ What it does (see ``shared/research/offline-assets.md`` §3 for the derivation):
   dequantized with ``gguf.quants.dequantize`` (numpy) to dense weights, because
   ``mx.load`` rejects Q5_0 and silently mis-decodes Q4_K. (Q5_0/Q5_1 and the
   K-quants Q4_K/Q5_K also have an MLX affine layout at group size 32,
-  :meth:`GGUFTensor.native`, used by the converter's ``--keep-source-layout``.)
+  :meth:`GGUFTensor.native`, which the converter keeps by default.)
 * Undoes llama.cpp's q/k row permutation for the ``llama`` architecture (the
   inverse of ``LlamaModel.permute`` in llama.cpp's ``convert_hf_to_gguf.py``);
   being a row permutation, it applies unchanged to packed weights, scales and
@@ -137,6 +137,9 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
 def gguf_model_config(h: GGUFHeader) -> dict:
     """The mlx-lm / Hugging Face style config dict of a GGUF model (llama, qwen2).
 
+    ``{arch}.attention.sliding_window`` becomes ``sliding_window`` on every layer (which
+    :class:`~.target.TargetAdapter` refuses unless the window covers the whole context).
+
     Raises:
         GGUFError: unsupported architecture or rope scaling, missing metadata.
     """
@@ -174,6 +177,11 @@ def gguf_model_config(h: GGUFHeader) -> dict:
         "tie_word_embeddings": "output.weight" not in h.tensor_types,
         "rope_scaling": rope_scaling,
     }
+    window = h.get("attention.sliding_window")
+    if window:  # a GGUF carries no per-layer pattern for these architectures: every layer
+        cfg["sliding_window"] = int(window)
+        if h.arch == "qwen2":  # transformers' qwen2 semantics of "every layer windowed"
+            cfg.update(use_sliding_window=True, max_window_layers=0)
     return cfg
 
 

@@ -104,7 +104,9 @@ def load_target(
 
     Raises:
         ModelNotFoundError, assets.AssetNotFoundError: nothing to load.
-        GGUFError / ValueError: malformed or unsupported model files.
+        GGUFError / ValueError: malformed or unsupported model files (a
+            :class:`~.modelconfig.ModelConfigError` names the config field, e.g. an
+            unsupported ``rope_parameters.rope_type``).
         TargetCompatibilityError: architecture or parity probe refused.
     """
     if isinstance(dtype, str):
@@ -122,10 +124,17 @@ def load_target(
         model, tokenizer, config = load_gguf(path, dtype=dtype)
     else:
         import mlx_lm
+        from mlx_lm.utils import load_config
+
+        from .modelconfig import ModelConfigError, rope_overrides
 
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"{path} has no config.json; not an mlx-lm model directory")
-        model, tokenizer, config = mlx_lm.load(str(path), return_config=True)
+        try:  # rope_parameters (transformers >= 5) made explicit for mlx-lm's model classes
+            overrides = rope_overrides(load_config(path))
+        except ModelConfigError as e:
+            raise ModelConfigError(e.field, e.detail, path / "config.json") from None
+        model, tokenizer, config = mlx_lm.load(str(path), model_config=overrides or None, return_config=True)
         _cast(model, dtype)
     if dequantize is None:
         dequantize = auto_dequantize(model, dtype)
@@ -325,7 +334,8 @@ def make_proposer(
     elif drafter == "init":
         model = init_drafter(target, tokenizer, seed=seed)
     else:
-        model = load_drafter(drafter, target, tokenizer, dtype=drafter_dtype or _default_dtype())
+        model = load_drafter(drafter, target, tokenizer, dtype=drafter_dtype or _default_dtype(),
+                             target_name=target_name or None)
     if dequantize:
         model = dequantize_drafter(model)
     min_confidence = check_confidence(min_confidence, "min_confidence")

@@ -21,6 +21,8 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from .modelconfig import sliding_window_layers
+
 __all__ = ["TargetAdapter", "TargetCompatibilityError", "ForwardResult"]
 
 # mlx-lm families whose inner model is embed -> layers(h, mask, cache) -> norm with
@@ -59,8 +61,10 @@ class TargetAdapter:
         probe: run the parity probe (default True).
 
     Raises:
-        TargetCompatibilityError: unsupported family, non-trimmable caches, or
-            the parity probe failed.
+        TargetCompatibilityError: unsupported family, sliding-window attention
+            (rotating caches, or a ``sliding_window`` in the config that changes the
+            model: :func:`~.modelconfig.sliding_window_layers`), non-trimmable
+            caches, or the parity probe failed.
     """
 
     def __init__(self, model: nn.Module, config: dict, probe: bool = True):
@@ -82,6 +86,17 @@ class TargetAdapter:
             raise TargetCompatibilityError(
                 "target has sliding-window layers; their rotating KV cache cannot be rolled back "
                 "exactly after it wraps, so the speculative loop refuses it"
+            )
+        # a window the model class ignores (mlx-lm's llama runs a Mistral-style sliding_window
+        # without layer_types as full attention): refused too, never run as a different model
+        window, sliding = sliding_window_layers(config)
+        if sliding:
+            where = f"all {len(self.layers)} layers" if len(sliding) == len(self.layers) else f"layers {sliding}"
+            raise TargetCompatibilityError(
+                f"target config sets sliding_window={window} (below its context of "
+                f"{config.get('max_position_embeddings') or 'unknown'} tokens) on {where}; sliding-window "
+                "attention is not supported by the speculative loop yet, and running it as full attention "
+                "would be a different model, so it is refused"
             )
         cache = self.make_cache()
         if not all(isinstance(c, KVCache) for c in cache):

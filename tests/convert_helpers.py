@@ -182,7 +182,8 @@ def _random_k_blocks(qtype, n_values: int, rng) -> np.ndarray:
     return raw
 
 
-def write_gguf(path: Path, cfg: dict, weights: dict, types: dict | None = None, arch: str = "llama", seed: int = 0) -> Path:
+def write_gguf(path: Path, cfg: dict, weights: dict, types: dict | None = None, arch: str = "llama", seed: int = 0,
+               sliding_window: int | None = None) -> Path:
     """Write a GGUF file from HF-named float weights with the `gguf` package's writer.
 
     Args:
@@ -191,6 +192,7 @@ def write_gguf(path: Path, cfg: dict, weights: dict, types: dict | None = None, 
             ``gguf.quants.quantize`` from the weights; K-quant types get random valid blocks
             (their dense values then come from ``gguf.quants.dequantize``).
         arch: ``llama`` (q/k rows permuted as llama.cpp does) or ``qwen2``.
+        sliding_window: written as ``{arch}.attention.sliding_window`` when given.
 
     Returns:
         the path.
@@ -213,6 +215,8 @@ def write_gguf(path: Path, cfg: dict, weights: dict, types: dict | None = None, 
     w.add_key_length(cfg["hidden_size"] // cfg["num_attention_heads"])
     w.add_value_length(cfg["hidden_size"] // cfg["num_attention_heads"])
     w.add_vocab_size(cfg["vocab_size"])
+    if sliding_window is not None:
+        w.add_sliding_window(sliding_window)
     from tokenizers.pre_tokenizers import ByteLevel
 
     tokens = sorted(ByteLevel.alphabet()) + ["<|bos|>", "<|im_end|>", "<|im_start|>", "<|mask|>"]

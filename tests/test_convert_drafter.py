@@ -189,3 +189,132 @@ def test_drafter_tensor_errors(tmp_path):
     with pytest.raises(MissingTensorError, match="embed_tokens"):
         convert(tmp_path / "src", tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------
+# GPTQ / AWQ-packed drafters (community int4 drafters)
+# ---------------------------------------------------------------------------
+
+
+def write_packed_drafter(path, cfg: dict, method: str = "gptq", act_order: bool = False, group_size: int = 128):
+    """A GPTQ (or AWQ) checkpoint of a random float DFlash2 drafter: every decoder-layer linear
+    packed by the test packers (tests/convert_helpers.py), the rest float16, ``model.`` names.
+
+    Returns:
+        (the float reference DraftModel, {module: dequantized reference (out, in) float32}).
+    """
+    from convert_helpers import awq_pack, gptq_pack
+
+    import mlx.nn as nn
+
+    ref = write_published(path, cfg, dtype=mx.float32)
+    flat = dict(tree_flatten(ref.parameters()))
+    linears = [n for n, m in ref.named_modules() if isinstance(m, nn.Linear) and n.startswith("layers.")
+               and n.split(".")[-1] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")]
+    out, deq = {}, {}
+    for n, v in flat.items():
+        mod = n[: -len(".weight")]
+        if mod in linears:
+            W = np.array(v)
+            if method == "gptq":
+                t, dense, _ = gptq_pack(W, 4, group_size, sym=True, act_order=act_order)
+            else:
+                t, dense, _ = awq_pack(W, group_size)
+            out.update({f"model.{mod}.{k}": mx.array(a) for k, a in t.items()})
+            deq[mod] = dense
+        else:
+            out["model." + n + (".weight" if n.endswith("_codebook") else "")] = v.astype(mx.float16)
+    qc = {"quant_method": method, "bits": 4, "group_size": group_size}
+    qc.update({"sym": True, "desc_act": act_order, "checkpoint_format": "gptq"} if method == "gptq"
+              else {"zero_point": True, "version": "gemm"})
+    (path / "config.json").write_text(json.dumps(dict(cfg, quantization_config=qc, torch_dtype="float16")))
+    (path / "model.safetensors").unlink()
+    mx.save_safetensors(str(path / "model.safetensors"), out)
+    return ref, deq
+
+
+def _dense(model, mod):
+    m = dict(model.named_modules())[mod]
+    return np.array(mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits).astype(mx.float32))
+
+
+@pytest.mark.parametrize("method,act_order", [("gptq", False), ("gptq", True), ("awq", False)])
+def test_packed_drafter_converts_and_loads(tmp_path, smol_q, method, act_order):
+    """`mlx_dflash2.convert <gptq drafter> out --target ...`: trivial group maps are repacked exactly
+    (SmolLM2's 576 inputs are 4.5 groups of 128: MLX 4-bit g64 by repeating scales), act-order
+    layers dequantized through g_idx and requantized; the result loads and its weights are the
+    float source's within 4-bit quantization error."""
+    from mlx_dflash2.convert.cli import main
+
+    target, tok = smol_q
+    cfg = published_cfg("DFlash2DraftModel", pick_mask_token_id(tok))
+    ref, deq = write_packed_drafter(tmp_path / "src", cfg, method, act_order)
+    check = ["--target", "smollm2-135m-instruct"] if method == "gptq" and not act_order else []  # (loads the target)
+    assert main([str(tmp_path / "src"), str(tmp_path / "out"), "--quiet", "--dtype", "float32", *check]) == 0
+    out_cfg = json.loads((tmp_path / "out/config.json").read_text())
+    assert out_cfg["quantization"]["bits"] == 4 and out_cfg["quantization"]["group_size"] == 64
+    info = out_cfg["mlx_dflash2_convert"]
+    assert info["source_quantization_config"]["quant_method"] == method
+    got = load_drafter(tmp_path / "out", target, tok)
+    for mod, dense in deq.items():
+        w = _dense(got, mod)
+        if act_order:  # MLX RTN of the GPTQ values: within one 4-bit g64 step
+            assert np.linalg.norm(w - dense) / np.linalg.norm(dense) < 0.12, mod
+        elif method == "gptq":  # symmetric zero points: bit for bit
+            np.testing.assert_array_equal(w, dense, err_msg=mod)
+        else:  # AWQ zero points: the bias -z*s rounds in float16 at the source (as the model converter)
+            np.testing.assert_allclose(w, dense, atol=1e-3, rtol=0, err_msg=mod)
+        src = np.array(dict(tree_flatten(ref.parameters()))[mod + ".weight"])
+        assert np.linalg.norm(w - src) / np.linalg.norm(src) < (0.25 if act_order else 0.15), mod  # 4-bit error
+    assert info["exact_layers"] == (0 if act_order else len(deq))
+    assert mx.all(mx.isfinite(_forward(got, target))).item()
+
+
+def test_packed_drafter_keeps_its_group_size_when_it_divides_every_layer(tmp_path, smol_q):
+    target, tok = smol_q
+    cfg = published_cfg("DFlash2DraftModel", pick_mask_token_id(tok))
+    cfg["dflash_config"]["target_layer_ids"] = [1, 15, 27, 28]  # fc: 4 x 576 inputs = 18 groups of 128
+    cfg.update(num_attention_heads=8, num_key_value_heads=4, head_dim=64, hidden_size=512, intermediate_size=256)
+    cfg["vocab_size"] = 49152
+    ref, deq = write_packed_drafter(tmp_path / "src", cfg, "gptq")
+    res = convert(tmp_path / "src", tmp_path / "out", progress=False, dtype="float32")
+    q = json.loads((tmp_path / "out/config.json").read_text())["quantization"]
+    assert q["group_size"] == 128 and sorted(res.exact) == sorted(deq)
+    res = convert(tmp_path / "src", tmp_path / "g64", progress=False, dtype="float32", q_group_size=64)
+    assert json.loads((tmp_path / "g64/config.json").read_text())["quantization"]["group_size"] == 64
+    assert sorted(res.exact) == sorted(deq)  # g128 -> g64 by repeating scales: still exact
+
+
+def test_packed_drafter_loaded_directly_says_how_to_convert(tmp_path, smol_q):
+    """Loading a GPTQ drafter as --drafter is refused with the exact command, and that command works."""
+    import shlex
+
+    from mlx_dflash2.convert.cli import main
+    from mlx_dflash2.drafter import DrafterNeedsConversionError
+    from mlx_dflash2.loading import make_proposer
+
+    target, tok = smol_q
+    cfg = published_cfg("DFlash2DraftModel", pick_mask_token_id(tok))
+    write_packed_drafter(tmp_path / "src", cfg, "gptq")
+    with pytest.raises(DrafterNeedsConversionError) as e:
+        make_proposer(str(tmp_path / "src"), target, tok, "smollm2-135m-instruct")
+    cmd = shlex.split(e.value.command)
+    assert e.value.method == "gptq" and e.value.command in str(e.value) and "GPTQ" in str(e.value)
+    assert cmd[0] == "mlx_dflash2.convert" and cmd[1] == str(tmp_path / "src")
+    assert cmd[-2:] == ["--target", "smollm2-135m-instruct"]
+    assert main(cmd[1:] + ["--quiet"]) == 0
+    make_proposer(cmd[2], target, tok, "smollm2-135m-instruct")
+
+
+def test_other_drafter_quantization_schemes_are_refused_by_name(tmp_path, smol_q):
+    from mlx_dflash2.convert import UnsupportedFormatError
+    from mlx_dflash2.drafter import DrafterLoadError
+
+    target, tok = smol_q
+    cfg = published_cfg("DFlash2DraftModel", pick_mask_token_id(tok))
+    write_published(tmp_path / "src", dict(cfg, quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True}))
+    with pytest.raises(UnsupportedFormatError, match="'bitsandbytes' is not supported"):
+        convert(tmp_path / "src", tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(DrafterLoadError, match="'bitsandbytes' is not supported"):
+        load_drafter(tmp_path / "src", target, tok)

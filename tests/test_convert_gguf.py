@@ -72,7 +72,7 @@ def test_mixed_types_use_the_correct_dequantizer(tmp_path):
     cfg = tiny_config("llama", tied=False, **CFG)
     w = random_weights(cfg, dtype=mx.float32)
     f = write_gguf(tmp_path / "m.gguf", cfg, w, types=MIXED)
-    res = convert(f, tmp_path / "out", progress=False, measure_error=True)
+    res = convert(f, tmp_path / "out", progress=False, measure_error=True, keep_source_layout=False)  # --requantize
     ref = _gguf_reference(f)
     out = load_dir_tensors(tmp_path / "out")
     n_heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
@@ -117,6 +117,47 @@ def test_keep_source_layout_is_lossless(tmp_path):
     assert "lm_head" not in q  # Q2_K: no layout, requantized at the default spec (4-bit g64)
     model, _ = mlx_lm.load(str(tmp_path / "out"))
     assert model.model.layers[0].self_attn.v_proj.bits == 8
+
+
+def test_default_keeps_source_layout_flags_ask_for_theirs(tmp_path):
+    """Default: exact GGUF layouts kept (as --keep-source-layout, now a no-op alias); --q-bits /
+    --q-group-size ask for that layout (layers that differ are requantized, with a note);
+    --requantize gives every layer the spec; --keep-source-layout with a flag keeps the layouts
+    and applies the flag to the other layers."""
+    from mlx_dflash2.convert.cli import build_parser
+
+    cfg = tiny_config("llama", tied=False, **CFG)
+    w = random_weights(cfg, dtype=mx.float32)
+    f = write_gguf(tmp_path / "m.gguf", cfg, w, types={"q_proj": "Q4_0", "k_proj": "Q4_1", "v_proj": "Q8_0"})
+    mods = {k: [f"model.layers.{i}.self_attn.{k}" for i in range(2)] for k in ("q_proj", "k_proj", "v_proj")}
+    native = sorted(mods["q_proj"] + mods["k_proj"] + mods["v_proj"])
+
+    res = convert(f, tmp_path / "default", progress=False)
+    assert sorted(res.exact) == native and not [n for n in res.notes if "requantized (a second" in n]
+    assert sorted(convert(f, tmp_path / "keep", progress=False, keep_source_layout=True).exact) == native
+    assert load_dir_tensors(tmp_path / "default").keys() == load_dir_tensors(tmp_path / "keep").keys()
+
+    res = convert(f, tmp_path / "g32", progress=False, q_group_size=32)  # Q4_x stay exact at 4-bit g32
+    assert sorted(res.exact) == sorted(mods["q_proj"] + mods["k_proj"])
+    assert set(mods["v_proj"]) <= set(res.requantized)
+    assert any(n.startswith("2 layers with an exact source layout (8-bit g32 x2) are requantized")
+               and "--q-bits/--q-group-size ask for that layout" in n for n in res.notes), res.notes
+
+    res = convert(f, tmp_path / "req", progress=False, keep_source_layout=False)  # --requantize
+    assert not res.exact and set(native) <= set(res.requantized)
+    assert any("6 layers with an exact source layout" in n and "--requantize asked for it" in n for n in res.notes)
+
+    res = convert(f, tmp_path / "k8", progress=False, keep_source_layout=True, q_bits=8)
+    assert sorted(res.exact) == native
+    q = json.loads((tmp_path / "k8/config.json").read_text())["quantization"]
+    assert q["bits"] == 8 and q["model.layers.0.self_attn.q_proj"]["bits"] == 4  # F16 layers at 8 bits
+
+    p = build_parser()
+    assert p.parse_args(["a", "b"]).keep_source_layout is None and p.parse_args(["a", "b"]).q_bits is None
+    assert p.parse_args(["a", "b", "--keep-source-layout"]).keep_source_layout is True
+    assert p.parse_args(["a", "b", "--requantize"]).keep_source_layout is False
+    with pytest.raises(SystemExit):
+        p.parse_args(["a", "b", "--requantize", "--keep-source-layout"])
 
 
 def _random_k_tensor(qtype: str, rows: int, cols: int, seed: int = 0, heads: int | None = None):
@@ -275,10 +316,11 @@ def _agreement(tmp_path, smol_source, **kw):
     return res, rows
 
 
-def test_smollm2_lossless_layout_matches_exactly(tmp_path, smol_source):
-    res, rows = _agreement(tmp_path, smol_source, keep_source_layout=True)
+def test_smollm2_default_keeps_the_source_layout_exactly(tmp_path, smol_source):
+    """The default conversion of the Q4_1 GGUF keeps its layout: every layer exact, greedy tokens equal."""
+    res, rows = _agreement(tmp_path, smol_source)
     agree = sum(r["match"] for r in rows) / len(rows)
-    print(f"\nSmolLM2 Q4_1 --keep-source-layout: relative error {res.total_error}, greedy agreement {agree:.1%} "
+    print(f"\nSmolLM2 Q4_1 default (source layout): relative error {res.total_error}, greedy agreement {agree:.1%} "
           f"of {len(rows)}, max |dlogit| {max(r['dlogit'] for r in rows)}")
     assert len(res.exact) == 211 and not res.requantized
     assert not [n for n in res.notes if "requantized" in n], res.notes  # no advice to use the flag it used
@@ -289,7 +331,38 @@ def test_smollm2_lossless_layout_matches_exactly(tmp_path, smol_source):
 def test_smollm2_4bit_g32_differs_only_at_near_ties(tmp_path, smol_source):
     res, rows = _agreement(tmp_path, smol_source, q_group_size=32)
     hint = "1 layers with an exact source layout (8-bit g32 x1) are requantized"  # the Q8_0 embedding
-    assert sum(n.startswith(hint) and n.endswith("--keep-source-layout keeps them") for n in res.notes) == 1, res.notes
+    assert sum(n.startswith(hint) and n.endswith("without them the source layout is kept") for n in res.notes) == 1, res.notes
     bad = [r for r in rows if not r["match"]]
     assert all(r["margin"] < 1.0 for r in bad), bad
     assert len(bad) <= 0.1 * len(rows)
+
+
+@pytest.mark.slow
+def test_cli_embedded_gguf_defaults_and_requantize(tmp_path, smol_source, capsys):
+    """`mlx_dflash2.convert smollm2.gguf out/` keeps the Q4_1/Q8_0 layout (211 exact layers) and
+    answers as the source does; `--requantize` requantizes every layer and says so; on a CPU-only
+    MLX the float16 output gets the note recommending --dtype float32."""
+    from mlx_lm.generate import generate_step
+
+    import mlx_dflash2.convert.pipeline as pipeline
+    from mlx_dflash2.convert.cli import main
+    from mlx_dflash2.loading import load_target
+
+    src, tok = smol_source
+    assert main([str(embedded_model_path()), str(tmp_path / "out"), "--quiet"]) == 0
+    cap = capsys.readouterr()
+    info = json.loads(cap.out.strip().splitlines()[-1])
+    assert (info["exact_layers"], info["rounded_layers"], info["requantized_layers"]) == (211, 0, 0)
+    assert ("note: this MLX runs on the CPU" in cap.err) == pipeline._cpu_only(), cap.err
+    conv, _, _ = load_target(str(tmp_path / "out"), dtype=mx.float32, dequantize=True)
+    ids = mx.array(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                           add_generation_prompt=True))
+    a = [int(t) for t, _ in generate_step(ids, src.model, max_tokens=12)]
+    b = [int(t) for t, _ in generate_step(ids, conv.model, max_tokens=12)]
+    assert a == b and "Paris" in tok.decode(a), tok.decode(a)
+
+    assert main([str(embedded_model_path()), str(tmp_path / "req"), "--quiet", "--requantize"]) == 0
+    cap = capsys.readouterr()
+    info = json.loads(cap.out.strip().splitlines()[-1])
+    assert (info["exact_layers"], info["requantized_layers"]) == (0, 211)
+    assert "note: 211 layers with an exact source layout" in cap.err and "--requantize asked for it" in cap.err

@@ -110,9 +110,9 @@ def test_gptq_group_sizes(tmp_path, tiny):
 
     shutil.rmtree(src)
     src, _, raw = _gptq(tmp_path, tiny, gs=32)
-    res = convert(src, tmp_path / "o2", progress=False)
+    res = convert(src, tmp_path / "o2", progress=False, q_group_size=64)
     assert not res.exact
-    res = convert(src, tmp_path / "o3", progress=False, keep_source_layout=True, measure_error=True)
+    res = convert(src, tmp_path / "o3", progress=False, measure_error=True)  # the default keeps it
     assert sorted(res.exact) == sorted(raw) and all(res.layer_errors[p] < 1e-6 for p in raw)
 
 
@@ -218,7 +218,7 @@ def test_awq_exact_and_equal_to_mlx_lm_loader(tmp_path, tiny):
                                    ours[f"{p}.biases"].astype(mx.float32), 128, 4)),
             ref[f"{p}.weight"], atol=1e-4, rtol=0,
         )
-    res = convert(src, tmp_path / "g64", progress=False)  # default group 64: still exact (scales repeated)
+    res = convert(src, tmp_path / "g64", progress=False, q_group_size=64)  # group 64: still exact (scales repeated)
     assert sorted(res.exact) == sorted(raw)
     out = load_dir_tensors(tmp_path / "g64")
     p = next(iter(raw))
@@ -235,3 +235,30 @@ def test_awq_refused(tmp_path, tiny, qc, match):
     (src / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedFormatError, match=match):
         convert(src, tmp_path / "out", progress=False)
+
+
+def test_gptq_partial_last_group(tmp_path):
+    """in_features not a multiple of the GPTQ group (576 = 4.5 x 128, as SmolLM2's hidden size): the
+    source layout has no MLX form (MLX groups must divide the row), so the default takes 4-bit g64,
+    exact by repeating the scales of the 4 whole groups and trimming the half group's."""
+    cfg = tiny_config("llama", tied=False, hidden_size=192, intermediate_size=384, head_dim=48)
+    w = random_weights(cfg, dtype=mx.float32)
+    src, ref, raw = write_quantized_hf(tmp_path / "src", cfg, w, "gptq", {"bits": 4, "group_size": 128, "sym": True},
+                                       {"bits": 4, "group_size": 128})
+    res = convert(src, tmp_path / "out", progress=False)
+    assert sorted(res.exact) == sorted(raw)
+    q = json.loads((tmp_path / "out/config.json").read_text())["quantization"]
+    out = load_dir_tensors(tmp_path / "out")
+    for p in raw:
+        gs = q.get(p, q)["group_size"]
+        assert gs == (128 if p.endswith("down_proj") else 64), p  # down_proj: 384 inputs, whole g128 groups
+        deq = mx.dequantize(out[f"{p}.weight"], out[f"{p}.scales"].astype(mx.float32),
+                            out[f"{p}.biases"].astype(mx.float32), gs, 4)
+        np.testing.assert_array_equal(np.array(deq), ref[f"{p}.weight"])
+    res = convert(src, tmp_path / "g64", progress=False, q_group_size=64)  # every layer at g64, still exact
+    assert sorted(res.exact) == sorted(raw)
+    out = load_dir_tensors(tmp_path / "g64")
+    for p in raw:
+        deq = mx.dequantize(out[f"{p}.weight"], out[f"{p}.scales"].astype(mx.float32),
+                            out[f"{p}.biases"].astype(mx.float32), 64, 4)
+        np.testing.assert_array_equal(np.array(deq), ref[f"{p}.weight"])

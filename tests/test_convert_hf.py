@@ -367,3 +367,17 @@ def test_forced_format_and_mlx_input(tmp_path):
     with pytest.raises(UnsupportedFormatError, match="uint32"):
         convert(tmp_path / "out", tmp_path / "again", progress=False, from_format="hf")
     assert not (tmp_path / "again").exists()
+
+
+@pytest.mark.parametrize("cpu_only,dtype_flag,noted", [(True, [], True), (False, [], False),
+                                                       (True, ["--dtype", "float32"], False)])
+def test_cpu_half_precision_note(tmp_path, monkeypatch, capsys, cpu_only, dtype_flag, noted):
+    """On a CPU-only MLX a half-precision default output gets a printed note recommending float32."""
+    import mlx_dflash2.convert.pipeline as pipeline
+    from mlx_dflash2.convert.cli import main
+
+    monkeypatch.setattr(pipeline, "_cpu_only", lambda: cpu_only)
+    src, _ = _src(tmp_path)  # bfloat16 source: bfloat16 output by default
+    assert main([str(src), str(tmp_path / "out"), "--quiet", *dtype_flag]) == 0
+    err = capsys.readouterr().err
+    assert ("note: this MLX runs on the CPU" in err and "--dtype float32" in err) == noted, err

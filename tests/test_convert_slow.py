@@ -34,7 +34,7 @@ def test_qwen_coder_k_quants_to_mlx_4bit(tmp_path, qwen):
     from mlx_dflash2.loading import load_target
 
     path, src, tok = qwen
-    res = convert(path, tmp_path / "out", progress=False, measure_error=True)
+    res = convert(path, tmp_path / "out", progress=False, measure_error=True, keep_source_layout=False)  # --requantize
     print(f"\nQwen2.5-Coder-0.5B GGUF -> MLX 4-bit g64: total relative error {res.total_error:.4%}; worst layers "
           + ", ".join(f"{k} {v:.2%}" for k, v in sorted(res.layer_errors.items(), key=lambda kv: -kv[1])[:3]))
     assert 0.05 < res.total_error < 0.12
@@ -57,14 +57,14 @@ def test_qwen_coder_k_quants_to_mlx_4bit(tmp_path, qwen):
     assert len(bad) <= 0.15 * len(rows)
 
 
-def test_smollm2_default_4bit_g64_agreement(tmp_path):
-    """The default setting on SmolLM2 requantizes Q4_1 g32 -> 4-bit g64 (lossy: about 9.5 %
+def test_smollm2_requantize_4bit_g64_agreement(tmp_path):
+    """--requantize on SmolLM2 requantizes Q4_1 g32 -> 4-bit g64 (lossy: about 9.5 %
     relative weight error); report the greedy agreement."""
     from mlx_dflash2.assets import embedded_model_path
     from mlx_dflash2.loading import load_target
 
     src, tok, _ = load_target(None, dtype=mx.float32, dequantize=True)
-    res = convert(embedded_model_path(), tmp_path / "out", progress=False, measure_error=True)
+    res = convert(embedded_model_path(), tmp_path / "out", progress=False, measure_error=True, keep_source_layout=False)
     conv, _, _ = load_target(str(tmp_path / "out"), dtype=mx.float32, dequantize=True)
     rows = greedy_agreement(src.model, conv.model, tok, dict(PROMPTS, story=STORY), n_tokens=32)
     agree = sum(r["match"] for r in rows) / len(rows)

@@ -3,6 +3,7 @@
 from .config import DrafterConfig, DrafterConfigError, default_target_layer_ids
 from .io import (
     DrafterLoadError,
+    DrafterNeedsConversionError,
     dequantize_drafter,
     init_drafter,
     is_quantized,
@@ -17,6 +18,7 @@ __all__ = [
     "DrafterConfig",
     "DrafterConfigError",
     "DrafterLoadError",
+    "DrafterNeedsConversionError",
     "DraftModel",
     "DraftContext",
     "CandidateSelector",

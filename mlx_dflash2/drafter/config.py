@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..modelconfig import ModelConfigError, normalize_rope
+
 ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 
 
@@ -124,18 +126,21 @@ class DrafterConfig:
         if len(layer_types) != layers or any(t not in ("full_attention", "sliding_attention") for t in layer_types):
             raise DrafterConfigError("layer_types", f"expected {layers} of full_attention/sliding_attention")
 
-        # rope: rope_parameters (new HF) or rope_theta/rope_scaling (old)
-        rope_theta = cfg.get("rope_theta")
-        rope_scaling = cfg.get("rope_scaling")
+        # rope: rope_parameters (new HF) or rope_theta/rope_scaling (old), normalised as for targets
+        # (mlx_dflash2.modelconfig; the drafter is a Qwen3-style stack built with initialize_rope)
         rp = cfg.get("rope_parameters")
-        if isinstance(rp, dict):
-            rope_theta = rp.get("rope_theta", rope_theta)
-            if rp.get("rope_type", "default") not in ("default", None):
-                rope_scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
-        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in ("default", None):
-            rope_scaling = None
-        if rope_theta is None:
+        if cfg.get("rope_theta") is None and (rp.get("rope_theta") if isinstance(rp, dict) else None) is None:
             raise DrafterConfigError("rope_theta", "missing (neither rope_theta nor rope_parameters.rope_theta)")
+        max_pos = int(cfg.get("max_position_embeddings") or 32768)
+        rope_keys = ("rope_theta", "rope_scaling", "rope_parameters", "original_max_position_embeddings",
+                     "partial_rotary_factor")
+        try:
+            rope = normalize_rope(
+                {"model_type": "qwen3", "max_position_embeddings": max_pos, **{k: cfg[k] for k in rope_keys if k in cfg}}
+            )
+        except ModelConfigError as e:
+            raise DrafterConfigError(e.field, e.detail) from None
+        rope_theta, rope_scaling = rope["rope_theta"], rope["rope_scaling"]
 
         block = _dflash_field(cfg, "block_size")
         mask = _dflash_field(cfg, "mask_token_id")
@@ -168,7 +173,7 @@ class DrafterConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings") or 32768),
+            max_position_embeddings=max_pos,
             layer_types=list(layer_types),
             sliding_window=cfg.get("sliding_window"),
             is_causal=None if is_causal is None else bool(is_causal),

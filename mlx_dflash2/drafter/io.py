@@ -23,6 +23,7 @@ from .model import DraftModel
 
 __all__ = [
     "DrafterLoadError",
+    "DrafterNeedsConversionError",
     "load_drafter",
     "save_drafter",
     "init_drafter",
@@ -33,6 +34,43 @@ __all__ = [
 
 class DrafterLoadError(ValueError):
     """The drafter checkpoint is missing, malformed or has wrong tensors."""
+
+
+class DrafterNeedsConversionError(DrafterLoadError):
+    """A GPTQ/AWQ-packed drafter checkpoint: MLX loads it once converted (``mlx_dflash2.convert``).
+
+    Attributes:
+        method: the quantization method (``"gptq"`` / ``"awq"``).
+        command: the conversion command line (the message shows it too).
+    """
+
+    def __init__(self, message: str, method: str, command: str):
+        super().__init__(message)
+        self.method, self.command = method, command
+
+
+def _refuse_packed(path: Path, raw: dict, target_name: str | None) -> None:
+    """Raise for a drafter checkpoint whose linear layers are packed by another engine's quantizer."""
+    import shlex
+
+    from ..convert.drafter import DRAFTER_QUANT_METHODS, drafter_quant_method
+
+    method = drafter_quant_method(path, raw)
+    if method is None:
+        return
+    if method not in DRAFTER_QUANT_METHODS:
+        raise DrafterLoadError(
+            f"{path}: drafter quantization method {method!r} is not supported (packed drafters "
+            f"mlx_dflash2.convert reads: {', '.join(DRAFTER_QUANT_METHODS)}; float and MLX-quantized drafters load directly)"
+        )
+    out = path.with_name(path.name + "-mlx")
+    command = shlex.join(["mlx_dflash2.convert", str(path), str(out), "--target", target_name or "TARGET"])
+    raise DrafterNeedsConversionError(
+        f"{path} is a {method.upper()}-packed drafter checkpoint; MLX loads MLX-quantized layers, so convert it once "
+        f"(its codes are kept exactly where MLX has the layout):\n    {command}\nthen pass {out} as the drafter",
+        method,
+        command,
+    )
 
 
 def _special_ids(tokenizer) -> set[int]:
@@ -175,7 +213,8 @@ def _remap(name: str) -> str:
     return name
 
 
-def load_drafter(path: str | Path, target, tokenizer, dtype: mx.Dtype | None = None) -> DraftModel:
+def load_drafter(path: str | Path, target, tokenizer, dtype: mx.Dtype | None = None,
+                 target_name: str | None = None) -> DraftModel:
     """Load a drafter checkpoint directory and validate it against the target.
 
     Args:
@@ -183,12 +222,16 @@ def load_drafter(path: str | Path, target, tokenizer, dtype: mx.Dtype | None = N
         target: the :class:`~mlx_dflash2.target.TargetAdapter` it drafts for.
         tokenizer: the target's tokenizer.
         dtype: cast floating weights to this dtype (``None`` keeps the file's).
+        target_name: the target's name or path, for the conversion command a
+            GPTQ/AWQ checkpoint's error shows.
 
     Raises:
         FileNotFoundError: no such directory / no config / no weights.
         DrafterConfigError: invalid or incompatible config (names the field).
-        DrafterLoadError: malformed JSON or tensors missing / unexpected /
-            of the wrong shape (names them).
+        DrafterNeedsConversionError: a GPTQ/AWQ-packed checkpoint (the message
+            gives the ``mlx_dflash2.convert`` command that makes it loadable).
+        DrafterLoadError: another quantization method (named), malformed JSON or
+            tensors missing / unexpected / of the wrong shape (names them).
     """
     path = Path(path)
     if not path.is_dir():
@@ -200,6 +243,7 @@ def load_drafter(path: str | Path, target, tokenizer, dtype: mx.Dtype | None = N
         raw = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise DrafterLoadError(f"{cfg_file}: invalid JSON ({e})") from e
+    _refuse_packed(path, raw, target_name)
     cfg = DrafterConfig.from_dict(raw)
     validate_for_target(cfg, target, tokenizer)
     files = sorted(path.glob("*.safetensors"))

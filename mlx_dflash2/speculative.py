@@ -339,7 +339,7 @@ def speculative_generate_step(
                 if (max_tokens < 0 or n_out + 1 < max_tokens) and (limit is None or pos + 1 < limit):
                     nxt = verifier.verify(target.forward(step.tokens, cache).logits, Proposal.empty())
                     mx.async_eval(nxt.tokens, nxt.logprobs)
-                tok = int(step.tokens[0].item())
+                tok = int(step.tokens.item())  # the whole 1-element array: a slice read waits behind the queued step
                 history.append(tok)
                 n_out += 1
                 pos += 1

@@ -178,6 +178,9 @@ class DFlashProposer(Proposer):
         self._warned_block = False  # one warning per drafter for a block size past the trained one
         if limit < target.vocab_rows:
             self._invalid = mx.arange(target.vocab_rows) >= limit
+            # evaluated here: a lazy array is bound to this thread's stream, and a server builds the
+            # proposer on its loading thread but drafts on its worker thread
+            mx.eval(self._invalid)
 
     def start(self, prompt: list[int]) -> "_DFlashSession":
         return _DFlashSession(self)

@@ -135,7 +135,9 @@ def load_target(
             :func:`auto_dequantize`.
 
     Returns:
-        ``(TargetAdapter, TokenizerWrapper, name)``.
+        ``(TargetAdapter, TokenizerWrapper, name)``; the adapter's ``vocab_size``
+        is ``len(tokenizer)``, so the logits of embedding rows past the
+        tokenizer (Qwen-style padding) are ``-inf``.
 
     Raises:
         ModelNotFoundError, assets.AssetNotFoundError: nothing to load.
@@ -171,7 +173,7 @@ def load_target(
         _cast(model, dtype)
         config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
     mx.eval(model.parameters())
-    target = TargetAdapter(model, config)
+    target = TargetAdapter(model, config, vocab_size=len(tokenizer))  # no padding row is ever emitted
     materialize(target)  # whatever the model holds besides its parameters (it may run on another thread)
     return target, tokenizer, name
 

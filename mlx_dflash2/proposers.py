@@ -149,7 +149,8 @@ class DFlashProposer(Proposer):
         model: the :class:`~.drafter.model.DraftModel`.
         target: the :class:`~.target.TargetAdapter` (embedding + LM head shared).
         valid_vocab: ids ``>=`` this are never proposed (tokenizer size;
-            padded embedding rows are masked before top-k/argmax).
+            padded embedding rows are masked before top-k/argmax), nor ids
+            ``>=`` the target's ``vocab_size``.
         min_confidence: dynamic draft length. ``0`` (default) always drafts
             the ``n`` slots asked for; ``c > 0`` stops after the first slot
             at which the drafter's cumulative confidence (product of its
@@ -170,7 +171,7 @@ class DFlashProposer(Proposer):
         self.block_size = cfg.block_size
         self.tap_ids = tuple(cfg.target_layer_ids)
         self.name = cfg.architecture
-        limit = min(valid_vocab, target.vocab_rows)
+        limit = min(valid_vocab, target.vocab_size)
         if cfg.is_dflash2:
             limit = min(limit, cfg.vocab_size)
         self.valid_vocab = limit

@@ -555,6 +555,52 @@ def test_prompt_cache_bounded_and_drafter_context_reuse(smol_f32):
 
 
 # ----------------------------------------------------------------------------
+# A Qwen-style target: embedding rows past the tokenizer
+# ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def padded_srv(padded_dir):
+    """The real server path on a padded-vocabulary target with a fresh DFlash drafter: the command line's
+    build_app loads everything on this thread, the engine's worker thread generates."""
+    from mlx_dflash2.server.cli import build_app, setup_arg_parser
+
+    args = setup_arg_parser().parse_args(
+        ["--model", str(padded_dir), "--drafter", "init", "--block-size", "4", "--max-tokens", "24",
+         "--max-context", str(MAX_CONTEXT), "--prefill-step-size", "64", "--log-level", "WARNING"])
+    app, _ = build_app(args)
+    s = LiveServer(app)
+    yield s
+    s.stop()
+
+
+def test_padded_vocabulary_target_with_dflash_drafter(padded_srv):
+    """`--model <padded target> --drafter init` answers drafting requests (it answered every one with a 500,
+    "There is no Stream(cpu, 0) in current thread": the drafter's padded-row mask was made lazily on the
+    loading thread); no padding id is ever emitted, and speculative output equals plain decoding."""
+    from conftest import PADDED_ROWS
+
+    eng = padded_srv.engine
+    assert eng.model.target.vocab_rows == PADDED_ROWS > eng.vocab_size
+    assert "DFlash2DraftModel" in eng.model.proposer.name
+    c = openai.OpenAI(base_url=f"{padded_srv.url}/v1", api_key="x", max_retries=0, timeout=120)
+    kw = dict(model="default_model", messages=chat_msgs("Tell me a story about a lighthouse."), max_tokens=24)
+    spec = c.chat.completions.create(**kw)
+    assert spec.model_extra["speculative"]["drafted_tokens"] > 0
+    plain = c.chat.completions.create(extra_body={"num_draft_tokens": 1}, **kw)
+    assert spec.choices[0].message.content == plain.choices[0].message.content
+    streamed, _, finish, usage, _ = stream_chat(c, stream_options={"include_usage": True}, **kw)
+    assert streamed == spec.choices[0].message.content and finish == spec.choices[0].finish_reason
+    sampled = c.completions.create(model="default_model", prompt="Once upon a time", max_tokens=24, temperature=1.0,
+                                   seed=3, logprobs=2)
+    assert sampled.usage.completion_tokens == len(sampled.choices[0].logprobs.tokens) > 0
+    # every request's final state (prompt + emitted tokens) is in the prompt cache: no id past the tokenizer
+    emitted = eng.call(lambda: [t for st in eng.prompt_cache._entries.values() for t in st.tokens])
+    assert emitted and max(emitted) < eng.vocab_size
+    assert httpx.get(f"{padded_srv.url}/metrics", params={"format": "json"}).json()["request_errors_total"] == 0
+
+
+# ----------------------------------------------------------------------------
 # Thinking models: reasoning_content
 # ----------------------------------------------------------------------------
 

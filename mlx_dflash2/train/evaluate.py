@@ -34,7 +34,9 @@ __all__ = ["replay", "evaluate_sets", "plot_acceptance", "check_against_loop"]
 
 
 def _record(stats: SpecStats, n: int, a: int, emitted: int) -> None:
-    stats.record_round(n, min(a, emitted), emitted)
+    """One replayed round, counted as the loop counts it: a round cut by a stop after ``emitted``
+    tokens counts only its drafts at or before the stop."""
+    stats.record_round(min(n, emitted), min(a, emitted), emitted)
 
 
 def replay(

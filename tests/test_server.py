@@ -622,6 +622,13 @@ def test_reasoning_splitter_any_segmentation():
     assert ReasoningSplitter().feed("<think>x</think>") == [("content", "<think>x</think>")]
     sp = ReasoningSplitter("<think>", "</think>")
     assert sp.feed("a</thi") == [("content", "a</thi")] and sp.flush() == []
+    # reasoning tokens: from the token completing the start marker through the one completing the end marker
+    sp = ReasoningSplitter("<think>", "</think>")
+    pieces = ["Hi", "<th", "ink>", "hmm", "</", "think>", "ok"]
+    assert [sp.feed_token(p)[1] for p in pieces] == [False, False, True, True, True, True, False]
+    sp = ReasoningSplitter("<think>", "</think>", reasoning=True)
+    assert [sp.feed_token(p)[1] for p in ("x", "</think>", "y")] == [True, True, False]
+    assert ReasoningSplitter().feed_token("<think>") == ([("content", "<think>")], False)
 
 
 class _FakeThinking:
@@ -662,7 +669,10 @@ class ThinkingProxy:
         return getattr(self._tok, name)
 
 
-def test_reasoning_content_same_with_and_without_drafter(srv, smol_f32):
+@pytest.fixture(scope="module")
+def thinking(srv, smol_f32):
+    """A server whose tokenizer is presented as a thinking model, with markers taken from the plain answer to
+    FRUITS: ``(server, client, kw, raw answer, start marker, end marker)``."""
     target, tokenizer = smol_f32
     kw = dict(model=MODEL_ID, messages=chat_msgs(FRUITS), max_tokens=20)
     raw = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x").chat.completions.create(**kw)
@@ -672,21 +682,56 @@ def test_reasoning_content_same_with_and_without_drafter(srv, smol_f32):
     start, end = lines[1].split()[-1], lines[3].split()[-1]  # e.g. "Apples" opens the "thinking", "Grapes" closes it
     assert raw.count(start) == 1 and raw.count(end) == 1 and raw.index(start) < raw.index(end)
     s = make_server(target, tokenizer, tokenizer_proxy=ThinkingProxy(tokenizer, start, end))
-    try:
-        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0)
-        seen = []
-        for B in (None, 1):  # with the drafter, and without (block size 1)
-            extra = {"num_draft_tokens": B} if B else {}
-            full = c.chat.completions.create(extra_body=extra, **kw).choices[0].message
-            reasoning = full.model_extra["reasoning_content"]
-            assert start not in full.content and reasoning and reasoning in raw
-            assert raw == full.content[: raw.index(start)] + start + reasoning + end + full.content[raw.index(start):]
-            content, sreasoning, *_ = stream_chat(c, extra_body=extra, **kw)
-            assert (content, sreasoning) == (full.content, reasoning)
-            seen.append((full.content, reasoning))
-        assert seen[0] == seen[1]
-    finally:
-        s.stop()
+    c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0)
+    yield s, c, kw, raw, start, end
+    s.stop()
+
+
+def test_reasoning_content_same_with_and_without_drafter(thinking):
+    s, c, kw, raw, start, end = thinking
+    seen = []
+    for B in (None, 1):  # with the drafter, and without (block size 1)
+        extra = {"num_draft_tokens": B} if B else {}
+        full = c.chat.completions.create(extra_body=extra, **kw).choices[0].message
+        reasoning = full.model_extra["reasoning_content"]
+        assert start not in full.content and reasoning and reasoning in raw
+        assert raw == full.content[: raw.index(start)] + start + reasoning + end + full.content[raw.index(start):]
+        content, sreasoning, *_ = stream_chat(c, extra_body=extra, **kw)
+        assert (content, sreasoning) == (full.content, reasoning)
+        seen.append((full.content, reasoning))
+    assert seen[0] == seen[1]
+
+
+def test_usage_reports_reasoning_tokens(thinking, smol_f32):
+    """usage.completion_tokens_details.reasoning_tokens (OpenAI's field) counts the emitted tokens of the
+    thinking block, from the one completing the start marker through the one completing the end marker:
+    the same streamed or not, with or without the drafter, and 0 for text completions and other requests."""
+    from mlx_dflash2.api import stream_generate
+
+    s, c, kw, raw, start, end = thinking
+    target, tok = smol_f32
+    model = SpeculativeModel(target, None, 1, MODEL_ID, target.config)
+    ids = [r.token for r in stream_generate(model, tok, tok.apply_chat_template(kw["messages"],
+                                                                                add_generation_prompt=True),
+                                            max_tokens=kw["max_tokens"])]
+    assert tok.decode(ids) == raw
+    first = next(k for k in range(len(ids)) if start in tok.decode(ids[: k + 1]))
+    last = next(k for k in range(len(ids)) if end in tok.decode(ids[: k + 1]))
+    expected = last - first + 1
+    assert 3 < expected < len(ids)
+    for B in (None, 1):
+        extra = {"num_draft_tokens": B} if B else {}
+        u = c.chat.completions.create(extra_body=extra, **kw).usage
+        assert u.completion_tokens == len(ids)
+        assert u.completion_tokens_details.reasoning_tokens == expected
+        *_, su, _ = stream_chat(c, extra_body=extra, stream_options={"include_usage": True}, **kw)
+        assert su.completion_tokens_details.reasoning_tokens == expected
+    cut = c.chat.completions.create(**{**kw, "max_tokens": first + 3}).usage  # stopped inside the block
+    assert cut.completion_tokens_details.reasoning_tokens == 3 <= cut.completion_tokens
+    assert c.completions.create(model=MODEL_ID, prompt="Hi", max_tokens=3).usage.completion_tokens_details \
+        .reasoning_tokens == 0
+    hi = c.chat.completions.create(**{**kw, "messages": chat_msgs("Hi")})
+    assert start not in hi.choices[0].message.content and hi.usage.completion_tokens_details.reasoning_tokens == 0
 
 
 # ----------------------------------------------------------------------------

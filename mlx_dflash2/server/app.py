@@ -227,14 +227,19 @@ def create_app(engine: Engine, settings: Optional[ServerSettings] = None) -> Fas
             self.top_n = top_n
             self.splitter = ReasoningSplitter()
             self.offset = 0
+            self.reasoning_tokens = 0  # emitted tokens of thinking blocks (usage.completion_tokens_details)
 
         def admitted(self, ev: Admitted) -> None:
             if self.chat and getattr(tokenizer, "has_thinking", False):
                 self.splitter = ReasoningSplitter(tokenizer.think_start, tokenizer.think_end, ev.reasoning)
 
         def segments(self, ev: TokenOut) -> list[tuple[str, str]]:
-            segs = self.splitter.feed(ev.text) if self.chat else ([("content", ev.text)] if ev.text else [])
-            if ev.finish_reason is not None and self.chat:
+            """The text of one token event (called once per event: it also counts reasoning tokens)."""
+            if not self.chat:
+                return [("content", ev.text)] if ev.text else []
+            segs, reasoning = self.splitter.feed_token(ev.text)
+            self.reasoning_tokens += reasoning
+            if ev.finish_reason is not None:
                 segs += self.splitter.flush()
             return segs
 
@@ -266,12 +271,14 @@ def create_app(engine: Engine, settings: Optional[ServerSettings] = None) -> Fas
             "text_offset": [e[3] for e in entries],
         }
 
-    def usage_dict(u: dict) -> dict:
+    def usage_dict(u: dict, asm: Assembler) -> dict:
         return {
             "prompt_tokens": u["prompt_tokens"],
             "completion_tokens": u["completion_tokens"],
             "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
             "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]},
+            # the emitted tokens of thinking blocks (a part of completion_tokens), OpenAI's field
+            "completion_tokens_details": {"reasoning_tokens": min(asm.reasoning_tokens, u["completion_tokens"])},
         }
 
     def spec_dict(s: dict) -> dict:
@@ -375,7 +382,7 @@ def create_app(engine: Engine, settings: Optional[ServerSettings] = None) -> Fas
                 "model": model_name,
                 "system_fingerprint": fingerprint,
                 "choices": [choice],
-                "usage": usage_dict(ev.usage),
+                "usage": usage_dict(ev.usage, asm),
                 "speculative": spec_dict(ev.stats),
             })
         finally:
@@ -444,7 +451,7 @@ def create_app(engine: Engine, settings: Optional[ServerSettings] = None) -> Fas
                     last.update({"delta": {}} if chat else {"text": ""})
                     yield chunk(last, speculative=spec)
                     if include_usage:
-                        yield chunk(None, usage=usage_dict(ev.usage), speculative=spec)
+                        yield chunk(None, usage=usage_dict(ev.usage, asm), speculative=spec)
                     yield "data: [DONE]\n\n"
                     return
         finally:

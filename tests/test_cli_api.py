@@ -70,7 +70,7 @@ def test_cli_errors_are_clean(args, msg):
 @pytest.mark.slow  # ~40 s; the CLI's generate path is covered by the other CLI tests
 def test_drafter_cli_init_then_generate(tmp_path):
     out = tmp_path / "drafter"
-    r = cli("init", "--out", str(out), "--layers", "1", "--block-size", "4", "--selector-rank", "8",
+    r = cli("init", "--out", str(out), "--num-layers", "1", "--block-size", "4", "--selector-rank", "8",
             module="mlx_dflash2.drafter")
     assert r.returncode == 0, r.stderr
     assert json.loads((out / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
@@ -79,6 +79,32 @@ def test_drafter_cli_init_then_generate(tmp_path):
     r = cli("--prompt", "Hi", "--max-tokens", "6", "--drafter", str(out), "--verbose")
     assert r.returncode == 0, r.stderr
     assert "DFlash2DraftModel" in r.stdout
+
+
+def test_drafter_init_flags_are_those_of_train_fit(tmp_path, padded_dir, capsys):
+    """`drafter init` takes `train fit`'s names (--architecture, --num-layers, --num-taps); the old --arch,
+    --layers and --taps still work but are not shown; on a 2-layer target the taps are distinct valid ids."""
+    from mlx_dflash2.drafter.cli import main
+
+    common = ["--model", str(padded_dir), "--block-size", "4", "--selector-rank", "8", "--dtype", "float32"]
+    configs = []
+    for i, flags in enumerate((["--architecture", "DFlashDraftModel", "--num-layers", "1", "--num-taps", "2"],
+                               ["--arch", "DFlashDraftModel", "--layers", "1", "--taps", "2"])):
+        out = tmp_path / f"d{i}"
+        assert main(["init", "--out", str(out), *common, *flags]) == 0, capsys.readouterr().err
+        configs.append(json.loads((out / "config.json").read_text()))
+    assert configs[0] == configs[1]
+    c = configs[0]
+    assert c["architectures"] == ["DFlashDraftModel"] and c["num_hidden_layers"] == 1
+    assert c["dflash_config"]["target_layer_ids"] == [0, 1]
+    assert main(["init", "--out", str(tmp_path / "d2"), "--model", str(padded_dir), "--dtype", "float32"]) == 0
+    assert json.loads((tmp_path / "d2" / "config.json").read_text())["num_hidden_layers"] == 2  # the default
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["init", "-h"])
+    help_text = capsys.readouterr().out
+    assert all(f in help_text for f in ("--architecture", "--num-layers", "--num-taps"))
+    assert not any(f in help_text.split() for f in ("--arch", "--layers", "--taps"))
 
 
 def test_python_api(smol_q):

@@ -268,7 +268,6 @@ BAD = [
     ({"min_p": 2}, "min_p"),
     ({"stop": 5}, "stop"),
     ({"stop": ["ok", 3]}, "stop"),
-    ({"model": "gpt-4o"}, "model"),
     ({"stream": "yes"}, "stream"),
     ({"logprobs": "yes"}, "logprobs"),
     ({"top_logprobs": 50, "logprobs": True}, "top_logprobs"),
@@ -296,6 +295,30 @@ def test_bad_payloads_get_400_then_server_works(http, patch, param):
         assert err["message"] and "Value error," not in err["message"]
     ok = http.post("/v1/chat/completions", json={"messages": chat_msgs("Hi"), "max_tokens": 1})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 1
+
+
+def test_unknown_model_is_404_model_not_found(http, client):
+    """OpenAI answers an unknown model with 404, invalid_request_error, code model_not_found (was 400); the
+    served id, its aliases and null are accepted; the OpenAPI schema documents the 404."""
+    for path, body in (("/v1/chat/completions", {"messages": chat_msgs("Hi")}), ("/v1/completions", {"prompt": "Hi"})):
+        for stream in (False, True):
+            r = http.post(path, json={**body, "model": "gpt-4o", "max_tokens": 1, "stream": stream})
+            assert r.status_code == 404, r.text
+            assert r.json()["error"] | {"message": None} == {"message": None, "type": "invalid_request_error",
+                                                              "param": "model", "code": "model_not_found"}
+            assert "gpt-4o" in r.json()["error"]["message"]
+        for name in (MODEL_ID, "default_model", None):
+            assert http.post(path, json={**body, "model": name, "max_tokens": 1}).status_code == 200
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o", messages=chat_msgs("Hi"), max_tokens=1)
+    assert e.value.code == "model_not_found"
+    r = http.get("/v1/models/gpt-4o")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    paths = http.get("/openapi.json").json()["paths"]
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/models/{model_id}"):
+        method = "get" if "models" in path else "post"
+        assert "404" in paths[path][method]["responses"], path
 
 
 BAD_COMPLETIONS = [

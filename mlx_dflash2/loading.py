@@ -25,7 +25,8 @@ from .drafter.model import DraftModel
 from .proposers import AdaptiveSchedule, DFlashProposer, FusedProposer, LookupProposer, Proposer, check_confidence
 from .target import TargetAdapter
 
-__all__ = ["SpeculativeModel", "load", "load_target", "make_proposer", "check_block_size", "ModelNotFoundError"]
+__all__ = ["SpeculativeModel", "load", "load_target", "make_proposer", "check_block_size", "materialize",
+           "ModelNotFoundError"]
 
 DEFAULT_LOOKUP_BLOCK = 8
 
@@ -51,6 +52,41 @@ class SpeculativeModel:
     block_size: int
     name: str
     config: dict
+
+
+def materialize(*objs) -> None:
+    """Evaluate, on the calling thread, every MLX array reachable from ``objs``.
+
+    MLX binds a lazy array to the stream of the thread that built it: evaluating
+    it on another thread fails with "There is no Stream(cpu, 0) in current
+    thread". The server loads on one thread and generates on its worker thread,
+    so everything :func:`load` builds must be evaluated before it is handed over:
+    parameters, and also arrays that ``parameters()`` leaves out (private
+    module entries such as a scaled RoPE's ``_freqs``, masks held by the target
+    adapter or a proposer). Walks ``mx.array`` objects, lists, tuples, dicts,
+    MLX modules (their entries and attributes) and the attributes of this
+    package's objects (``SpeculativeModel``, proposers, the target adapter).
+    Evaluated arrays are left as they are, so calling it again costs a walk.
+    """
+    import mlx.nn as nn
+
+    arrays, seen, todo = [], set(), list(objs)
+    while todo:
+        o = todo.pop()
+        if id(o) in seen or o is None or isinstance(o, (str, bytes, int, float, bool)):
+            continue
+        seen.add(id(o))
+        if isinstance(o, mx.array):
+            arrays.append(o)
+            continue
+        if isinstance(o, dict):  # an nn.Module is a dict of its arrays, sub-modules and private entries
+            todo.extend(o.values())
+        elif isinstance(o, (list, tuple, set, frozenset)):
+            todo.extend(o)
+        if isinstance(o, nn.Module) or type(o).__module__.split(".")[0] == __name__.split(".")[0]:
+            todo.extend(getattr(o, "__dict__", {}).values())
+    if arrays:
+        mx.eval(arrays)
 
 
 def _default_dtype() -> mx.Dtype | None:
@@ -100,7 +136,9 @@ def load_target(
             :func:`auto_dequantize`.
 
     Returns:
-        ``(TargetAdapter, TokenizerWrapper, name)``.
+        ``(TargetAdapter, TokenizerWrapper, name)``; the adapter's ``vocab_size``
+        is ``len(tokenizer)``, so the logits of embedding rows past the
+        tokenizer (Qwen-style padding) are ``-inf``.
 
     Raises:
         ModelNotFoundError, assets.AssetNotFoundError: nothing to load.
@@ -145,7 +183,9 @@ def load_target(
         _cast(model, dtype)
         config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
     mx.eval(model.parameters())
-    return TargetAdapter(model, config), tokenizer, name
+    target = TargetAdapter(model, config, vocab_size=len(tokenizer))  # no padding row is ever emitted
+    materialize(target)  # whatever the model holds besides its parameters (it may run on another thread)
+    return target, tokenizer, name
 
 
 CPU_DEQUANTIZE_LIMIT = 2 << 30  # bytes
@@ -342,11 +382,12 @@ def make_proposer(
     if min_confidence is None:
         min_confidence = default_min_confidence()
     p = DFlashProposer(model, target, valid_vocab=len(tokenizer), min_confidence=min_confidence)
-    if not lookup:
-        return p
-    # the lookup's own block (DEFAULT_LOOKUP_BLOCK) caps the adaptive schedule's lookup-only rounds
-    return FusedProposer(p, LookupProposer(block_size=DEFAULT_LOOKUP_BLOCK),
-                         schedule=AdaptiveSchedule() if adaptive else None)
+    if lookup:
+        # the lookup's own block (DEFAULT_LOOKUP_BLOCK) caps the adaptive schedule's lookup-only rounds
+        p = FusedProposer(p, LookupProposer(block_size=DEFAULT_LOOKUP_BLOCK),
+                          schedule=AdaptiveSchedule() if adaptive else None)
+    materialize(p)  # a server builds it here and runs it on its worker thread
+    return p
 
 
 def load(

@@ -157,7 +157,8 @@ class DFlashProposer(Proposer):
         model: the :class:`~.drafter.model.DraftModel`.
         target: the :class:`~.target.TargetAdapter` (embedding + LM head shared).
         valid_vocab: ids ``>=`` this are never proposed (tokenizer size;
-            padded embedding rows are masked before top-k/argmax).
+            padded embedding rows are masked before top-k/argmax), nor ids
+            ``>=`` the target's ``vocab_size``.
         min_confidence: dynamic draft length. ``0`` (default) always drafts
             the ``n`` slots asked for; ``c > 0`` stops after the first slot
             at which the drafter's cumulative confidence (product of its
@@ -178,7 +179,7 @@ class DFlashProposer(Proposer):
         self.block_size = cfg.block_size
         self.tap_ids = tuple(cfg.target_layer_ids)
         self.name = cfg.architecture
-        limit = min(valid_vocab, target.vocab_rows)
+        limit = min(valid_vocab, target.vocab_size)
         if cfg.is_dflash2:
             limit = min(limit, cfg.vocab_size)
         self.valid_vocab = limit
@@ -186,6 +187,9 @@ class DFlashProposer(Proposer):
         self._warned_block = False  # one warning per drafter for a block size past the trained one
         if limit < target.vocab_rows:
             self._invalid = mx.arange(target.vocab_rows) >= limit
+            # evaluated here: a lazy array is bound to this thread's stream, and a server builds the
+            # proposer on its loading thread but drafts on its worker thread
+            mx.eval(self._invalid)
 
     def start(self, prompt: list[int]) -> "_DFlashSession":
         return _DFlashSession(self)

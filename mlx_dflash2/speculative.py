@@ -50,6 +50,9 @@ class SpecStats:
     ``position_accepted[i] / position_proposed[i]`` is the acceptance rate of
     block position ``i + 1``. ``rounds_by_source`` counts rounds by what made
     their draft (``"drafter"``, ``"lookup"``, ``"none"``: no draft).
+    ``drafted``, ``accepted`` and the per-position counts end at a stop: in a
+    round cut at its emitted token ``i`` (0-based) only the drafts
+    ``d_1..d_{i+1}`` count, as if the round had drafted that many.
     """
 
     drafter: str = "none"
@@ -393,7 +396,10 @@ def speculative_generate_step(
             else:
                 n, a, toks, features, i, anc, src = pending
                 trim_cache(cache, a - i)
-                stats.record_round(n, min(a, i + 1), i + 1, src)
+                # only the drafts at or before the stop count: d_1..d_{i+1} competed for the i + 1 emitted
+                # positions; the rest were verified for nothing (counting them read 14 drafted for 10
+                # emitted, all accepted, as an acceptance rate of 0.714)
+                stats.record_round(min(n, i + 1), min(a, i + 1), i + 1, src)
                 session.extend([anc] + toks[:i], feats(features[: i + 1] if tap_ids else None))
         stats.decode_s = time.perf_counter() - tic
         if state is not None:

@@ -42,7 +42,8 @@ class ForwardResult:
 
     Attributes:
         logits: ``[L, V]`` (or ``[1, V]`` with ``last_only``) float logits, the
-            model's dtype.
+            model's dtype (``V`` = :attr:`TargetAdapter.vocab_rows`; ``-inf``
+            at ids ``>= vocab_size``).
         features: ``[L, k*D]`` concatenated taps (target dtype) or ``None``
             when no tap layer ids were asked for.
     """
@@ -59,15 +60,22 @@ class TargetAdapter:
             ``embed_tokens``, ``layers``, ``norm``).
         config: the model's config dict (``model_type`` is checked).
         probe: run the parity probe (default True).
+        vocab_size: the real vocabulary (the tokenizer's size). Embeddings are
+            often padded past it (every Qwen2/2.5/3 checkpoint: 151,936 rows
+            for 151,665 tokens); the logits of the padding rows are ``-inf`` in
+            everything :meth:`forward` and :meth:`logits` return, so no
+            decoding path (argmax, sampling, log-probabilities, every verify
+            row) can emit a padding id. ``None``: all rows are real.
 
     Raises:
         TargetCompatibilityError: unsupported family, sliding-window attention
             (rotating caches, or a ``sliding_window`` in the config that changes the
             model: :func:`~.modelconfig.sliding_window_layers`), non-trimmable
             caches, or the parity probe failed.
+        ValueError: ``vocab_size < 1``.
     """
 
-    def __init__(self, model: nn.Module, config: dict, probe: bool = True):
+    def __init__(self, model: nn.Module, config: dict, probe: bool = True, vocab_size: int | None = None):
         self.model = model
         self.config = config
         model_type = config.get("model_type")
@@ -103,6 +111,14 @@ class TargetAdapter:
             kinds = sorted({type(c).__name__ for c in cache})
             raise TargetCompatibilityError(f"target caches {kinds} are not plain trimmable KV caches")
         self._head = model.lm_head if hasattr(model, "lm_head") else inner.embed_tokens.as_linear
+        rows = self.vocab_rows
+        if vocab_size is not None and (isinstance(vocab_size, bool) or int(vocab_size) < 1):
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size!r}")
+        self.vocab_size = rows if vocab_size is None else min(int(vocab_size), rows)
+        self._padding = None  # bool [rows]: the padding rows, or None
+        if self.vocab_size < rows:
+            self._padding = mx.arange(rows) >= self.vocab_size
+            mx.eval(self._padding)  # not lazy: the adapter may be used on another thread (server worker)
         if probe:
             self.check_parity()
 
@@ -136,8 +152,22 @@ class TargetAdapter:
         return self.inner.embed_tokens(ids)
 
     def lm_head(self, h: mx.array) -> mx.array:
-        """Target LM head on hidden states ``[..., D]`` -> logits ``[..., V]``."""
+        """The raw target LM head on hidden states ``[..., D]`` -> ``[..., V]``, padding rows
+        included (the drafter applies it to its own states and masks its ids itself;
+        the target's own logits are :meth:`logits`)."""
         return self._head(h)
+
+    def logits(self, h: mx.array) -> mx.array:
+        """The target's logits from final-normed states ``[..., D]`` -> ``[..., V]``: the LM head
+        with ``-inf`` at ids ``>= vocab_size`` (what :meth:`forward` returns)."""
+        return self.mask_padding(self._head(h))
+
+    def mask_padding(self, logits: mx.array) -> mx.array:
+        """``logits`` ``[..., V]`` with ``-inf`` at the padding ids ``>= vocab_size`` (unchanged
+        when the embedding is not padded)."""
+        if self._padding is None:
+            return logits
+        return mx.where(self._padding, mx.array(-mx.inf, logits.dtype), logits)
 
     def make_cache(self) -> list:
         """A fresh per-request KV cache (one ``KVCache`` per layer)."""
@@ -177,8 +207,7 @@ class TargetAdapter:
             features = mx.concatenate([by_id[i] for i in tap_ids], axis=-1)[0]
         if last_only:
             h = h[:, -1:]
-        logits = self._head(self.inner.norm(h))[0]
-        return ForwardResult(logits, features)
+        return ForwardResult(self.logits(self.inner.norm(h))[0], features)
 
     def taps(self, tokens: mx.array, tap_ids: Sequence[int], final: bool = False):
         """Context features of whole sequences, without a cache (training, replay).
@@ -187,7 +216,7 @@ class TargetAdapter:
             tokens: int ``[N, T]`` (right padding is harmless: attention is causal).
             tap_ids: decoder layer ids to tap (non-empty).
             final: also return the final-normed last-layer states (the LM
-                head's input: ``lm_head(final)`` are the target's logits).
+                head's input: ``logits(final)`` are the target's logits).
 
         Returns:
             ``[N, T, len(tap_ids)*D]`` (layers after the last tap are not run),
@@ -208,7 +237,8 @@ class TargetAdapter:
         """Tap-parity probe: the adapter must reproduce ``model(...)``.
 
         Runs a 6-token prefill and a 3-token cached step through both the
-        model's own ``__call__`` and :meth:`forward` and compares logits.
+        model's own ``__call__`` and :meth:`forward` and compares the logits
+        of the real vocabulary (the padding rows are ``-inf`` in ours).
 
         Returns:
             The max absolute logit difference.
@@ -216,11 +246,13 @@ class TargetAdapter:
         Raises:
             TargetCompatibilityError: difference above ``tolerance``.
         """
-        vocab = self.vocab_rows
+        vocab = self.vocab_size
         ids = mx.array([(17 + 7919 * i) % vocab for i in range(9)], dtype=mx.int32)
         c_ref, c_ours = self.make_cache(), self.make_cache()
         ref = [self.model(ids[None, :6], cache=c_ref)[0], self.model(ids[None, 6:], cache=c_ref)[0]]
         ours = [self.forward(ids[:6], c_ours, tap_ids=(0,)).logits, self.forward(ids[6:], c_ours).logits]
+        V = self.vocab_size
+        ref, ours = [r[:, :V] for r in ref], [o[:, :V] for o in ours]
         diff = max(mx.abs(r.astype(mx.float32) - o.astype(mx.float32)).max().item() for r, o in zip(ref, ours))
         if not diff <= tolerance:  # also catches NaN
             raise TargetCompatibilityError(

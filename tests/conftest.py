@@ -1,4 +1,4 @@
-"""Shared fixtures: the real embedded model (quantized and float32), loaded once."""
+"""Shared fixtures: the real embedded model (quantized and float32), loaded once; a tiny padded-vocabulary target."""
 
 from __future__ import annotations
 
@@ -36,6 +36,20 @@ def smol_f32():
     """The same weights dequantized to a dense float32 target (exact losslessness tests)."""
     target, tokenizer, _ = load_target(None, dtype=mx.float32, dequantize=True)
     return target, tokenizer
+
+
+PADDED_ROWS = 49152 + 256  # embedding / LM-head rows of the padded target: 256 past the SmolLM2 tokenizer
+
+
+@pytest.fixture(scope="session")
+def padded_dir(tmp_path_factory, smol_f32):
+    """A tiny random Qwen2-class mlx-lm directory (2 layers, untied head) with the SmolLM2 tokenizer and an
+    embedding / LM head padded to :data:`PADDED_ROWS` rows, past ``len(tokenizer)``, as every Qwen checkpoint
+    is. Its padding rows are large, so an unmasked head picks them (greedy: every token)."""
+    from tiny_models import tiny_mlx_lm_dir
+
+    root = tmp_path_factory.mktemp("padded")
+    return tiny_mlx_lm_dir(root / "qwen2-padded", "qwen2", smol_f32[1], num_layers=2, vocab_rows=PADDED_ROWS)
 
 
 def plain_reference(target, prompt_ids: list[int], n: int) -> tuple[list[int], list[mx.array]]:

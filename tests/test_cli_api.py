@@ -170,7 +170,7 @@ def test_openblas_too_late_after_mlx_says_so():
 @pytest.mark.slow  # ~40 s; the CLI's generate path is covered by the other CLI tests
 def test_drafter_cli_init_then_generate(tmp_path):
     out = tmp_path / "drafter"
-    r = cli("init", "--out", str(out), "--layers", "1", "--block-size", "4", "--selector-rank", "8",
+    r = cli("init", "--out", str(out), "--num-layers", "1", "--block-size", "4", "--selector-rank", "8",
             module="mlx_dflash2.drafter")
     assert r.returncode == 0, r.stderr
     assert json.loads((out / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
@@ -179,6 +179,32 @@ def test_drafter_cli_init_then_generate(tmp_path):
     r = cli("--prompt", "Hi", "--max-tokens", "6", "--drafter", str(out), "--verbose")
     assert r.returncode == 0, r.stderr
     assert "DFlash2DraftModel" in r.stdout
+
+
+def test_drafter_init_flags_are_those_of_train_fit(tmp_path, padded_dir, capsys):
+    """`drafter init` takes `train fit`'s names (--architecture, --num-layers, --num-taps); the old --arch,
+    --layers and --taps still work but are not shown; on a 2-layer target the taps are distinct valid ids."""
+    from mlx_dflash2.drafter.cli import main
+
+    common = ["--model", str(padded_dir), "--block-size", "4", "--selector-rank", "8", "--dtype", "float32"]
+    configs = []
+    for i, flags in enumerate((["--architecture", "DFlashDraftModel", "--num-layers", "1", "--num-taps", "2"],
+                               ["--arch", "DFlashDraftModel", "--layers", "1", "--taps", "2"])):
+        out = tmp_path / f"d{i}"
+        assert main(["init", "--out", str(out), *common, *flags]) == 0, capsys.readouterr().err
+        configs.append(json.loads((out / "config.json").read_text()))
+    assert configs[0] == configs[1]
+    c = configs[0]
+    assert c["architectures"] == ["DFlashDraftModel"] and c["num_hidden_layers"] == 1
+    assert c["dflash_config"]["target_layer_ids"] == [0, 1]
+    assert main(["init", "--out", str(tmp_path / "d2"), "--model", str(padded_dir), "--dtype", "float32"]) == 0
+    assert json.loads((tmp_path / "d2" / "config.json").read_text())["num_hidden_layers"] == 2  # the default
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["init", "-h"])
+    help_text = capsys.readouterr().out
+    assert all(f in help_text for f in ("--architecture", "--num-layers", "--num-taps"))
+    assert not any(f in help_text.split() for f in ("--arch", "--layers", "--taps"))
 
 
 def test_python_api(smol_q):
@@ -227,34 +253,9 @@ def test_auto_dequantize_rule(smol_q):
 
 
 def _tiny_mlx_lm_dir(tmp_path, model_type, tok):
-    import importlib
+    from tiny_models import tiny_mlx_lm_dir
 
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import save_config
-
-    cfg = {
-        "model_type": model_type,
-        "hidden_size": 64,
-        "num_hidden_layers": 4,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "rms_norm_eps": 1e-6,
-        "vocab_size": 49152,
-        "rope_theta": 10000.0,
-        "max_position_embeddings": 2048,
-        "tie_word_embeddings": model_type != "qwen2",
-    }
-    mod = importlib.import_module(f"mlx_lm.models.{model_type}")
-    mx.random.seed(0)
-    m = mod.Model(mod.ModelArgs.from_dict(cfg))
-    d = tmp_path / model_type
-    d.mkdir()
-    mx.save_safetensors(str(d / "model.safetensors"), dict(tree_flatten(m.parameters())))
-    save_config(cfg, d / "config.json")
-    tok._tokenizer.save_pretrained(str(d))
-    return d
+    return tiny_mlx_lm_dir(tmp_path / model_type, model_type, tok)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
@@ -273,6 +274,39 @@ def test_mlx_lm_directory_targets(tmp_path, smol_q, model_type):
     out = [t for t, _, _ in speculative_generate_step(ids, target, DFlashProposer(drafter, target, len(tok)),
                                                        max_tokens=24)]
     assert out == ref
+
+
+def test_loaded_model_generates_on_another_thread(tmp_path, padded_dir):
+    """load() on one thread and generation on another, as the server does: MLX binds a lazy array to the
+    thread that built it ("There is no Stream(cpu, 0) in current thread" elsewhere), so everything load()
+    makes is evaluated there: the drafter's padded-row mask (a Qwen-style target with `init`) and arrays
+    outside parameters(), such as a scaled RoPE's frequencies (a drafter checkpoint with rope_scaling)."""
+    import threading
+
+    from mlx_dflash2.drafter import init_drafter, save_drafter
+
+    target, tok, _ = load_target(str(padded_dir))
+    m = init_drafter(target, tok, num_layers=1, block_size=4, selector_rank=8)
+    m.config.rope_scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 256}
+    save_drafter(m, tmp_path / "scaled-rope")
+    for drafter in ("init", str(tmp_path / "scaled-rope")):
+        model, tok = mlx_dflash2.load(str(padded_dir), drafter=drafter, block_size=4)
+        box = {}
+
+        def run():
+            try:
+                box["out"] = [r.token for r in mlx_dflash2.stream_generate(model, tok, "Once upon a time",
+                                                                           max_tokens=8)]
+            except Exception as e:  # noqa: BLE001 - reported below
+                box["out"] = e
+
+        t = threading.Thread(target=run)
+        t.start()
+        t.join(120)
+        assert isinstance(box.get("out"), list) and len(box["out"]) == 8, (drafter, box.get("out"))
+        assert model.proposer.drafter.model.config.rope_scaling == (None if drafter == "init" else
+                                                                    m.config.rope_scaling)
 
 
 def test_hub_id_resolves_offline_from_cache(tmp_path, smol_q, monkeypatch):

@@ -110,6 +110,29 @@ def test_default_tap_rule():
     assert default_target_layer_ids(30, 1) == [15]
 
 
+def _reference_taps(L, n):
+    """The published rule (spec §1.2), which is only valid on deep enough targets."""
+    return [L // 2] if n == 1 else [int(round(1 + i * (L - 4) / (n - 1))) for i in range(n)]
+
+
+@pytest.mark.parametrize("L", range(1, 9))
+def test_tap_rule_valid_for_every_depth_and_tap_count(L):
+    """Depth 1..8, every tap count (and more taps than layers): distinct increasing ids inside the
+    target, as many as asked up to L, and the reference rule unchanged wherever it is valid."""
+    for n in range(1, L + 3):
+        ids = default_target_layer_ids(L, n)
+        assert len(ids) == min(n, L), (L, n, ids)
+        assert all(0 <= a < b < L for a, b in zip(ids, ids[1:])) and 0 <= ids[0] < L, (L, n, ids)
+        ref = _reference_taps(L, n)
+        if n <= L and all(0 <= a < b < L for a, b in zip(ref, ref[1:])) and 0 <= ref[0] < L:
+            assert ids == ref, (L, n, ids, ref)
+    assert default_target_layer_ids(2, 2) == [0, 1]  # the reference gives [1, -1]
+    assert default_target_layer_ids(4, 3) == [1, 2, 3]  # the reference gives [1, 1, 1]
+    for L, n in ((0, 1), (4, 0)):
+        with pytest.raises(ValueError):
+            default_target_layer_ids(L, n)
+
+
 def test_rope_parameters_accepted():
     cfg = tiny_cfg()
     cfg.pop("rope_theta")

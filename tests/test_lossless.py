@@ -310,3 +310,46 @@ def test_dynamic_draft_length_is_a_prefix(smol_f32, fresh_dflash2):
             assert mx.allclose(b.q, a.q[: b.n]).item() and b.cand_ids.tolist() == a.cand_ids[: b.n].tolist()
     with pytest.raises(ValueError, match="min_confidence"):
         DFlashProposer(fresh_dflash2, target, len(tok), min_confidence=1.0)
+
+
+def test_padded_vocabulary_never_emitted_and_lossless(padded_dir):
+    """A Qwen-style target (embedding and head padded past the tokenizer, padding rows that win an unmasked
+    argmax): plain and speculative decoding, greedy and sampled, never emit an id >= len(tokenizer), the
+    padding ids' log-probabilities are -inf, the drafter never proposes them, speculative greedy output equals
+    plain (a full-acceptance scripted drafter verifies every row) and regen's batched decoder keeps out of
+    them too (it emitted a padding id at 40 of 40 greedy tokens here before the mask)."""
+    from mlx_dflash2.api import stream_generate
+    from mlx_dflash2.loading import SpeculativeModel, load_target
+    from mlx_dflash2.train.regen import batched_decode
+
+    target, tok, _ = load_target(str(padded_dir))
+    V = len(tok)
+    assert target.vocab_rows > V and target.vocab_size == V
+    ids = chat_ids(tok, STORY)
+    n = 40
+    plain = [(t, lp) for t, lp, _ in speculative_generate_step(ids, target, None, max_tokens=n)]
+    toks = [t for t, _ in plain]
+    assert max(toks) < V
+    for _, lp in plain[:3]:
+        assert mx.all(lp[V:] == -mx.inf).item() and abs(mx.logsumexp(lp[:V]).item()) < 1e-4
+    drafter = DFlashProposer(init_drafter(target, tok, num_layers=1, block_size=4, selector_rank=8, seed=1), target,
+                             valid_vocab=10**9)  # the target's vocab_size bounds the drafts by itself
+    s = drafter.start(ids)
+    s.extend(ids, target.forward(mx.array(ids), target.make_cache(), drafter.tap_ids).features)
+    for a in toks[:8]:
+        assert max(s.propose(a, 3).tokens.tolist()) < V
+        assert max(s.propose(a, 3, temperature=1.0, key=mx.random.key(a)).tokens.tolist()) < V
+    assert run(target, ids, drafter, 4, n) == toks
+    full = ScriptedProposer(len(ids), toks, [3], 4, V)
+    stats = SpecStats()
+    assert run(target, ids, full, 4, n, stats=stats) == toks
+    assert stats.accepted == stats.drafted > 20
+    model = SpeculativeModel(target, drafter, 4, "padded", target.config)
+    for proposer, seed in ((None, 0), (drafter, 1), (None, 2), (drafter, 3)):
+        sampled = [r.token for r in stream_generate(model, tok, ids, max_tokens=n, temp=1.0, seed=seed,
+                                                    block_size=4 if proposer else 1)]
+        assert len(sampled) == n and max(sampled) < V, (proposer, seed)
+    mx.random.seed(0)
+    for temp in (0.0, 1.0):
+        (out,) = batched_decode(target.model, [ids], 24, temp, vocab_size=target.vocab_size)
+        assert max(out) < V, temp

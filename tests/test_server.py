@@ -268,7 +268,6 @@ BAD = [
     ({"min_p": 2}, "min_p"),
     ({"stop": 5}, "stop"),
     ({"stop": ["ok", 3]}, "stop"),
-    ({"model": "gpt-4o"}, "model"),
     ({"stream": "yes"}, "stream"),
     ({"logprobs": "yes"}, "logprobs"),
     ({"top_logprobs": 50, "logprobs": True}, "top_logprobs"),
@@ -296,6 +295,30 @@ def test_bad_payloads_get_400_then_server_works(http, patch, param):
         assert err["message"] and "Value error," not in err["message"]
     ok = http.post("/v1/chat/completions", json={"messages": chat_msgs("Hi"), "max_tokens": 1})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 1
+
+
+def test_unknown_model_is_404_model_not_found(http, client):
+    """OpenAI answers an unknown model with 404, invalid_request_error, code model_not_found (was 400); the
+    served id, its aliases and null are accepted; the OpenAPI schema documents the 404."""
+    for path, body in (("/v1/chat/completions", {"messages": chat_msgs("Hi")}), ("/v1/completions", {"prompt": "Hi"})):
+        for stream in (False, True):
+            r = http.post(path, json={**body, "model": "gpt-4o", "max_tokens": 1, "stream": stream})
+            assert r.status_code == 404, r.text
+            assert r.json()["error"] | {"message": None} == {"message": None, "type": "invalid_request_error",
+                                                              "param": "model", "code": "model_not_found"}
+            assert "gpt-4o" in r.json()["error"]["message"]
+        for name in (MODEL_ID, "default_model", None):
+            assert http.post(path, json={**body, "model": name, "max_tokens": 1}).status_code == 200
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o", messages=chat_msgs("Hi"), max_tokens=1)
+    assert e.value.code == "model_not_found"
+    r = http.get("/v1/models/gpt-4o")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    paths = http.get("/openapi.json").json()["paths"]
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/models/{model_id}"):
+        method = "get" if "models" in path else "post"
+        assert "404" in paths[path][method]["responses"], path
 
 
 BAD_COMPLETIONS = [
@@ -555,6 +578,52 @@ def test_prompt_cache_bounded_and_drafter_context_reuse(smol_f32):
 
 
 # ----------------------------------------------------------------------------
+# A Qwen-style target: embedding rows past the tokenizer
+# ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def padded_srv(padded_dir):
+    """The real server path on a padded-vocabulary target with a fresh DFlash drafter: the command line's
+    build_app loads everything on this thread, the engine's worker thread generates."""
+    from mlx_dflash2.server.cli import build_app, setup_arg_parser
+
+    args = setup_arg_parser().parse_args(
+        ["--model", str(padded_dir), "--drafter", "init", "--block-size", "4", "--max-tokens", "24",
+         "--max-context", str(MAX_CONTEXT), "--prefill-step-size", "64", "--log-level", "WARNING"])
+    app, _ = build_app(args)
+    s = LiveServer(app)
+    yield s
+    s.stop()
+
+
+def test_padded_vocabulary_target_with_dflash_drafter(padded_srv):
+    """`--model <padded target> --drafter init` answers drafting requests (it answered every one with a 500,
+    "There is no Stream(cpu, 0) in current thread": the drafter's padded-row mask was made lazily on the
+    loading thread); no padding id is ever emitted, and speculative output equals plain decoding."""
+    from conftest import PADDED_ROWS
+
+    eng = padded_srv.engine
+    assert eng.model.target.vocab_rows == PADDED_ROWS > eng.vocab_size
+    assert "DFlash2DraftModel" in eng.model.proposer.name
+    c = openai.OpenAI(base_url=f"{padded_srv.url}/v1", api_key="x", max_retries=0, timeout=120)
+    kw = dict(model="default_model", messages=chat_msgs("Tell me a story about a lighthouse."), max_tokens=24)
+    spec = c.chat.completions.create(**kw)
+    assert spec.model_extra["speculative"]["drafted_tokens"] > 0
+    plain = c.chat.completions.create(extra_body={"num_draft_tokens": 1}, **kw)
+    assert spec.choices[0].message.content == plain.choices[0].message.content
+    streamed, _, finish, usage, _ = stream_chat(c, stream_options={"include_usage": True}, **kw)
+    assert streamed == spec.choices[0].message.content and finish == spec.choices[0].finish_reason
+    sampled = c.completions.create(model="default_model", prompt="Once upon a time", max_tokens=24, temperature=1.0,
+                                   seed=3, logprobs=2)
+    assert sampled.usage.completion_tokens == len(sampled.choices[0].logprobs.tokens) > 0
+    # every request's final state (prompt + emitted tokens) is in the prompt cache: no id past the tokenizer
+    emitted = eng.call(lambda: [t for st in eng.prompt_cache._entries.values() for t in st.tokens])
+    assert emitted and max(emitted) < eng.vocab_size
+    assert httpx.get(f"{padded_srv.url}/metrics", params={"format": "json"}).json()["request_errors_total"] == 0
+
+
+# ----------------------------------------------------------------------------
 # Thinking models: reasoning_content
 # ----------------------------------------------------------------------------
 
@@ -576,6 +645,13 @@ def test_reasoning_splitter_any_segmentation():
     assert ReasoningSplitter().feed("<think>x</think>") == [("content", "<think>x</think>")]
     sp = ReasoningSplitter("<think>", "</think>")
     assert sp.feed("a</thi") == [("content", "a</thi")] and sp.flush() == []
+    # reasoning tokens: from the token completing the start marker through the one completing the end marker
+    sp = ReasoningSplitter("<think>", "</think>")
+    pieces = ["Hi", "<th", "ink>", "hmm", "</", "think>", "ok"]
+    assert [sp.feed_token(p)[1] for p in pieces] == [False, False, True, True, True, True, False]
+    sp = ReasoningSplitter("<think>", "</think>", reasoning=True)
+    assert [sp.feed_token(p)[1] for p in ("x", "</think>", "y")] == [True, True, False]
+    assert ReasoningSplitter().feed_token("<think>") == ([("content", "<think>")], False)
 
 
 class _FakeThinking:
@@ -616,7 +692,10 @@ class ThinkingProxy:
         return getattr(self._tok, name)
 
 
-def test_reasoning_content_same_with_and_without_drafter(srv, smol_f32):
+@pytest.fixture(scope="module")
+def thinking(srv, smol_f32):
+    """A server whose tokenizer is presented as a thinking model, with markers taken from the plain answer to
+    FRUITS: ``(server, client, kw, raw answer, start marker, end marker)``."""
     target, tokenizer = smol_f32
     kw = dict(model=MODEL_ID, messages=chat_msgs(FRUITS), max_tokens=20)
     raw = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x").chat.completions.create(**kw)
@@ -626,21 +705,56 @@ def test_reasoning_content_same_with_and_without_drafter(srv, smol_f32):
     start, end = lines[1].split()[-1], lines[3].split()[-1]  # e.g. "Apples" opens the "thinking", "Grapes" closes it
     assert raw.count(start) == 1 and raw.count(end) == 1 and raw.index(start) < raw.index(end)
     s = make_server(target, tokenizer, tokenizer_proxy=ThinkingProxy(tokenizer, start, end))
-    try:
-        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0)
-        seen = []
-        for B in (None, 1):  # with the drafter, and without (block size 1)
-            extra = {"num_draft_tokens": B} if B else {}
-            full = c.chat.completions.create(extra_body=extra, **kw).choices[0].message
-            reasoning = full.model_extra["reasoning_content"]
-            assert start not in full.content and reasoning and reasoning in raw
-            assert raw == full.content[: raw.index(start)] + start + reasoning + end + full.content[raw.index(start):]
-            content, sreasoning, *_ = stream_chat(c, extra_body=extra, **kw)
-            assert (content, sreasoning) == (full.content, reasoning)
-            seen.append((full.content, reasoning))
-        assert seen[0] == seen[1]
-    finally:
-        s.stop()
+    c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0)
+    yield s, c, kw, raw, start, end
+    s.stop()
+
+
+def test_reasoning_content_same_with_and_without_drafter(thinking):
+    s, c, kw, raw, start, end = thinking
+    seen = []
+    for B in (None, 1):  # with the drafter, and without (block size 1)
+        extra = {"num_draft_tokens": B} if B else {}
+        full = c.chat.completions.create(extra_body=extra, **kw).choices[0].message
+        reasoning = full.model_extra["reasoning_content"]
+        assert start not in full.content and reasoning and reasoning in raw
+        assert raw == full.content[: raw.index(start)] + start + reasoning + end + full.content[raw.index(start):]
+        content, sreasoning, *_ = stream_chat(c, extra_body=extra, **kw)
+        assert (content, sreasoning) == (full.content, reasoning)
+        seen.append((full.content, reasoning))
+    assert seen[0] == seen[1]
+
+
+def test_usage_reports_reasoning_tokens(thinking, smol_f32):
+    """usage.completion_tokens_details.reasoning_tokens (OpenAI's field) counts the emitted tokens of the
+    thinking block, from the one completing the start marker through the one completing the end marker:
+    the same streamed or not, with or without the drafter, and 0 for text completions and other requests."""
+    from mlx_dflash2.api import stream_generate
+
+    s, c, kw, raw, start, end = thinking
+    target, tok = smol_f32
+    model = SpeculativeModel(target, None, 1, MODEL_ID, target.config)
+    ids = [r.token for r in stream_generate(model, tok, tok.apply_chat_template(kw["messages"],
+                                                                                add_generation_prompt=True),
+                                            max_tokens=kw["max_tokens"])]
+    assert tok.decode(ids) == raw
+    first = next(k for k in range(len(ids)) if start in tok.decode(ids[: k + 1]))
+    last = next(k for k in range(len(ids)) if end in tok.decode(ids[: k + 1]))
+    expected = last - first + 1
+    assert 3 < expected < len(ids)
+    for B in (None, 1):
+        extra = {"num_draft_tokens": B} if B else {}
+        u = c.chat.completions.create(extra_body=extra, **kw).usage
+        assert u.completion_tokens == len(ids)
+        assert u.completion_tokens_details.reasoning_tokens == expected
+        *_, su, _ = stream_chat(c, extra_body=extra, stream_options={"include_usage": True}, **kw)
+        assert su.completion_tokens_details.reasoning_tokens == expected
+    cut = c.chat.completions.create(**{**kw, "max_tokens": first + 3}).usage  # stopped inside the block
+    assert cut.completion_tokens_details.reasoning_tokens == 3 <= cut.completion_tokens
+    assert c.completions.create(model=MODEL_ID, prompt="Hi", max_tokens=3).usage.completion_tokens_details \
+        .reasoning_tokens == 0
+    hi = c.chat.completions.create(**{**kw, "messages": chat_msgs("Hi")})
+    assert start not in hi.choices[0].message.content and hi.usage.completion_tokens_details.reasoning_tokens == 0
 
 
 # ----------------------------------------------------------------------------

@@ -72,6 +72,34 @@ def test_eos_at_every_block_offset(smol_f32, story, offset):
 
 
 @pytest.mark.parametrize("offset", range(B))
+def test_draft_counters_end_at_the_stop(smol_f32, story, offset):
+    """An EOS at every offset of an all-accepted block: drafted/accepted count only the drafts at or before
+    it, and the per-position statistics agree (the drafts verified after it were counted: 14 drafted for 10
+    emitted drafts, all accepted, read an acceptance rate of 0.714)."""
+    target, tok = smol_f32
+    ids, ref = story
+    j = _first_occurrences(ref, B + 2, 60)[0]
+    sched = _shift_schedule(j, offset)  # a rejection in round 1 (unless it accepts all), then full blocks
+    prop = ScriptedProposer(len(ids), ref, sched, B, target.vocab_rows)
+    saved = tok.eos_token_ids
+    tok.eos_token_ids = {ref[j]}
+    try:
+        resps = list(stream_generate(_model(target, prop), tok, ids, max_tokens=60))
+    finally:
+        tok.eos_token_ids = saved
+    assert [r.token for r in resps] == ref[: j + 1]
+    stats = resps[-1].stats
+    accepted = sum(r.from_draft for r in resps)
+    rejected = B - 1 - sched[0]  # round 1 drafts B - 1 and accepts sched[0]; every later draft is right
+    assert stats.accepted == accepted and stats.drafted == accepted + rejected
+    assert stats.acceptance_rate == pytest.approx(accepted / (accepted + rejected))
+    assert sum(stats.position_proposed) == stats.drafted and sum(stats.position_accepted) == stats.accepted
+    assert sum(stats.accept_hist) == stats.rounds_by_source["drafter"] == stats.rounds
+    # the stop's round counts as having drafted offset + 1 tokens (or all B - 1 on the bonus slot), all accepted
+    assert stats.accept_hist[min(offset + 1, B - 1)] >= 1
+
+
+@pytest.mark.parametrize("offset", range(B))
 def test_stop_string_at_every_block_offset(smol_f32, story, offset):
     target, tok = smol_f32
     ids, ref = story

@@ -548,7 +548,7 @@ def test_self_instruct_filters_dedupes_decontaminates_and_resumes(tiny, tmp_path
     state = {"row": 0, "calls": 0, "crash_at": None}
     monkeypatch.setattr(si, "STARTERS", {"open": (0.5, ("",)), "math": (0.5, ("",))})
 
-    def scripted(model, prompts, max_tokens, temps, eos_ids):
+    def scripted(model, prompts, max_tokens, temps, eos_ids, vocab_size=None):
         if state["calls"] == state["crash_at"]:
             raise RuntimeError("crash")
         state["calls"] += 1

@@ -1,11 +1,14 @@
 """``mlx_dflash2.drafter``: create or inspect drafter checkpoints.
 
-    mlx_dflash2.drafter init --out DIR [--model TARGET] [--arch DFlash2DraftModel]
-                             [--layers 2] [--block-size 16] [--selector-rank 64] ...
+    mlx_dflash2.drafter init --out DIR [--model TARGET] [--architecture DFlash2DraftModel]
+                             [--num-layers 2] [--num-taps N] [--block-size 16] [--selector-rank 64] ...
     mlx_dflash2.drafter info DIR|shipped [--model TARGET]
 
 ``init`` writes a freshly initialised drafter for the target (DFlash2's conv
 and selector as exact no-ops), the starting point of training (``--init``).
+Its flags have the names of ``mlx_dflash2.train fit`` (``--architecture``,
+``--num-layers``, ``--num-taps``); the older ``--arch``, ``--layers`` and
+``--taps`` still work (hidden aliases).
 ``info`` loads a checkpoint against the target (all validation included) and
 prints its configuration.
 """
@@ -32,9 +35,15 @@ def main(argv=None) -> int:
     i = sub.add_parser("init", help="write a freshly initialised drafter for a target")
     i.add_argument("--out", "-o", required=True, help="output checkpoint directory")
     i.add_argument("--model", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
-    i.add_argument("--arch", choices=["DFlash2DraftModel", "DFlashDraftModel"], default="DFlash2DraftModel")
-    i.add_argument("--layers", type=int, default=2, help="drafter decoder layers")
-    i.add_argument("--taps", type=int, default=None, help="number of target taps (default: one per layer)")
+    archs = ["DFlash2DraftModel", "DFlashDraftModel"]
+    i.add_argument("--architecture", choices=archs, default="DFlash2DraftModel")
+    i.add_argument("--num-layers", type=int, default=2, help="drafter decoder layers")
+    i.add_argument("--num-taps", type=int, default=None,
+                   help="number of target taps (default: one per layer, at most one per target layer)")
+    # the names before they matched `mlx_dflash2.train fit`'s, kept working but not shown
+    i.add_argument("--arch", dest="architecture", choices=archs, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    i.add_argument("--layers", dest="num_layers", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    i.add_argument("--taps", dest="num_taps", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     i.add_argument("--target-layer-ids", type=json.loads, default=None, help="explicit tap ids, JSON list")
     i.add_argument("--block-size", type=int, default=16)
     i.add_argument("--intermediate-size", type=int, default=None)
@@ -58,10 +67,10 @@ def main(argv=None) -> int:
             model = init_drafter(
                 target,
                 tokenizer,
-                architecture=args.arch,
-                num_layers=args.layers,
+                architecture=args.architecture,
+                num_layers=args.num_layers,
                 block_size=args.block_size,
-                num_taps=args.taps,
+                num_taps=args.num_taps,
                 target_layer_ids=args.target_layer_ids,
                 mask_token_id=args.mask_token_id,
                 intermediate_size=args.intermediate_size,

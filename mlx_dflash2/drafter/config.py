@@ -234,12 +234,45 @@ class DrafterConfig:
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
-    """The reference tap rule (``build_target_layer_ids``, spec §1.2).
+    """Tap layer ids for a new drafter: the reference rule where it is valid, distinct valid ids otherwise.
 
-    One tap: ``[L // 2]``; otherwise ``num_taps`` ids evenly spaced in
-    ``[1, L - 3]``: ``round(1 + i * (L - 4) / (n - 1))``.
+    The reference rule (``build_target_layer_ids``, spec §1.2): one tap is
+    ``[L // 2]``; otherwise ``num_taps`` ids evenly spaced in ``[1, L - 3]``:
+    ``round(1 + i * (L - 4) / (n - 1))``. It is returned unchanged whenever it
+    gives strictly increasing ids inside ``0..L-1`` (every target of 5 or more
+    layers with at most ``L - 3`` taps). On shallower targets, or with more
+    taps than ``[1, L - 3]`` holds, it would give ids outside the target or
+    duplicates (``[1, -1]`` for 2 layers): then the window ``[1, L - 3]`` is
+    widened (first towards the last layer, then to layer 0) until it holds the
+    taps, and the taps are spread evenly over it (rounding half up), so they are
+    distinct. The number of taps is clamped to ``L`` (each layer tapped once).
+
+    Args:
+        num_target_layers: ``L``, the target's decoder layers (>= 1).
+        num_taps: ``n``, taps wanted (>= 1; more than ``L`` gives ``L``).
+
+    Returns:
+        ``min(n, L)`` strictly increasing layer ids in ``0..L-1``.
+
+    Raises:
+        ValueError: ``L < 1`` or ``n < 1``.
     """
-    L, n = num_target_layers, num_taps
+    L, n = int(num_target_layers), int(num_taps)
+    if L < 1:
+        raise ValueError(f"num_target_layers must be >= 1, got {num_target_layers}")
+    if n < 1:
+        raise ValueError(f"num_taps must be >= 1, got {num_taps}")
+    n = min(n, L)
     if n == 1:
         return [L // 2]
-    return [int(round(1 + i * (L - 4) / (n - 1))) for i in range(n)]
+    ref = [int(round(1 + i * (L - 4) / (n - 1))) for i in range(n)]
+    if all(0 <= a < b <= L - 1 for a, b in zip(ref, ref[1:])):
+        return ref
+    lo, hi = 1, L - 3
+    while hi - lo + 1 < n:  # widen [1, L - 3] until it holds n layers (n <= L: it always can)
+        if hi < L - 1:
+            hi += 1
+        else:
+            lo -= 1
+    # lo + floor(i * (hi - lo) / (n - 1) + 1/2): steps of at least one layer, so distinct
+    return [lo + (2 * i * (hi - lo) + (n - 1)) // (2 * (n - 1)) for i in range(n)]

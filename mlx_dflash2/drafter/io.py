@@ -162,8 +162,10 @@ def init_drafter(
     """Create a freshly initialised drafter for ``target`` (``--init``).
 
     Geometry follows the target (hidden size, heads, head_dim, RoPE theta);
-    taps follow the reference rule (spec §1.2) with one tap per drafter layer
-    unless given. DFlash2's conv and selector start as exact no-ops.
+    taps follow :func:`~.config.default_target_layer_ids` (the reference rule,
+    spec §1.2, with distinct valid ids on shallow targets; at most one tap per
+    target layer) with one tap per drafter layer unless given. DFlash2's conv
+    and selector start as exact no-ops.
 
     Returns:
         A :class:`DraftModel` in float32 (cast it as needed).

@@ -6,7 +6,8 @@ Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``,
 request (pydantic, :mod:`.protocol`), hand a :class:`~.engine.Job` to the
 generation worker and turn its events into OpenAI responses, streamed as
 server-sent events when ``stream`` is true. Every error is a JSON body in
-OpenAI's format; bad requests get 400 with ``param`` naming the field.
+OpenAI's format; bad requests get 400 with ``param`` naming the field, an unknown
+``model`` 404 with code ``model_not_found`` (as OpenAI answers).
 """
 
 from __future__ import annotations
@@ -71,7 +72,15 @@ class ServerSettings:
     model_aliases: tuple = ("default_model",)
 
 
-_ERRORS = {400: {"model": ErrorResponse, "description": "invalid request (OpenAI invalid_request_error)"}}
+_ERRORS = {400: {"model": ErrorResponse, "description": "invalid request (OpenAI invalid_request_error)"},
+           404: {"model": ErrorResponse,
+                 "description": "unknown model (OpenAI invalid_request_error, code model_not_found)"}}
+
+
+def model_not_found(name: str, served: str) -> APIError:
+    """OpenAI's answer to an unknown model: 404, ``invalid_request_error``, code ``model_not_found``."""
+    return APIError(404, f"The model '{name}' does not exist; this server serves '{served}'.", "model",
+                    "model_not_found", type="invalid_request_error")
 
 
 def _param_from_loc(loc) -> Optional[str]:
@@ -172,8 +181,7 @@ def create_app(engine: Engine, settings: Optional[ServerSettings] = None) -> Fas
 
     def check_model(name: Optional[str]) -> None:
         if name is not None and name != settings.model_id and name not in settings.model_aliases:
-            raise APIError(400, f"The model '{name}' does not exist; this server serves '{settings.model_id}'.",
-                           "model", "model_not_found")
+            raise model_not_found(name, settings.model_id)
 
     def gen_kwargs(body) -> dict:
         pick = lambda v, d: d if v is None else v  # noqa: E731 - null means the default
@@ -227,14 +235,19 @@ def create_app(engine: Engine, settings: Optional[ServerSettings] = None) -> Fas
             self.top_n = top_n
             self.splitter = ReasoningSplitter()
             self.offset = 0
+            self.reasoning_tokens = 0  # emitted tokens of thinking blocks (usage.completion_tokens_details)
 
         def admitted(self, ev: Admitted) -> None:
             if self.chat and getattr(tokenizer, "has_thinking", False):
                 self.splitter = ReasoningSplitter(tokenizer.think_start, tokenizer.think_end, ev.reasoning)
 
         def segments(self, ev: TokenOut) -> list[tuple[str, str]]:
-            segs = self.splitter.feed(ev.text) if self.chat else ([("content", ev.text)] if ev.text else [])
-            if ev.finish_reason is not None and self.chat:
+            """The text of one token event (called once per event: it also counts reasoning tokens)."""
+            if not self.chat:
+                return [("content", ev.text)] if ev.text else []
+            segs, reasoning = self.splitter.feed_token(ev.text)
+            self.reasoning_tokens += reasoning
+            if ev.finish_reason is not None:
                 segs += self.splitter.flush()
             return segs
 
@@ -266,12 +279,14 @@ def create_app(engine: Engine, settings: Optional[ServerSettings] = None) -> Fas
             "text_offset": [e[3] for e in entries],
         }
 
-    def usage_dict(u: dict) -> dict:
+    def usage_dict(u: dict, asm: Assembler) -> dict:
         return {
             "prompt_tokens": u["prompt_tokens"],
             "completion_tokens": u["completion_tokens"],
             "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
             "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]},
+            # the emitted tokens of thinking blocks (a part of completion_tokens), OpenAI's field
+            "completion_tokens_details": {"reasoning_tokens": min(asm.reasoning_tokens, u["completion_tokens"])},
         }
 
     def spec_dict(s: dict) -> dict:
@@ -375,7 +390,7 @@ def create_app(engine: Engine, settings: Optional[ServerSettings] = None) -> Fas
                 "model": model_name,
                 "system_fingerprint": fingerprint,
                 "choices": [choice],
-                "usage": usage_dict(ev.usage),
+                "usage": usage_dict(ev.usage, asm),
                 "speculative": spec_dict(ev.stats),
             })
         finally:
@@ -444,7 +459,7 @@ def create_app(engine: Engine, settings: Optional[ServerSettings] = None) -> Fas
                     last.update({"delta": {}} if chat else {"text": ""})
                     yield chunk(last, speculative=spec)
                     if include_usage:
-                        yield chunk(None, usage=usage_dict(ev.usage), speculative=spec)
+                        yield chunk(None, usage=usage_dict(ev.usage, asm), speculative=spec)
                     yield "data: [DONE]\n\n"
                     return
         finally:
@@ -516,11 +531,11 @@ def create_app(engine: Engine, settings: Optional[ServerSettings] = None) -> Fas
         """The served model (one target with its drafter)."""
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model_id:path}", tags=["models"], responses={404: {"model": ErrorResponse}})
+    @app.get("/v1/models/{model_id:path}", tags=["models"], responses={404: _ERRORS[404]})
     async def model(model_id: str):
         """One model by id."""
         if model_id != settings.model_id:
-            raise APIError(404, f"The model '{model_id}' does not exist", "model", "model_not_found")
+            raise model_not_found(model_id, settings.model_id)
         return model_card()
 
     @app.get("/health", response_model=Health, tags=["server"], responses={503: {"model": Health}})

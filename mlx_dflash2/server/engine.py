@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..api import stream_generate
-from ..loading import SpeculativeModel
+from ..loading import SpeculativeModel, materialize
 from ..speculative import PLAIN_PROPOSER, GenerationState
 from .protocol import APIError, bad_request
 from .text import TokenText, convert_chat, initial_reasoning_state, top_logprobs
@@ -347,10 +347,16 @@ class Engine:
         tokenizer: the target's ``TokenizerWrapper``.
         config: :class:`EngineConfig`.
 
+    Build it on the thread that loaded ``model``: the worker thread runs the
+    model, and MLX cannot evaluate on one thread an array left lazy by another,
+    so everything the model holds is evaluated here
+    (:func:`~mlx_dflash2.loading.materialize`).
+
     Call :meth:`start` before :meth:`submit`, :meth:`stop` at shutdown.
     """
 
     def __init__(self, model: SpeculativeModel, tokenizer, config: Optional[EngineConfig] = None):
+        materialize(model)
         self.model = model
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()

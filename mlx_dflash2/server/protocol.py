@@ -232,13 +232,21 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = Field(
+        description="generated tokens of thinking blocks (reasoning_content), markers included; part of "
+        "completion_tokens (0 without a thinking model and for text completions)")
+
+
 class Usage(BaseModel):
-    """Token counts; ``prompt_tokens_details.cached_tokens`` came from the prompt cache."""
+    """Token counts; ``prompt_tokens_details.cached_tokens`` came from the prompt cache,
+    ``completion_tokens_details.reasoning_tokens`` are the thinking part of ``completion_tokens``."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails
 
 
 class SpeculativeStats(BaseModel):

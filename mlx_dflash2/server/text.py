@@ -56,6 +56,20 @@ class ReasoningSplitter:
             self.pending = buf[len(buf) - hold:]
             return out
 
+    def feed_token(self, text: str) -> tuple[list[tuple[str, str]], bool]:
+        """:meth:`feed` one generated token's text; also say whether the token is a
+        *reasoning token*: one generated while a thinking block is open, from the
+        token that completes the start marker through the one that completes the
+        end marker (markers split over several tokens count from their last
+        piece; a block opened by the prompt counts from the first token).
+
+        Returns:
+            ``(segments, is_reasoning)``.
+        """
+        before = self.reasoning
+        segs = self.feed(text)
+        return segs, bool(self.markers) and (before or self.reasoning)
+
     def flush(self) -> list[tuple[str, str]]:
         """Release the held-back tail (end of generation)."""
         out: list[tuple[str, str]] = []

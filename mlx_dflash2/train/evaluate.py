@@ -34,7 +34,9 @@ __all__ = ["replay", "evaluate_sets", "plot_acceptance", "check_against_loop"]
 
 
 def _record(stats: SpecStats, n: int, a: int, emitted: int) -> None:
-    stats.record_round(n, min(a, emitted), emitted)
+    """One replayed round, counted as the loop counts it: a round cut by a stop after ``emitted``
+    tokens counts only its drafts at or before the stop."""
+    stats.record_round(min(n, emitted), min(a, emitted), emitted)
 
 
 def replay(
@@ -75,6 +77,7 @@ def replay(
     total = SpecStats(drafter=cfg.architecture + ("+lookup" if lookup else ""), block_size=B)
     per_prompt = []
     invalid = None
+    valid_vocab = min(valid_vocab, target.vocab_size)
     if valid_vocab < target.vocab_rows:
         invalid = mx.arange(target.vocab_rows) >= valid_vocab
     bar = tqdm(total=len(rows), desc=f"replay B={B}", disable=not progress, file=sys.stderr)
@@ -206,7 +209,7 @@ def evaluate_sets(
     from .regen import read_responses, regenerate
 
     results = []
-    valid_vocab = min(len(tokenizer), target.vocab_rows)
+    valid_vocab = min(len(tokenizer), target.vocab_size)
     fp = target_fingerprint(target)
     for name in sets:
         prompts = load_eval_set(name, limit)
@@ -342,7 +345,7 @@ def check_against_loop(target, tokenizer, drafter, rows: list[dict], block_size:
             if t in eos:
                 gen.close()
                 break
-        rp, _ = replay(target, drafter, [r], block_size, max_tokens, min(len(tokenizer), target.vocab_rows))
+        rp, _ = replay(target, drafter, [r], block_size, max_tokens, min(len(tokenizer), target.vocab_size))
         out.append((st.tau, rp.tau, toks == list(r["response_ids"])))
     return out
 

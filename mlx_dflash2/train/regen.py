@@ -40,6 +40,7 @@ def batched_decode(
     eos_ids=(),
     prefill_chunk: int = 256,
     check_every: int = 16,
+    vocab_size: int | None = None,
 ) -> list[list[int]]:
     """Decode a batch of prompts together (greedy or temperature sampling per row).
 
@@ -58,6 +59,9 @@ def batched_decode(
         temps: one temperature per row (or one for all); 0 = argmax. Sampling
             draws from ``mx.random`` (seed it for reproducibility).
         eos_ids: ids that end a row (kept in the output).
+        vocab_size: the real vocabulary; ids ``>=`` it (padding rows of the LM
+            head, e.g. a Qwen checkpoint's) are never emitted (``None``: all
+            rows are real). Pass the target adapter's ``vocab_size``.
 
     Returns:
         N lists of generated ids, each cut after its first EOS.
@@ -85,6 +89,8 @@ def batched_decode(
 
     def pick(logits):
         logits = logits.astype(mx.float32)
+        if vocab_size is not None and logits.shape[-1] > vocab_size:
+            logits = mx.where(mx.arange(logits.shape[-1]) >= vocab_size, -mx.inf, logits)
         y = mx.argmax(logits, axis=-1)
         if any_sampled:
             y = mx.where(sampled, mx.random.categorical(logits * inv_t), y)
@@ -224,7 +230,7 @@ def regenerate(
             chunk = order[b : b + batch_size]
             mx.random.seed(seed * 100003 + si * 101 + b)
             resp = batched_decode(target.model, [jobs[j][1] for j in chunk], max_tokens,
-                                  [jobs[j][2] for j in chunk], eos)
+                                  [jobs[j][2] for j in chunk], eos, vocab_size=target.vocab_size)
             for j, toks in zip(chunk, resp):
                 answers[j] = toks
             bar.update(len(chunk))

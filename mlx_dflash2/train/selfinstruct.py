@@ -212,7 +212,7 @@ def self_instruct(
         rows = plan[b]
         prompts = [tokenizer.encode(prefix + opening, add_special_tokens=False) for _, opening in rows]
         mx.random.seed(seed * 100003 + b)
-        gen = batched_decode(target.model, prompts, max_tokens, temp, sorted(eos))
+        gen = batched_decode(target.model, prompts, max_tokens, temp, sorted(eos), vocab_size=target.vocab_size)
         rec = {"batch": b, "sampled": len(rows), "rows": [], "dropped": {k: 0 for k in dropped}}
         for (kind, opening), toks in zip(rows, gen):
             if not toks or toks[-1] not in eos:

@@ -308,7 +308,7 @@ class Trainer:
         self.gamma = cfg.gamma or default_gamma(cfg.block_size)
         self.weights = mx.array([math.exp(-(k - 1) / self.gamma) for k in range(1, cfg.block_size)])
         self.pad_id = sorted(tokenizer.eos_token_ids)[0] if tokenizer.eos_token_ids else 0
-        self.valid_vocab = min(len(tokenizer), target.vocab_rows)
+        self.valid_vocab = min(len(tokenizer), target.vocab_size)
         self.batches_per_epoch = max(1, len(self.rows) // cfg.batch_size)
         self._build_optimizer()
         self.step = 0
@@ -469,7 +469,7 @@ class Trainer:
         Bm1 = self.cfg.block_size - 1
         pos = mx.minimum(anchors[..., None] + mx.arange(Bm1)[None, None, :], T - 1).reshape(N, -1)
         rows = mx.take_along_axis(final, pos[..., None], axis=1)  # [N, A*(B-1), D]
-        logits = self.target.lm_head(rows).reshape(N * anchors.shape[1], Bm1, -1)
+        logits = self.target.logits(rows).reshape(N * anchors.shape[1], Bm1, -1)  # -inf past the target's vocab
         return mx.stop_gradient(_mask_vocab(logits, self.valid_vocab))
 
     def _update_fn(self):

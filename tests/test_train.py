@@ -625,3 +625,24 @@ def test_self_instruct_runs_on_a_real_decode_and_refuses_a_short_run(tiny, tmp_p
     with pytest.raises(ValueError, match="is a file"):
         check_self_instruct_args(tmp_path / "f" / "x" / "r.jsonl", 2, 4, 8, None, 0, 1.0)
     assert not (tmp_path / "r.jsonl").exists()
+
+
+def test_every_flag_has_help_and_shows_its_default():
+    """Each flag of each `mlx_dflash2.train` subcommand has a help text, and the help shows its default."""
+    import argparse
+
+    from mlx_dflash2.train.cli import build_parser
+
+    ap = build_parser()
+    subs = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert set(subs) == {"prompts", "regen", "self-instruct", "fit", "eval"}
+    for name, p in subs.items():
+        for a in p._actions:
+            if isinstance(a, argparse._HelpAction):
+                continue
+            flag = a.option_strings[0]
+            assert a.help and a.help.strip(), f"{name} {flag}: no help"
+            switch = a.nargs == 0  # store_true / store_false / --x/--no-x: off or on, said by the text
+            if not (a.required or switch):
+                shown = p.formatter_class(prog=name)._get_help_string(a)
+                assert "default" in shown, f"{name} {flag}: the help does not show the default: {shown!r}"

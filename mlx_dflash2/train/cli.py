@@ -17,10 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from dataclasses import fields
 from pathlib import Path
 
-from .trainer import TrainConfig
+from .trainer import CPU_DEFAULTS, GPU_DEFAULTS, TrainConfig
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -94,10 +95,19 @@ FIT_HELP = {
     "save_every": "checkpoint every N steps (and at the end)",
     "log_every": "log loss / accuracy by position every N steps",
     "keep_checkpoints": "checkpoints kept",
-    "time_budget": "seconds: size the run to it by timing a few steps; also a hard stop at 1.15x (saved) "
-                   "(default: no limit)",
+    "time_budget": "seconds of wall time from the command's start (loading included): without --steps the run "
+                   "takes as many steps as fit, sized after its first steps; before every step it stops (and saves) "
+                   "if the next step and the final save would not end in time; a budget that does not fit one step "
+                   "is an error that writes nothing (default: no limit)",
     "compile": "run the step as an mx.compile'd function (same losses; slower start, see the docs)",
 }
+for _k in ("anchors", "batch_size", "max_len"):  # device-dependent (trainer.device_defaults)
+    FIT_HELP[_k] += f" (default: {GPU_DEFAULTS[_k]} on a GPU, {CPU_DEFAULTS[_k]} on MLX's CPU backend)"
+
+
+def _flags(values: dict) -> str:
+    """``{"batch_size": 2}`` -> ``"--batch-size 2"``."""
+    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in values.items())
 
 
 def _numbers(flag: str, text: str, kind=float) -> list:
@@ -214,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    started = time.perf_counter()  # fit's --time-budget counts from here (loading the target included)
     args = build_parser().parse_args(argv)
 
     try:
@@ -265,9 +276,28 @@ def main(argv=None) -> int:
 
             if not Path(args.data).exists():
                 raise FileNotFoundError(f"--data {args.data}: no such file or directory")
+            for flag in ("batch_size", "anchors", "max_len", "steps", "max_steps"):  # before loading
+                if getattr(args, flag) is not None and getattr(args, flag) < 1:
+                    raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, not {getattr(args, flag)}")
+            if args.time_budget is not None and not args.time_budget > 0:
+                raise ValueError(f"--time-budget must be > 0 seconds, not {args.time_budget}")
             target, tok = _target(args)  # resolves --init shipped
             cfg = TrainConfig(**{fl.name: getattr(args, fl.name) for fl in fields(TrainConfig) if fl.name != "extra"})
-            tr = Trainer(cfg, target, tok)
+            tr = Trainer(cfg, target, tok, started=started)
+            if tr.chosen_defaults:
+                import mlx.core as mx
+
+                cpu = mx.default_device() == mx.cpu
+                here, there = ("MLX's CPU backend", "on a GPU") if cpu else ("a GPU", "on MLX's CPU backend")
+                other = GPU_DEFAULTS if cpu else CPU_DEFAULTS
+                print(f"defaults for {here}: {_flags(tr.chosen_defaults)} ({there}: "
+                      f"{_flags({k: other[k] for k in tr.chosen_defaults})})", file=sys.stderr)
+            kind = "quantized" if "quantization" in target.config else "dense"
+            steps = (f"{cfg.steps} steps" if cfg.steps else f"steps sized to --time-budget {cfg.time_budget:g} s"
+                     if cfg.time_budget else f"{tr.total_steps} steps ({cfg.epochs:g} epochs)")
+            if cfg.steps and cfg.time_budget:
+                steps += f", stopping by --time-budget {cfg.time_budget:g} s"
+            print(f"fit: {len(tr.rows)} sequences, {kind} target, {steps}", file=sys.stderr)
             try:
                 last = tr.fit(resume=not args.no_resume, max_steps=args.max_steps)
             except KeyboardInterrupt:

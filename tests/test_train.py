@@ -771,3 +771,28 @@ def test_every_flag_has_help_and_shows_its_default():
             if not (a.required or switch):
                 shown = p.formatter_class(prog=name)._get_help_string(a)
                 assert "default" in shown, f"{name} {flag}: the help does not show the default: {shown!r}"
+
+
+def test_train_cli_runs_a_quantized_target_dense_on_the_cpu(tmp_path, capsys):
+    """As `generate` does, the train commands expand a small quantized target to dense weights on MLX's CPU
+    backend (batched quantized matmuls are many times slower there); --no-dequantize keeps it packed."""
+    from convert_helpers import random_weights, tiny_config, write_hf
+
+    from mlx_dflash2.convert import convert
+    from mlx_dflash2.train.cli import main
+
+    cfg = tiny_config()
+    convert(write_hf(tmp_path / "hf", cfg, random_weights(cfg)), tmp_path / "q4", progress=False)
+    assert "quantization" in json.loads((tmp_path / "q4" / "config.json").read_text())
+    _patterned_data(tmp_path / "data")
+    base = ["fit", "--model", str(tmp_path / "q4"), "--data", str(tmp_path / "data"), "--num-layers", "1",
+            "--block-size", "6", "--selector-rank", "4", "--selector-top-k", "4", "--steps", "1"]
+    old = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        assert main(base + ["--out", str(tmp_path / "a")]) == 0
+        assert "fit: 48 sequences, dense target" in capsys.readouterr().err
+        assert main(base + ["--out", str(tmp_path / "b"), "--no-dequantize"]) == 0
+        assert "fit: 48 sequences, quantized target" in capsys.readouterr().err
+    finally:
+        mx.set_default_device(old)

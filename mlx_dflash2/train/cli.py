@@ -37,9 +37,10 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 
 def _target(args):
     """Load the target; ``--init shipped`` / ``--drafter [LABEL=]shipped`` become the shipped drafter's path."""
-    from ..loading import load_target, resolve_shipped
+    from ..loading import drafter_dequantize, load_target, resolve_shipped
 
     target, tokenizer, name = load_target(args.model, dtype=args.dtype, dequantize=args.dequantize)
+    args.dequantize = drafter_dequantize(args.dequantize, target)  # what was chosen (eval's drafters follow it)
     if getattr(args, "init", None):
         args.init = str(resolve_shipped(args.init, name))
     if getattr(args, "drafter", None):
@@ -56,7 +57,10 @@ def _add_target_args(p):
                    "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="target dtype for scales/non-packed weights (auto: float32 on CPU, the file's on a GPU)")
-    p.add_argument("--dequantize", action="store_true", help="run the target dense (more memory)")
+    p.add_argument("--dequantize", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the target with dense --dtype weights (more memory; eval: its drafters too) "
+                   "(default: only on MLX's CPU backend for a target of at most 2 GiB dense, where quantized "
+                   "matmuls of many rows are many times slower)")
 
 
 FIT_HELP = {

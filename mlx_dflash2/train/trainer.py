@@ -114,7 +114,9 @@ def resolve_device_defaults(cfg: "TrainConfig", device: mx.Device | None = None)
 
 SIZING_STEPS = 4
 """A run sized by its time budget re-sizes after each of its first steps (the first one carries
-start-up costs, e.g. kernel compilation on a GPU) and on through its LR warm-up."""
+start-up costs, e.g. kernel compilation on a GPU) and on through its LR warm-up or the first
+:data:`SIZING_FRACTION` of its steps, whichever is longer."""
+SIZING_FRACTION = 0.25
 SIZING_MARGIN = 0.97
 """Fraction of the remaining budget a sized run plans steps for (the deadline stops it anyway)."""
 SAVE_RATE = 100e6
@@ -652,7 +654,7 @@ class Trainer:
     def _size_to_budget(self, times: list[float], deadline: float) -> None:
         """Set ``total_steps`` (and the LR schedule) to the steps done plus what fits before
         ``deadline`` (after the final save). Called after each of the first :data:`SIZING_STEPS`
-        steps of a run sized by its time budget and on through its LR warm-up, so that the
+        steps of a run sized by its time budget and on to :meth:`_sizing_until`, so that the
         estimate averages many real batches; the optimizer state is kept. The first update has
         LR 0 and selector weight 0 whatever the total; the later ones follow the total known when
         they run (saved as ``steps``, so a resumed run continues with it)."""
@@ -664,6 +666,11 @@ class Trainer:
         self.cfg.steps = steps
         self._build_schedule()
         self.cfg.extra["calibrated_step_s"] = est
+
+    def _sizing_until(self) -> int:
+        """A run sized by its time budget is re-sized after every step up to this one: the LR
+        warm-up or the first :data:`SIZING_FRACTION` of the steps, whichever is longer."""
+        return max(self.warmup_steps, int(SIZING_FRACTION * self.total_steps))
 
     def _open_run(self):
         """Create the run directory (the first step fits the budget), write ``config.json``
@@ -686,7 +693,7 @@ class Trainer:
         (estimated from the steps done so far) and the final checkpoint and drafter
         would not end before the deadline, and saves them (``extra["stopped_at_deadline"]``);
         a run without ``steps`` takes as many as fit, sized from its own steps (after each of
-        the first ones and through the LR warm-up: no probe steps are thrown away).
+        the first ones and on through the first quarter of the run: no probe steps are thrown away).
         The one overrun left is a step (or save) slower than the ones before it,
         e.g. the first step.
 
@@ -738,7 +745,7 @@ class Trainer:
                 times.append(time.perf_counter() - t0)
                 if deadline is not None and len(times) == 1 and time.perf_counter() + self._save_estimate() > deadline:
                     raise self._budget_error(times[0], before, resumed)
-                if size_by_time and (len(times) <= SIZING_STEPS or self.step <= self.warmup_steps):
+                if size_by_time and (len(times) <= SIZING_STEPS or self.step <= self._sizing_until()):
                     self._size_to_budget(times, deadline)
                     bar.total = self.total_steps
                 if log is None:

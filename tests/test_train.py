@@ -796,3 +796,17 @@ def test_train_cli_runs_a_quantized_target_dense_on_the_cpu(tmp_path, capsys):
         assert "fit: 48 sequences, quantized target" in capsys.readouterr().err
     finally:
         mx.set_default_device(old)
+
+
+def test_no_resume_replaces_the_old_run(tiny, tmp_path):
+    """--no-resume starts over: once its first step is done the old checkpoints (which would count as newer
+    and be resumed, or push the new ones out of keep_checkpoints) and the old log are gone."""
+    target, tok = tiny
+    _patterned_data(tmp_path / "data")
+    Trainer(_cfg(tmp_path, steps=6, save_every=2), target, tok).fit(progress=False)
+    tr = Trainer(_cfg(tmp_path, steps=2, save_every=2), target, tok)
+    tr.fit(resume=False, progress=False)
+    assert [p.name for p in sorted((tmp_path / "run" / "ckpt").glob("step-*"))] == ["step-0000002"]
+    assert [json.loads(ln)["step"] for ln in open(tmp_path / "run" / "log.jsonl")] == [1, 2]
+    again = Trainer(_cfg(tmp_path, steps=2, save_every=2), target, tok)
+    assert again.resume() and again.step == 2

@@ -206,7 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             typ = type(default) if default is not None else (float if fld.name in ("gamma", "time_budget") else int)
             f.add_argument(name, type=typ, default=default, help=text)
-    f.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints in --out (start over)")
+    f.add_argument("--no-resume", action="store_true",
+                   help="start over: existing checkpoints in --out are ignored, and replaced (with its drafter and "
+                   "log) once the first step is done")
     f.add_argument("--max-steps", type=int, default=None,
                    help="stop after this many more steps in this invocation (rerun the command to resume) "
                    "(default: no limit)")

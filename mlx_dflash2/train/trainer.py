@@ -672,12 +672,17 @@ class Trainer:
         warm-up or the first :data:`SIZING_FRACTION` of the steps, whichever is longer."""
         return max(self.warmup_steps, int(SIZING_FRACTION * self.total_steps))
 
-    def _open_run(self):
-        """Create the run directory (the first step fits the budget), write ``config.json``
-        and open ``log.jsonl`` for appending."""
+    def _open_run(self, fresh: bool):
+        """Create the run directory (once the first step fits the budget), write ``config.json``
+        and open ``log.jsonl``: appended to by a resumed run; a ``fresh`` one (not resumed:
+        ``resume=False`` or no checkpoint) replaces what an earlier run left there (its
+        checkpoints, which would otherwise count as newer, its drafter and its log)."""
         self.out.mkdir(parents=True, exist_ok=True)
+        if fresh:
+            for old in (self.checkpoint_dir(), self.out / "drafter"):
+                shutil.rmtree(old, ignore_errors=True)
         self._write_config()
-        return open(self.out / "log.jsonl", "a")
+        return open(self.out / "log.jsonl", "w" if fresh else "a")
 
     def _write_config(self) -> None:
         (self.out / "config.json").write_text(json.dumps(asdict(self.cfg), indent=2) + "\n")
@@ -749,7 +754,7 @@ class Trainer:
                     self._size_to_budget(times, deadline)
                     bar.total = self.total_steps
                 if log is None:
-                    log = self._open_run()
+                    log = self._open_run(fresh=not resumed)
                 acc.add(m, batch["n_tokens"])
                 if self.step % cfg.log_every == 0 or self.step == end_step():
                     last = acc.summary(self.step, float(self.schedule(self.step)), time.perf_counter() - tic)

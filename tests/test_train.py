@@ -625,3 +625,188 @@ def test_self_instruct_runs_on_a_real_decode_and_refuses_a_short_run(tiny, tmp_p
     with pytest.raises(ValueError, match="is a file"):
         check_self_instruct_args(tmp_path / "f" / "x" / "r.jsonl", 2, 4, 8, None, 0, 1.0)
     assert not (tmp_path / "r.jsonl").exists()
+
+
+def _slow_steps(monkeypatch, seconds: float) -> None:
+    """Make every training step take at least ``seconds`` (a step's cost without a big model)."""
+    import time
+
+    real = Trainer.train_step
+
+    def slow(self, batch):
+        time.sleep(seconds)
+        return real(self, batch)
+
+    monkeypatch.setattr(Trainer, "train_step", slow)
+
+
+def test_time_budget_smaller_than_one_step_writes_nothing(tiny, tmp_path, monkeypatch):
+    """A budget that does not fit one step ends within the budget plus that step, with a clear error,
+    no run directory (a new run) or the directory as it was (a resumed run), never an empty one."""
+    import os
+    import time
+
+    target, tok = tiny
+    _patterned_data(tmp_path / "data")
+    _slow_steps(monkeypatch, 0.6)
+    t0 = time.perf_counter()
+    tr = Trainer(_cfg(tmp_path, steps=None, time_budget=0.3), target, tok)
+    with pytest.raises(ValueError, match="not even one step fits .*nothing was written"):
+        tr.fit(progress=False)
+    assert time.perf_counter() - t0 < 0.3 + 0.6 + 1.5  # budget + the one step + slack (never calibration steps)
+    assert not (tmp_path / "run").exists()
+    # the budget is over before the first step (e.g. loading took it): nothing runs, nothing is written
+    tr = Trainer(_cfg(tmp_path, steps=None, time_budget=5.0), target, tok, started=time.perf_counter() - 10)
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="ended before the first step"):
+        tr.fit(progress=False)
+    assert time.perf_counter() - t0 < 0.5 and not (tmp_path / "run").exists()
+    # a resumed run whose next step does not fit is left as it was, still resumable
+    Trainer(_cfg(tmp_path, steps=4, save_every=2), target, tok).fit(progress=False, max_steps=2)
+    before = {p: os.stat(p).st_mtime_ns for p in (tmp_path / "run").rglob("*")}
+    with pytest.raises(ValueError, match="not even one step fits .*left as it was"):
+        Trainer(_cfg(tmp_path, steps=4, save_every=2, time_budget=0.3), target, tok).fit(progress=False)
+    assert {p: os.stat(p).st_mtime_ns for p in (tmp_path / "run").rglob("*")} == before
+    b = Trainer(_cfg(tmp_path, steps=4, save_every=2), target, tok)
+    assert b.resume() and b.step == 2
+
+
+def test_time_budget_sizes_from_the_steps_done_and_ends_in_time(tiny, tmp_path, monkeypatch):
+    """No calibration steps thrown away: a budgeted run is sized from its own first steps, and ends
+    (final checkpoint and drafter written) within the budget."""
+    import time
+
+    target, tok = tiny
+    _patterned_data(tmp_path / "data")
+    _slow_steps(monkeypatch, 0.1)
+    t0 = time.perf_counter()
+    tr = Trainer(_cfg(tmp_path, steps=None, time_budget=2.0, log_every=1000, save_every=1000), target, tok, started=t0)
+    tr.fit(progress=False)
+    took = time.perf_counter() - t0
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert took <= 2.0 + 0.5, took  # bounded by the budget (plus one step's jitter at most)
+    assert 3 <= tr.step <= saved["steps"] <= 19 and (tmp_path / "run" / "drafter" / "config.json").is_file()
+    # the planned steps, unless later steps ran slower than the first ones and the deadline came first
+    assert tr.step == saved["steps"] or saved["extra"]["stopped_at_deadline"] == tr.step
+    assert saved["extra"]["calibrated_step_s"] >= 0.1
+
+
+def test_fit_reports_progress_from_the_first_step(tiny, tmp_path, capsys, monkeypatch):
+    """The progress bar shows step 1 with its loss and step time as soon as it is done."""
+    target, tok = tiny
+    _patterned_data(tmp_path / "data")
+    _slow_steps(monkeypatch, 0.15)
+    Trainer(_cfg(tmp_path, steps=3, log_every=100), target, tok).fit(progress=True)
+    err = capsys.readouterr().err
+    shown = [s for s in err.replace("\r", "\n").splitlines() if " 1/3 " in s]
+    assert shown and "loss=" in shown[0] and "step_s=" in shown[0], err
+
+
+def test_cpu_backend_gets_small_default_batches(tiny, tmp_path):
+    """Batch shape left open: MLX's CPU backend gets small defaults, GPUs keep the H200 recipe's."""
+    from mlx_dflash2.train.trainer import CPU_DEFAULTS, device_defaults
+
+    assert device_defaults(mx.gpu) == {"batch_size": 16, "anchors": 64, "max_len": 768}
+    assert device_defaults(mx.cpu) == CPU_DEFAULTS and CPU_DEFAULTS["batch_size"] < 16
+    target, tok = tiny
+    _patterned_data(tmp_path / "data")
+    cfg = _cfg(tmp_path, steps=1)
+    cfg.batch_size = cfg.anchors = None
+    old = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        tr = Trainer(cfg, target, tok)
+    finally:
+        mx.set_default_device(old)
+    assert (cfg.batch_size, cfg.anchors, cfg.max_len) == tuple(CPU_DEFAULTS[k] for k in ("batch_size", "anchors",
+                                                                                           "max_len"))
+    assert tr.chosen_defaults == CPU_DEFAULTS
+    kept = Trainer(_cfg(tmp_path, steps=1, max_len=100), target, tok)  # given values are kept
+    assert (kept.cfg.batch_size, kept.cfg.anchors, kept.cfg.max_len) == (4, 6, 100) and not kept.chosen_defaults
+
+
+def test_fit_cli_prints_its_defaults_and_progress(tmp_path, capsys):
+    """`fit` on the CPU backend names the defaults it chose and shows progress from step 1; a budget
+    too small for one step exits with a clear error and no run directory."""
+    from convert_helpers import random_weights, tiny_config, write_hf
+
+    from mlx_dflash2.train.cli import main
+
+    cfg = tiny_config()
+    model = write_hf(tmp_path / "model", cfg, random_weights(cfg))
+    _patterned_data(tmp_path / "data")
+    base = ["fit", "--model", str(model), "--data", str(tmp_path / "data"), "--num-layers", "1", "--block-size", "6",
+            "--selector-rank", "4", "--selector-top-k", "4"]
+    old = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        assert main(base + ["--out", str(tmp_path / "run"), "--steps", "2"]) == 0
+        err = capsys.readouterr().err
+        assert "defaults for MLX's CPU backend: --batch-size 2 --anchors 16 --max-len 256" in err, err
+        assert any(" 1/2 " in s and "loss=" in s for s in err.replace("\r", "\n").splitlines()), err
+        assert main(base + ["--out", str(tmp_path / "run2"), "--time-budget", "0.01"]) == 2
+        err = capsys.readouterr().err
+        assert "error: time budget 0.01 s ended before the first step" in err, err
+        assert not (tmp_path / "run2").exists()
+    finally:
+        mx.set_default_device(old)
+
+
+def test_every_flag_has_help_and_shows_its_default():
+    """Each flag of each `mlx_dflash2.train` subcommand has a help text, and the help shows its default."""
+    import argparse
+
+    from mlx_dflash2.train.cli import build_parser
+
+    ap = build_parser()
+    subs = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert set(subs) == {"prompts", "regen", "self-instruct", "fit", "eval"}
+    for name, p in subs.items():
+        for a in p._actions:
+            if isinstance(a, argparse._HelpAction):
+                continue
+            flag = a.option_strings[0]
+            assert a.help and a.help.strip(), f"{name} {flag}: no help"
+            switch = a.nargs == 0  # store_true / store_false / --x/--no-x: off or on, said by the text
+            if not (a.required or switch):
+                shown = p.formatter_class(prog=name)._get_help_string(a)
+                assert "default" in shown, f"{name} {flag}: the help does not show the default: {shown!r}"
+
+
+def test_train_cli_runs_a_quantized_target_dense_on_the_cpu(tmp_path, capsys):
+    """As `generate` does, the train commands expand a small quantized target to dense weights on MLX's CPU
+    backend (batched quantized matmuls are many times slower there); --no-dequantize keeps it packed."""
+    from convert_helpers import random_weights, tiny_config, write_hf
+
+    from mlx_dflash2.convert import convert
+    from mlx_dflash2.train.cli import main
+
+    cfg = tiny_config()
+    convert(write_hf(tmp_path / "hf", cfg, random_weights(cfg)), tmp_path / "q4", progress=False)
+    assert "quantization" in json.loads((tmp_path / "q4" / "config.json").read_text())
+    _patterned_data(tmp_path / "data")
+    base = ["fit", "--model", str(tmp_path / "q4"), "--data", str(tmp_path / "data"), "--num-layers", "1",
+            "--block-size", "6", "--selector-rank", "4", "--selector-top-k", "4", "--steps", "1"]
+    old = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        assert main(base + ["--out", str(tmp_path / "a")]) == 0
+        assert "fit: 48 sequences, dense target" in capsys.readouterr().err
+        assert main(base + ["--out", str(tmp_path / "b"), "--no-dequantize"]) == 0
+        assert "fit: 48 sequences, quantized target" in capsys.readouterr().err
+    finally:
+        mx.set_default_device(old)
+
+
+def test_no_resume_replaces_the_old_run(tiny, tmp_path):
+    """--no-resume starts over: once its first step is done the old checkpoints (which would count as newer
+    and be resumed, or push the new ones out of keep_checkpoints) and the old log are gone."""
+    target, tok = tiny
+    _patterned_data(tmp_path / "data")
+    Trainer(_cfg(tmp_path, steps=6, save_every=2), target, tok).fit(progress=False)
+    tr = Trainer(_cfg(tmp_path, steps=2, save_every=2), target, tok)
+    tr.fit(resume=False, progress=False)
+    assert [p.name for p in sorted((tmp_path / "run" / "ckpt").glob("step-*"))] == ["step-0000002"]
+    assert [json.loads(ln)["step"] for ln in open(tmp_path / "run" / "log.jsonl")] == [1, 2]
+    again = Trainer(_cfg(tmp_path, steps=2, save_every=2), target, tok)
+    assert again.resume() and again.step == 2

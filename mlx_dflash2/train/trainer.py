@@ -69,7 +69,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..drafter import DrafterConfig, DraftModel, dequantize_drafter, init_drafter, load_drafter, save_drafter
 
-__all__ = ["TrainConfig", "Trainer", "dflash_loss", "make_batch", "default_gamma"]
+__all__ = ["TrainConfig", "Trainer", "TimeBudgetError", "dflash_loss", "make_batch", "default_gamma",
+           "device_defaults", "resolve_device_defaults"]
 
 
 def default_gamma(block_size: int) -> float:
@@ -81,10 +82,66 @@ def default_gamma(block_size: int) -> float:
 NEW_DRAFTER = {"num_layers": 3, "selector_rank": 32, "selector_top_k": 16}
 """Shape of a new drafter where the config leaves it open (``None``)."""
 
+GPU_DEFAULTS = {"batch_size": 16, "anchors": 64, "max_len": 768}
+"""Batch shape on a GPU (Metal, CUDA) where the config leaves it open: the H200 recipe's
+(``benchmarks/gpu/train_smollm2.sh``)."""
+
+CPU_DEFAULTS = {"batch_size": 2, "anchors": 16, "max_len": 256}
+"""Batch shape on MLX's CPU backend where the config leaves it open: a step of the embedded
+SmolLM2-135M target (dense float32) with the shipped drafter's shape takes seconds on 2 cores
+(the GPU shape takes minutes and gigabytes there)."""
+
+
+def device_defaults(device: mx.Device | None = None) -> dict:
+    """The batch shape (``batch_size``, ``anchors``, ``max_len``) used where a
+    :class:`TrainConfig` leaves it ``None``: :data:`CPU_DEFAULTS` on MLX's CPU backend,
+    :data:`GPU_DEFAULTS` otherwise. ``device``: default ``mx.default_device()``."""
+    device = mx.default_device() if device is None else device
+    return dict(CPU_DEFAULTS if device == mx.cpu else GPU_DEFAULTS)
+
+
+def resolve_device_defaults(cfg: "TrainConfig", device: mx.Device | None = None) -> dict:
+    """Fill the batch-shape fields of ``cfg`` that are ``None`` with :func:`device_defaults`.
+
+    Returns:
+        The values filled in (empty when ``cfg`` gave them all).
+    """
+    chosen = {k: v for k, v in device_defaults(device).items() if getattr(cfg, k) is None}
+    for k, v in chosen.items():
+        setattr(cfg, k, v)
+    return chosen
+
+
+SIZING_STEPS = 4
+"""A run sized by its time budget re-sizes after each of its first steps (the first one carries
+start-up costs, e.g. kernel compilation on a GPU) and on through its LR warm-up or the first
+:data:`SIZING_FRACTION` of its steps, whichever is longer."""
+SIZING_FRACTION = 0.25
+SIZING_MARGIN = 0.97
+"""Fraction of the remaining budget a sized run plans steps for (the deadline stops it anyway)."""
+SAVE_RATE = 100e6
+"""Bytes/s assumed for writing checkpoints until this run has measured a save."""
+SAVE_OVERHEAD_S = 0.2
+"""Seconds added to every save estimate (files, renames, old checkpoints removed)."""
+
+
+class TimeBudgetError(ValueError):
+    """The time budget ended before one training step (and its checkpoint) could be done.
+
+    Nothing was written: a new run leaves no run directory, a resumed one leaves its
+    directory as it was (still resumable)."""
+
 
 @dataclass
 class TrainConfig:
-    """Training settings (saved as ``config.json`` in the run directory)."""
+    """Training settings (saved as ``config.json`` in the run directory).
+
+    ``batch_size`` (sequences per step), ``anchors`` (blocks per sequence) and
+    ``max_len`` (tokens per sequence) left ``None`` take the device's defaults
+    (:func:`device_defaults`: 16 / 64 / 768 on a GPU, 2 / 16 / 256 on MLX's CPU
+    backend) when the :class:`Trainer` is made. ``time_budget`` is in seconds of
+    wall time, counted from the Trainer's ``started`` time.
+    """
 
     data: str = ""
     out: str = ""
@@ -97,9 +154,9 @@ class TrainConfig:
     intermediate_size: int | None = None
     selector_rank: int | None = None  # (the same for these two)
     selector_top_k: int | None = None
-    anchors: int = 64
-    batch_size: int = 16
-    max_len: int = 768
+    anchors: int | None = None  # None: device_defaults()
+    batch_size: int | None = None
+    max_len: int | None = None
     steps: int | None = None
     epochs: float = 3.0
     lr: float = 6e-4
@@ -129,20 +186,24 @@ class TrainConfig:
 def make_batch(rows: list[dict], step: int, cfg: TrainConfig, pad_id: int) -> dict:
     """Token, anchor and label arrays for one step (numpy, deterministic in ``(seed, step)``).
 
+    ``cfg.anchors`` / ``cfg.max_len`` left ``None`` mean :func:`device_defaults`.
+
     Returns:
         ``tokens [N, T]``, ``anchors [N, A]``, ``labels [N, A, B-1]``,
         ``label_valid [N, A, B-1]`` (bool) and ``n_tokens``.
     """
     rng = np.random.RandomState((cfg.seed * 1_000_003 + step) % (2**32))
-    B, A = cfg.block_size, cfg.anchors
+    dd = device_defaults() if cfg.anchors is None or cfg.max_len is None else {}
+    B, A = cfg.block_size, cfg.anchors or dd["anchors"]
+    max_len = cfg.max_len or dd["max_len"]
     seqs, plens = [], []
     for r in rows:
         ids, plen = list(r["prompt_ids"]) + list(r["response_ids"]), len(r["prompt_ids"])
-        over = len(ids) - cfg.max_len
+        over = len(ids) - max_len
         head = min(32, plen)
         if 0 < over <= plen - head:  # drop prompt tokens after a 32-token head (BOS, system part)
             ids, plen = ids[:head] + ids[head + over :], plen - over
-        ids = ids[: cfg.max_len]  # otherwise keep the prompt and cut the end
+        ids = ids[:max_len]  # otherwise keep the prompt and cut the end
         seqs.append(ids)
         plens.append(min(plen, len(ids)))
     T = max(64, int(math.ceil(max(len(s) for s in seqs) / 64) * 64))
@@ -284,14 +345,25 @@ class Trainer:
     Args:
         cfg: the settings; ``cfg.out`` is the run directory (checkpoints in
             ``ckpt/step-XXXXXXX``, the final drafter in ``drafter/``, the log in
-            ``log.jsonl``).
+            ``log.jsonl``). Batch-shape fields left ``None`` are filled in with
+            :func:`device_defaults` (listed in ``chosen_defaults``).
         target, tokenizer: the frozen target and its tokenizer.
+        started: ``time.perf_counter()`` value from which ``cfg.time_budget``
+            counts (default: now, before the data is read); the CLI passes its
+            own start, so that loading the target counts too.
 
     Raises:
         FileNotFoundError / ValueError: bad data or init checkpoint.
     """
 
-    def __init__(self, cfg: TrainConfig, target, tokenizer):
+    def __init__(self, cfg: TrainConfig, target, tokenizer, started: float | None = None):
+        self.started = time.perf_counter() if started is None else started
+        if cfg.time_budget is not None and not cfg.time_budget > 0:
+            raise ValueError(f"time_budget must be > 0 seconds, not {cfg.time_budget}")
+        self.chosen_defaults = resolve_device_defaults(cfg)
+        for k in ("batch_size", "anchors", "max_len"):
+            if getattr(cfg, k) < 1:
+                raise ValueError(f"{k} must be >= 1, not {getattr(cfg, k)}")
         if cfg.labels not in ("data", "target"):
             raise ValueError(f"labels must be 'data' or 'target', not {cfg.labels!r}")
         if not cfg.kd_weight >= 0:
@@ -312,19 +384,29 @@ class Trainer:
         self.batches_per_epoch = max(1, len(self.rows) // cfg.batch_size)
         self._build_optimizer()
         self.step = 0
+        self._save_rate = None  # bytes/s of this run's saves (time-budget estimates)
         self._order_cache = {}
         self.tap_ids = tuple(dc.target_layer_ids)
 
     # -- setup -------------------------------------------------------------
     def _build_optimizer(self) -> None:
-        """AdamW with linear warmup then cosine decay over ``total_steps``."""
+        """AdamW, with the LR of :meth:`_build_schedule` set before every update (:meth:`train_step`)."""
+        self._build_schedule()
+        self.opt = optim.AdamW(learning_rate=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        self._step_fn = None  # the compiled step captures the drafter's and the optimizer's state
+
+    def _build_schedule(self) -> None:
+        """``total_steps`` and the LR schedule: linear warmup then cosine decay over it.
+
+        The trainer sets the optimizer's LR to ``schedule(step)`` before each update
+        (rather than handing AdamW the schedule), so that a run sized by its time
+        budget can change the total without touching the optimizer or a compiled step.
+        """
         cfg = self.cfg
         self.total_steps = cfg.steps or max(1, int(round(cfg.epochs * self.batches_per_epoch)))
-        warm = max(1, int(cfg.warmup * self.total_steps))
+        warm = self.warmup_steps = max(1, int(cfg.warmup * self.total_steps))
         decay = optim.cosine_decay(cfg.lr, max(1, self.total_steps - warm), cfg.lr * cfg.min_lr_ratio)
         self.schedule = optim.join_schedules([optim.linear_schedule(0.0, cfg.lr, warm), decay], [warm])
-        self.opt = optim.AdamW(learning_rate=self.schedule, weight_decay=cfg.weight_decay)
-        self._step_fn = None  # the compiled step captures the drafter's and the optimizer's state
 
     def _make_drafter(self) -> DraftModel:
         """The drafter to train: ``init`` (dequantized if quantized; DFlash v1 upgraded
@@ -423,7 +505,7 @@ class Trainer:
         saved_steps = state["config"].get("steps")
         if self.cfg.steps is None and saved_steps:
             self.cfg.steps = saved_steps  # e.g. a run sized by --time-budget
-            self._build_optimizer()
+            self._build_schedule()
         self.drafter = load_drafter(path / "drafter", self.target, self.tokenizer, dtype=mx.float32)
         self.opt.init(self.drafter.trainable_parameters())
         saved = mx.load(str(path / "optimizer.safetensors"))
@@ -454,7 +536,10 @@ class Trainer:
         f = self.out / "log.jsonl"
         if not f.is_file():
             return
-        keep = [ln for ln in f.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= step]
+        lines = f.read_text().splitlines()
+        keep = [ln for ln in lines if ln.strip() and json.loads(ln).get("step", 0) <= step]
+        if keep == lines:
+            return  # nothing to cut: the file stays as it was
         tmp = f.with_suffix(".tmp")
         tmp.write_text("".join(ln + "\n" for ln in keep))
         os.replace(tmp, f)
@@ -521,6 +606,7 @@ class Trainer:
         else:
             features = self.target.taps(tokens, self.tap_ids)
         alpha = self.alpha(self.step)
+        self.opt.learning_rate = self.schedule(self.opt.step)  # an input of the (compiled) step: no retrace
         if cfg.compile and self.drafter.config.is_dflash2 and cfg.selector_alpha > 0:
             alpha = mx.array(alpha, dtype=mx.float32)  # an input, so the ramp does not retrace the step
         loss, metrics, norm = self._update_fn()(
@@ -532,88 +618,191 @@ class Trainer:
         metrics["grad_norm"] = norm
         return metrics
 
-    def calibrate(self, budget_s: float, probe_steps: int = 4) -> int:
-        """Measure the step time on real batches and size the run to ``budget_s``
-        seconds: sets ``total_steps`` (and the LR schedule) and resets the
-        drafter and the optimizer to their initial state. The probe batches run
-        twice and only the second pass is timed (the first compiles). Returns the steps."""
-        init_params = tree_flatten(self.drafter.parameters())
-        init_params = [(k, mx.array(v)) for k, v in init_params]
-        batches = [make_batch(self._batch_rows(s), s, self.cfg, self.pad_id) for s in range(probe_steps)]
-        for b in batches:  # warm-up: compiles the step (and MLX's kernels) for these batch shapes
-            self.train_step(b)
-        times = []
-        for b in batches:
-            t0 = time.perf_counter()
-            self.train_step(b)
-            times.append(time.perf_counter() - t0)
-        per_step = float(np.median(times))
-        steps = max(1, int(budget_s / per_step))
+    # -- time budget -----------------------------------------------------------
+    def _save_bytes(self) -> tuple[int, int]:
+        """Bytes written by a checkpoint (drafter + AdamW moments) and by the final ``drafter/``."""
+        if getattr(self, "_save_bytes_of", (None,))[0] is not self.drafter:  # once per drafter (resume replaces it)
+            params = sum(v.nbytes for _, v in tree_flatten(self.drafter.parameters()))
+            trainable = sum(v.nbytes for _, v in tree_flatten(self.drafter.trainable_parameters()))
+            self._save_bytes_of = (self.drafter, (params + 2 * trainable, params))
+        return self._save_bytes_of[1]
+
+    def _save_estimate(self, final: bool = True) -> float:
+        """Seconds a checkpoint (``final``: plus the ``drafter/`` copy) is expected to take: from the
+        write rate of this run's saves so far, else from :data:`SAVE_RATE` bytes/s (conservative)."""
+        ckpt, drafter = self._save_bytes()
+        rate = self._save_rate or SAVE_RATE
+        return SAVE_OVERHEAD_S + (ckpt + (drafter if final else 0)) / rate
+
+    def _timed_save(self, final: bool) -> None:
+        """Checkpoint (and with ``final`` the drafter), measuring the write rate for later estimates."""
+        t0 = time.perf_counter()
+        self.save_checkpoint()
+        if final:
+            save_drafter(self.drafter, self.out / "drafter", overwrite=True)
+        dt = time.perf_counter() - t0
+        ckpt, drafter = self._save_bytes()
+        self._save_rate = (ckpt + (drafter if final else 0)) / max(dt - SAVE_OVERHEAD_S, 1e-3)
+
+    @staticmethod
+    def _step_estimate(times: list[float]) -> float:
+        """Seconds per step from this invocation's steps: the mean of the last 100, the first
+        left out once there are others (it carries one-off start-up costs)."""
+        rest = times[1:] or times
+        return float(np.mean(rest[-100:]))
+
+    def _size_to_budget(self, times: list[float], deadline: float) -> None:
+        """Set ``total_steps`` (and the LR schedule) to the steps done plus what fits before
+        ``deadline`` (after the final save). Called after each of the first :data:`SIZING_STEPS`
+        steps of a run sized by its time budget and on to :meth:`_sizing_until`, so that the
+        estimate averages many real batches; the optimizer state is kept. The first update has
+        LR 0 and selector weight 0 whatever the total; the later ones follow the total known when
+        they run (saved as ``steps``, so a resumed run continues with it)."""
+        est = self._step_estimate(times)
+        room = deadline - time.perf_counter() - self._save_estimate()
+        steps = self.step + max(0, int(SIZING_MARGIN * room / est))
+        if steps == self.total_steps:
+            return
         self.cfg.steps = steps
-        self.cfg.extra["calibrated_step_s"] = per_step
-        self.drafter.update(tree_unflatten(init_params))
-        mx.eval(self.drafter.parameters())
-        self._build_optimizer()
-        return steps
+        self._build_schedule()
+        self.cfg.extra["calibrated_step_s"] = est
+
+    def _sizing_until(self) -> int:
+        """A run sized by its time budget is re-sized after every step up to this one: the LR
+        warm-up or the first :data:`SIZING_FRACTION` of the steps, whichever is longer."""
+        return max(self.warmup_steps, int(SIZING_FRACTION * self.total_steps))
+
+    def _open_run(self, fresh: bool):
+        """Create the run directory (once the first step fits the budget), write ``config.json``
+        and open ``log.jsonl``: appended to by a resumed run; a ``fresh`` one (not resumed:
+        ``resume=False`` or no checkpoint) replaces what an earlier run left there (its
+        checkpoints, which would otherwise count as newer, its drafter and its log)."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        if fresh:
+            for old in (self.checkpoint_dir(), self.out / "drafter"):
+                shutil.rmtree(old, ignore_errors=True)
+        self._write_config()
+        return open(self.out / "log.jsonl", "w" if fresh else "a")
+
+    def _write_config(self) -> None:
+        (self.out / "config.json").write_text(json.dumps(asdict(self.cfg), indent=2) + "\n")
 
     def fit(self, resume: bool = True, max_steps: int | None = None, progress: bool = True) -> dict:
         """Train until ``total_steps`` (or ``max_steps`` more steps); checkpoints
         every ``save_every`` steps and at the end; writes the final drafter to
-        ``out/drafter``. With ``time_budget``, the run also stops at 1.15x the
-        budget (checkpoint and drafter saved, ``extra["stopped_at_deadline"]``
-        set), whatever the step count.
+        ``out/drafter``. Progress (a tqdm bar on stderr: steps, step time, ETA,
+        loss) is shown from the first step.
+
+        With ``time_budget`` (seconds from ``started``) the run ends within the
+        budget: before every step, including the first, it stops if the next step
+        (estimated from the steps done so far) and the final checkpoint and drafter
+        would not end before the deadline, and saves them (``extra["stopped_at_deadline"]``);
+        a run without ``steps`` takes as many as fit, sized from its own steps (after each of
+        the first ones and on through the first quarter of the run: no probe steps are thrown away).
+        The one overrun left is a step (or save) slower than the ones before it,
+        e.g. the first step.
 
         Returns:
             The last logged metrics.
+
+        Raises:
+            TimeBudgetError: not even one step and its checkpoint fit the budget
+                (or the budget ended before the first step). Nothing is written:
+                no run directory for a new run, a resumed one left as it was.
         """
         from tqdm import tqdm
 
         cfg = self.cfg
-        self.out.mkdir(parents=True, exist_ok=True)
+        deadline = self.started + cfg.time_budget if cfg.time_budget else None
         resumed = self.resume() if resume else False
-        if not resumed and cfg.time_budget and not cfg.steps:
-            self.calibrate(cfg.time_budget)
-        # The calibrated step count can be off (e.g. kernels compiled for new batch shapes
-        # on first use): a hard deadline stops the run and saves everything at 1.15x the budget.
-        deadline = time.perf_counter() + 1.15 * cfg.time_budget if cfg.time_budget else None
-        (self.out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+        size_by_time = deadline is not None and not cfg.steps and self.step == 0
         if self.step == 0:
             self.opt.init(self.drafter.trainable_parameters())
-        end = self.total_steps if max_steps is None else min(self.total_steps, self.step + max_steps)
-        log = open(self.out / "log.jsonl", "a")
+        first = self.step
+
+        def end_step():
+            return self.total_steps if max_steps is None else min(self.total_steps, first + max_steps)
+
+        log = None  # the run directory is written once a step fits the budget
         acc = _Accumulator()
-        last = {}
+        last, times, stopped = {}, [], False
         tic = time.perf_counter()
-        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", disable=not progress,
-                   file=sys.stderr)
+        bar = tqdm(total=None if size_by_time else self.total_steps, initial=self.step, desc="train", unit="step",
+                   disable=not progress, file=sys.stderr, dynamic_ncols=True)
         try:
-            while self.step < end:
+            while self.step < end_step():
+                if deadline is not None:
+                    now = time.perf_counter()
+                    periodic = (self.step + 1) % cfg.save_every == 0 and self.step + 1 < end_step()
+                    need = (self._step_estimate(times) + self._save_estimate() +
+                            (self._save_estimate(final=False) if periodic else 0.0)) if times else 0.0
+                    if now + need > deadline:
+                        if not times:
+                            raise self._budget_error(None, now - self.started, resumed)
+                        stopped = True
+                        break
+                t0 = time.perf_counter()
+                if not times:
+                    before = t0 - self.started  # loading (target, data, checkpoint) before the first step
                 batch = make_batch(self._batch_rows(self.step), self.step, cfg, self.pad_id)
                 m = self.train_step(batch)
                 self.step += 1
+                times.append(time.perf_counter() - t0)
+                if deadline is not None and len(times) == 1 and time.perf_counter() + self._save_estimate() > deadline:
+                    raise self._budget_error(times[0], before, resumed)
+                if size_by_time and (len(times) <= SIZING_STEPS or self.step <= self._sizing_until()):
+                    self._size_to_budget(times, deadline)
+                    bar.total = self.total_steps
+                if log is None:
+                    log = self._open_run(fresh=not resumed)
                 acc.add(m, batch["n_tokens"])
-                bar.update(1)
-                if self.step % cfg.log_every == 0 or self.step == end:
+                if self.step % cfg.log_every == 0 or self.step == end_step():
                     last = acc.summary(self.step, float(self.schedule(self.step)), time.perf_counter() - tic)
                     log.write(json.dumps(last) + "\n")
                     log.flush()
-                    bar.set_postfix(loss=f"{last['loss']:.3f}", acc1=f"{last['acc'][0]:.2f}")
                     acc = _Accumulator()
                     tic = time.perf_counter()
-                late = deadline is not None and time.perf_counter() > deadline and self.step < end
-                if self.step % cfg.save_every == 0 or self.step == end or late:
-                    self.save_checkpoint()
-                if late:
-                    cfg.extra["stopped_at_deadline"] = self.step
-                    (self.out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
-                    save_drafter(self.drafter, self.out / "drafter", overwrite=True)
-                    break
+                post = dict(loss=f"{float(m['loss'].item()):.3f}", step_s=f"{times[-1]:.2f}")
+                if last:
+                    post["acc1"] = f"{last['acc'][0]:.2f}"  # position-1 accuracy over the last log interval
+                bar.set_postfix(post, refresh=False)
+                bar.update(1)
+                if len(times) == 1:
+                    bar.refresh()  # the first step always shows; later ones at tqdm's rate limit
+                if self.step % cfg.save_every == 0 and self.step < end_step():
+                    self._timed_save(final=False)
         finally:
             bar.close()
-            log.close()
-        if self.step >= self.total_steps:
-            save_drafter(self.drafter, self.out / "drafter", overwrite=True)
+            if log is not None:
+                log.close()
+        if stopped:
+            cfg.extra["stopped_at_deadline"] = self.step
+            print(f"time budget: stopped after step {self.step} of {self.total_steps} (saved; rerun the same command "
+                  "to continue)", file=sys.stderr)
+        if times:
+            self._write_config()
+            self._timed_save(final=stopped or self.step >= self.total_steps)
+        elif self.step >= self.total_steps and self.out.is_dir():
+            save_drafter(self.drafter, self.out / "drafter", overwrite=True)  # a finished run, rerun
         return last
+
+    def _budget_error(self, first_step_s: float | None, before: float, resumed: bool) -> TimeBudgetError:
+        """The error of a budget that does not fit one step (see :meth:`fit`): ``first_step_s``
+        the first step's seconds (``None``: the budget ended before it), ``before`` the
+        seconds from ``started`` to the first step."""
+        budget = self.cfg.time_budget
+        left = (f"{self.out} is left as it was (checkpoint {self.latest_checkpoint().name}; rerun to resume)"
+                if resumed else "nothing was written")
+        if first_step_s is None:
+            return TimeBudgetError(f"time budget {budget:g} s ended before the first step (loading the target and the "
+                                   f"data took {before:.1f} s); {left}")
+        save = self._save_estimate()
+        fits = before + first_step_s + save
+        return TimeBudgetError(
+            f"time budget {budget:g} s: not even one step fits (loading took {before:.1f} s, the first step "
+            f"{first_step_s:.1f} s, saving it about {save:.1f} s); {left}. A budget of at least "
+            f"{math.ceil(fits * 1.2)} s fits one step, or make steps smaller (batch_size {self.cfg.batch_size}, anchors {self.cfg.anchors}, "
+            f"max_len {self.cfg.max_len})")
 
 
 class _Accumulator:

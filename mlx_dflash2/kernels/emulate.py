@@ -23,9 +23,11 @@ from .registry import source_text
 
 __all__ = ["available", "attention"]
 
-_LAUNCHER = r"""
+# the launchers' common part: the body's sources, one block of threads, file I/O
+_PRELUDE = r"""
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <thread>
 #include <vector>
 #define DF_CPU_EMU 1
@@ -47,9 +49,17 @@ void run_block(int nthreads, F f) {
   for (auto& th : ts) th.join();
   for (auto* b : wb) delete b;
 }
-static std::vector<float> readf(const char* p, size_t n) {
-  std::vector<float> v(n); FILE* f = fopen(p, "rb"); fread(v.data(), 4, n, f); fclose(f); return v;
+template <typename V = float>
+static std::vector<V> readf(const char* p, size_t n) {
+  std::vector<V> v(n); FILE* f = fopen(p, "rb"); fread(v.data(), 4, n, f); fclose(f); return v;
 }
+template <typename V>
+static void writef(const std::string& p, const std::vector<V>& v) {
+  FILE* f = fopen(p.c_str(), "wb"); fwrite(v.data(), 4, v.size(), f); fclose(f);
+}
+"""
+
+_ATTENTION = r"""
 int main(int argc, char** argv) {
   // argv: dir H Hk Lq L S D
   std::string dir = argv[1];
@@ -75,7 +85,7 @@ int main(int argc, char** argv) {
     run_block(128, [&](int warp, int lane) {
       dflash_attn::attn_combine<float, D>(po.data(), pml.data(), params, out.data(), r0 + warp, lane);
     });
-  FILE* f = fopen((dir + "/out").c_str(), "wb"); fwrite(out.data(), 4, out.size(), f); fclose(f);
+  writef(dir + "/out", out);
   return 0;
 }
 """
@@ -98,8 +108,8 @@ def available() -> bool:
 _built: dict[str, Path] = {}
 
 
-def _binary(names: list[str], defines: dict) -> Path:
-    text = _LAUNCHER.replace("@SOURCE@", "".join(source_text(n) for n in names))
+def _binary(names: list[str], main: str, defines: dict) -> Path:
+    text = _PRELUDE.replace("@SOURCE@", "".join(source_text(n) for n in names)) + main
     key = hashlib.sha256((text + repr(sorted(defines.items()))).encode()).hexdigest()[:16]
     if key in _built:
         return _built[key]
@@ -123,9 +133,23 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, length: int, scale: f
 
     H, Lq, D = q.shape
     Hk, S, _ = k.shape
-    exe = _binary(["dialect.h", "verify_attention.h"], dict(EMU_D=D, EMU_TILE=TILE, EMU_TILES=TILES, EMU_ROWS=ROWS, EMU_WARPS=WARPS))
+    exe = _binary(["dialect.h", "verify_attention.h"], _ATTENTION,
+                  dict(EMU_D=D, EMU_TILE=TILE, EMU_TILES=TILES, EMU_ROWS=ROWS, EMU_WARPS=WARPS))
     with tempfile.TemporaryDirectory() as d:
         for name, arr in (("q", q), ("k", k), ("v", v), ("scale", np.array([scale]))):
             np.ascontiguousarray(arr, dtype=np.float32).tofile(os.path.join(d, name))
         subprocess.run([str(exe), d, str(H), str(Hk), str(Lq), str(length), str(S)], check=True, timeout=600)
         return np.fromfile(os.path.join(d, "out"), dtype=np.float32).reshape(H, Lq, D)
+
+
+def _run(exe: Path, inputs: dict, args: list, outputs: dict) -> dict:
+    """Write ``inputs`` (name -> array; float32 or int32) to a scratch folder, run ``exe`` on it with
+    ``args`` and read ``outputs`` (name -> (dtype, shape)) back."""
+    with tempfile.TemporaryDirectory() as d:
+        for name, arr in inputs.items():
+            arr = np.asarray(arr)
+            dtype = np.int32 if arr.dtype.kind in "iu" else np.float32
+            np.ascontiguousarray(arr, dtype=dtype).tofile(os.path.join(d, name))
+        subprocess.run([str(exe), d, *[str(a) for a in args]], check=True, timeout=600)
+        return {name: np.fromfile(os.path.join(d, name), dtype=dt).reshape(shape)
+                for name, (dt, shape) in outputs.items()}

@@ -7,10 +7,12 @@ over the KV cache).
 """
 
 from .attention import KernelAttention, route_attention, verify_attention
+from .dynamic_conv import dynamic_conv
 from .qmm import KernelQuantizedLinear, qmm, route_quantized_linears
 from .registry import ENV, MODES, KernelError, KernelOp, backend, check_mode, default_mode
 
-OPS = {op.name: op for op in (qmm, verify_attention)}
+OPS = {op.name: op for op in (qmm, verify_attention, dynamic_conv)}
 
-__all__ = ["OPS", "qmm", "verify_attention", "KernelOp", "KernelError", "KernelQuantizedLinear", "KernelAttention",
-           "route_quantized_linears", "route_attention", "backend", "check_mode", "default_mode", "MODES", "ENV"]
+__all__ = ["OPS", "qmm", "verify_attention", "dynamic_conv", "KernelOp", "KernelError", "KernelQuantizedLinear",
+           "KernelAttention", "route_quantized_linears", "route_attention", "backend", "check_mode", "default_mode",
+           "MODES", "ENV"]

@@ -21,7 +21,7 @@ import numpy as np
 
 from .registry import source_text
 
-__all__ = ["available", "attention"]
+__all__ = ["available", "attention", "dynamic_conv"]
 
 # the launchers' common part: the body's sources, one block of threads, file I/O
 _PRELUDE = r"""
@@ -91,6 +91,28 @@ int main(int argc, char** argv) {
 """
 
 
+_DYNAMIC_CONV = r"""
+int main(int argc, char** argv) {
+  // argv: dir N B D K G group_size side
+  std::string dir = argv[1];
+  int p[7];
+  for (int i = 0; i < 7; ++i) p[i] = atoi(argv[2 + i]);
+  const int N = p[0], B = p[1], D = p[2], K = p[3], G = p[4], total = N * B * D;
+  auto x = readf((dir + "/x").c_str(), (size_t)total);
+  auto delta = readf((dir + "/delta").c_str(), (size_t)N * B * 2 * K * G);
+  auto base = readf((dir + "/base").c_str(), (size_t)2 * K * D);
+  std::vector<float> out((size_t)total);
+  for (int b0 = 0; b0 < total; b0 += EMU_THREADS)
+    run_block(EMU_THREADS, [&](int warp, int lane) {
+      dflash_dconv::dynamic_conv<float, float, float, float>(x.data(), delta.data(), base.data(), p, out.data(),
+                                                             b0 + warp * 32 + lane);
+    });
+  writef(dir + "/out", out);
+  return 0;
+}
+"""
+
+
 def _cxx() -> str:
     return os.environ.get("CXX", "g++")
 
@@ -153,3 +175,15 @@ def _run(exe: Path, inputs: dict, args: list, outputs: dict) -> dict:
         subprocess.run([str(exe), d, *[str(a) for a in args]], check=True, timeout=600)
         return {name: np.fromfile(os.path.join(d, name), dtype=dt).reshape(shape)
                 for name, (dt, shape) in outputs.items()}
+
+
+def dynamic_conv(x: np.ndarray, base: np.ndarray, delta: np.ndarray, side: int, group_size: int) -> np.ndarray:
+    """``dynamic_conv.h`` emulated in float32: ``x [N, B, D]``, ``base [2, K, D]``, ``delta [N, B, 2, K, G]``
+    -> ``[N, B, D]``."""
+    from .dynamic_conv import THREADS
+
+    N, B, D = x.shape
+    K, G = base.shape[1], delta.shape[-1]
+    exe = _binary(["dialect.h", "dynamic_conv.h"], _DYNAMIC_CONV, dict(EMU_THREADS=THREADS))
+    return _run(exe, dict(x=x, delta=delta, base=base), [N, B, D, K, G, group_size, side],
+                dict(out=(np.float32, (N, B, D))))["out"]

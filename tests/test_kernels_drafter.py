@@ -15,9 +15,10 @@ import pytest
 from mlx_dflash2 import kernels
 from mlx_dflash2.kernels import emulate, registry
 from mlx_dflash2.kernels.dynamic_conv import dynamic_conv, dynamic_conv_reference
+from mlx_dflash2.kernels.selector_walk import selector_walk, tree_sum
 
 needs_emu = pytest.mark.skipif(not emulate.available(), reason="no C++20 compiler")
-DRAFTER_OPS = (dynamic_conv,)
+DRAFTER_OPS = (dynamic_conv, selector_walk)
 # float32 gate keys (the emulation's dtype) first, then others
 KEYS = {"dynamic_conv": [("float32", "float32", "float32"), ("bfloat16", "bfloat16", "float32")],
         "selector_walk": [("float32", 32), ("bfloat16", 8)], "greedy_accept": [("float32",), ("float16",)]}
@@ -51,6 +52,56 @@ def test_dynamic_conv_body_emulated(N, B, D, K, gs):
         ref = np.array(dynamic_conv_reference(mx.array(x), mx.array(base), mx.array(delta), side, gs))
         assert np.array_equal(out, ref, equal_nan=True)
         assert np.array_equal(np.signbit(out), np.signbit(ref))
+
+
+def _lattice_inputs(rng, M, T, K, R, V):
+    cand = np.stack([np.stack([rng.permutation(V)[:K] for _ in range(T)]) for _ in range(M)]).astype(np.int32)
+    u = np.round(rng.normal(size=(M, T, K)) * 2).astype(np.float32)  # exact ties
+    u[rng.random(size=u.shape) < 0.15] = -np.inf
+    u[0, min(1, T - 1)] = -np.inf  # a row of -inf only: index 0
+    H = rng.normal(size=(M, T, R)).astype(np.float32)
+    A = rng.normal(size=(V, R)).astype(np.float32)
+    Bc = (rng.normal(size=(V, R)) * (np.arange(V) % 3 != 0)[:, None]).astype(np.float32)  # zero rows: pair ties
+    anchor = rng.integers(0, V, size=M).astype(np.int32)
+    return cand, u, H, A, Bc, anchor
+
+
+@needs_emu
+@pytest.mark.parametrize("M,T,K,R", [(2, 15, 16, 32), (12, 6, 4, 8), (6, 4, 5, 48), (4, 3, 3, 128), (4, 4, 2, 1)])
+def test_selector_walk_body_emulated(M, T, K, R):
+    """metal/selector_walk.h in the CPU emulation walks the same tokens as the MLX reference: the M
+    blocks are M independent random lattices (ties in the scores, -inf candidates and rows)."""
+    rng = np.random.default_rng(M * 1000 + R)
+    args = _lattice_inputs(rng, M, T, K, R, V=200)
+    out = emulate.selector_walk(*args)
+    ref = np.array(selector_walk.reference(*map(mx.array, args)))
+    assert np.array_equal(out, ref), (out, ref)
+
+
+@needs_emu
+def test_selector_walk_body_follows_the_tree_order():
+    """Candidates whose pair terms are permutations of each other tie in exact arithmetic and differ
+    only by rounding, which depends on the summation order: the kernel still picks the reference's
+    token in every step (a sequential sum over r would not)."""
+    rng = np.random.default_rng(7)
+    M, T, K, R, V = 3, 15, 16, 32, 64
+    cand = np.stack([np.stack([rng.permutation(V)[:K] for _ in range(T)]) for _ in range(M)]).astype(np.int32)
+    u = np.zeros((M, T, K), np.float32)
+    H = np.ones((M, T, R), np.float32)
+    A = np.ones((V, R), np.float32)
+    base = (rng.normal(size=R) * 10.0 ** rng.uniform(-4, 4, size=R)).astype(np.float32)
+    Bc = np.stack([rng.permutation(base) for _ in range(V)]).astype(np.float32)
+    anchor = rng.integers(0, V, size=M).astype(np.int32)
+    out = emulate.selector_walk(cand, u, H, A, Bc, anchor)
+    ref = np.array(selector_walk.reference(*map(mx.array, (cand, u, H, A, Bc, anchor))))
+    assert np.array_equal(out, ref)
+    tree = np.array(tree_sum(mx.array(Bc)))  # each row's pair term (u = 0, A = H = 1)
+    seq = np.zeros(V, np.float32)  # the same sums in sequential order ((x0 + x1) + x2) + ...
+    for r in range(R):
+        seq = (seq + Bc[:, r]).astype(np.float32)
+    assert len(set(tree.tolist())) > 1  # equal in exact arithmetic, not in float32: rounding decides
+    assert np.array_equal(ref[:, 0], cand[np.arange(M), 0, np.argmax(tree[cand[:, 0]], axis=-1)])
+    assert not np.array_equal(ref[:, 0], cand[np.arange(M), 0, np.argmax(seq[cand[:, 0]], axis=-1)])
 
 
 # ---------------------------------------------------------------------------- the gate and the wiring

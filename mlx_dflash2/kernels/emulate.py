@@ -21,7 +21,7 @@ import numpy as np
 
 from .registry import source_text
 
-__all__ = ["available", "attention", "dynamic_conv"]
+__all__ = ["available", "attention", "dynamic_conv", "selector_walk"]
 
 # the launchers' common part: the body's sources, one block of threads, file I/O
 _PRELUDE = r"""
@@ -113,6 +113,34 @@ int main(int argc, char** argv) {
 """
 
 
+_SELECTOR_WALK = r"""
+int main(int argc, char** argv) {
+  // argv: dir M T K V
+  std::string dir = argv[1];
+  int p[3] = {atoi(argv[2]), atoi(argv[3]), atoi(argv[4])};
+  const int M = p[0], T = p[1], K = p[2], V = atoi(argv[5]);
+  constexpr int R = EMU_R, P = EMU_P;
+  auto cand = readf<int>((dir + "/cand").c_str(), (size_t)M * T * K);
+  auto unary = readf((dir + "/unary").c_str(), (size_t)M * T * K);
+  auto hproj = readf((dir + "/hproj").c_str(), (size_t)M * T * R);
+  auto pred = readf((dir + "/pred").c_str(), (size_t)V * R);
+  auto succ = readf((dir + "/succ").c_str(), (size_t)V * R);
+  auto anchor = readf<int>((dir + "/anchor").c_str(), (size_t)M);
+  std::vector<int> tokens((size_t)M * T, -1);
+  for (int m = 0; m < M; ++m) {
+    std::vector<float> sc(32);
+    std::vector<int> prev(1);
+    run_block(K * 32, [&](int warp, int lane) {
+      dflash_sel::selector_walk<float, R, P>(cand.data(), unary.data(), hproj.data(), pred.data(), succ.data(),
+                                             anchor.data(), p, tokens.data(), sc.data(), prev.data(), m, warp, lane);
+    });
+  }
+  writef(dir + "/tokens", tokens);
+  return 0;
+}
+"""
+
+
 def _cxx() -> str:
     return os.environ.get("CXX", "g++")
 
@@ -187,3 +215,16 @@ def dynamic_conv(x: np.ndarray, base: np.ndarray, delta: np.ndarray, side: int, 
     exe = _binary(["dialect.h", "dynamic_conv.h"], _DYNAMIC_CONV, dict(EMU_THREADS=THREADS))
     return _run(exe, dict(x=x, delta=delta, base=base), [N, B, D, K, G, group_size, side],
                 dict(out=(np.float32, (N, B, D))))["out"]
+
+
+def selector_walk(cand: np.ndarray, u: np.ndarray, H: np.ndarray, pred: np.ndarray, succ: np.ndarray,
+                  anchor: np.ndarray) -> np.ndarray:
+    """``selector_walk.h`` emulated: ``cand`` int ``[M, T, K]``, ``u`` ``[M, T, K]``, ``H`` ``[M, T, R]``,
+    codebooks ``[V, R]`` (float32), ``anchor`` int ``[M]`` -> int32 tokens ``[M, T]``."""
+    from .selector_walk import _pow2
+
+    M, T, K = cand.shape
+    V, R = pred.shape
+    exe = _binary(["dialect.h", "selector_walk.h"], _SELECTOR_WALK, dict(EMU_R=R, EMU_P=_pow2(R)))
+    return _run(exe, dict(cand=cand, unary=u, hproj=H, pred=pred, succ=succ, anchor=anchor), [M, T, K, V],
+                dict(tokens=(np.int32, (M, T))))["tokens"]

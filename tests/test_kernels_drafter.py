@@ -15,10 +15,11 @@ import pytest
 from mlx_dflash2 import kernels
 from mlx_dflash2.kernels import emulate, registry
 from mlx_dflash2.kernels.dynamic_conv import dynamic_conv, dynamic_conv_reference
+from mlx_dflash2.kernels.greedy_accept import greedy_accept, greedy_accept_reference
 from mlx_dflash2.kernels.selector_walk import selector_walk, tree_sum
 
 needs_emu = pytest.mark.skipif(not emulate.available(), reason="no C++20 compiler")
-DRAFTER_OPS = (dynamic_conv, selector_walk)
+DRAFTER_OPS = (dynamic_conv, selector_walk, greedy_accept)
 # float32 gate keys (the emulation's dtype) first, then others
 KEYS = {"dynamic_conv": [("float32", "float32", "float32"), ("bfloat16", "bfloat16", "float32")],
         "selector_walk": [("float32", 32), ("bfloat16", 8)], "greedy_accept": [("float32",), ("float16",)]}
@@ -102,6 +103,29 @@ def test_selector_walk_body_follows_the_tree_order():
     assert len(set(tree.tolist())) > 1  # equal in exact arithmetic, not in float32: rounding decides
     assert np.array_equal(ref[:, 0], cand[np.arange(M), 0, np.argmax(tree[cand[:, 0]], axis=-1)])
     assert not np.array_equal(ref[:, 0], cand[np.arange(M), 0, np.argmax(seq[cand[:, 0]], axis=-1)])
+
+
+@needs_emu
+@pytest.mark.parametrize("rows,V,tpb", [(9, 5003, 128), (1, 7, None), (5, 3000, 64), (17, 200, 32)])
+def test_greedy_accept_body_emulated(rows, V, tpb):
+    """metal/greedy_accept.h in the CPU emulation gives the reference's tokens and acceptance length
+    (none, one, half, all accepted): ties, a row of -inf, NaN (counts as the maximum) and +inf."""
+    rng = np.random.default_rng(rows * V)
+    x = np.round(rng.normal(size=(rows, V)) * 2).astype(np.float32)
+    x[0] = -np.inf
+    if rows > 2:
+        x[1, rng.integers(0, V, 3)] = np.nan
+    if rows > 3:
+        x[2, 5] = np.inf
+        x[2, V - 1] = np.inf
+    target = np.array(mx.argmax(mx.array(x), axis=-1))
+    for a_true in sorted({0, 1, rows // 2, rows - 1}):
+        draft = target[:-1].astype(np.int32)
+        if a_true < rows - 1:
+            draft[a_true] += 1
+        a, tokens = emulate.greedy_accept(x, draft, tpb)
+        ra, rt = greedy_accept_reference(mx.array(x), mx.array(draft))
+        assert (a, tokens.tolist()) == (ra.item(), rt.tolist()) and a == min(a_true, rows - 1)
 
 
 # ---------------------------------------------------------------------------- the gate and the wiring

@@ -21,7 +21,7 @@ import numpy as np
 
 from .registry import source_text
 
-__all__ = ["available", "attention", "dynamic_conv", "selector_walk"]
+__all__ = ["available", "attention", "dynamic_conv", "selector_walk", "greedy_accept"]
 
 # the launchers' common part: the body's sources, one block of threads, file I/O
 _PRELUDE = r"""
@@ -141,6 +141,31 @@ int main(int argc, char** argv) {
 """
 
 
+_GREEDY_ACCEPT = r"""
+int main(int argc, char** argv) {
+  // argv: dir rows V
+  std::string dir = argv[1];
+  const int rows = atoi(argv[2]), V = atoi(argv[3]), n = rows - 1;
+  constexpr int TPB = EMU_TPB;
+  int p[2] = {V, n};
+  auto logits = readf((dir + "/logits").c_str(), (size_t)rows * V);
+  auto draft = n ? readf<int>((dir + "/draft").c_str(), (size_t)n) : std::vector<int>(1, 0);
+  std::vector<int> tokens(rows, -2), num(1, -2);
+  for (int row = 0; row < rows; ++row) {
+    std::vector<float> wv(32);
+    std::vector<int> wi(32);
+    run_block(TPB, [&](int warp, int lane) {
+      dflash_acc::row_argmax<float, TPB>(logits.data(), p, tokens.data(), wv.data(), wi.data(), row, warp, lane);
+    });
+  }
+  run_block(32, [&](int warp, int lane) { dflash_acc::accept(tokens.data(), draft.data(), p, num.data(), lane); });
+  writef(dir + "/tokens", tokens);
+  writef(dir + "/num", num);
+  return 0;
+}
+"""
+
+
 def _cxx() -> str:
     return os.environ.get("CXX", "g++")
 
@@ -228,3 +253,15 @@ def selector_walk(cand: np.ndarray, u: np.ndarray, H: np.ndarray, pred: np.ndarr
     exe = _binary(["dialect.h", "selector_walk.h"], _SELECTOR_WALK, dict(EMU_R=R, EMU_P=_pow2(R)))
     return _run(exe, dict(cand=cand, unary=u, hproj=H, pred=pred, succ=succ, anchor=anchor), [M, T, K, V],
                 dict(tokens=(np.int32, (M, T))))["tokens"]
+
+
+def greedy_accept(logits: np.ndarray, draft: np.ndarray, tpb: int | None = None) -> tuple[int, np.ndarray]:
+    """``greedy_accept.h`` emulated: ``logits [n + 1, V]`` (float32), ``draft`` int ``[n]`` ->
+    ``(num_accepted, int32 tokens [n + 1])``; ``tpb``: threads per row (default the kernel's)."""
+    from .greedy_accept import TPB
+
+    rows, V = logits.shape
+    exe = _binary(["dialect.h", "greedy_accept.h"], _GREEDY_ACCEPT, dict(EMU_TPB=tpb or TPB))
+    out = _run(exe, dict(logits=logits, draft=np.asarray(draft, dtype=np.int32)), [rows, V],
+               dict(tokens=(np.int32, (rows,)), num=(np.int32, (1,))))
+    return int(out["num"][0]), out["tokens"]

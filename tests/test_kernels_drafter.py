@@ -13,10 +13,16 @@ import numpy as np
 import pytest
 
 from mlx_dflash2 import kernels
+from mlx_dflash2.drafter.config import DrafterConfig
+from mlx_dflash2.drafter.model import DraftContext, DraftModel, GroupedDynamicCausalConv
 from mlx_dflash2.kernels import emulate, registry
 from mlx_dflash2.kernels.dynamic_conv import dynamic_conv, dynamic_conv_reference
 from mlx_dflash2.kernels.greedy_accept import greedy_accept, greedy_accept_reference
-from mlx_dflash2.kernels.selector_walk import selector_walk, tree_sum
+from mlx_dflash2.kernels.selector_walk import lattice_scores, selector_walk, tree_sum, walk_lattice
+from mlx_dflash2.proposers import Proposal
+from mlx_dflash2.verify import GreedyVerifier
+
+from test_drafter import randomize, tiny_cfg
 
 needs_emu = pytest.mark.skipif(not emulate.available(), reason="no C++20 compiler")
 DRAFTER_OPS = (dynamic_conv, selector_walk, greedy_accept)
@@ -31,6 +37,75 @@ def test_drafter_ops_are_registered():
         assert set(op.sources) == {"cuda", "metal"}
         for be in op.sources:
             assert all(spec.examples for spec in op.specs(be).values())
+
+
+# ---------------------------------------------------------------------------- references on the CPU
+
+
+def test_dynamic_conv_reference_is_the_layer_on_cpu():
+    """GroupedDynamicCausalConv.apply is dynamic_conv in every mode (on the CPU: its reference),
+    including blocks shorter than the kernel."""
+    D, K, gs = 32, 3, 8
+    conv = GroupedDynamicCausalConv(D, K, gs)
+    conv.base_kernel = mx.random.normal((2, K, D), key=mx.random.key(0))
+    for B in (1, 2, 7):
+        x = mx.random.normal((2, B, D), key=mx.random.key(B))
+        delta = mx.random.normal((2, B, 2, K, D // gs), key=mx.random.key(10 + B))
+        ref = dynamic_conv_reference(x, conv.base_kernel, delta, 1, gs)
+        for mode in registry.MODES:
+            assert mx.array_equal(conv.apply(x, 1, delta, mode), ref)
+        xn, dn, bn = np.array(x), np.array(delta), np.array(conv.base_kernel)
+        want = np.zeros_like(xn)
+        for t in range(B):
+            for k in range(min(K, B)):
+                if t >= k:
+                    want[:, t] += (bn[1, k] + np.repeat(dn[:, t, 1, k], gs, axis=-1)) * xn[:, t - k]
+        np.testing.assert_allclose(np.array(ref), want, rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_accept_reference_is_the_verifier():
+    """GreedyVerifier.verify gives greedy_accept's outputs: the rows' first-index argmaxes (ties,
+    -inf rows) and the matching prefix, for every acceptance length and for an empty draft."""
+    rng = np.random.default_rng(0)
+    x = np.round(rng.normal(size=(6, 50)) * 2).astype(np.float32)  # ties at the maximum
+    x[2] = -np.inf
+    target = np.argmax(x, axis=-1)  # numpy: first index of the maximum too
+    for a in range(6):
+        draft = target[:-1].copy()
+        if a < 5:
+            draft[a] = (draft[a] + 1) % 50
+        for mode in registry.MODES:
+            vr = GreedyVerifier(kernel_mode=mode).verify(mx.array(x), Proposal(mx.array(draft.astype(np.int32))))
+            assert vr.num_accepted.item() == a and vr.num_accepted.dtype == mx.int32
+            assert vr.tokens.tolist() == target.tolist() and vr.tokens.dtype == mx.int32
+    n0, t0 = greedy_accept(mx.array(x[:1]), mx.zeros((0,), dtype=mx.int32))
+    assert n0.item() == 0 and n0.shape == () and t0.tolist() == target[:1].tolist()
+
+
+def test_selector_lattice_is_the_pair_score():
+    """lattice_scores: S_t(a, b) = U_t(b) + sum_r A[a, r] H_t[r] Bc[b, r] (as the matmul form the
+    selector used before), summed in tree_sum's fixed order; the greedy op is the lattice's walk."""
+    cfg = DrafterConfig.from_dict(tiny_cfg(selector_rank=12))
+    sel = randomize(DraftModel(cfg), seed=3).candidate_selector
+    M, T, V = 2, 5, 100
+    unary = mx.random.normal((M, T, V), key=mx.random.key(1)) * 3
+    hidden = mx.random.normal((M, T, 64), key=mx.random.key(2))
+    anchor = mx.array([3, 50], dtype=mx.int32)
+    cand, u, H = sel.candidates(unary, hidden)
+    first, edges = lattice_scores(cand, u, H, sel.predecessor_codebook, sel.successor_codebook, anchor)
+    succ = sel.successor_codebook[cand] * H[..., None, :]
+    want_first = u[:, 0] + (succ[:, 0] @ sel.predecessor_codebook[anchor][..., None])[..., 0]
+    want_edges = u[:, 1:, None, :] + sel.predecessor_codebook[cand[:, :-1]] @ succ[:, 1:].swapaxes(-1, -2)
+    np.testing.assert_allclose(np.array(first), np.array(want_first), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(edges), np.array(want_edges), rtol=1e-5, atol=1e-5)
+    x = mx.random.normal((3, 12))
+    np.testing.assert_allclose(np.array(tree_sum(x)), np.array(x.sum(-1)), rtol=1e-5, atol=1e-6)
+    tokens = walk_lattice(cand, first, edges)[0]
+    for mode in registry.MODES:
+        out = sel.walk(unary, hidden, anchor, mode=mode)
+        assert mx.array_equal(out.tokens, tokens) and out.q is None
+        assert mx.array_equal(selector_walk(cand, u, H, sel.predecessor_codebook, sel.successor_codebook, anchor,
+                                            mode=mode), tokens)
 
 
 # ---------------------------------------------------------------------------- shared bodies, emulated
@@ -205,3 +280,41 @@ def test_launches_match_their_specs(monkeypatch, op, be):
                     want = tmpl[ty] if ty in tmpl else getattr(mx, ty)
                     assert x.dtype == want, (spec.name, name, x.dtype)
                 assert tg[0] <= 1024 and grid[0] % tg[0] == 0 and grid[1:] == (1, 1) and tg[1:] == (1, 1)
+
+
+def test_drafter_round_routes_the_fused_ops(monkeypatch):
+    """A drafter round (forward, greedy walk) and a greedy verify go through the three ops where
+    kernels run (a faked GPU whose kernels are the references); training's forward_blocks, sampled
+    walks and mode "reference" do not."""
+    monkeypatch.setattr(registry, "backend", lambda: "cuda")
+    calls = {op.name: 0 for op in DRAFTER_OPS}
+    for op in DRAFTER_OPS:
+        monkeypatch.setattr(op, "_gates", {})
+
+        def launch(be, *args, _op=op, **kw):
+            calls[_op.name] += 1
+            return _op.reference(*args, **kw)
+
+        monkeypatch.setattr(op, "launch", launch)
+    cfg = DrafterConfig.from_dict(tiny_cfg())
+    m = randomize(DraftModel(cfg), seed=1)
+    ctx = DraftContext(m)
+    ctx.append(m, mx.random.normal((5, 128)))
+    emb = mx.random.normal((1, 8, 64))
+    h = m(emb, ctx)
+    n_conv = calls["dynamic_conv"]
+    assert n_conv >= 4 * cfg.num_hidden_layers  # gate runs included
+    m.forward_blocks(emb, mx.random.normal((1, 5, 128)), mx.array([[3]]))
+    assert calls["dynamic_conv"] == n_conv
+    u = h[0, 1:] @ mx.random.normal((64, 100))
+    m.candidate_selector.walk(u, h[0, 1:], mx.array(3))
+    assert calls["selector_walk"] >= 1
+    n_walk = calls["selector_walk"]
+    m.candidate_selector.walk(u, h[0, 1:], mx.array(3), temperature=0.7, key=mx.random.key(0))
+    m.candidate_selector.walk(u, h[0, 1:], mx.array(3), mode="reference")
+    assert calls["selector_walk"] == n_walk
+    GreedyVerifier().verify(mx.random.normal((3, 100)), Proposal(mx.array([1, 2], dtype=mx.int32)))
+    assert calls["greedy_accept"] >= 1
+    m.kernel_mode = "reference"
+    m(emb, ctx)
+    assert calls["dynamic_conv"] == n_conv

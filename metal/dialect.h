@@ -1,6 +1,17 @@
 // dialect.h: the few macros that let one kernel body compile as Metal (mx.fast.metal_kernel) and as
-// CUDA (mx.fast.cuda_kernel, NVRTC). Shared bodies (verify_attention.h, drafter.h) use only these:
-// functions, address spaces, barriers, 32-wide SIMD-group / warp shuffles, float conversions.
+// CUDA (mx.fast.cuda_kernel, NVRTC). Shared bodies (verify_attention.h, dynamic_conv.h,
+// selector_walk.h, greedy_accept.h) use only these: functions, address spaces, barriers, 32-wide
+// SIMD-group / warp shuffles (float and int), float conversions, NaN tests, and df_add_rn / df_mul_rn.
+//
+// df_add_rn / df_mul_rn: one IEEE single-precision add / multiply, rounded once, never fused with a
+// neighbour into an FMA. Bodies whose results must equal an MLX reference bit for bit (the selector's
+// pair scores, the fp32 dynamic convolution) use them. CUDA: __fadd_rn / __fmul_rn (NVRTC fuses a
+// plain a * b + c by default, --fmad=true, even across statements). Metal has no such intrinsic: plain
+// operators, relying on MLX building custom kernels with fast math off (mlx/backend/metal/device.cpp,
+// build_library_: setFastMathEnabled(false)); the bodies also keep every multiply and add in a statement
+// of its own (a clang-based compiler without fast math fuses only inside one expression). Not
+// verifiable off a Mac: the numerics gate checks the compiled kernel there. CPU emulation: plain
+// operators (baseline x86-64 has no FMA instructions; the emulator builds without -ffast-math).
 // The op's Python code prepends this text to the body's text (MLX's `header`), so no include paths.
 #pragma once
 
@@ -26,11 +37,15 @@ template <> DF_FN __nv_bfloat16 df_cast<__nv_bfloat16>(float v) { return __float
 DF_FN float df_exp(float v) { return expf(v); }
 DF_FN float df_max(float a, float b) { return fmaxf(a, b); }
 DF_FN int df_min(int a, int b) { return a < b ? a : b; }
+DF_FN bool df_isnan(float v) { return isnan(v); }
+DF_FN float df_add_rn(float a, float b) { return __fadd_rn(a, b); }
+DF_FN float df_mul_rn(float a, float b) { return __fmul_rn(a, b); }
 #elif defined(DF_CPU_EMU)
 // ---- CPU emulation (tests only: mlx_dflash2.kernels.emulate runs a shared body with one std::thread
 // per GPU thread, so its logic is tested where no GPU exists) ----
 #include <barrier>
 #include <cmath>
+#include <cstring>
 struct df_ctx {
   int lane;
   float* xch;                 // the warp's exchange slots (32)
@@ -44,6 +59,13 @@ inline float df_shfl_idx(float v, int src) {
   float r = df_tls->xch[src & 31];
   df_tls->warp_bar->arrive_and_wait();
   return r;
+}
+inline int df_shfl_idx(int v, int src) {  // an int through the same slots, bit for bit
+  float f;
+  std::memcpy(&f, &v, 4);
+  f = df_shfl_idx(f, src);
+  std::memcpy(&v, &f, 4);
+  return v;
 }
 #define DF_FN inline
 #define DF_DEVICE
@@ -60,6 +82,9 @@ template <typename T> DF_FN T df_cast(float v) { return T(v); }
 DF_FN float df_exp(float v) { return std::exp(v); }
 DF_FN float df_max(float a, float b) { return std::fmax(a, b); }
 DF_FN int df_min(int a, int b) { return a < b ? a : b; }
+DF_FN bool df_isnan(float v) { return std::isnan(v); }
+DF_FN float df_add_rn(float a, float b) { return a + b; }
+DF_FN float df_mul_rn(float a, float b) { return a * b; }
 #else
 // ---- Metal ----
 #include <metal_stdlib>
@@ -79,4 +104,7 @@ template <typename T> DF_FN T df_cast(float v) { return T(v); }
 DF_FN float df_exp(float v) { return metal::precise::exp(v); }
 DF_FN float df_max(float a, float b) { return metal::max(a, b); }
 DF_FN int df_min(int a, int b) { return metal::min(a, b); }
+DF_FN bool df_isnan(float v) { return metal::isnan(v); }
+DF_FN float df_add_rn(float a, float b) { return a + b; }
+DF_FN float df_mul_rn(float a, float b) { return a * b; }
 #endif

@@ -243,7 +243,8 @@ class _DFlashSession(ProposerSession):
         if p._invalid is not None:
             unary = mx.where(p._invalid, mx.array(-mx.inf, unary.dtype), unary)
         if cfg.is_dflash2:
-            out = model.candidate_selector.walk(unary, h, mx.array(anchor, dtype=mx.int32), temperature, key)
+            out = model.candidate_selector.walk(unary, h, mx.array(anchor, dtype=mx.int32), temperature, key,
+                                                model.kernel_mode)
             prop = Proposal(out.tokens, out.cand_ids if out.q is not None else None, out.q, "drafter")
         elif temperature > 0:
             # v1 sampled draft: per-slot sample from the top-K truncated softmax (a valid q, spec §6.3)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from .kernels.greedy_accept import greedy_accept
 from .proposers import Proposal
 from .sampling import SamplingParams, process_rows, rejection_sample, sparse_to_dense, target_probs
 
@@ -56,20 +57,22 @@ class Verifier:
 
 class GreedyVerifier(Verifier):
     """Exact-match greedy verification (temperature 0), after the request's
-    logits processors (penalties, logit bias) if any."""
+    logits processors (penalties, logit bias) if any.
 
-    def __init__(self, params: SamplingParams | None = None):
+    The comparison runs as :data:`mlx_dflash2.kernels.greedy_accept` (a fused
+    kernel on a GPU, the same outputs as its MLX reference); ``kernel_mode`` is
+    its kernel mode (``None``: the process default).
+    """
+
+    def __init__(self, params: SamplingParams | None = None, kernel_mode: str | None = None):
         self.params = params or SamplingParams()
         self.needs_history = self.params.needs_history
+        self.kernel_mode = kernel_mode
 
     def verify(self, logits, proposal, history=None):
         logits = process_rows(logits, self.params, history, proposal.tokens)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        target = mx.argmax(logits, axis=-1).astype(mx.int32)
-        if proposal.n == 0:
-            return VerifyResult(mx.array(0, dtype=mx.int32), target, logprobs)
-        match = (proposal.tokens.astype(mx.int32) == target[:-1]).astype(mx.int32)
-        a = mx.cumprod(match).sum()
+        a, target = greedy_accept(logits, proposal.tokens, mode=self.kernel_mode)
         return VerifyResult(a, target, logprobs)
 
 
@@ -105,8 +108,9 @@ class RejectionVerifier(Verifier):
         return VerifyResult(a[0], tokens[0], logprobs)
 
 
-def make_verifier(params: SamplingParams, key: mx.array | None = None) -> Verifier:
-    """The verifier for a request: greedy for ``temp == 0``, rejection sampling otherwise."""
+def make_verifier(params: SamplingParams, key: mx.array | None = None, kernel_mode: str | None = None) -> Verifier:
+    """The verifier for a request: greedy for ``temp == 0`` (``kernel_mode``: its fused accept's kernel
+    mode, :class:`GreedyVerifier`), rejection sampling otherwise."""
     if params.greedy:
-        return GreedyVerifier(params)
+        return GreedyVerifier(params, kernel_mode)
     return RejectionVerifier(params, key if key is not None else params.key())

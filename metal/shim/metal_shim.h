@@ -31,6 +31,7 @@ template <typename T> T simd_max(T v) { return v; }
 template <typename T> T max(T a, T b) { return a > b ? a : b; }
 template <typename T> T min(T a, T b) { return a < b ? a : b; }
 inline float exp(float v) { return std::exp(v); }
+inline bool isnan(float v) { return std::isnan(v); }
 namespace precise { inline float exp(float v) { return std::exp(v); } }
 template <typename T, int N> struct vec {
   T v[N];

@@ -31,6 +31,8 @@ from mlx_lm.models.activations import swiglu
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
+from ..kernels.dynamic_conv import dynamic_conv
+from ..kernels.selector_walk import lattice_scores, selector_walk, walk_lattice
 from .config import DrafterConfig
 
 __all__ = [
@@ -196,18 +198,14 @@ class GroupedDynamicCausalConv(nn.Module):
         n, B, _ = u.shape
         return self.kernel_projection(u).reshape(n, B, 2, self.kernel_size, self.groups)
 
-    def apply(self, x: mx.array, side: int, delta: mx.array) -> mx.array:
-        """Convolve ``x`` ``[N, B, D]`` with side ``side`` (0 pre, 1 post)."""
-        n, B, D = x.shape
-        out = None
-        for k in range(self.kernel_size):
-            if k >= B:
-                break
-            coef = self.base_kernel[side, k] + mx.repeat(delta[:, :, side, k, :], self.group_size, axis=-1)
-            xs = x if k == 0 else mx.concatenate([mx.zeros((n, k, D), dtype=x.dtype), x[:, : B - k]], axis=1)
-            term = coef.astype(x.dtype) * xs
-            out = term if out is None else out + term
-        return out
+    def apply(self, x: mx.array, side: int, delta: mx.array, mode: str | None = "reference") -> mx.array:
+        """Convolve ``x`` ``[N, B, D]`` with side ``side`` (0 pre, 1 post).
+
+        ``mode``: kernel mode of :data:`mlx_dflash2.kernels.dynamic_conv` (the fused kernel on a GPU,
+        same result). The default ``"reference"`` (MLX ops) is differentiable, for training; the
+        drafter's per-round forward passes its ``kernel_mode``.
+        """
+        return dynamic_conv(x, self.base_kernel, delta, side, self.group_size, mode=mode)
 
 
 class DraftDecoderLayer(nn.Module):
@@ -222,21 +220,22 @@ class DraftDecoderLayer(nn.Module):
             self.attention_conv = GroupedDynamicCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
             self.mlp_conv = GroupedDynamicCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
 
-    def __call__(self, x, attend):
+    def __call__(self, x, attend, mode: str | None = "reference"):
         """``x`` ``[M, B, D]``; ``attend(self_attn, v)`` runs the attention on the
-        (pre-conv'd) normed input ``v`` with the right context."""
+        (pre-conv'd) normed input ``v`` with the right context; ``mode``: the
+        convolutions' kernel mode (:meth:`GroupedDynamicCausalConv.apply`)."""
         u = self.input_layernorm(x)
         if self.has_conv:
             d = self.attention_conv.coefficients(u)
-            a = attend(self.self_attn, self.attention_conv.apply(u, 0, d))
-            a = self.attention_conv.apply(a, 1, d)
+            a = attend(self.self_attn, self.attention_conv.apply(u, 0, d, mode))
+            a = self.attention_conv.apply(a, 1, d, mode)
         else:
             a = attend(self.self_attn, u)
         h = x + a
         u = self.post_attention_layernorm(h)
         if self.has_conv:
             d = self.mlp_conv.coefficients(u)
-            m = self.mlp_conv.apply(self.mlp(self.mlp_conv.apply(u, 0, d)), 1, d)
+            m = self.mlp_conv.apply(self.mlp(self.mlp_conv.apply(u, 0, d, mode)), 1, d, mode)
         else:
             m = self.mlp(u)
         return h + m
@@ -278,6 +277,16 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = mx.zeros((vocab_size, rank))
         self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
 
+    def candidates(self, unary: mx.array, hidden: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """The lattice's inputs, computed in MLX for every walk: ``(cand int32 [M, T, K], u float32
+        [M, T, K], H float32 [M, T, r])``, the top-K candidates of each slot (``argpartition``), their
+        unary scores and the hidden projection of ``hidden`` ``[M, T, D]``."""
+        K = min(self.top_k, unary.shape[-1])
+        cand = mx.argpartition(-unary, K - 1, axis=-1)[..., :K].astype(mx.int32)
+        u = mx.take_along_axis(unary, cand, axis=-1).astype(mx.float32)
+        H = self.hidden_projection(hidden).astype(mx.float32)  # [M, T, r]
+        return cand, u, H
+
     def lattice(self, unary: mx.array, hidden: mx.array, anchor: mx.array):
         """Candidates and edge scores for ``M`` blocks.
 
@@ -289,19 +298,12 @@ class CandidateSelector(nn.Module):
         Returns:
             ``(cand [M, T, K], first [M, K], edges [M, T-1, K, K] or None)``:
             slot-1 scores from the anchor and, for t >= 2, scores of slot t's
-            candidates (columns) given each candidate of slot t-1 (rows).
+            candidates (columns) given each candidate of slot t-1 (rows), in
+            float32, the pair term summed in a fixed order
+            (:func:`mlx_dflash2.kernels.selector_walk.lattice_scores`).
         """
-        K = min(self.top_k, unary.shape[-1])
-        cand = mx.argpartition(-unary, K - 1, axis=-1)[..., :K].astype(mx.int32)
-        u = mx.take_along_axis(unary, cand, axis=-1).astype(mx.float32)
-        H = self.hidden_projection(hidden).astype(mx.float32)  # [M, T, r]
-        succ = self.successor_codebook[cand].astype(mx.float32) * H[..., None, :]  # [M, T, K, r]
-        pred0 = self.predecessor_codebook[anchor].astype(mx.float32)  # [M, r]
-        first = u[:, 0] + (succ[:, 0] @ pred0[..., None])[..., 0]
-        edges = None
-        if cand.shape[1] > 1:
-            pred = self.predecessor_codebook[cand[:, :-1]].astype(mx.float32)  # [M, T-1, K, r]
-            edges = u[:, 1:, None, :] + pred @ succ[:, 1:].swapaxes(-1, -2)  # [M, T-1, K, K]
+        cand, u, H = self.candidates(unary, hidden)
+        first, edges = lattice_scores(cand, u, H, self.predecessor_codebook, self.successor_codebook, anchor)
         return cand, first, edges
 
     def walk(
@@ -311,33 +313,25 @@ class CandidateSelector(nn.Module):
         anchor: mx.array,
         temperature: float = 0.0,
         key: mx.array | None = None,
+        mode: str | None = None,
     ) -> SelectorOutput:
         """Greedy (``temperature == 0``) or sampled walk; see the class doc.
 
         Accepts one block (``unary [T, V]``, ``hidden [T, D]``, scalar anchor)
         or ``M`` blocks (``[M, T, V]``, ``[M, T, D]``, ``[M]``); outputs keep
-        the input's batching.
+        the input's batching. A greedy walk runs the fused kernel
+        :data:`mlx_dflash2.kernels.selector_walk` on a GPU (``mode``: its kernel
+        mode; the same tokens as the MLX walk); a sampled walk runs in MLX.
         """
         single = unary.ndim == 2
         if single:
             unary, hidden, anchor = unary[None], hidden[None], mx.reshape(anchor, (1,))
-        cand, first, edges = self.lattice(unary, hidden, anchor)
-        M, T, K = cand.shape
-        idx, qs = [], []
-        keys = mx.random.split(key, T) if (temperature > 0 and key is not None) else [None] * T
-        rows = mx.arange(M)
-        for t in range(T):
-            row = first if t == 0 else edges[rows, t - 1, idx[-1]]  # [M, K]
-            if temperature > 0:
-                logits = row / temperature
-                qs.append(mx.softmax(logits, axis=-1))
-                i = mx.random.categorical(logits, key=keys[t])
-            else:
-                i = mx.argmax(row, axis=-1)
-            idx.append(i)
-        idx = mx.stack(idx, axis=1)  # [M, T]
-        tokens = mx.take_along_axis(cand, idx[..., None], axis=-1)[..., 0]
-        q = mx.stack(qs, axis=1) if qs else None
+        cand, u, H = self.candidates(unary, hidden)
+        A, Bc = self.predecessor_codebook, self.successor_codebook
+        if temperature > 0:
+            tokens, q = walk_lattice(cand, *lattice_scores(cand, u, H, A, Bc, anchor), temperature, key)
+        else:
+            tokens, q = selector_walk(cand, u, H, A, Bc, anchor, mode=mode), None
         if single:
             return SelectorOutput(tokens[0], cand[0], None if q is None else q[0])
         return SelectorOutput(tokens, cand, q)
@@ -349,11 +343,17 @@ class DraftModel(nn.Module):
     Holds no embedding and no LM head: the caller passes the target's
     embeddings and applies the target's LM head (:meth:`unary_logits`).
     Tensor names match the published checkpoints (spec §5.6).
+
+    ``kernel_mode``: the :mod:`mlx_dflash2.kernels` mode of the per-round forward
+    (:meth:`__call__`: fused dynamic convolutions) and of the selector's greedy walk;
+    ``None`` is the process default (``MLX_DFLASH2_KERNELS``). Training and replay
+    evaluation (:meth:`forward_blocks`) always run the MLX reference.
     """
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.config = cfg
+        self.kernel_mode: str | None = None
         D = cfg.hidden_size
         self.fc = nn.Linear(len(cfg.target_layer_ids) * D, D, bias=False)
         self.hidden_norm = nn.RMSNorm(D, eps=cfg.rms_norm_eps)
@@ -390,7 +390,7 @@ class DraftModel(nn.Module):
         P = context.offset
         for layer, cache in zip(self.layers, context.caches):
             ck, cv = cache.keys_and_values() if cache.keys is not None else (None, None)
-            x = layer(x, lambda attn, v: attn(v, ck, cv, P))
+            x = layer(x, lambda attn, v: attn(v, ck, cv, P), self.kernel_mode)
         return self.norm(x)
 
     def context_kv_all(self, features: mx.array) -> list[tuple[mx.array, mx.array]]:

@@ -3,14 +3,23 @@ Metal source and a CUDA twin (``metal/``), a numerics gate at first use and a on
 (:mod:`.registry`). ``mlx_dflash2.selftest`` checks them all on the machine at hand.
 
 Ops (``OPS``): ``qmm`` (small-M quantized matmul), ``verify_attention`` (multi-row causal attention
-over the KV cache).
+over the KV cache), and the drafter side: ``dynamic_conv`` (one side of DFlash2's grouped dynamic causal
+convolution, in the drafter's per-round forward), ``selector_walk`` (the candidate selector's greedy walk,
+all steps in one launch; top-K and the hidden projection stay in MLX; sampled walks stay in MLX) and
+``greedy_accept`` (the greedy verifier's argmaxes and accepted length; the log-probabilities stay in MLX).
+Tokens and ids from the kernels equal their references exactly; ``dynamic_conv`` is bit-identical in
+float32.
 """
 
 from .attention import KernelAttention, route_attention, verify_attention
+from .dynamic_conv import dynamic_conv
+from .greedy_accept import greedy_accept
 from .qmm import KernelQuantizedLinear, qmm, route_quantized_linears
 from .registry import ENV, MODES, KernelError, KernelOp, backend, check_mode, default_mode
+from .selector_walk import selector_walk
 
-OPS = {op.name: op for op in (qmm, verify_attention)}
+OPS = {op.name: op for op in (qmm, verify_attention, dynamic_conv, selector_walk, greedy_accept)}
 
-__all__ = ["OPS", "qmm", "verify_attention", "KernelOp", "KernelError", "KernelQuantizedLinear", "KernelAttention",
-           "route_quantized_linears", "route_attention", "backend", "check_mode", "default_mode", "MODES", "ENV"]
+__all__ = ["OPS", "qmm", "verify_attention", "dynamic_conv", "selector_walk", "greedy_accept", "KernelOp",
+           "KernelError", "KernelQuantizedLinear", "KernelAttention", "route_quantized_linears", "route_attention",
+           "backend", "check_mode", "default_mode", "MODES", "ENV"]

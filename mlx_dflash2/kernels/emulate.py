@@ -21,11 +21,13 @@ import numpy as np
 
 from .registry import source_text
 
-__all__ = ["available", "attention"]
+__all__ = ["available", "attention", "dynamic_conv", "selector_walk", "greedy_accept"]
 
-_LAUNCHER = r"""
+# the launchers' common part: the body's sources, one block of threads, file I/O
+_PRELUDE = r"""
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <thread>
 #include <vector>
 #define DF_CPU_EMU 1
@@ -47,9 +49,17 @@ void run_block(int nthreads, F f) {
   for (auto& th : ts) th.join();
   for (auto* b : wb) delete b;
 }
-static std::vector<float> readf(const char* p, size_t n) {
-  std::vector<float> v(n); FILE* f = fopen(p, "rb"); fread(v.data(), 4, n, f); fclose(f); return v;
+template <typename V = float>
+static std::vector<V> readf(const char* p, size_t n) {
+  std::vector<V> v(n); FILE* f = fopen(p, "rb"); fread(v.data(), 4, n, f); fclose(f); return v;
 }
+template <typename V>
+static void writef(const std::string& p, const std::vector<V>& v) {
+  FILE* f = fopen(p.c_str(), "wb"); fwrite(v.data(), 4, v.size(), f); fclose(f);
+}
+"""
+
+_ATTENTION = r"""
 int main(int argc, char** argv) {
   // argv: dir H Hk Lq L S D
   std::string dir = argv[1];
@@ -75,7 +85,82 @@ int main(int argc, char** argv) {
     run_block(128, [&](int warp, int lane) {
       dflash_attn::attn_combine<float, D>(po.data(), pml.data(), params, out.data(), r0 + warp, lane);
     });
-  FILE* f = fopen((dir + "/out").c_str(), "wb"); fwrite(out.data(), 4, out.size(), f); fclose(f);
+  writef(dir + "/out", out);
+  return 0;
+}
+"""
+
+
+_DYNAMIC_CONV = r"""
+int main(int argc, char** argv) {
+  // argv: dir N B D K G group_size side
+  std::string dir = argv[1];
+  int p[7];
+  for (int i = 0; i < 7; ++i) p[i] = atoi(argv[2 + i]);
+  const int N = p[0], B = p[1], D = p[2], K = p[3], G = p[4], total = N * B * D;
+  auto x = readf((dir + "/x").c_str(), (size_t)total);
+  auto delta = readf((dir + "/delta").c_str(), (size_t)N * B * 2 * K * G);
+  auto base = readf((dir + "/base").c_str(), (size_t)2 * K * D);
+  std::vector<float> out((size_t)total);
+  for (int b0 = 0; b0 < total; b0 += EMU_THREADS)
+    run_block(EMU_THREADS, [&](int warp, int lane) {
+      dflash_dconv::dynamic_conv<float, float, float, float>(x.data(), delta.data(), base.data(), p, out.data(),
+                                                             b0 + warp * 32 + lane);
+    });
+  writef(dir + "/out", out);
+  return 0;
+}
+"""
+
+
+_SELECTOR_WALK = r"""
+int main(int argc, char** argv) {
+  // argv: dir M T K V
+  std::string dir = argv[1];
+  int p[3] = {atoi(argv[2]), atoi(argv[3]), atoi(argv[4])};
+  const int M = p[0], T = p[1], K = p[2], V = atoi(argv[5]);
+  constexpr int R = EMU_R, P = EMU_P;
+  auto cand = readf<int>((dir + "/cand").c_str(), (size_t)M * T * K);
+  auto unary = readf((dir + "/unary").c_str(), (size_t)M * T * K);
+  auto hproj = readf((dir + "/hproj").c_str(), (size_t)M * T * R);
+  auto pred = readf((dir + "/pred").c_str(), (size_t)V * R);
+  auto succ = readf((dir + "/succ").c_str(), (size_t)V * R);
+  auto anchor = readf<int>((dir + "/anchor").c_str(), (size_t)M);
+  std::vector<int> tokens((size_t)M * T, -1);
+  for (int m = 0; m < M; ++m) {
+    std::vector<float> sc(32);
+    std::vector<int> prev(1);
+    run_block(K * 32, [&](int warp, int lane) {
+      dflash_sel::selector_walk<float, R, P>(cand.data(), unary.data(), hproj.data(), pred.data(), succ.data(),
+                                             anchor.data(), p, tokens.data(), sc.data(), prev.data(), m, warp, lane);
+    });
+  }
+  writef(dir + "/tokens", tokens);
+  return 0;
+}
+"""
+
+
+_GREEDY_ACCEPT = r"""
+int main(int argc, char** argv) {
+  // argv: dir rows V
+  std::string dir = argv[1];
+  const int rows = atoi(argv[2]), V = atoi(argv[3]), n = rows - 1;
+  constexpr int TPB = EMU_TPB;
+  int p[2] = {V, n};
+  auto logits = readf((dir + "/logits").c_str(), (size_t)rows * V);
+  auto draft = n ? readf<int>((dir + "/draft").c_str(), (size_t)n) : std::vector<int>(1, 0);
+  std::vector<int> tokens(rows, -2), num(1, -2);
+  for (int row = 0; row < rows; ++row) {
+    std::vector<float> wv(32);
+    std::vector<int> wi(32);
+    run_block(TPB, [&](int warp, int lane) {
+      dflash_acc::row_argmax<float, TPB>(logits.data(), p, tokens.data(), wv.data(), wi.data(), row, warp, lane);
+    });
+  }
+  run_block(32, [&](int warp, int lane) { dflash_acc::accept(tokens.data(), draft.data(), p, num.data(), lane); });
+  writef(dir + "/tokens", tokens);
+  writef(dir + "/num", num);
   return 0;
 }
 """
@@ -98,8 +183,8 @@ def available() -> bool:
 _built: dict[str, Path] = {}
 
 
-def _binary(names: list[str], defines: dict) -> Path:
-    text = _LAUNCHER.replace("@SOURCE@", "".join(source_text(n) for n in names))
+def _binary(names: list[str], main: str, defines: dict) -> Path:
+    text = _PRELUDE.replace("@SOURCE@", "".join(source_text(n) for n in names)) + main
     key = hashlib.sha256((text + repr(sorted(defines.items()))).encode()).hexdigest()[:16]
     if key in _built:
         return _built[key]
@@ -123,9 +208,60 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, length: int, scale: f
 
     H, Lq, D = q.shape
     Hk, S, _ = k.shape
-    exe = _binary(["dialect.h", "verify_attention.h"], dict(EMU_D=D, EMU_TILE=TILE, EMU_TILES=TILES, EMU_ROWS=ROWS, EMU_WARPS=WARPS))
+    exe = _binary(["dialect.h", "verify_attention.h"], _ATTENTION,
+                  dict(EMU_D=D, EMU_TILE=TILE, EMU_TILES=TILES, EMU_ROWS=ROWS, EMU_WARPS=WARPS))
     with tempfile.TemporaryDirectory() as d:
         for name, arr in (("q", q), ("k", k), ("v", v), ("scale", np.array([scale]))):
             np.ascontiguousarray(arr, dtype=np.float32).tofile(os.path.join(d, name))
         subprocess.run([str(exe), d, str(H), str(Hk), str(Lq), str(length), str(S)], check=True, timeout=600)
         return np.fromfile(os.path.join(d, "out"), dtype=np.float32).reshape(H, Lq, D)
+
+
+def _run(exe: Path, inputs: dict, args: list, outputs: dict) -> dict:
+    """Write ``inputs`` (name -> array; float32 or int32) to a scratch folder, run ``exe`` on it with
+    ``args`` and read ``outputs`` (name -> (dtype, shape)) back."""
+    with tempfile.TemporaryDirectory() as d:
+        for name, arr in inputs.items():
+            arr = np.asarray(arr)
+            dtype = np.int32 if arr.dtype.kind in "iu" else np.float32
+            np.ascontiguousarray(arr, dtype=dtype).tofile(os.path.join(d, name))
+        subprocess.run([str(exe), d, *[str(a) for a in args]], check=True, timeout=600)
+        return {name: np.fromfile(os.path.join(d, name), dtype=dt).reshape(shape)
+                for name, (dt, shape) in outputs.items()}
+
+
+def dynamic_conv(x: np.ndarray, base: np.ndarray, delta: np.ndarray, side: int, group_size: int) -> np.ndarray:
+    """``dynamic_conv.h`` emulated in float32: ``x [N, B, D]``, ``base [2, K, D]``, ``delta [N, B, 2, K, G]``
+    -> ``[N, B, D]``."""
+    from .dynamic_conv import THREADS
+
+    N, B, D = x.shape
+    K, G = base.shape[1], delta.shape[-1]
+    exe = _binary(["dialect.h", "dynamic_conv.h"], _DYNAMIC_CONV, dict(EMU_THREADS=THREADS))
+    return _run(exe, dict(x=x, delta=delta, base=base), [N, B, D, K, G, group_size, side],
+                dict(out=(np.float32, (N, B, D))))["out"]
+
+
+def selector_walk(cand: np.ndarray, u: np.ndarray, H: np.ndarray, pred: np.ndarray, succ: np.ndarray,
+                  anchor: np.ndarray) -> np.ndarray:
+    """``selector_walk.h`` emulated: ``cand`` int ``[M, T, K]``, ``u`` ``[M, T, K]``, ``H`` ``[M, T, R]``,
+    codebooks ``[V, R]`` (float32), ``anchor`` int ``[M]`` -> int32 tokens ``[M, T]``."""
+    from .selector_walk import _pow2
+
+    M, T, K = cand.shape
+    V, R = pred.shape
+    exe = _binary(["dialect.h", "selector_walk.h"], _SELECTOR_WALK, dict(EMU_R=R, EMU_P=_pow2(R)))
+    return _run(exe, dict(cand=cand, unary=u, hproj=H, pred=pred, succ=succ, anchor=anchor), [M, T, K, V],
+                dict(tokens=(np.int32, (M, T))))["tokens"]
+
+
+def greedy_accept(logits: np.ndarray, draft: np.ndarray, tpb: int | None = None) -> tuple[int, np.ndarray]:
+    """``greedy_accept.h`` emulated: ``logits [n + 1, V]`` (float32), ``draft`` int ``[n]`` ->
+    ``(num_accepted, int32 tokens [n + 1])``; ``tpb``: threads per row (default the kernel's)."""
+    from .greedy_accept import TPB
+
+    rows, V = logits.shape
+    exe = _binary(["dialect.h", "greedy_accept.h"], _GREEDY_ACCEPT, dict(EMU_TPB=tpb or TPB))
+    out = _run(exe, dict(logits=logits, draft=np.asarray(draft, dtype=np.int32)), [rows, V],
+               dict(tokens=(np.int32, (rows,)), num=(np.int32, (1,))))
+    return int(out["num"][0]), out["tokens"]

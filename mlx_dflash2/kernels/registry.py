@@ -34,7 +34,8 @@ from typing import Any
 
 import mlx.core as mx
 
-__all__ = ["KernelOp", "KernelSpec", "KernelError", "GateResult", "backend", "default_mode", "MODES", "source_text", "ENV"]
+__all__ = ["KernelOp", "KernelSpec", "KernelError", "GateResult", "backend", "default_mode", "MODES", "source_text", "ENV",
+           "device_input"]
 
 logger = logging.getLogger("mlx_dflash2")
 
@@ -304,6 +305,16 @@ class KernelOp:
     def invariance_rows(self) -> tuple[int, ...]:
         """Row counts :meth:`check_invariance` recomputes on their own."""
         return (1,)
+
+
+def device_input(x: mx.array, n: int = 8) -> mx.array:
+    """``x`` (1-D) padded with zeros to at least ``n`` elements. ``mx.fast.metal_kernel`` passes an input
+    of fewer than 8 elements in Metal's ``constant`` address space (``const constant T*``; MLX's
+    ``max_constant_array_size``), a pointer type that a body taking ``const device T*`` cannot accept;
+    padded, small inputs (parameters, a single anchor, a short draft) stay ``device`` pointers."""
+    if x.shape[0] >= n:
+        return x
+    return mx.concatenate([x, mx.zeros((n - x.shape[0],), dtype=x.dtype)])
 
 
 def _as_list(x) -> list:

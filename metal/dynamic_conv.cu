@@ -1,0 +1,2 @@
+#include "dialect.h"
+#include "dynamic_conv.h"

@@ -1,0 +1,2 @@
+#include "dialect.h"
+#include "greedy_accept.h"

@@ -1,0 +1,2 @@
+#include "dialect.h"
+#include "selector_walk.h"

@@ -258,7 +258,8 @@ def test_adaptive_schedule_f32_identical_while_it_switches(smol_f32, refs, shipp
 
     prop.drafter = type("D", (), {"start": lambda self, prompt: Timed(inner(prompt)),
                                   "block_size": shipped.drafter.block_size, "tap_ids": shipped.drafter.tap_ids,
-                                  "name": "shipped", "min_confidence": 0.0})()
+                                  "name": "shipped", "min_confidence": 0.0,
+                                  "check_block_size": lambda self, b: None})()
 
     stats = SpecStats()
     assert run(target, ids, prop, 16, 120, stats) == ref[:120]

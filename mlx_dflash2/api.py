@@ -197,7 +197,7 @@ def stream_generate(
         seed=seed,
     ).validate()
     draft_key, verify_key = mx.random.split(params.key())
-    verifier = make_verifier(params, verify_key)
+    verifier = make_verifier(params, verify_key, kernel_mode=getattr(model, "kernels", None))
     if isinstance(prompt, str):
         add_special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
         prompt = tokenizer.encode(prompt, add_special_tokens=add_special)

@@ -13,7 +13,8 @@ import sys
 
 from .api import GenerationResponse, _consume, generate, stream_generate
 from .sampling import SamplingParams
-from .loading import ADAPTIVE_HELP, DRAFT_CONFIDENCE_HELP, DRAFTER_HELP, check_block_size, draft_confidence_arg, load
+from .loading import (ADAPTIVE_HELP, DRAFT_CONFIDENCE_HELP, DRAFTER_HELP, KERNELS_HELP, check_block_size,
+                      draft_confidence_arg, load)
 
 __all__ = ["main", "generate", "stream_generate", "GenerationResponse"]
 
@@ -54,6 +55,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--dequantize", action=argparse.BooleanOptionalAction, default=None,
                    help="expand quantized weights (target and drafter) to dense --dtype (default: only on "
                    "the CPU backend for a target of at most 2 GiB dense, where quantized matmuls are slow)")
+    p.add_argument("--kernels", choices=["auto", "reference", "kernel"], default=None, help=KERNELS_HELP)
     p.add_argument("--prefill-step-size", type=int, default=2048, help="prompt chunk size")
     p.add_argument("--verbose", action="store_true", help="print the statistics after the text")
     p.add_argument("--compare", action="store_true",
@@ -123,6 +125,7 @@ def main(argv=None) -> int:
             lookup=not args.no_lookup,
             draft_confidence=args.draft_confidence,
             adaptive=args.adaptive,
+            kernels=args.kernels,
         )
         prompt = _build_prompt(args, tokenizer)
         kwargs = dict(

@@ -45,6 +45,7 @@ class SpeculativeModel:
         block_size: default block size B.
         name: the target's name (path or embedded name).
         config: the target's config dict.
+        kernels: the kernel mode (:mod:`mlx_dflash2.kernels`; ``None``: ``MLX_DFLASH2_KERNELS``).
     """
 
     target: TargetAdapter
@@ -52,6 +53,7 @@ class SpeculativeModel:
     block_size: int
     name: str
     config: dict
+    kernels: str | None = None  # kernel mode of the request's verifier (see mlx_dflash2.kernels)
 
 
 def materialize(*objs) -> None:
@@ -122,6 +124,7 @@ def load_target(
     *,
     dtype: mx.Dtype | str | None = "auto",
     dequantize: bool = False,
+    kernels: str | None = None,
 ):
     """Load a target model and its tokenizer.
 
@@ -134,6 +137,9 @@ def load_target(
         dequantize: expand quantized layers to dense weights of ``dtype``
             (e.g. an exact float32 target for losslessness tests); ``None``:
             :func:`auto_dequantize`.
+        kernels: kernel mode of the target's layers (:meth:`~.target.TargetAdapter.route_kernels`;
+            ``None``: ``MLX_DFLASH2_KERNELS``, default ``"auto"``: the registry's kernels on a GPU
+            where they pass their gates; the CPU runs MLX's own ops).
 
     Returns:
         ``(TargetAdapter, TokenizerWrapper, name)``; the adapter's ``vocab_size``
@@ -183,7 +189,7 @@ def load_target(
         _cast(model, dtype)
         config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
     mx.eval(model.parameters())
-    target = TargetAdapter(model, config, vocab_size=len(tokenizer))  # no padding row is ever emitted
+    target = TargetAdapter(model, config, vocab_size=len(tokenizer), kernels=kernels)  # no padding row is ever emitted
     materialize(target)  # whatever the model holds besides its parameters (it may run on another thread)
     return target, tokenizer, name
 
@@ -292,6 +298,11 @@ DRAFT_CONFIDENCE_HELP = (
     "dynamic draft length: stop a draft once the drafter's cumulative confidence falls below C "
     "(0 = full blocks; default 0.05 on CPU, 0 on GPU)"
 )
+KERNELS_HELP = (
+    "fused kernels (Metal, CUDA): auto = where they pass their numerics gates (else MLX's ops, one warning), "
+    "reference = MLX's ops only, kernel = kernels or an error (default: $MLX_DFLASH2_KERNELS, else auto; "
+    "the CPU always runs MLX's ops)"
+)
 ADAPTIVE_HELP = (
     "schedule the drafter per round by measured tokens/second (draft only where it pays, else the lookup's "
     "tokens or a plain step); the default for --drafter auto. Lossless either way"
@@ -331,6 +342,7 @@ def make_proposer(
     seed: int = 0,
     min_confidence: float | None = None,
     adaptive: bool | None = None,
+    kernels: str | None = None,
 ) -> Proposer | None:
     """Build the proposer for ``drafter``.
 
@@ -378,6 +390,7 @@ def make_proposer(
                              target_name=target_name or None)
     if dequantize:
         model = dequantize_drafter(model)
+    model.kernel_mode = kernels  # the per-round forward's fused ops (mlx_dflash2.kernels)
     min_confidence = check_confidence(min_confidence, "min_confidence")
     if min_confidence is None:
         min_confidence = default_min_confidence()
@@ -400,6 +413,7 @@ def load(
     lookup: bool = True,
     draft_confidence: float | None = None,
     adaptive: bool | None = None,
+    kernels: str | None = None,
 ):
     """Load a target and its drafter (mirrors ``mlx_lm.load``).
 
@@ -415,6 +429,9 @@ def load(
             of :func:`make_proposer`; ``None``: :func:`default_min_confidence`).
         adaptive: the adaptive schedule of a fused drafter (see
             :func:`make_proposer`; ``None``: on for ``drafter="auto"``).
+        kernels: ``"auto"`` (fused kernels on a GPU where they pass their numerics gates, else MLX's
+            ops with one warning), ``"reference"`` (MLX's ops only) or ``"kernel"`` (kernels, or an
+            error); ``None``: ``MLX_DFLASH2_KERNELS`` (default ``"auto"``). See :mod:`mlx_dflash2.kernels`.
 
     Returns:
         ``(SpeculativeModel, TokenizerWrapper)``.
@@ -428,14 +445,17 @@ def load(
     _check_adaptive(adaptive, lookup)
     if block_size is not None:
         block_size = check_block_size(block_size)
-    target, tokenizer, name = load_target(path_or_hf_repo, dtype=dtype, dequantize=dequantize)
+    from .kernels import check_mode
+
+    kernels = check_mode(kernels)
+    target, tokenizer, name = load_target(path_or_hf_repo, dtype=dtype, dequantize=dequantize, kernels=kernels)
     dequantize = drafter_dequantize(dequantize, target)
     proposer = make_proposer(drafter, target, tokenizer, name, lookup=lookup, dequantize=dequantize,
-                             min_confidence=draft_confidence, adaptive=adaptive)
+                             min_confidence=draft_confidence, adaptive=adaptive, kernels=kernels)
     B = block_size if block_size is not None else (proposer.block_size if proposer else 1)
     if proposer is not None:
         proposer.check_block_size(B)  # a note (once) for a block past the drafter's trained one
-    return SpeculativeModel(target, proposer, B, name, target.config), tokenizer
+    return SpeculativeModel(target, proposer, B, name, target.config, kernels), tokenizer
 
 
 def check_block_size(value) -> int:

@@ -16,9 +16,14 @@ One round (DFlash2 spec §2.2, §2.4, §5.7):
 5. **emit** ``d_1..d_a`` and the correction/bonus token, which is the next
    anchor.
 
+The rounds are pipelined: once round r is committed, round r+1's graph is
+built and queued (``mx.async_eval``) before r's tokens are handed to the
+consumer, so its per-token work overlaps the device's; one host read per round.
+
 Tokens are yielded one at a time (like ``mlx_lm.generate_step``). A consumer
-that stops early (EOS, stop string) closes the generator; the loop then cuts
-the target cache and the drafter context back to exactly the consumed tokens
+that stops early (EOS, stop string) closes the generator; the loop then drops
+the queued round and cuts the target cache and the drafter context back to
+exactly the consumed tokens
 and counts only those in the stats: nothing after a stop is emitted, counted or
 left in the cache. Without a proposer the loop is plain decoding, pipelined as
 mlx-lm's (``mx.async_eval`` of the next step before reading the current one).
@@ -354,11 +359,19 @@ def speculative_generate_step(
                 step = nxt
             return
 
-        while room(cache_length(cache)):
+        # Speculative rounds, pipelined: as soon as round r's accepted length is read (the round's one host
+        # synchronisation) and r is committed, round r+1's graph is built and queued (mx.async_eval), and only
+        # then are r's tokens handed to the consumer, so its per-token work (detokenizing, stop strings,
+        # streaming) overlaps the GPU's. A consumer that stops inside r's tokens also discards r+1 (below).
+        def launch(anchor: int, n_done: int):
+            """Build and queue one round after ``anchor`` (``n_done`` tokens emitted so far); None if no room."""
+            nonlocal dkey
             P = cache_length(cache)  # the anchor's position
+            if not ((max_tokens < 0 or n_done < max_tokens) and (limit is None or P < limit)):
+                return None
             n = B - 1
             if max_tokens >= 0:
-                n = min(n, max_tokens - n_out - 1)
+                n = min(n, max_tokens - n_done - 1)
             if limit is not None:
                 n = min(n, limit - P - 1)
             prop = Proposal.empty()
@@ -367,40 +380,51 @@ def speculative_generate_step(
                 if dkey is not None:
                     dkey, sub = mx.random.split(dkey)
                 prop = session.propose(anchor, n, draft_temperature, sub)
-            n = prop.n
             verify_in = mx.concatenate([mx.array([anchor], dtype=mx.int32), prop.tokens.astype(mx.int32)])
             res = target.forward(verify_in, cache, tap_ids)
             vr = verifier.verify(res.logits, prop, history)
-            mx.eval(vr.num_accepted, vr.tokens, vr.logprobs)  # the round's one host synchronisation
-            a = int(vr.num_accepted.item())
+            mx.async_eval(vr.num_accepted, vr.tokens, vr.logprobs)
+            return prop, res, vr, anchor
+
+        cur = launch(anchor, n_out)
+        while cur is not None:
+            prop, res, vr, anc = cur
+            n = prop.n
+            a = int(vr.num_accepted.item())  # the round's one host synchronisation
             session.verified(a + 1)
             toks = vr.tokens[: a + 1].tolist()
             trim_cache(cache, n - a)  # rollback of the rejected drafts
-            pending = [n, a, toks, res.features, 0, anchor, prop.source]
+            # commit the round (the drafter's context, the history) and queue the next one before yielding
+            session.extend([anc] + toks[:a], feats(res.features[: a + 1] if tap_ids else None))
+            history.extend(toks)
+            committed = cache_length(cache)
+            nxt = launch(toks[-1], n_out + a + 1)
+            pending = [n, a, toks, 0, prop.source, committed, nxt]
             for i, tok in enumerate(toks):
-                pending[4] = i
-                history.append(tok)
+                pending[3] = i
                 n_out += 1
                 stats.generated_tokens = n_out
                 yield tok, vr.logprobs[i], i < a
             pending = None
             stats.record_round(n, a, a + 1, prop.source)
-            session.extend([anchor] + toks[:a], feats(res.features[: a + 1] if tap_ids else None))
-            anchor = toks[-1]
+            cur = nxt
     finally:
-        # The consumer stopped while a round was being yielded: keep only what it took.
+        # The consumer stopped while tokens were being yielded: keep only what it took.
         if pending is not None:
             if pending[0] == "pipelined":
                 if pending[1]:
                     trim_cache(cache, 1)
             else:
-                n, a, toks, features, i, anc, src = pending
-                trim_cache(cache, a - i)
+                n, a, toks, i, src, committed, nxt = pending
+                # drop round r+1 if it was queued (its n'+1 verify rows) and round r's tokens after the stop
+                dropped = (a - i) + (nxt[0].n + 1 if nxt is not None else 0)
+                trim_cache(cache, dropped)
+                session.truncate(committed - (a - i))
+                del history[len(history) - (a - i):]
                 # only the drafts at or before the stop count: d_1..d_{i+1} competed for the i + 1 emitted
                 # positions; the rest were verified for nothing (counting them read 14 drafted for 10
                 # emitted, all accepted, as an acceptance rate of 0.714)
                 stats.record_round(min(n, i + 1), min(a, i + 1), i + 1, src)
-                session.extend([anc] + toks[:i], feats(features[: i + 1] if tap_ids else None))
         stats.decode_s = time.perf_counter() - tic
         if state is not None:
             state.tokens = history[: cache_length(cache)]

@@ -66,6 +66,10 @@ class TargetAdapter:
             everything :meth:`forward` and :meth:`logits` return, so no
             decoding path (argmax, sampling, log-probabilities, every verify
             row) can emit a padding id. ``None``: all rows are real.
+        kernels: kernel mode (:mod:`mlx_dflash2.kernels`): anything but ``"reference"`` routes the
+            target's quantized linear layers, tied quantized LM head and attention through the
+            registry's row-invariant kernels on a GPU backend (:meth:`route_kernels`); ``None``:
+            ``MLX_DFLASH2_KERNELS``. Default ``"reference"`` (a bare adapter, as in tests).
 
     Raises:
         TargetCompatibilityError: unsupported family, sliding-window attention
@@ -75,7 +79,8 @@ class TargetAdapter:
         ValueError: ``vocab_size < 1``.
     """
 
-    def __init__(self, model: nn.Module, config: dict, probe: bool = True, vocab_size: int | None = None):
+    def __init__(self, model: nn.Module, config: dict, probe: bool = True, vocab_size: int | None = None,
+                 kernels: str | None = "reference"):
         self.model = model
         self.config = config
         model_type = config.get("model_type")
@@ -119,8 +124,11 @@ class TargetAdapter:
         if self.vocab_size < rows:
             self._padding = mx.arange(rows) >= self.vocab_size
             mx.eval(self._padding)  # not lazy: the adapter may be used on another thread (server worker)
+        self._routes: list = []
+        self.kernels = "reference"
         if probe:
             self.check_parity()
+        self.route_kernels(kernels)
 
     # -- geometry ---------------------------------------------------------
     @property
@@ -233,6 +241,20 @@ class TargetAdapter:
         feats = mx.concatenate([want[i] for i in tap_ids], axis=-1)
         return (feats, self.inner.norm(h)) if final else feats
 
+    def _probe_logits(self, own: bool) -> list[mx.array]:
+        """Logits of the probe (a 6-token prefill, then a 3-token cached step; real vocabulary only)
+        through the model's own ``__call__`` (``own``) or :meth:`forward`."""
+        V = self.vocab_size
+        ids = mx.array([(17 + 7919 * i) % V for i in range(9)], dtype=mx.int32)
+        c = self.make_cache()
+        if own:
+            out = [self.model(ids[None, :6], cache=c)[0], self.model(ids[None, 6:], cache=c)[0]]
+        else:
+            out = [self.forward(ids[:6], c, tap_ids=(0,)).logits, self.forward(ids[6:], c).logits]
+        out = [o[:, :V].astype(mx.float32) for o in out]
+        mx.eval(out)
+        return out
+
     def check_parity(self, tolerance: float = PARITY_TOLERANCE) -> float:
         """Tap-parity probe: the adapter must reproduce ``model(...)``.
 
@@ -246,20 +268,64 @@ class TargetAdapter:
         Raises:
             TargetCompatibilityError: difference above ``tolerance``.
         """
-        vocab = self.vocab_size
-        ids = mx.array([(17 + 7919 * i) % vocab for i in range(9)], dtype=mx.int32)
-        c_ref, c_ours = self.make_cache(), self.make_cache()
-        ref = [self.model(ids[None, :6], cache=c_ref)[0], self.model(ids[None, 6:], cache=c_ref)[0]]
-        ours = [self.forward(ids[:6], c_ours, tap_ids=(0,)).logits, self.forward(ids[6:], c_ours).logits]
-        V = self.vocab_size
-        ref, ours = [r[:, :V] for r in ref], [o[:, :V] for o in ours]
-        diff = max(mx.abs(r.astype(mx.float32) - o.astype(mx.float32)).max().item() for r, o in zip(ref, ours))
+        ref, ours = self._probe_logits(own=True), self._probe_logits(own=False)
+        diff = max(mx.abs(r - o).max().item() for r, o in zip(ref, ours))
         if not diff <= tolerance:  # also catches NaN
             raise TargetCompatibilityError(
                 f"tap-parity probe failed: the adapter's logits differ from the model's own by {diff:.3g} "
                 f"(> {tolerance}); this mlx-lm version or model class is not supported"
             )
         return diff
+
+    def route_kernels(self, mode: str | None = None, force: bool = False) -> int:
+        """Run this target's layers through the kernel registry (this model object only).
+
+        Swaps every affine ``QuantizedLinear`` for a :class:`~.kernels.KernelQuantizedLinear`, the
+        attention of supported families for a :class:`~.kernels.KernelAttention` and a tied quantized
+        LM head for ``kernels.qmm``, so the plain step (1 row) and the verify (B rows) both use the
+        row-count-invariant kernels on a GPU. Then the probe runs again against the unrouted model's
+        logits (relative tolerance 1e-3 in float32, 3e-2 in 16-bit): a mismatch puts the original
+        modules back with one warning line, never a wrong token.
+
+        Args:
+            mode: kernel mode (``None``: ``MLX_DFLASH2_KERNELS``). ``"reference"``, or a CPU backend,
+                routes nothing (the references are MLX's own ops: nothing to gain) unless ``force``.
+            force: route even where only the references would run (tests of the routing itself).
+
+        Returns:
+            How many modules were routed (0: none).
+
+        Raises:
+            ValueError: an unknown mode.
+        """
+        from . import kernels as K
+
+        mode = K.check_mode(mode)
+        if self._routes or (not force and (mode == "reference" or K.backend() == "cpu")):
+            return len(self._routes)
+        ref = self._probe_logits(own=False)
+        emb = self.inner.embed_tokens
+        swaps = K.route_quantized_linears(self.model, mode) + K.route_attention(self.layers, mode)
+        head = self.model.lm_head if hasattr(self.model, "lm_head") else emb.as_linear
+        if not hasattr(self.model, "lm_head") and isinstance(emb, nn.QuantizedEmbedding) and getattr(emb, "mode", "affine") == "affine":
+            def head(h, emb=emb):
+                return K.qmm(h, emb.weight, emb.scales, emb.biases, emb.group_size, emb.bits, mode=mode)
+        old_head, self._head = self._head, head
+        self._routes, self.kernels = swaps, mode
+        ours = self._probe_logits(own=False)
+        scale = max(max(mx.abs(r).max().item() for r in ref), 1.0)
+        diff = max(mx.abs(r - o).max().item() for r, o in zip(ref, ours)) / scale
+        tol = 1e-3 if self.dtype == mx.float32 else 3e-2
+        if not diff <= tol:
+            K.undo_routes(swaps)
+            self._routes, self.kernels, self._head = [], "reference", old_head
+            import logging
+
+            logging.getLogger("mlx_dflash2").warning(
+                "mlx_dflash2: the target's kernel path differs from its reference by %.3g (relative, > %g); "
+                "using the MLX reference path", diff, tol)
+            return 0
+        return len(swaps)
 
 
 def trim_cache(cache: list, n: int) -> None:

@@ -36,7 +36,7 @@ def test_quantized_linear_routing_is_the_same_layer():
     nn.quantize(model, group_size=32, bits=4)
     x = mx.random.normal((3, 128))
     before = model(x)
-    assert route_quantized_linears(model) == 2
+    assert len(route_quantized_linears(model)) == 2
     assert all(isinstance(m, KernelQuantizedLinear) for m in (model.layers[0], model.layers[2]))
     assert mx.array_equal(model(x), before)
     assert nn.QuantizedLinear.__call__ is not KernelQuantizedLinear.__call__  # no class was touched
@@ -157,3 +157,60 @@ def test_selftest_runs_on_the_cpu(capsys):
     assert main([]) == 0
     out = capsys.readouterr().out
     assert "kernel backend: cpu" in out and "reference only" in out and "qmm" in out and "verify_attention" in out
+
+
+def _tiny_quantized_target(model_type="qwen3"):
+    import importlib
+
+    import mlx.nn as nn
+
+    from mlx_dflash2.target import TargetAdapter
+
+    cfg = {"model_type": model_type, "hidden_size": 64, "num_hidden_layers": 3, "intermediate_size": 128,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+           "vocab_size": 512, "rope_theta": 10000.0, "max_position_embeddings": 2048, "tie_word_embeddings": True}
+    mod = importlib.import_module(f"mlx_lm.models.{model_type}")
+    mx.random.seed(3)
+    model = mod.Model(mod.ModelArgs.from_dict(cfg))
+    nn.quantize(model, group_size=32, bits=4)
+    mx.eval(model.parameters())
+    return TargetAdapter(model, cfg, vocab_size=500)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "llama"])
+def test_target_routing_keeps_the_model(model_type):
+    """The target's layers routed through the registry (forced on the CPU, where the ops are their
+    references) compute exactly what mlx-lm's modules compute, and speculative decoding on the routed
+    target still equals plain decoding."""
+    from mlx_dflash2.kernels import KernelAttention, KernelQuantizedLinear
+    from mlx_dflash2.proposers import LookupProposer
+    from mlx_dflash2.speculative import speculative_generate_step
+
+    t = _tiny_quantized_target(model_type)
+    prompt = [5, 9, 5, 9, 5, 9, 5, 9, 17, 23]
+    ids = mx.array(prompt + [3, 4, 5], dtype=mx.int32)
+    before = t.forward(ids, t.make_cache()).logits
+    plain = [tok for tok, _, _ in speculative_generate_step(prompt, t, None, max_tokens=20)]
+    assert t.route_kernels("auto") == 0  # the CPU backend: nothing to route
+    n = t.route_kernels("auto", force=True)
+    assert n == 3 * 7 + 3 and t.kernels == "auto"
+    assert isinstance(t.layers[0].self_attn, KernelAttention)
+    assert isinstance(t.layers[0].mlp.down_proj, KernelQuantizedLinear)
+    assert mx.array_equal(t.forward(ids, t.make_cache()).logits, before)
+    spec = [tok for tok, _, _ in speculative_generate_step(prompt, t, LookupProposer(block_size=6), max_tokens=20)]
+    assert spec == plain
+
+
+def test_target_routing_that_disagrees_is_undone(monkeypatch, caplog):
+    """A kernel path whose logits differ from the reference path is put back, with one warning."""
+    import mlx.nn as nn
+
+    from mlx_dflash2.kernels.qmm import QuantizedMatmul
+
+    t = _tiny_quantized_target()
+    monkeypatch.setattr(QuantizedMatmul, "reference", lambda self, x, w, s, b, gs, bits, config=None:
+                        mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits) * 1.5)
+    with caplog.at_level(logging.WARNING, logger="mlx_dflash2"):
+        assert t.route_kernels("auto", force=True) == 0
+    assert t.kernels == "reference" and type(t.layers[0].mlp.down_proj) is nn.QuantizedLinear
+    assert any("using the MLX reference path" in r.getMessage() for r in caplog.records)

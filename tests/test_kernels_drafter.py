@@ -28,7 +28,9 @@ needs_emu = pytest.mark.skipif(not emulate.available(), reason="no C++20 compile
 DRAFTER_OPS = (dynamic_conv, selector_walk, greedy_accept)
 # float32 gate keys (the emulation's dtype) first, then others
 KEYS = {"dynamic_conv": [("float32", "float32", "float32"), ("bfloat16", "bfloat16", "float32")],
-        "selector_walk": [("float32", 32), ("bfloat16", 8)], "greedy_accept": [("float32",), ("float16",)]}
+        "selector_walk": [("float32", 32), ("bfloat16", 8)], "greedy_accept": [("float32",), ("float16",)],
+        "qmm": [("mlx.core.bfloat16", 4, 64, 1000, 512), ("mlx.core.float32", 8, 32, 64, 256)],
+        "verify_attention": [("mlx.core.float16", 8, 2, 64)]}
 
 
 def test_drafter_ops_are_registered():
@@ -248,7 +250,7 @@ class _FakeKernel:
 
 
 @pytest.mark.parametrize("be", ["cuda", "metal"])
-@pytest.mark.parametrize("op", DRAFTER_OPS, ids=lambda op: op.name)
+@pytest.mark.parametrize("op", list(kernels.OPS.values()), ids=lambda op: op.name)
 def test_launches_match_their_specs(monkeypatch, op, be):
     """launch() on the gate's inputs and on one-block inputs feeds each kernel what its KernelSpec
     declares (inputs, dtypes, template names of the compile-checked examples), in whole threadgroups
@@ -265,6 +267,8 @@ def test_launches_match_their_specs(monkeypatch, op, be):
             cases.append((args[0][:1], args[1][:1], args[2][:1], args[3], args[4], args[5][:1]))
         if op.name == "greedy_accept":  # the plain step: one row, no draft
             cases.append((args[0][:1], args[1][:0]))
+        if op.name in ("qmm", "verify_attention"):  # the plain step: one row
+            cases.append((args[0][:1],) + args[1:] if op.name == "qmm" else (args[0][:, :, :1],) + args[1:])
         for case in cases:
             assert op.supports(*case)
             log.clear()
@@ -279,7 +283,7 @@ def test_launches_match_their_specs(monkeypatch, op, be):
                 for x, (name, ty) in zip(inputs, spec.inputs):
                     want = tmpl[ty] if ty in tmpl else getattr(mx, ty)
                     assert x.dtype == want, (spec.name, name, x.dtype)
-                assert tg[0] <= 1024 and grid[0] % tg[0] == 0 and grid[1:] == (1, 1) and tg[1:] == (1, 1)
+                assert tg[0] * tg[1] * tg[2] <= 1024 and all(g % t == 0 for g, t in zip(grid, tg))
 
 
 def test_drafter_round_routes_the_fused_ops(monkeypatch):

@@ -14,12 +14,12 @@ float32.
 from .attention import KernelAttention, route_attention, verify_attention
 from .dynamic_conv import dynamic_conv
 from .greedy_accept import greedy_accept
-from .qmm import KernelQuantizedLinear, qmm, route_quantized_linears
+from .qmm import KernelQuantizedLinear, qmm, route_quantized_linears, undo_routes
 from .registry import ENV, MODES, KernelError, KernelOp, backend, check_mode, default_mode
 from .selector_walk import selector_walk
 
 OPS = {op.name: op for op in (qmm, verify_attention, dynamic_conv, selector_walk, greedy_accept)}
 
 __all__ = ["OPS", "qmm", "verify_attention", "dynamic_conv", "selector_walk", "greedy_accept", "KernelOp",
-           "KernelError", "KernelQuantizedLinear", "KernelAttention", "route_quantized_linears", "route_attention",
+           "KernelError", "KernelQuantizedLinear", "KernelAttention", "route_quantized_linears", "route_attention", "undo_routes",
            "backend", "check_mode", "default_mode", "MODES", "ENV"]

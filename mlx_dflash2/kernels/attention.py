@@ -117,8 +117,9 @@ class VerifyAttention(KernelOp):
         R = (H // Hk) * Lq
         n_chunks = -(-length // (TILE * TILES))
         n_rg = -(-R // ROWS)
-        params = mx.array([H, Hk, Lq, length, S * D, n_chunks, n_rg], dtype=mx.int32)
-        sc = mx.array([scale], dtype=mx.float32)
+        # 8 elements each: Metal passes shorter inputs as `constant` pointers (registry.device_input)
+        params = mx.array([H, Hk, Lq, length, S * D, n_chunks, n_rg, 0], dtype=mx.int32)
+        sc = mx.array([scale] + [0.0] * 7, dtype=mx.float32)
         rows_total = Hk * R
         part_o, part_ml = self.kernel(backend, "partial")(
             inputs=[q, keys, values, params, sc],
@@ -128,7 +129,7 @@ class VerifyAttention(KernelOp):
             output_dtypes=[mx.float32, mx.float32])
         return self.kernel(backend, "combine")(
             inputs=[part_o, part_ml, params], template=[("T", q.dtype), ("D", D)],
-            grid=(rows_total * 32, 1, 1), threadgroup=(128, 1, 1),
+            grid=(-(-rows_total // 4) * 128, 1, 1), threadgroup=(128, 1, 1),  # whole groups; extra rows return
             output_shapes=[(1, H, Lq, D)], output_dtypes=[q.dtype])[0]
 
 
@@ -179,14 +180,17 @@ class KernelAttention(nn.Module):
         return a.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
-def route_attention(layers, mode: str | None = None) -> int:
+def route_attention(layers, mode: str | None = None) -> list[tuple]:
     """Wrap the ``self_attn`` of every decoder layer in ``layers`` whose class is in
-    :data:`ATTENTION_CLASSES` with :class:`KernelAttention` (this model instance only). Returns how
-    many were wrapped."""
-    n = 0
+    :data:`ATTENTION_CLASSES` with :class:`KernelAttention` (this model instance only).
+
+    Returns:
+        The swaps ``[(layer, "self_attn", original)]`` (``kernels.qmm.undo_routes`` restores them).
+    """
+    swaps = []
     for layer in layers:
         attn = getattr(layer, "self_attn", None)
         if attn is not None and f"{type(attn).__module__}.{type(attn).__name__}" in ATTENTION_CLASSES:
+            swaps.append((layer, "self_attn", attn))
             layer.self_attn = KernelAttention(attn, mode)
-            n += 1
-    return n
+    return swaps

@@ -25,7 +25,7 @@ import mlx.nn as nn
 
 from .registry import KernelOp, KernelSpec
 
-__all__ = ["QuantizedMatmul", "qmm", "KernelQuantizedLinear", "route_quantized_linears", "qmm_config"]
+__all__ = ["QuantizedMatmul", "qmm", "KernelQuantizedLinear", "route_quantized_linears", "undo_routes", "qmm_config"]
 
 MAX_ROWS = 16
 BITS = (4, 8)
@@ -148,11 +148,12 @@ _param_cache: dict[tuple, mx.array] = {}
 
 
 def _params(M: int, N: int, K: int) -> mx.array:
-    """The kernel's int32 ``[M, N, K]`` (evaluated, cached: no per-call host array)."""
+    """The kernel's int32 ``[M, N, K]``, zero-padded to 8 elements (Metal: a ``device`` pointer, see
+    :func:`~.registry.device_input`), evaluated and cached: no per-call host array."""
     key = (M, N, K)
     p = _param_cache.get(key)
     if p is None:
-        p = mx.array([M, N, K], dtype=mx.int32)
+        p = mx.array([M, N, K, 0, 0, 0, 0, 0], dtype=mx.int32)
         mx.eval(p)
         _param_cache[key] = p
     return p
@@ -191,19 +192,22 @@ class KernelQuantizedLinear(nn.Module):
         return y
 
 
-def route_quantized_linears(model: nn.Module, mode: str | None = None) -> int:
+def route_quantized_linears(model: nn.Module, mode: str | None = None) -> list[tuple]:
     """Replace every affine ``nn.QuantizedLinear`` under ``model`` (this instance only) with a
-    :class:`KernelQuantizedLinear` sharing its arrays. Returns how many were replaced.
+    :class:`KernelQuantizedLinear` sharing its arrays.
 
     No class is patched: only the submodules of this model object change, so another copy of the
     same checkpoint (e.g. mlx-lm's reference in a benchmark) is untouched.
+
+    Returns:
+        The swaps ``[(container, key, original module)]`` (:func:`undo_routes` restores them).
     """
     def swap(m):
         if isinstance(m, nn.QuantizedLinear) and getattr(m, "mode", "affine") == "affine":
             return KernelQuantizedLinear(m, mode)
         return None
 
-    n = 0
+    swaps = []
     for _, parent in list(model.named_modules()):
         for name, child in list(parent.children().items()):
             if isinstance(child, list):  # e.g. nn.Sequential's layers: edit the module's own list
@@ -211,11 +215,20 @@ def route_quantized_linears(model: nn.Module, mode: str | None = None) -> int:
                 for i, c in enumerate(own):
                     new = swap(c)
                     if new is not None:
+                        swaps.append((own, i, c))
                         own[i] = new
-                        n += 1
             else:
                 new = swap(child)
                 if new is not None:
+                    swaps.append((parent, name, child))
                     setattr(parent, name, new)
-                    n += 1
-    return n
+    return swaps
+
+
+def undo_routes(swaps: list[tuple]) -> None:
+    """Put the original modules of ``route_*`` swaps back."""
+    for container, key, original in reversed(swaps):
+        if isinstance(container, list):
+            container[key] = original
+        else:
+            setattr(container, key, original)

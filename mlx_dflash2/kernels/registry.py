@@ -20,7 +20,7 @@ Sources live in the top-level ``metal/`` directory of the repository (installed 
 ``mlx_dflash2.metal``): ``<op>.metal`` and ``<op>.cu`` hold the kernel's functions (the kernel
 wrapper's header), the op passes a short body that calls them (``mx.fast.*_kernel`` generates the
 signature). Where Metal and CUDA can share one body (simple SIMD/warp code), ``<op>.h`` holds it
-with the macros of ``metal/shim/`` picking the dialect.
+with the macros of ``metal/dialect.h`` picking the dialect.
 """
 
 from __future__ import annotations

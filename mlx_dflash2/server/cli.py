@@ -14,7 +14,7 @@ import re
 import sys
 from pathlib import Path
 
-from ..loading import ADAPTIVE_HELP, DRAFT_CONFIDENCE_HELP, DRAFTER_HELP, draft_confidence_arg
+from ..loading import ADAPTIVE_HELP, DRAFT_CONFIDENCE_HELP, DRAFTER_HELP, KERNELS_HELP, draft_confidence_arg
 
 __all__ = ["main", "setup_arg_parser", "build_app"]
 
@@ -94,6 +94,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--dequantize", action=argparse.BooleanOptionalAction, default=None,
                    help="expand quantized weights (target and drafter) to dense --dtype (default: only on "
                    "the CPU backend for a target of at most 2 GiB dense, where quantized matmuls are slow)")
+    p.add_argument("--kernels", choices=["auto", "reference", "kernel"], default=None, help=KERNELS_HELP)
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                    help="logging level (default: INFO)")
     return p
@@ -122,6 +123,7 @@ def build_app(args: argparse.Namespace, model=None, tokenizer=None):
             lookup=not args.no_lookup,
             draft_confidence=args.draft_confidence,
             adaptive=args.adaptive,
+            kernels=args.kernels,
         )
     if args.chat_template:
         template = args.chat_template

@@ -10,6 +10,13 @@ import os as _os
 _os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 _os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+# MLX's CUDA backend (read at first use): keep JIT-compiled kernels on disk (a fresh process otherwise spends
+# ~120 s compiling on an H200; warm: 2.4 s), and keep attention off the cuDNN SDPA path, which builds a graph per
+# exact key length (60-75 ms for every verify at a new length, and an error after a few hundred misses; see
+# shared research h200-profile.md). Both only set when the user has not; no effect on Metal or the CPU.
+_os.environ.setdefault("MLX_PTX_CACHE_DIR", _os.path.join(_os.path.expanduser("~"), ".cache", "mlx_dflash2", "ptx"))
+_os.environ.setdefault("MLX_CUDA_USE_CUDNN_SDPA", "0")
+
 # Before anything loads MLX: its Linux CPU wheel's reference BLAS is ~20x slower than OpenBLAS.
 from ._blas import preload as _preload_blas  # noqa: E402
 

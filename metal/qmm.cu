@@ -110,11 +110,25 @@ struct Stage {
   static constexpr int XW = KL / Act<T>::PER_WORD;       // activation words per row per lane per group
   u32 w[NT][WPL];
   u32 xa[XW], xb[XW];
+  float sc[NT][2], bi[NT][2];  // scale and bias of this lane's two C-fragment columns per tile
 
-  __device__ __forceinline__ void load(const T* __restrict__ x, const u32* __restrict__ w_, int M, int N, int K,
-                                       int n_base, int g, int gr, int t, bool live) {
+  __device__ __forceinline__ void load(const T* __restrict__ x, const u32* __restrict__ w_,
+                                       const T* __restrict__ scales, const T* __restrict__ biases, int M, int N,
+                                       int K, int n_base, int g, int gr, int t, bool live) {
     const int k0 = g * GS + t * KL;
     const int wrow = K * BITS / 32;
+    const int G = K / GS;
+    // the epilogue's scales and biases are loaded with the weights (one latency for both)
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int n = n_base + 8 * j + 2 * t + c;
+        const bool ok = live && n < N;
+        sc[j][c] = ok ? to_f<T>(scales[(size_t)n * G + g]) : 0.f;
+        bi[j][c] = ok ? to_f<T>(biases[(size_t)n * G + g]) : 0.f;
+      }
+    }
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
       const int n = n_base + 8 * j + gr;
@@ -149,12 +163,9 @@ struct Stage {
 
 // Tensor-core work and epilogue of one loaded group.
 template <typename T, int BITS, int GS, int NT>
-__device__ __forceinline__ void compute(const Stage<T, BITS, GS, NT>& st, const T* __restrict__ scales,
-                                        const T* __restrict__ biases, int N, int K, int n_base, int g, int t,
-                                        float (&acc)[NT][4]) {
+__device__ __forceinline__ void compute(const Stage<T, BITS, GS, NT>& st, float (&acc)[NT][4]) {
   typedef Stage<T, BITS, GS, NT> S;
   constexpr int NA = Act<T>::NA;
-  const int G = K / GS;
   // sum of x over the group (rows gr, gr+8): the lane's slice in order, then lanes t by xor 1, 2
   float xs0 = 0.f, xs1 = 0.f;
 #pragma unroll
@@ -194,10 +205,7 @@ __device__ __forceinline__ void compute(const Stage<T, BITS, GS, NT>& st, const 
   }
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
-    const int n = n_base + 8 * j + 2 * t;
-    float s0 = 0.f, s1 = 0.f, b0 = 0.f, b1 = 0.f;
-    if (n < N) { s0 = to_f<T>(scales[(size_t)n * G + g]); b0 = to_f<T>(biases[(size_t)n * G + g]); }
-    if (n + 1 < N) { s1 = to_f<T>(scales[(size_t)(n + 1) * G + g]); b1 = to_f<T>(biases[(size_t)(n + 1) * G + g]); }
+    const float s0 = st.sc[j][0], s1 = st.sc[j][1], b0 = st.bi[j][0], b1 = st.bi[j][1];
     acc[j][0] += s0 * cg[j][0] + b0 * xs0;
     acc[j][1] += s1 * cg[j][1] + b1 * xs0;
     acc[j][2] += s0 * cg[j][2] + b0 * xs1;
@@ -225,10 +233,10 @@ __device__ __forceinline__ void qmm_block(const T* __restrict__ x, const u32* __
   for (int g = g0; g < g1; g += U) {
     Stage<T, BITS, GS, NT> st[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) st[u].load(x, w, M, N, K, n_base, g + u, gr, t, g + u < g1);
+    for (int u = 0; u < U; ++u) st[u].load(x, w, scales, biases, M, N, K, n_base, g + u, gr, t, g + u < g1);
 #pragma unroll
     for (int u = 0; u < U; ++u)
-      if (g + u < g1) compute<T, BITS, GS, NT>(st[u], scales, biases, N, K, n_base, g + u, t, acc);
+      if (g + u < g1) compute<T, BITS, GS, NT>(st[u], acc);
   }
 #pragma unroll
   for (int j = 0; j < NT; ++j)

@@ -46,19 +46,34 @@ DF_FN void attn_partial(const DF_DEVICE T* q, const DF_DEVICE T* k, const DF_DEV
     for (int c = 0; c < DL; ++c) o_run[a][c] = 0.0f;
   }
   const int key0 = chunk * TILE * TILES;
+  // the next tile's keys and values are loaded into registers while the current one is computed
+  constexpr int PER = TILE * D / (WARPS * 32);  // elements of K (and of V) per thread per tile
+  float rk[PER], rv[PER];
+  for (int p = 0; p < PER; ++p) {
+    const int e = tid + p * WARPS * 32, j = e / D, d = e % D, key = key0 + j;
+    const bool in = key < L;
+    rk[p] = in ? df_f(k[(long)hk * kstride + (long)key * D + d]) : 0.0f;
+    rv[p] = in ? df_f(v[(long)hk * kstride + (long)key * D + d]) : 0.0f;
+  }
   for (int tile = 0; tile < TILES; ++tile) {
     const int kb = key0 + tile * TILE;
+    if (kb >= L) break;                    // uniform: the rest of the chunk is past the cache
     DF_BARRIER();
-    if (kb < L) {
-      for (int e = tid; e < TILE * D; e += WARPS * 32) {
-        const int j = e / D, d = e % D, key = kb + j;
-        const bool in = key < L;
-        tk[j * KS + d] = in ? df_f(k[(long)hk * kstride + (long)key * D + d]) : 0.0f;
-        tv[j * D + d] = in ? df_f(v[(long)hk * kstride + (long)key * D + d]) : 0.0f;
-      }
+    for (int p = 0; p < PER; ++p) {
+      const int e = tid + p * WARPS * 32, j = e / D, d = e % D;
+      tk[j * KS + d] = rk[p];
+      tv[j * D + d] = rv[p];
     }
     DF_BARRIER();
-    if (kb >= L) continue;
+    const int nb = kb + TILE;
+    if (tile + 1 < TILES && nb < L) {
+      for (int p = 0; p < PER; ++p) {
+        const int e = tid + p * WARPS * 32, j = e / D, d = e % D, key = nb + j;
+        const bool in = key < L;
+        rk[p] = in ? df_f(k[(long)hk * kstride + (long)key * D + d]) : 0.0f;
+        rv[p] = in ? df_f(v[(long)hk * kstride + (long)key * D + d]) : 0.0f;
+      }
+    }
     for (int a = 0; a < ROWS / WARPS; ++a) {
       const int rr = a * WARPS + warp, r = rg * ROWS + rr;
       if (r >= R) continue;

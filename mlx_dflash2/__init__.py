@@ -23,6 +23,7 @@ from ._blas import preload as _preload_blas  # noqa: E402
 _preload_blas()
 
 from ._version import __version__  # noqa: E402
+from . import generate as _generate_cli  # noqa: E402,F401  (loaded first: the function below keeps the name)
 from .api import GenerationResponse, generate, stream_generate  # noqa: E402
 from .loading import SpeculativeModel, load  # noqa: E402
 from .speculative import SpecStats, speculative_generate_step  # noqa: E402

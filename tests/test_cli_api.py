@@ -432,3 +432,12 @@ def test_bad_draft_confidence_flag(prog, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--draft-confidence", "abc"])
     assert e.value.code == 2 and "--draft-confidence: must be a number in [0, 1)" in capsys.readouterr().err
+
+
+def test_importing_the_cli_module_keeps_the_generate_function():
+    """``import mlx_dflash2.generate`` (the CLI module) must not replace the package's ``generate``
+    function (the name mlx-lm's API uses), whatever the import order."""
+    import importlib
+
+    importlib.import_module("mlx_dflash2.generate")
+    assert callable(mlx_dflash2.generate) and mlx_dflash2.generate.__module__ == "mlx_dflash2.api"

@@ -21,7 +21,7 @@ from .registry import KernelOp, KernelSpec
 __all__ = ["VerifyAttention", "verify_attention", "KernelAttention", "route_attention", "ATTENTION_CLASSES"]
 
 MAX_ROWS = 16
-TILE, TILES = 32, 8  # keys per tile, tiles per chunk (CHUNK = 256 keys at fixed absolute positions)
+TILE, TILES = 32, 4  # keys per tile, tiles per chunk (CHUNK = 128 keys at fixed absolute positions)
 ROWS, WARPS = 16, 8  # query rows per block, warps per block
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
@@ -42,6 +42,10 @@ class VerifyAttention(KernelOp):
 
     name = "verify_attention"
     sources = {"cuda": "verify_attention.cu", "metal": "verify_attention.metal"}
+
+    def __init__(self):
+        super().__init__()
+        self._scales: dict = {}
     row_invariant = True
     tolerance = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 2e-2}
 
@@ -111,6 +115,11 @@ class VerifyAttention(KernelOp):
                      "  dflash_attn::attn_combine<T, D>(part_o, part_ml, params, out, t / 32, t % 32);\n", **io2),
         }
 
+    def fast_key(self, args, kw):
+        q, keys, values, length, scale = args
+        return (q.shape, q.dtype, keys.shape, keys.dtype, values.shape, values.dtype,
+                q.shape[2] <= length <= keys.shape[2])
+
     def launch(self, backend, q, keys, values, length, scale):
         _, H, Lq, D = q.shape
         Hk, S = keys.shape[1], keys.shape[2]
@@ -119,7 +128,10 @@ class VerifyAttention(KernelOp):
         n_rg = -(-R // ROWS)
         # 8 elements each: Metal passes shorter inputs as `constant` pointers (registry.device_input)
         params = mx.array([H, Hk, Lq, length, S * D, n_chunks, n_rg, 0], dtype=mx.int32)
-        sc = mx.array([scale] + [0.0] * 7, dtype=mx.float32)
+        sc = self._scales.get(scale)
+        if sc is None:
+            sc = self._scales[scale] = mx.array([scale] + [0.0] * 7, dtype=mx.float32)
+            mx.eval(sc)
         rows_total = Hk * R
         part_o, part_ml = self.kernel(backend, "partial")(
             inputs=[q, keys, values, params, sc],

@@ -44,12 +44,16 @@ def qmm_config(backend: str, n: int, k: int, group_size: int, dtype) -> tuple[in
         return nt, w, u
     groups = k // group_size
     if backend == "cuda":
-        # enough thread blocks for ~132 SMs with a dependency chain of per-layer weights, and enough
-        # loads in flight per warp to stay near bandwidth (H200 measurements: benchmarks/README.md)
-        nt = 4 if n >= 16384 else 2 if n >= 2048 else 1
-        warps = 8 if groups >= 64 else 4 if groups >= 16 else 2
-        u = 2 if dtype != mx.float32 else 1
-        return nt, warps, u
+        # H200 sweep of dependent chains over the 36 layers of the Qwen3-8B shape (bench_kernels.py --sweep,
+        # benchmarks/README.md session 11): wide weights want 4 tiles and 4 warps, 4096-row ones 2 tiles and
+        # 8 warps (K split finer), 1024-row ones the same with two groups loaded ahead
+        if n >= 8192:
+            nt, warps, u = 4, (4 if k <= 8192 else 8), 1
+        else:
+            nt, warps, u = 2, 8, (2 if n < 2048 else 1)
+        while warps > 1 and groups < 2 * warps:  # every warp gets at least two groups
+            warps //= 2
+        return nt, warps, (1 if dtype == mx.float32 else u)
     nt = 2 if n >= 2048 else 1
     sg = 4 if groups >= 32 else 2
     return nt, sg, 1
@@ -70,6 +74,10 @@ class QuantizedMatmul(KernelOp):
 
     name = "qmm"
     sources = {"cuda": "qmm.cu", "metal": "qmm.metal"}
+
+    def __init__(self):
+        super().__init__()
+        self._geo: dict = {}
     row_invariant = True
     tolerance = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 2e-2}
 
@@ -130,18 +138,29 @@ class QuantizedMatmul(KernelOp):
                  "      threadgroup_position_in_grid.x, simdgroup_index_in_threadgroup, thread_index_in_simdgroup);\n",
             **io)}
 
+    def fast_key(self, args, kw):
+        x, w, scales, biases, group_size, bits = args[:6]
+        return (x.shape, x.dtype, w.shape, w.dtype, scales.dtype, None if biases is None else biases.dtype,
+                group_size, bits)
+
     def launch(self, backend, x, w, scales, biases, group_size, bits, config=None):
-        lead, K, N = x.shape[:-1], x.shape[-1], w.shape[0]
-        M = math.prod(lead)
-        nt, warps, u = config or qmm_config(backend, N, K, group_size, x.dtype)
-        tmpl = [("T", x.dtype), ("BITS", bits), ("GS", group_size), ("NT", nt)]
-        tmpl += [("WARPS", warps), ("U", u)] if backend == "cuda" else [("S", warps)]
-        blocks = -(-N // (8 * nt))
+        shape, N = x.shape, w.shape[0]
+        key = (backend, shape, N, group_size, bits, x.dtype, config)
+        geo = self._geo.get(key)
+        if geo is None:  # the launch geometry of a call signature, worked out once
+            K = shape[-1]
+            M = math.prod(shape[:-1])
+            nt, warps, u = config or qmm_config(backend, N, K, group_size, x.dtype)
+            tmpl = [("T", x.dtype), ("BITS", bits), ("GS", group_size), ("NT", nt)]
+            tmpl += [("WARPS", warps), ("U", u)] if backend == "cuda" else [("S", warps)]
+            blocks = -(-N // (8 * nt))
+            geo = self._geo[key] = (M, K, tmpl, (blocks * warps * 32, 1, 1), (warps * 32, 1, 1), [(M, N)],
+                                    _params(M, N, K), (*shape[:-1], N))
+        M, K, tmpl, grid, tg, out_shapes, params, out_shape = geo
         y = self.kernel(backend, "qmm")(
-            inputs=[x.reshape(M, K), w, scales, biases, _params(M, N, K)], template=tmpl,
-            grid=(blocks * warps * 32, 1, 1), threadgroup=(warps * 32, 1, 1), output_shapes=[(M, N)],
-            output_dtypes=[x.dtype])[0]
-        return y.reshape(*lead, N)
+            inputs=[x.reshape(M, K), w, scales, biases, params], template=tmpl, grid=grid, threadgroup=tg,
+            output_shapes=out_shapes, output_dtypes=[x.dtype])[0]
+        return y.reshape(out_shape)
 
 
 _param_cache: dict[tuple, mx.array] = {}

@@ -8,8 +8,9 @@ has been checked, and its reference otherwise:
 * **mode**: ``"auto"`` (kernel where it builds and passes its gate, else the reference with one
   warning), ``"reference"`` (never a kernel) or ``"kernel"`` (a kernel that fails to build or
   disagrees raises :class:`KernelError` instead of falling back: for tests and benchmarks). The
-  environment variable ``MLX_DFLASH2_KERNELS`` sets the process default; an op call (and
-  ``mlx_dflash2.load(kernels=...)``) can pass its own;
+  environment variable ``MLX_DFLASH2_KERNELS`` sets the process default (read when an op first meets
+  a call signature: decisions are cached per signature, since the host builds every layer's graph
+  on a round's critical path); an op call (and ``mlx_dflash2.load(kernels=...)``) can pass its own;
 * **numerics gate**: the first call of an op on a new *shape key* (what the kernel's code path
   depends on: dtypes, bit width, sizes) runs the kernel and the reference on random inputs of that
   key and compares them (``max |kernel - reference| <= tol * max(|reference|, 1)``; row-count
@@ -47,16 +48,24 @@ class KernelError(RuntimeError):
     """A kernel failed to build or disagreed with its reference (raised in mode ``"kernel"``)."""
 
 
+_backend_of: dict = {}
+
+
 def backend() -> str:
-    """``"metal"``, ``"cuda"`` or ``"cpu"``: where kernels of the default device would run."""
-    if mx.default_device() == mx.cpu:
-        return "cpu"
-    if mx.metal.is_available():
-        return "metal"
-    cuda = getattr(mx, "cuda", None)
-    if cuda is not None and cuda.is_available():
-        return "cuda"
-    return "cpu"
+    """``"metal"``, ``"cuda"`` or ``"cpu"``: where kernels of the default device would run (cached
+    per default device: it is asked on every op call)."""
+    key = mx.default_device()  # hashable
+    be = _backend_of.get(key)
+    if be is None:
+        be = "cpu"
+        if key != mx.cpu:
+            cuda = getattr(mx, "cuda", None)
+            if mx.metal.is_available():
+                be = "metal"
+            elif cuda is not None and cuda.is_available():
+                be = "cuda"
+        _backend_of[key] = be
+    return be
 
 
 def default_mode() -> str:
@@ -186,6 +195,7 @@ class KernelOp:
         self._gates: dict[tuple, GateResult] = {}
         self._warned: set[str] = set()
         self._kernels: dict[tuple, Any] = {}
+        self._fast: dict = {}
         self._lock = threading.Lock()
 
     # -- to define --------------------------------------------------------
@@ -250,10 +260,25 @@ class KernelOp:
             return False
         return True
 
+    def fast_key(self, args: tuple, kw: dict):
+        """A cheap hashable summary of a call that decides :meth:`active` (shapes, dtypes, static
+        arguments), or ``None``. With one, the decision is cached: an op runs once per layer per
+        forward, and the host builds the graph on the round's critical path."""
+        return None
+
     def dispatch(self, *args, mode: str | None = None, **kw):
         """Run the kernel where :meth:`active`, else the reference."""
-        if self.active(*args, mode=mode, **kw):
-            return self.launch(backend(), *args, **kw)
+        be = backend()
+        fk = self.fast_key(args, kw)
+        if fk is None:
+            on = self.active(*args, mode=mode, **kw)
+        else:
+            key = (be, mode, fk)  # mode None: the environment's, read when a signature is first met
+            on = self._fast.get(key)
+            if on is None:
+                on = self._fast[key] = self.active(*args, mode=mode, **kw)  # raises in mode "kernel"
+        if on:
+            return self.launch(be, *args, **kw)
         return self.reference(*args, **kw)
 
     __call__ = dispatch

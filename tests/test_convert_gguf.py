@@ -328,6 +328,7 @@ def test_smollm2_default_keeps_the_source_layout_exactly(tmp_path, smol_source):
     assert all(r["match"] for r in rows)
 
 
+@pytest.mark.slow  # ~27 s; the default layout's exactness test stays in the default suite
 def test_smollm2_4bit_g32_differs_only_at_near_ties(tmp_path, smol_source):
     res, rows = _agreement(tmp_path, smol_source, q_group_size=32)
     hint = "1 layers with an exact source layout (8-bit g32 x1) are requantized"  # the Q8_0 embedding

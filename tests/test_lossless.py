@@ -31,14 +31,30 @@ def run(target, prompt, proposer, B, n, stats=None, state=None):
     ]
 
 
+class _Refs:
+    """mlx-lm's plain greedy continuations of the test prompts, made on first use and only as long as
+    asked (``refs[name]``: 48 tokens, enough for most tests; ``refs.long(name)``: 140)."""
+
+    def __init__(self, target, tok):
+        self.target, self.tok, self._cache = target, tok, {}
+
+    def get(self, name, n):
+        have = self._cache.get(name)
+        if have is None or len(have[1]) < n:
+            ids = chat_ids(self.tok, {**PROMPTS, "story": STORY}[name])
+            have = self._cache[name] = (ids, plain_reference(self.target, ids, n)[0])
+        return have
+
+    def __getitem__(self, name):
+        return self.get(name, 48)
+
+    def long(self, name):
+        return self.get(name, 140)
+
+
 @pytest.fixture(scope="module")
 def refs(smol_f32):
-    target, tok = smol_f32
-    out = {}
-    for name, text in {**PROMPTS, "story": STORY}.items():
-        ids = chat_ids(tok, text)
-        out[name] = (ids, plain_reference(target, ids, 140)[0])
-    return out
+    return _Refs(*smol_f32)
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +71,12 @@ def test_plain_loop_equals_mlx_lm(smol_q):
     assert run(target, ids, None, 1, 24) == ref
 
 
-@pytest.mark.parametrize("B", BLOCKS)
-@pytest.mark.parametrize("name", list(PROMPTS))
+# every prompt at the extreme block sizes, the middle ones on one prompt each; the rest in `make test-all`
+FRESH_CASES = [pytest.param(n, B, marks=() if B in (2, 16) or (n, B) in (("math", 4), ("chat", 8)) else pytest.mark.slow)
+               for n in PROMPTS for B in BLOCKS]
+
+
+@pytest.mark.parametrize("name,B", FRESH_CASES)
 def test_fresh_dflash2_f32_identical(smol_f32, refs, fresh_dflash2, name, B):
     """Real drafter path (fresh DFlash2 + lookup fusion): token-identical in float32."""
     target, tok = smol_f32
@@ -72,14 +92,15 @@ def test_fresh_dflash2_f32_identical(smol_f32, refs, fresh_dflash2, name, B):
     assert state.session.d.ctx.offset == len(ids) + len(out) - 1
 
 
-@pytest.mark.parametrize("B", BLOCKS)
-@pytest.mark.parametrize("name", list(PROMPTS) + ["story"])
+# B = 16 (137 tokens per prompt) on two prompts by default, on all four in `make test-all`
+@pytest.mark.parametrize("name,B", [pytest.param(n, B, marks=pytest.mark.slow if B == 16 and n in ("chat", "math") else ())
+                                    for n in list(PROMPTS) + ["story"] for B in BLOCKS])
 def test_scripted_rejection_at_every_offset_f32(smol_f32, refs, name, B):
     """First rejection at every block offset 0..B-2, plus full acceptance (offset B-1)."""
     target, tok = smol_f32
-    ids, ref = refs[name]
     schedule = list(range(B))  # one cycle visits every offset
     n = B * (B + 1) // 2 + 1  # exactly one full cycle of rounds
+    ids, ref = refs.get(name, n)
     prop = ScriptedProposer(len(ids), ref, schedule, B, target.vocab_rows, tap_ids=(3, 10))
     stats = SpecStats()
     out = run(target, ids, prop, B, n, stats)
@@ -158,7 +179,7 @@ def test_other_drafter_variants_f32_identical(smol_f32, refs, over):
     assert out == ref[:40]
 
 
-@pytest.mark.parametrize("B", [1, 4, 16])
+@pytest.mark.parametrize("B", [1, pytest.param(4, marks=pytest.mark.slow), 16])
 def test_streamed_text_identical_across_block_sizes(smol_f32, fresh_dflash2, B):
     """Streamed segments are whole UTF-8 and concatenate to the same text for every B (known-bugs row 7)."""
     import mlx_dflash2
@@ -210,8 +231,8 @@ def shipped(smol_f32):
     return make_proposer("shipped", target, tok, "smollm2-135m-instruct")
 
 
-@pytest.mark.parametrize("B", [4, 16])
-@pytest.mark.parametrize("name", list(PROMPTS))
+@pytest.mark.parametrize("name,B", [pytest.param(n, B, marks=() if B == 16 or n == "code" else pytest.mark.slow)
+                                    for n in PROMPTS for B in (4, 16)])
 def test_shipped_trained_drafter_f32_identical(smol_f32, refs, shipped, name, B):
     """The trained DFlash2 drafter shipped in the package (4-bit, fused with lookup): float32 greedy
     output token-identical to plain decoding, and it does accept drafts (it is trained, not noise)."""
@@ -223,7 +244,7 @@ def test_shipped_trained_drafter_f32_identical(smol_f32, refs, shipped, name, B)
     assert stats.tau > 1.2, stats.tau
 
 
-@pytest.mark.parametrize("name", ["code", "story"])
+@pytest.mark.parametrize("name", ["code", pytest.param("story", marks=pytest.mark.slow)])
 def test_adaptive_schedule_f32_identical_while_it_switches(smol_f32, refs, shipped, name):
     """The adaptive schedule (the default of `--drafter auto`) over the shipped drafter, with a scripted
     clock that makes drafter rounds cheap for a while and then 50x dearer: the schedule drafts, then stops
@@ -231,7 +252,7 @@ def test_adaptive_schedule_f32_identical_while_it_switches(smol_f32, refs, shipp
     from mlx_dflash2.proposers import AdaptiveSchedule
 
     target, _ = smol_f32
-    ids, ref = refs[name]
+    ids, ref = refs.long(name)  # 120 tokens
     clock = {"t": 0.0, "drafter_cost": 0.1, "calls": 0}
 
     def now():  # called at the start and at the commit of each scheduled round: 1 s per round
@@ -275,7 +296,7 @@ def test_block_past_trained_size_warns_once_and_stays_lossless(smol_f32, refs, f
     prop = DFlashProposer(fresh_dflash2, target, len(tok))
     with caplog.at_level("WARNING", logger="mlx_dflash2"):
         for _ in range(2):
-            assert run(target, ids, prop, 24, 40) == ref[:40]
+            assert run(target, ids, prop, 24, 16) == ref[:16]
     msgs = [r.getMessage() for r in caplog.records if "trained block size" in r.getMessage()]
     assert len(msgs) == 1 and "block size 24" in msgs[0], msgs
 

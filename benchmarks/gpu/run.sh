@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# The device-call driver of issue 19's H200 measurements: run from the repository root on the lent machine
+# after ../shared/gpu/prepare's bundles were stashed and installed (MLX CUDA + mlx-lm installed; the SmolLM2
+# GGUF and the gguf wheel in /root/payload).
+#
+#   bash benchmarks/gpu/run.sh PART...        PART: selftest check kernels scaling exactness sets
+#
+# Each part runs under `timeout` (T_<PART> seconds, below; never past RUN_BUDGET seconds from this script's
+# start, so one device call ends inside its 600 s limit), its output tee'd to $OUT/<part>.log, its results in
+# $OUT/ (the device tool brings back at most 8 files: keep to ~3 parts per call; with more than 8 files they are
+# packed into $OUT/results.tar.gz). $OUT/run.log: nvidia-smi lines, each part's exit status and seconds.
+#   selftest   python -m mlx_dflash2.selftest: every kernel against its reference on the GPU (exit 1 on a fallback)
+#   check      tests/test_kernels.py tests/test_kernels_drafter.py with MLX's CPU as the default device (the
+#              tests are written for the CPU: NVRTC compile checks of every CUDA instantiation with the device
+#              image's nvrtc, the shared bodies in the CPU emulation; the GPU itself is selftest's)
+#   kernels    benchmarks/bench_kernels.py --shapes $KERNEL_SHAPES --sweep -> kernels.json
+#   scaling    benchmarks/bench_scaling.py --shapes $SCALING_SHAPES -> scaling.json, scaling.png
+#   exactness  benchmarks/gpu/exactness.py --gguf $GGUF -> exactness.json (exit 1 on a mismatch with the kernels)
+#   sets       benchmarks/gpu/smollm2_sets.py --model $GGUF -> sets.json
+# Env: OUT (the device tool sets it), GGUF, PY (python3), MLX_PTX_CACHE_DIR (default /root/ptx: it stays for
+# the machine's lease, so only the first MLX process compiles), RUN_BUDGET (default 570), T_SELFTEST (180),
+# T_CHECK (150), T_KERNELS (180), T_SCALING (420), T_EXACTNESS (240), T_SETS (300), KERNEL_SHAPES (qwen3-8b),
+# SCALING_SHAPES (qwen3-8b,dense-27b), ARGS_<PART> (more arguments for that part's script).
+# SMOKE=1: every part at toy size on any machine (CPU included) to check this driver.
+set -u
+cd "$(dirname "$0")/../.."
+T0=$(date +%s)
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+SMOKE=${SMOKE:-0}
+if [ "$SMOKE" = 1 ]; then export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/ptx}; else export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/root/ptx}; fi
+OUT=${OUT:-/tmp/out}
+PY=${PY:-python3}
+GGUF=${GGUF:-/root/payload/SmolLM2-135M-Instruct.Q4_1.gguf}
+RUN_BUDGET=${RUN_BUDGET:-570}
+mkdir -p "$OUT" "$MLX_PTX_CACHE_DIR" 2>/dev/null || mkdir -p "$OUT"
+RUNLOG="$OUT/run.log"
+say() { echo "[run.sh $(date +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*" | tee -a "$RUNLOG"; }
+smi() { command -v nvidia-smi >/dev/null && say "nvidia-smi: $(nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem,temperature.gpu,driver_version --format=csv,noheader 2>&1 | head -1)"; }
+
+[ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu/run.sh PART...   (selftest check kernels scaling exactness sets)" >&2; exit 2; }
+for p in "$@"; do
+  case $p in selftest|check|kernels|scaling|exactness|sets) ;; *) echo "unknown part: $p" >&2; exit 2;; esac
+done
+$PY -c "import gguf" 2>/dev/null || $PY -m pip install -q --no-index --no-deps /root/payload/gguf-*.whl 2>&1 | tail -2
+if [ ! -f "$GGUF" ]; then  # elsewhere (a CPU smoke run): the embedded model's GGUF, if installed
+  GGUF=$($PY -c "from mlx_dflash2.assets import embedded_model_path as p; print(p())" 2>/dev/null || echo "$GGUF")
+fi
+smi
+say "$($PY -c "import mlx_dflash2, mlx.core as mx, mlx_lm; print('MLX', mx.__version__, 'mlx-lm', mlx_lm.__version__, mx.default_device(), 'CUDNN_SDPA', __import__('os').environ.get('MLX_CUDA_USE_CUDNN_SDPA'))" 2>&1 | tail -1)"
+say "parts: $*; budget ${RUN_BUDGET} s; OUT=$OUT; MLX_PTX_CACHE_DIR=$MLX_PTX_CACHE_DIR; GGUF=$GGUF"
+
+if [ "$SMOKE" = 1 ]; then
+  TINY=--tiny; KSHAPES=${KERNEL_SHAPES:-qwen2.5-0.5b}; SSHAPES=tiny
+else
+  TINY=; KSHAPES=${KERNEL_SHAPES:-qwen3-8b}; SSHAPES=${SCALING_SHAPES:-qwen3-8b,dense-27b}
+fi
+
+status=0
+for p in "$@"; do
+  P=$(echo "$p" | tr a-z A-Z)
+  def=$(eval echo "\${T_$P:-}")
+  case $p in selftest) def=${def:-180};; check) def=${def:-150};; kernels) def=${def:-180};;
+             scaling) def=${def:-420};; exactness) def=${def:-240};; sets) def=${def:-300};; esac
+  left=$(( RUN_BUDGET - ($(date +%s) - T0) - 5 ))
+  t=$(( def < left ? def : left ))
+  if [ "$t" -lt 20 ]; then say "part $p: skipped (${left} s left of RUN_BUDGET)"; status=1; continue; fi
+  b=$(( t - 25 ))  # the scripts' own budget: they stop starting work before the timeout kills them
+  extra=$(eval echo "\${ARGS_$P:-}")
+  say "part $p: timeout ${t} s"
+  ts=$(date +%s)
+  case $p in
+    selftest)  cmd=($PY -m mlx_dflash2.selftest) ;;
+    check)     cmd=($PY -c "import mlx_dflash2, mlx.core as mx, sys, pytest; mx.set_default_device(mx.cpu); sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_kernels.py', 'tests/test_kernels_drafter.py'] + sys.argv[1:]))") ;;
+    kernels)   cmd=($PY benchmarks/bench_kernels.py --shapes "$KSHAPES" --sweep --out "$OUT/kernels.json") ;;
+    scaling)   cmd=($PY benchmarks/bench_scaling.py --shapes "$SSHAPES" $TINY --budget "$b" --out "$OUT") ;;
+    exactness) cmd=($PY benchmarks/gpu/exactness.py --gguf "$GGUF" $TINY --budget "$b" --out "$OUT/exactness.json") ;;
+    sets)      cmd=($PY benchmarks/gpu/smollm2_sets.py --model "$GGUF" $TINY --budget "$b" --out "$OUT/sets.json") ;;
+  esac
+  [ "$SMOKE" = 1 ] && [ "$p" = kernels ] && cmd=("${cmd[@]}" --rows 1,16 --kv 1024 --repeats 2)
+  # shellcheck disable=SC2086
+  timeout -k 10 "$t" "${cmd[@]}" $extra 2>&1 | tee "$OUT/$p.log"
+  rc=${PIPESTATUS[0]}
+  [ "$rc" = 124 ] && say "part $p: TIMED OUT after ${t} s (results written so far are in $OUT)"
+  say "part $p: exit $rc, $(( $(date +%s) - ts )) s"
+  [ "$rc" = 0 ] || status=1
+  smi
+done
+
+n=$(find "$OUT" -maxdepth 1 -type f ! -name results.tar.gz | wc -l)
+if [ "$n" -gt 8 ]; then
+  say "$n files in $OUT (the device tool returns 8): packing them into results.tar.gz (run.log stays beside it)"
+  (cd "$OUT" && find . -maxdepth 1 -type f ! -name results.tar.gz ! -name run.log -printf '%P\n' > /tmp/run_sh_files \
+     && tar -czf results.tar.gz -T /tmp/run_sh_files && xargs rm -f < /tmp/run_sh_files)
+fi
+say "done: exit $status, $(( $(date +%s) - T0 )) s"
+exit $status

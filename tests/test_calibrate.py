@@ -308,3 +308,51 @@ def test_without_calibration_drafter_rounds_draft_full_blocks(smol_f32, code_ref
     out = [t for t, _, _ in speculative_generate_step(ids, target, prop, block_size=16, max_tokens=48, stats=stats)]
     assert out == ref[:48] and asked and all(k == 15 for k in asked[:-1]), asked
     assert stats.verify_cost == {}
+
+
+def test_make_proposer_calibrates_under_the_adaptive_schedule_only(tiny, tmp_path, monkeypatch):
+    """`auto`/adaptive proposers get a width policy from the (cached) calibration; calibrate=False and
+    proposers without the schedule measure nothing."""
+    from mlx_dflash2.loading import make_proposer
+
+    path, target, tok, name, drafter = tiny
+    monkeypatch.setenv(C.CACHE_ENV, str(tmp_path / "cal.json"))
+    m = drafter.model
+    adaptive = make_proposer(m, target, tok, name, adaptive=True, block_size=4)
+    assert isinstance(adaptive, FusedProposer) and adaptive.calibration is not None
+    assert sorted(adaptive.calibration.verify_s) == [1, 2, 3, 4]
+    assert make_proposer(m, target, tok, name, adaptive=True, calibrate=False).calibration is None
+    assert make_proposer(m, target, tok, name, adaptive=False).calibration is None
+    assert len(json.loads((tmp_path / "cal.json").read_text())["entries"]) == 1
+
+
+def test_load_checks_calibrate_before_loading_and_notes_a_flag_with_nothing_to_calibrate(tiny, tmp_path, monkeypatch,
+                                                                                         caplog):
+    from mlx_dflash2.loading import load
+
+    with pytest.raises(ValueError, match="calibrate"):
+        load("/nonexistent/model", drafter="none", calibrate="yes")
+    monkeypatch.setenv(C.CACHE_ENV, str(tmp_path / "cal.json"))
+    with caplog.at_level("WARNING", logger="mlx_dflash2"):
+        model, _ = load(str(tiny[0]), drafter="lookup", calibrate=True)
+    assert model.proposer.name == "lookup" and "nothing measured" in caplog.text
+    assert not (tmp_path / "cal.json").exists()
+
+
+def test_cli_calibrate_flag_end_to_end(tmp_path):
+    """`--calibrate` measures on the spot and stores the entry; `--verbose` prints the widths verified and
+    the calibration table (within 30 s: the embedded model's calibration takes a few seconds)."""
+    cache = tmp_path / "cal.json"
+    env = {**os.environ, C.CACHE_ENV: str(cache)}
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "mlx_dflash2.generate", "--prompt", "Write a haiku about the sea.",
+                        "--max-tokens", "12", "--calibrate", "--verbose"], capture_output=True, text=True, env=env,
+                       timeout=120)
+    took = time.perf_counter() - t0
+    assert r.returncode == 0, r.stderr
+    assert "Verify widths:" in r.stdout and "Verify cost T(M)/T(1): 1:1.00" in r.stdout, r.stdout
+    entries = json.loads(cache.read_text())["entries"]
+    (entry,) = entries.values()
+    assert sorted(map(int, entry["verify_s"])) == list(DEFAULT_WIDTHS)
+    assert entry["fingerprint"]["target"] == "smollm2-135m-instruct" and entry["meta"]["seconds"] < 15
+    assert took < 30, took

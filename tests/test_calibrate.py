@@ -153,19 +153,23 @@ class _Slow:
 
 
 def test_measurement_runs_in_bounded_time(tiny):
-    """The timed passes stop at the time budget (at least one runs): a slow target gets fewer repeats, and
-    the whole measurement ends within the budget plus one pass and the untimed first one."""
+    """The timed passes stop at the time budget (at least one runs): a slow target gets fewer passes, and
+    the whole measurement ends within the budget plus one pass and the untimed first one. Without a budget
+    in the way, passes go on from `repeats` until the costs settle, at most `max_repeats`."""
     path, target, tok, name, drafter = tiny
     t0 = time.perf_counter()
     costs = C.measure_verify_costs(_Slow(target, 0.03), drafter=drafter, repeats=5, time_budget=0.3, progress=False)
     took = time.perf_counter() - t0
     assert sorted(costs.verify_s) == list(DEFAULT_WIDTHS) and sorted(costs.drafter_s) == [1, 15]
-    assert costs.meta["passes"] == 1 and took < 2.0, (costs.meta, took)
+    assert costs.meta["passes"] == 1 and not costs.meta["settled"] and took < 2.0, (costs.meta, took)
     assert all(t >= 0.03 for t in costs.verify_s.values())
-    fast = C.measure_verify_costs(target, (1, 4), repeats=3, time_budget=30.0, progress=False)
-    assert fast.meta["passes"] == 3 and fast.drafter_s == {} and sorted(fast.verify_s) == [1, 4]
-    for bad in (dict(widths=(0, 4)), dict(context=0), dict(repeats=0), dict(time_budget=0)):
-        with pytest.raises(ValueError, match=next(iter(bad))):
+    fast = C.measure_verify_costs(target, (1, 4), repeats=3, max_repeats=6, time_budget=30.0, progress=False)
+    assert 3 <= fast.meta["passes"] <= 6 and fast.drafter_s == {} and sorted(fast.verify_s) == [1, 4]
+    loose = C.measure_verify_costs(target, (1, 4), repeats=2, tolerance=100.0, time_budget=30.0, progress=False)
+    assert loose.meta["passes"] == 2 and loose.meta["settled"]  # settled at once: stops at `repeats`
+    for bad in (dict(widths=(0, 4)), dict(context=0), dict(repeats=0), dict(max_repeats=1, repeats=2),
+                dict(tolerance=-1), dict(time_budget=0)):
+        with pytest.raises(ValueError, match=list(bad)[-1]):
             C.measure_verify_costs(target, **{"widths": (1, 2), **bad})
 
 

@@ -13,8 +13,8 @@ import sys
 
 from .api import GenerationResponse, _consume, generate, stream_generate
 from .sampling import SamplingParams
-from .loading import (ADAPTIVE_HELP, DRAFT_CONFIDENCE_HELP, DRAFTER_HELP, KERNELS_HELP, check_block_size,
-                      draft_confidence_arg, load)
+from .loading import (ADAPTIVE_HELP, CALIBRATE_HELP, DRAFT_CONFIDENCE_HELP, DRAFTER_HELP, KERNELS_HELP,
+                      check_block_size, draft_confidence_arg, load)
 
 __all__ = ["main", "generate", "stream_generate", "GenerationResponse"]
 
@@ -34,6 +34,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-confidence", type=draft_confidence_arg, default=None, metavar="C",
                    help=DRAFT_CONFIDENCE_HELP)
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None, help=ADAPTIVE_HELP)
+    p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None, help=CALIBRATE_HELP)
     p.add_argument("--prompt", "-p", default="Hello!", help="the prompt ('-' reads stdin)")
     p.add_argument("--system", default=None, help="system prompt (chat template)")
     p.add_argument("--max-tokens", "-m", type=int, default=256, help="maximum tokens to generate")
@@ -126,6 +127,7 @@ def main(argv=None) -> int:
             draft_confidence=args.draft_confidence,
             adaptive=args.adaptive,
             kernels=args.kernels,
+            calibrate=args.calibrate,
         )
         prompt = _build_prompt(args, tokenizer)
         kwargs = dict(

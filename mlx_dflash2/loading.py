@@ -12,6 +12,7 @@ target without a shipped drafter).
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,13 +23,16 @@ from mlx.utils import tree_flatten
 from . import assets
 from .drafter.io import dequantize_drafter, init_drafter, load_drafter
 from .drafter.model import DraftModel
-from .proposers import AdaptiveSchedule, DFlashProposer, FusedProposer, LookupProposer, Proposer, check_confidence
+from .proposers import (AdaptiveSchedule, DFlashProposer, FusedProposer, LookupProposer, Proposer, WidthPolicy,
+                        check_confidence)
 from .target import TargetAdapter
 
 __all__ = ["SpeculativeModel", "load", "load_target", "make_proposer", "check_block_size", "materialize",
            "ModelNotFoundError"]
 
 DEFAULT_LOOKUP_BLOCK = 8
+
+logger = logging.getLogger("mlx_dflash2")
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -307,6 +311,11 @@ ADAPTIVE_HELP = (
     "schedule the drafter per round by measured tokens/second (draft only where it pays, else the lookup's "
     "tokens or a plain step); the default for --drafter auto. Lossless either way"
 )
+CALIBRATE_HELP = (
+    "the adaptive schedule's verify widths: --calibrate measures this machine's verify cost T(M)/T(1) again "
+    "(a few seconds) and stores it; --no-calibrate verifies full blocks (--block-size). Default: the cached "
+    "calibration of this model, quantization, MLX version and device, measured once when missing"
+)
 
 
 def draft_confidence_arg(text: str) -> float:
@@ -343,6 +352,8 @@ def make_proposer(
     min_confidence: float | None = None,
     adaptive: bool | None = None,
     kernels: str | None = None,
+    calibrate: bool | None = None,
+    block_size: int | None = None,
 ) -> Proposer | None:
     """Build the proposer for ``drafter``.
 
@@ -361,6 +372,11 @@ def make_proposer(
         adaptive: schedule the fused drafter per round by measured throughput
             (:class:`~.proposers.AdaptiveSchedule`); ``None``: only for
             ``"auto"``. Needs ``lookup``.
+        calibrate: the schedule's verify widths (:class:`~.proposers.WidthPolicy`) from a calibration of
+            this machine (:func:`~.calibrate.calibrate`): ``None`` uses the cached one and measures it (a few
+            seconds) when missing, ``True`` measures again and stores it, ``False`` has none (full blocks).
+            Only with the adaptive schedule (otherwise nothing is measured).
+        block_size: the widest block the calibration must cover (default: the drafter's).
 
     Raises:
         FileNotFoundError, DrafterConfigError, DrafterLoadError: bad drafter.
@@ -399,6 +415,12 @@ def make_proposer(
         # the lookup's own block (DEFAULT_LOOKUP_BLOCK) caps the adaptive schedule's lookup-only rounds
         p = FusedProposer(p, LookupProposer(block_size=DEFAULT_LOOKUP_BLOCK),
                           schedule=AdaptiveSchedule() if adaptive else None)
+        if adaptive and calibrate is not False:
+            from .calibrate import calibrate as measure
+
+            costs = measure(target, target_name, p, block_size=max(block_size or 1, p.block_size),
+                            rerun=calibrate is True)
+            p.schedule.widths = WidthPolicy(costs)
     materialize(p)  # a server builds it here and runs it on its worker thread
     return p
 
@@ -414,6 +436,7 @@ def load(
     draft_confidence: float | None = None,
     adaptive: bool | None = None,
     kernels: str | None = None,
+    calibrate: bool | None = None,
 ):
     """Load a target and its drafter (mirrors ``mlx_lm.load``).
 
@@ -432,6 +455,10 @@ def load(
         kernels: ``"auto"`` (fused kernels on a GPU where they pass their numerics gates, else MLX's
             ops with one warning), ``"reference"`` (MLX's ops only) or ``"kernel"`` (kernels, or an
             error); ``None``: ``MLX_DFLASH2_KERNELS`` (default ``"auto"``). See :mod:`mlx_dflash2.kernels`.
+        calibrate: the adaptive schedule's verify widths from this machine's measured verify cost
+            (:mod:`mlx_dflash2.calibrate`): ``None`` (default) uses the cached calibration and measures it
+            once (a few seconds) when missing, ``True`` measures again and replaces it, ``False`` verifies
+            full blocks. Nothing is measured without the adaptive schedule (a note is logged for ``True``).
 
     Returns:
         ``(SpeculativeModel, TokenizerWrapper)``.
@@ -443,6 +470,8 @@ def load(
     # everything that can be checked without the weights is checked before the (slow) loading
     draft_confidence = check_confidence(draft_confidence)
     _check_adaptive(adaptive, lookup)
+    if calibrate is not None and not isinstance(calibrate, bool):
+        raise ValueError(f"calibrate must be None, True or False, got {calibrate!r}")
     if block_size is not None:
         block_size = check_block_size(block_size)
     from .kernels import check_mode
@@ -451,7 +480,11 @@ def load(
     target, tokenizer, name = load_target(path_or_hf_repo, dtype=dtype, dequantize=dequantize, kernels=kernels)
     dequantize = drafter_dequantize(dequantize, target)
     proposer = make_proposer(drafter, target, tokenizer, name, lookup=lookup, dequantize=dequantize,
-                             min_confidence=draft_confidence, adaptive=adaptive, kernels=kernels)
+                             min_confidence=draft_confidence, adaptive=adaptive, kernels=kernels,
+                             calibrate=calibrate, block_size=block_size)
+    if calibrate and getattr(proposer, "calibration", None) is None:
+        logger.warning("calibrate: drafter %r has no adaptive schedule to choose verify widths; nothing measured",
+                       getattr(proposer, "name", "none"))
     B = block_size if block_size is not None else (proposer.block_size if proposer else 1)
     if proposer is not None:
         proposer.check_block_size(B)  # a note (once) for a block past the drafter's trained one

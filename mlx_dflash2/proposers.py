@@ -34,6 +34,7 @@ __all__ = [
     "LookupProposer",
     "FusedProposer",
     "AdaptiveSchedule",
+    "WidthPolicy",
     "confident_length",
     "check_confidence",
 ]
@@ -343,6 +344,107 @@ class _LookupSession(ProposerSession):
         return Proposal(mx.array(toks, dtype=mx.int32), source="lookup") if toks else Proposal.empty()
 
 
+class WidthPolicy:
+    """How many tokens a round verifies, from calibrated costs and the acceptance measured so far.
+
+    A round that proposes ``n`` tokens emits ``1 + sum_{i<=n} c_i`` tokens on average, ``c_i`` being the
+    probability that drafts ``1..i`` are all accepted, and costs ``T(n+1)`` (a target forward of ``n + 1``
+    rows) plus, for a drafter round, ``D(n)`` (its proposal): ``costs``, a calibration of this machine
+    (:class:`~.calibrate.VerifyCosts`). :meth:`choose` returns the ``n`` of ``1..n_max`` with the most tokens
+    per second, among the measured widths (``n + 1`` measured) and ``n_max`` itself. The cost curve need not
+    be monotone (on the H200 a verify of 4 rows costs more than one of 16; on a 2-core CPU 12 more than
+    16), so no width is taken for granted, and 16 is verified only where it pays.
+
+    Each *kind* of proposal has its own acceptance: ``"drafter"`` (a drafter round, its proposal cost
+    included), ``"lookup"`` (a long lookup match, which wins without a drafter forward) and
+    ``"lookup-short"`` (a short match the schedule gave a round to). ``c_i`` is a product of conditional
+    rates ``p_j = P(d_j accepted | d_1..d_{j-1} accepted)``, each estimated from the rounds that verified
+    position ``j`` after accepting ``j - 1`` drafts: discounted counts (every round recorded for the kind
+    multiplies its counts by ``decay``) plus ``prior_weight`` pseudo-rounds at the estimate of ``p_{j-1}``
+    (at the kind's prior for ``j = 1``). A position not verified for a while (narrower blocks were chosen)
+    thus falls back on its neighbour's rate: a geometric tail, not a stale number.
+
+    Lossless by construction: the width depends only on rounds already verified, never on the draft.
+
+    Args:
+        costs: the calibration (``verify(m)`` and ``drafter(n)`` in seconds).
+        priors: acceptance rate of position 1 before any round, per kind (in ``(0, 1)``; a kind not named
+            takes ``"drafter"``'s); default :attr:`PRIORS`.
+        prior_weight: pseudo-rounds of each position's prior (> 0).
+        decay: discount of a kind's counts per recorded round, in ``(0, 1)``.
+
+    Raises:
+        ValueError: a prior, ``prior_weight`` or ``decay`` out of range.
+    """
+
+    PRIORS = {"drafter": 0.6, "lookup": 0.8, "lookup-short": 0.6}
+
+    def __init__(self, costs, priors: dict | None = None, prior_weight: float = 2.0, decay: float = 0.95):
+        self.priors = {**self.PRIORS, **(priors or {})}
+        if not all(isinstance(v, (int, float)) and 0.0 < v < 1.0 for v in self.priors.values()) \
+                or not prior_weight > 0 or not 0.0 < decay < 1.0:
+            raise ValueError("0 < every prior < 1, prior_weight > 0 and 0 < decay < 1 are required")
+        self.costs = costs
+        self.prior_weight, self.decay = float(prior_weight), float(decay)
+        # per kind: [hits, trials]; hits[j] = discounted rounds that accepted position j + 1 having verified
+        # it after a full prefix, trials[j] = discounted rounds that verified position j + 1 after a full prefix
+        self._counts: dict[str, tuple[list[float], list[float]]] = {}
+
+    def acceptance(self, n: int, kind: str = "drafter") -> list[float]:
+        """``[c_1..c_n]``: the estimated probability that proposals ``1..i`` of ``kind`` are all accepted."""
+        hits, trials = self._counts.get(kind, ([], []))
+        out, c, p = [], 1.0, self.priors.get(kind, self.priors["drafter"])
+        for j in range(n):
+            h = hits[j] if j < len(hits) else 0.0
+            t = trials[j] if j < len(trials) else 0.0
+            p = (h + self.prior_weight * p) / (t + self.prior_weight)
+            c *= p
+            out.append(c)
+        return out
+
+    def rate(self, n: int, kind: str = "drafter", c: list[float] | None = None) -> float:
+        """Estimated tokens per second of a round proposing ``n`` tokens of ``kind`` (``n = 0``: a plain step)."""
+        if n <= 0:
+            return 1.0 / self.costs.verify(1)
+        c = self.acceptance(n, kind) if c is None else c
+        cost = self.costs.verify(n + 1) + (self.costs.drafter(n) if kind == "drafter" else 0.0)
+        return (1.0 + sum(c[:n])) / cost
+
+    def choose(self, n_max: int, kind: str = "drafter") -> int:
+        """How many of the ``n_max`` tokens a round of ``kind`` may propose to verify (``n_max`` when < 2)."""
+        if n_max <= 1:
+            return n_max
+        c = self.acceptance(n_max, kind)
+        cands = sorted({m - 1 for m in self.costs.verify_s if 2 <= m <= n_max + 1} | {n_max})
+        best, best_rate = cands[0], -1.0
+        for n in cands:
+            r = self.rate(n, kind, c)
+            if r > best_rate:
+                best, best_rate = n, r
+        return best
+
+    def record(self, drafted: int, accepted: int, kind: str = "drafter") -> None:
+        """A verified round of ``kind`` that proposed ``drafted`` tokens accepted the first ``accepted``."""
+        if drafted <= 0:
+            return
+        accepted = max(0, min(int(accepted), int(drafted)))
+        reached = min(accepted + 1, drafted)  # positions 1..reached were verified after a full prefix
+        hits, trials = self._counts.setdefault(kind, ([], []))
+        need = max(reached, len(trials))
+        for lst in (hits, trials):
+            lst.extend([0.0] * (need - len(lst)))
+            for j in range(len(lst)):
+                lst[j] *= self.decay
+        for j in range(reached):
+            trials[j] += 1.0
+            if j < accepted:
+                hits[j] += 1.0
+
+    def summary(self, n: int = 8, kind: str = "drafter") -> str:
+        """The estimated ``c_1..c_n`` of ``kind`` as one line."""
+        return " ".join(f"{x:.2f}" for x in self.acceptance(n, kind))
+
+
 class AdaptiveSchedule:
     """Per-round choice between a drafter forward and a cheaper round, by measured throughput.
 
@@ -379,14 +481,18 @@ class AdaptiveSchedule:
         min_samples: measured rounds of each arm before choosing by rate.
         warmup: first rounds of each (context, arm) not measured.
         clock: seconds as a float (``time.perf_counter``; tests pass a fake).
+        widths: a :class:`WidthPolicy` (from a calibration of this machine, :mod:`~.calibrate`) that picks how
+            many tokens a round proposes (drafter rounds and lookup rounds), or ``None``: as many as the loop
+            and the lookup allow, as without a calibration.
     """
 
     def __init__(self, explore_every: int = 16, decay: float = 0.9, min_samples: int = 3, warmup: int = 1,
-                 clock=time.perf_counter):
+                 clock=time.perf_counter, widths: WidthPolicy | None = None):
         if explore_every < 2 or not 0.0 < decay < 1.0 or min_samples < 1 or warmup < 0:
             raise ValueError("explore_every >= 2, 0 < decay < 1, min_samples >= 1 and warmup >= 0 are required")
         self.explore_every, self.decay, self.min_samples, self.warmup = explore_every, decay, min_samples, warmup
         self.clock = clock
+        self.widths = widths
         self._sums: dict[tuple[str, bool], list[float]] = {}  # (context, arm) -> discounted [tokens, seconds]
         self._seen: dict[tuple[str, bool], int] = {}
         self._decisions: dict[str, int] = {}
@@ -427,6 +533,18 @@ class AdaptiveSchedule:
         e[0] = self.decay * e[0] + tokens
         e[1] = self.decay * e[1] + seconds
 
+    def width(self, n_max: int, kind: str = "drafter") -> int:
+        """How many tokens the next round of ``kind`` (see :class:`WidthPolicy`) proposes, at most ``n_max``
+        (for the drafter the loop's ``B - 1``, capped by ``max_tokens`` and the context; for lookup the
+        tokens it has): the :class:`WidthPolicy`'s choice, or ``n_max`` without one."""
+        return self.widths.choose(n_max, kind) if self.widths is not None else n_max
+
+    def record_acceptance(self, drafted: int, accepted: int, kind: str = "drafter") -> None:
+        """A verified round of ``kind`` proposed ``drafted`` tokens and accepted ``accepted`` (for the width
+        policy; nothing without one)."""
+        if self.widths is not None:
+            self.widths.record(drafted, accepted, kind)
+
     def summary(self) -> dict:
         """``{context: {"drafter": tok/s, "other": tok/s}}`` as measured so far."""
         out = {}
@@ -448,7 +566,10 @@ class FusedProposer(Proposer):
     With ``schedule`` (an :class:`AdaptiveSchedule`), each round without a
     long match first asks the schedule whether a drafter forward pays here;
     if not, the round proposes the lookup's tokens (at most the lookup's own
-    block) or nothing (a plain one-token step of the target).
+    block) or nothing (a plain one-token step of the target). A schedule with
+    a calibrated :class:`WidthPolicy` also sets how many tokens each round
+    proposes: the drafter's (at most the loop's ``n``) and the lookup's (at
+    most the tokens it has), long matches included.
 
     Args:
         drafter: the :class:`DFlashProposer` (its block size is the fused one).
@@ -468,6 +589,12 @@ class FusedProposer(Proposer):
         self.min_confidence = drafter.min_confidence
         self.long_match, self.short_match = long_match, short_match
 
+    @property
+    def calibration(self):
+        """The :class:`~.calibrate.VerifyCosts` the schedule's width policy uses, or ``None`` (full blocks)."""
+        widths = self.schedule.widths if self.schedule is not None else None
+        return widths.costs if widths is not None else None
+
     def start(self, prompt):
         return _FusedSession(self, self.drafter.start(prompt), self.lookup.start(prompt))
 
@@ -479,13 +606,18 @@ class _FusedSession(ProposerSession):
     def __init__(self, p: FusedProposer, d: _DFlashSession, l: _LookupSession):
         self.p, self.d, self.l = p, d, l
         self._round = None  # (context, arm, start time) of the round being verified (adaptive schedule)
+        self._width = None  # (kind, tokens proposed) of the round being verified (the schedule's width policy)
 
     def verified(self, tokens):
+        sch = self.p.schedule
         if self._round is not None:  # the round ends at its host synchronisation (consumer time excluded)
             ctx, arm, t0 = self._round
             self._round = None
-            sch = self.p.schedule
             sch.record(ctx, arm, tokens, sch.clock() - t0)
+        if self._width is not None:
+            kind, proposed = self._width
+            self._width = None
+            sch.record_acceptance(proposed, tokens - 1, kind)
 
     def extend(self, tokens, features):
         self.d.extend(tokens, features)
@@ -498,28 +630,41 @@ class _FusedSession(ProposerSession):
         return self.d.state_arrays()
 
     def truncate(self, n):
-        self._round = None
+        self._round = self._width = None
         self.d.truncate(n)
         self.l.truncate(n)
 
     def clone(self):
         return _FusedSession(self.p, self.d.clone(), self.l.clone())
 
+    def _lookup(self, tokens: list[int], kind: str, scheduled: bool) -> Proposal:
+        """The lookup's ``tokens`` as a proposal, cut to the width policy's choice for ``kind``."""
+        if scheduled:
+            k = self.p.schedule.width(len(tokens), kind)
+            tokens = tokens[:k]
+            self._width = (kind, len(tokens))
+        return Proposal(mx.array(tokens, dtype=mx.int32), source="lookup")
+
     def propose(self, anchor, n, temperature=0.0, key=None):
         m, lt = self.l.match(anchor, n)
+        sch = self.p.schedule
+        scheduled = sch is not None and self.adaptive
+        self._width = None
         if m >= self.p.long_match and lt:
             # the lookup wins, known on the host: point masses, and no drafter forward at all
-            return Proposal(mx.array(lt[:n], dtype=mx.int32), source="lookup")
-        sch = self.p.schedule
-        if sch is not None and self.adaptive:
+            return self._lookup(lt[:n], "lookup", scheduled)
+        if scheduled:
             ctx = "match" if lt else "none"
             arm = sch.choose(ctx)
             self._round = (ctx, arm, sch.clock())
             if not arm:
                 if not lt:
                     return Proposal.empty()
-                return Proposal(mx.array(lt[: min(n, self.p.lookup.block_size - 1)], dtype=mx.int32), source="lookup")
+                return self._lookup(lt[: min(n, self.p.lookup.block_size - 1)], "lookup-short", True)
+            n = sch.width(n)  # the calibrated width policy's choice (n itself without a calibration)
         dp = self.d.propose(anchor, n, temperature, key)
+        if scheduled:
+            self._width = ("drafter", dp.n)
         if m < self.p.short_match or not lt or dp.n == 0 or dp.q is not None:
             # A sampled draft keeps its own tokens: taking the lookup's tokens *because* the sampled
             # ones agree with them would make the proposal differ from the q the verifier is given

@@ -58,6 +58,11 @@ class SpecStats:
     ``drafted``, ``accepted`` and the per-position counts end at a stop: in a
     round cut at its emitted token ``i`` (0-based) only the drafts
     ``d_1..d_{i+1}`` count, as if the round had drafted that many.
+    ``verify_widths[m]`` counts rounds whose target forward verified ``m``
+    rows (the anchor and ``m - 1`` drafts; a stop does not change it).
+    ``verify_cost`` / ``drafter_cost``: the calibration the adaptive schedule
+    chose widths from (``{M: T(M)/T(1)}``, ``{n: D(n)/T(1)}``: a forward of
+    ``M`` rows, a proposal of ``n`` drafts, in plain steps), empty without one.
     """
 
     drafter: str = "none"
@@ -76,6 +81,9 @@ class SpecStats:
     position_proposed: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
     rounds_by_source: dict[str, int] = field(default_factory=dict)
+    verify_widths: dict[int, int] = field(default_factory=dict)
+    verify_cost: dict[int, float] = field(default_factory=dict)
+    drafter_cost: dict[int, float] = field(default_factory=dict)
 
     @property
     def tau(self) -> float:
@@ -95,11 +103,16 @@ class SpecStats:
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
-    def record_round(self, drafted: int, accepted: int, emitted: int, source: str = "") -> None:
+    def record_round(self, drafted: int, accepted: int, emitted: int, source: str = "",
+                     verified: int | None = None) -> None:
         """One verify forward that proposed ``drafted``, accepted ``accepted``
         of them and emitted ``emitted`` tokens (after any stop); ``source``:
-        what made the draft (:attr:`~.proposers.Proposal.source`)."""
+        what made the draft (:attr:`~.proposers.Proposal.source`); ``verified``:
+        rows of the forward (default ``drafted + 1``; more when a stop cut the
+        counted drafts)."""
         self.rounds += 1
+        width = verified if verified is not None else drafted + 1
+        self.verify_widths[width] = self.verify_widths.get(width, 0) + 1
         src = (source or "drafter") if drafted else "none"
         self.rounds_by_source[src] = self.rounds_by_source.get(src, 0) + 1
         self.round_tokens += emitted
@@ -145,6 +158,16 @@ class SpecStats:
                          "  (share of the drafts at each block position that the target accepted)")
             lines.append(f"Accepted-length histogram 0..: {' '.join(map(str, self.accept_hist))}"
                          "  (rounds with a draft that accepted 0, 1, 2, ... of its tokens)")
+        if self.rounds:
+            widths = " ".join(f"{m}:{k}" for m, k in sorted(self.verify_widths.items()))
+            lines.append(f"Verify widths: {widths}  (rounds by rows verified per target forward, anchor included)")
+        if self.verify_cost:
+            cost = " ".join(f"{m}:{r:.2f}" for m, r in sorted(self.verify_cost.items()))
+            if self.drafter_cost:
+                cost += "; drafter proposal of n drafts " + " ".join(
+                    f"n={n}:{r:.2f}" for n, r in sorted(self.drafter_cost.items()))
+            lines.append(f"Verify cost T(M)/T(1): {cost}  (calibrated on this machine, in plain steps; "
+                         "the widths above were chosen from it)")
         if len(self.rounds_by_source) > 1:
             by = ", ".join(f"{k} {v}" for k, v in sorted(self.rounds_by_source.items()))
             lines.append(f"Rounds by draft source: {by}  (drafter: the drafter proposed; lookup: copied from "
@@ -279,6 +302,11 @@ def speculative_generate_step(
     if not adaptive:
         stats.drafter = stats.drafter.replace(" (adaptive)", "")
     stats.draft_confidence = proposer.min_confidence
+    costs = getattr(proposer, "calibration", None) if adaptive else None  # the width policy's table
+    if costs is not None:
+        t1 = costs.verify(1)
+        stats.verify_cost = costs.ratios()
+        stats.drafter_cost = {n: t / t1 for n, t in sorted(costs.drafter_s.items())}
     tap_ids = tuple(proposer.tap_ids)
     reuse = 0
     if state is not None and state.cache is not None and state.proposer is proposer and state.tokens:
@@ -424,7 +452,7 @@ def speculative_generate_step(
                 # only the drafts at or before the stop count: d_1..d_{i+1} competed for the i + 1 emitted
                 # positions; the rest were verified for nothing (counting them read 14 drafted for 10
                 # emitted, all accepted, as an acceptance rate of 0.714)
-                stats.record_round(min(n, i + 1), min(a, i + 1), i + 1, src)
+                stats.record_round(min(n, i + 1), min(a, i + 1), i + 1, src, verified=n + 1)
         stats.decode_s = time.perf_counter() - tic
         if state is not None:
             state.tokens = history[: cache_length(cache)]

@@ -6,6 +6,15 @@ import os
 
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# the adaptive schedule's calibration cache (mlx_dflash2.calibrate): one per test session, never the user's
+# (CLI subprocesses inherit it, so a session measures each target/drafter/machine once)
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+_calibration_dir = tempfile.mkdtemp(prefix="mlx_dflash2-tests-")
+atexit.register(shutil.rmtree, _calibration_dir, ignore_errors=True)
+os.environ["MLX_DFLASH2_CALIBRATION_CACHE"] = os.path.join(_calibration_dir, "calibration.json")
 
 import mlx_dflash2  # noqa: F401,E402  (before MLX: loads the optimized OpenBLAS, mlx_dflash2/_blas.py)
 import mlx.core as mx

@@ -14,7 +14,8 @@ import re
 import sys
 from pathlib import Path
 
-from ..loading import ADAPTIVE_HELP, DRAFT_CONFIDENCE_HELP, DRAFTER_HELP, KERNELS_HELP, draft_confidence_arg
+from ..loading import (ADAPTIVE_HELP, CALIBRATE_HELP, DRAFT_CONFIDENCE_HELP, DRAFTER_HELP, KERNELS_HELP,
+                       draft_confidence_arg)
 
 __all__ = ["main", "setup_arg_parser", "build_app"]
 
@@ -64,6 +65,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-confidence", type=draft_confidence_arg, default=None, metavar="C",
                    help=DRAFT_CONFIDENCE_HELP)
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None, help=ADAPTIVE_HELP)
+    p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None, help=CALIBRATE_HELP)
     p.add_argument("--block-size", "--num-draft-tokens", type=_positive, default=None,
                    help="block size B (verify width; 1 = no drafting); default the drafter's")
     p.add_argument("--host", default="127.0.0.1", help="host to listen on (default: 127.0.0.1)")
@@ -124,6 +126,7 @@ def build_app(args: argparse.Namespace, model=None, tokenizer=None):
             draft_confidence=args.draft_confidence,
             adaptive=args.adaptive,
             kernels=args.kernels,
+            calibrate=args.calibrate,
         )
     if args.chat_template:
         template = args.chat_template

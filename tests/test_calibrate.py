@@ -1,0 +1,362 @@
+"""Per-machine calibration of the verify cost (mlx_dflash2.calibrate) and the width policy that uses it
+(proposers.WidthPolicy under the adaptive schedule)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from conftest import PROMPTS, chat_ids, plain_reference
+from mlx_dflash2 import calibrate as C
+from mlx_dflash2.calibrate import DEFAULT_WIDTHS, VerifyCosts
+from mlx_dflash2.proposers import AdaptiveSchedule, DFlashProposer, FusedProposer, LookupProposer, WidthPolicy
+from mlx_dflash2.speculative import SpecStats, speculative_generate_step
+from scripted import ScriptedProposer
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random Qwen2-class target (2 layers, hidden 64) and a fresh 1-layer DFlash2 drafter for it."""
+    from tiny_models import tiny_mlx_lm_dir
+
+    from mlx_dflash2.drafter import init_drafter
+    from mlx_dflash2.loading import load_target
+
+    path = tiny_mlx_lm_dir(tmp_path_factory.mktemp("calib") / "tiny", "qwen2", num_layers=2)
+    target, tok, name = load_target(str(path))
+    drafter = DFlashProposer(init_drafter(target, tok, num_layers=1, block_size=4, selector_rank=8), target, len(tok))
+    return path, target, tok, name, drafter
+
+
+def _leaves(d: dict, prefix=()):
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from _leaves(v, prefix + (k,))
+        else:
+            yield prefix + (k,)
+
+
+def test_cache_key_changes_with_every_fingerprint_field(tiny, monkeypatch):
+    """Every field of the fingerprint is in the key, and each thing that changes costs changes the fingerprint:
+    the target's name, its shape, weights (dtype, quantization), kernel mode, the drafter, MLX's version and
+    the device (its name, the processor, the cores this process may use)."""
+    from mlx_dflash2.loading import load_target
+
+    path, target, tok, name, drafter = tiny
+    fp = C.fingerprint(target, name, drafter)
+    key = C.cache_key(fp)
+    assert C.cache_key(C.fingerprint(target, name, drafter)) == key  # stable
+    fields = list(_leaves(fp))
+    for want in [("target",), ("hidden_size",), ("layers",), ("vocab_rows",), ("weights",), ("dtype",),
+                 ("kernels",), ("mlx",), ("device", "device"), ("device", "processor"), ("device", "cores"),
+                 ("drafter", "weights"), ("drafter", "shape")]:
+        assert want in fields, want
+    for f in fields:
+        other = copy.deepcopy(fp)
+        d = other
+        for k in f[:-1]:
+            d = d[k]
+        d[f[-1]] = [d[f[-1]], "changed"]
+        assert C.cache_key(other) != key, f
+
+    def changed(fp2, *fields):
+        assert C.cache_key(fp2) != key
+        diff = [f for f in fields if _get(fp2, f) != _get(fp, f)]
+        assert diff == list(fields), (fields, diff)
+
+    changed(C.fingerprint(target, name + "-copy", drafter), ("target",))
+    half, _, _ = load_target(str(path), dtype="float16")
+    changed(C.fingerprint(half, name, drafter), ("weights",), ("dtype",))
+    quant, _, _ = load_target(str(path))
+    nn.quantize(quant.model, group_size=32, bits=4)
+    changed(C.fingerprint(quant, name, drafter), ("weights",))
+    assert "q4g32 affine" in C.fingerprint(quant, name, drafter)["weights"]
+    monkeypatch.setattr(target, "kernels", "kernel")
+    changed(C.fingerprint(target, name, drafter), ("kernels",))
+    monkeypatch.undo()
+    assert C.cache_key(C.fingerprint(target, name, None)) != key  # no drafter timed
+    monkeypatch.setattr(mx, "__version__", "0.0.1")
+    changed(C.fingerprint(target, name, drafter), ("mlx",))
+    monkeypatch.undo()
+    monkeypatch.setattr(C, "_processor_name", lambda: "Some Other CPU")
+    changed(C.fingerprint(target, name, drafter), ("device", "processor"))
+    monkeypatch.undo()
+    if hasattr(os, "sched_getaffinity"):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6})
+        changed(C.fingerprint(target, name, drafter), ("device", "cores"))
+        monkeypatch.undo()
+    real_info = mx.device_info
+    monkeypatch.setattr(mx, "device_info", lambda *a: {**real_info(*a), "device_name": "Another device"})
+    changed(C.fingerprint(target, name, drafter), ("device", "device_name"))
+
+
+def _get(d, path):
+    for k in path:
+        d = d.get(k) if isinstance(d, dict) else None
+    return d
+
+
+def test_calibrate_caches_per_fingerprint_measures_wider_and_reruns_on_request(tiny, tmp_path, monkeypatch, caplog):
+    path, target, tok, name, drafter = tiny
+    cache = tmp_path / "sub" / "cal.json"
+    monkeypatch.setenv(C.CACHE_ENV, str(cache))
+    calls = []
+    real = C.measure_verify_costs
+
+    def fake(t, widths, **kw):
+        calls.append(list(widths))
+        return real(t, widths, **{**kw, "context": 8, "repeats": 1})
+
+    monkeypatch.setattr(C, "measure_verify_costs", fake)
+    a = C.calibrate(target, name, drafter, block_size=4, progress=False)
+    assert calls == [[1, 2, 3, 4]] and sorted(a.verify_s) == [1, 2, 3, 4] and sorted(a.drafter_s) == [1, 3]
+    assert a.fingerprint == json.loads(json.dumps(C.fingerprint(target, name, drafter)))
+    b = C.calibrate(target, name, drafter, block_size=4, progress=False)  # cached: nothing measured
+    assert len(calls) == 1 and b.verify_s == a.verify_s and b.drafter_s == a.drafter_s
+    C.calibrate(target, name, drafter, block_size=4, rerun=True, progress=False)  # --calibrate
+    assert len(calls) == 2
+    C.calibrate(target, name, drafter, block_size=8, progress=False)  # wider than the entry: measured again
+    assert calls[-1] == [1, 2, 3, 4, 6, 8]
+    C.calibrate(target, name, drafter, block_size=6, progress=False)  # covered by the wider entry
+    assert len(calls) == 3
+    C.calibrate(target, name + "-other", drafter, block_size=4, progress=False)  # another key, both kept
+    entries = json.loads(cache.read_text())["entries"]
+    assert len(calls) == 4 and len(entries) == 2
+    assert not list(cache.parent.glob(".*.tmp"))  # written atomically, nothing left behind
+    cache.write_text("{not json")
+    with caplog.at_level("WARNING", logger="mlx_dflash2"):
+        C.calibrate(target, name, drafter, block_size=4, progress=False)
+    assert len(calls) == 5 and "unreadable" in caplog.text
+    assert len(json.loads(cache.read_text())["entries"]) == 1
+
+
+class _Slow:
+    """The tiny target with ``delay`` seconds added to every forward (a large target, in time)."""
+
+    def __init__(self, target, delay):
+        self.t, self.delay = target, delay
+
+    def __getattr__(self, k):
+        return getattr(self.t, k)
+
+    def forward(self, *a, **kw):
+        time.sleep(self.delay)
+        return self.t.forward(*a, **kw)
+
+
+def test_measurement_runs_in_bounded_time(tiny):
+    """The timed passes stop at the time budget (at least one runs): a slow target gets fewer passes, and
+    the whole measurement ends within the budget plus one pass and the untimed first one. Without a budget
+    in the way, passes go on from `repeats` until the costs settle, at most `max_repeats`."""
+    path, target, tok, name, drafter = tiny
+    t0 = time.perf_counter()
+    costs = C.measure_verify_costs(_Slow(target, 0.03), drafter=drafter, repeats=5, time_budget=0.3, progress=False)
+    took = time.perf_counter() - t0
+    assert sorted(costs.verify_s) == list(DEFAULT_WIDTHS) and sorted(costs.drafter_s) == [1, 15]
+    assert costs.meta["passes"] == 1 and not costs.meta["settled"] and took < 2.0, (costs.meta, took)
+    assert all(t >= 0.03 for t in costs.verify_s.values())
+    fast = C.measure_verify_costs(target, (1, 4), repeats=3, max_repeats=6, time_budget=30.0, progress=False)
+    assert 3 <= fast.meta["passes"] <= 6 and fast.drafter_s == {} and sorted(fast.verify_s) == [1, 4]
+    loose = C.measure_verify_costs(target, (1, 4), repeats=2, tolerance=100.0, time_budget=30.0, progress=False)
+    assert loose.meta["passes"] == 2 and loose.meta["settled"]  # settled at once: stops at `repeats`
+    for bad in (dict(widths=(0, 4)), dict(context=0), dict(repeats=0), dict(max_repeats=1, repeats=2),
+                dict(tolerance=-1), dict(time_budget=0)):
+        with pytest.raises(ValueError, match=list(bad)[-1]):
+            C.measure_verify_costs(target, **{"widths": (1, 2), **bad})
+
+
+def test_verify_costs_interpolate_and_validate():
+    c = VerifyCosts({1: 1.0, 4: 2.5, 8: 2.0}, {1: 0.3, 15: 0.6})
+    assert c.verify(4) == 2.5 and c.verify(2) == 1.5 and c.verify(6) == 2.25
+    assert c.verify(15) == pytest.approx(2.0 + (2.0 - 1.0) / 7 * 7)  # past the widest: the mean slope
+    assert c.drafter(8) == pytest.approx(0.45) and c.ratios() == {1: 1.0, 4: 2.5, 8: 2.0}
+    assert VerifyCosts.from_json(json.loads(json.dumps(c.to_json()))).verify_s == c.verify_s
+    for bad in ({2: 1.0}, {1: 0.0}, {1: float("nan")}, {1: 1.0, 0: 1.0}):
+        with pytest.raises(ValueError):
+            VerifyCosts(bad)
+
+
+def test_width_policy_acceptance_estimate_and_choice():
+    """c_i from discounted conditional counts with a chained prior; the choice maximises tokens per second."""
+    flat = VerifyCosts({m: 1.0 for m in DEFAULT_WIDTHS})
+    w = WidthPolicy(flat, decay=0.5)
+    assert w.acceptance(2) == pytest.approx([0.6, 0.36])  # the prior, geometric
+    assert w.choose(15) == 15  # flat costs: every extra draft is free
+    w.record(4, 1)  # positions 1, 2 verified after a full prefix; 1 accepted, 2 rejected
+    hits, trials = w._counts["drafter"]
+    assert trials == [1.0, 1.0] and hits == [1.0, 0.0]
+    p1 = (1 + 2 * 0.6) / 3
+    p2 = (0 + 2 * p1) / 3
+    assert w.acceptance(3) == pytest.approx([p1, p1 * p2, p1 * p2 * p2])  # position 3 takes position 2's rate
+    w.record(2, 2)
+    assert w._counts["drafter"][1] == [1.5, 1.5]  # discounted, then counted
+    steep = VerifyCosts({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0, 16: 16.0})  # a verify row costs a plain step
+    assert WidthPolicy(steep).choose(15) == 1  # (1 + c_1) / 2 is the best it gets
+    assert WidthPolicy(steep).choose(1) == 1 and WidthPolicy(steep).choose(0) == 0
+    # the lookup kind has its own counts and no drafter cost
+    w2 = WidthPolicy(VerifyCosts({1: 1.0, 16: 1.0}, {1: 100.0, 15: 100.0}))
+    assert w2.rate(3, "lookup") > 1.0 > w2.rate(3, "drafter")
+    w2.record(5, 0, "lookup")
+    assert "lookup" in w2._counts and "drafter" not in w2._counts
+    for bad in (dict(priors={"drafter": 1.0}), dict(prior_weight=0), dict(decay=1.0)):
+        with pytest.raises(ValueError):
+            WidthPolicy(flat, **bad)
+
+
+# ---------------------------------------------------------------------------
+# through the loop: float32 embedded target, scripted drafter, fake cost tables
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def code_ref(smol_f32):
+    target, tok = smol_f32
+    ids = chat_ids(tok, PROMPTS["code"])
+    return ids, plain_reference(target, ids, 64)[0]
+
+
+def _run_policy(smol_f32, code_ref, verify_s, offsets, n=64, drafter_s=None):
+    """Greedy decoding of the code prompt by a scripted drafter (first error at ``offsets[r]`` in round r)
+    fused with lookup under the adaptive schedule with a width policy over the cost table ``verify_s``; every
+    round takes one tick of the schedule's clock, so the arm with more tokens per round wins."""
+    target, tok = smol_f32
+    ids, ref = code_ref
+    scripted = ScriptedProposer(len(ids), ref, offsets, 16, len(tok))
+    asked = []
+    inner = scripted.start
+
+    def start(prompt):
+        s = inner(prompt)
+        propose = s.propose
+        s.propose = lambda anchor, k, *a, **kw: (asked.append(k), propose(anchor, k, *a, **kw))[1]
+        return s
+
+    scripted.start = start
+    tick = [0.0]
+
+    def clock():
+        tick[0] += 0.5
+        return tick[0]
+
+    policy = WidthPolicy(VerifyCosts(verify_s, drafter_s or {1: 0.2, 15: 0.3}))
+    sch = AdaptiveSchedule(min_samples=1, warmup=0, clock=clock, widths=policy)
+    prop = FusedProposer(scripted, LookupProposer(block_size=8), schedule=sch)
+    stats = SpecStats()
+    out = [t for t, _, _ in speculative_generate_step(ids, target, prop, block_size=16, max_tokens=n, stats=stats)]
+    return out, ref[:n], stats, asked
+
+
+def test_width_policy_never_verifies_16_where_16_costs_more(smol_f32, code_ref):
+    """A cost table in which 16 rows cost more than twice 8 (GPU-like: narrow widths cheap, then a cliff):
+    even with every draft right, no round verifies 16 or 12 rows (drafter or lookup) and the drafter is asked
+    for 7; output equals plain decoding."""
+    table = {1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15, 6: 1.2, 8: 1.25, 12: 2.6, 16: 2.8}
+    out, ref, stats, asked = _run_policy(smol_f32, code_ref, table, [15])
+    assert out == ref
+    assert 16 not in stats.verify_widths and 12 not in stats.verify_widths, stats.verify_widths
+    assert asked and max(asked) == 7 and asked.count(7) >= len(asked) - 3, asked  # the first from the prior
+    assert stats.verify_widths.get(8, 0) >= 3 and stats.tau > 3
+
+
+def test_width_policy_verifies_full_blocks_on_a_flat_cost_table(smol_f32, code_ref):
+    """Flat verify cost and every draft right: the drafter rounds verify full blocks of 16 (the last rounds
+    are capped by max_tokens); output equals plain decoding."""
+    flat = {m: 1.0 for m in DEFAULT_WIDTHS}
+    out, ref, stats, asked = _run_policy(smol_f32, code_ref, flat, [15])
+    assert out == ref
+    full = [k for k in asked if k == 15]
+    assert len(full) >= len(asked) - 2 and len(full) >= 2, asked
+    assert stats.verify_widths.get(16, 0) >= 2
+
+
+def test_width_policy_follows_acceptance_lossless(smol_f32, code_ref):
+    """A CPU-like table (T(16)/T(1) ~ 2, T(12) > T(16)): while every draft is right the policy widens to full
+    blocks, then every first draft is wrong and it narrows to one draft; it never picks 12 rows, and output
+    equals plain decoding throughout."""
+    table = {1: 1.0, 2: 1.2, 3: 1.35, 4: 1.5, 6: 1.55, 8: 1.7, 12: 2.2, 16: 2.0}
+    out, ref, stats, asked = _run_policy(smol_f32, code_ref, table, [15] * 3 + [0] * 60, n=64,
+                                         drafter_s={1: 0.5, 15: 0.8})
+    assert out == ref
+    assert 11 not in asked and 15 in asked[:3] and asked[-1] == 1, asked
+
+
+def test_without_calibration_drafter_rounds_draft_full_blocks(smol_f32, code_ref):
+    """No width policy (adaptive schedule alone, today's behaviour): every drafter round is asked for B - 1
+    (or what max_tokens leaves)."""
+    target, tok = smol_f32
+    ids, ref = code_ref
+    scripted = ScriptedProposer(len(ids), ref, [15], 16, len(tok))
+    asked = []
+    inner = scripted.start
+
+    def start(prompt):
+        s = inner(prompt)
+        propose = s.propose
+        s.propose = lambda anchor, k, *a, **kw: (asked.append(k), propose(anchor, k, *a, **kw))[1]
+        return s
+
+    scripted.start = start
+    tick = [0.0]
+    sch = AdaptiveSchedule(min_samples=1, warmup=0, clock=lambda: tick.__setitem__(0, tick[0] + 0.5) or tick[0])
+    prop = FusedProposer(scripted, LookupProposer(block_size=8), schedule=sch)
+    assert prop.calibration is None and sch.width(15) == 15
+    stats = SpecStats()
+    out = [t for t, _, _ in speculative_generate_step(ids, target, prop, block_size=16, max_tokens=48, stats=stats)]
+    assert out == ref[:48] and asked and all(k == 15 for k in asked[:-1]), asked
+    assert stats.verify_cost == {}
+
+
+def test_make_proposer_calibrates_under_the_adaptive_schedule_only(tiny, tmp_path, monkeypatch):
+    """`auto`/adaptive proposers get a width policy from the (cached) calibration; calibrate=False and
+    proposers without the schedule measure nothing."""
+    from mlx_dflash2.loading import make_proposer
+
+    path, target, tok, name, drafter = tiny
+    monkeypatch.setenv(C.CACHE_ENV, str(tmp_path / "cal.json"))
+    m = drafter.model
+    adaptive = make_proposer(m, target, tok, name, adaptive=True, block_size=4)
+    assert isinstance(adaptive, FusedProposer) and adaptive.calibration is not None
+    assert sorted(adaptive.calibration.verify_s) == [1, 2, 3, 4]
+    assert make_proposer(m, target, tok, name, adaptive=True, calibrate=False).calibration is None
+    assert make_proposer(m, target, tok, name, adaptive=False).calibration is None
+    assert len(json.loads((tmp_path / "cal.json").read_text())["entries"]) == 1
+
+
+def test_load_checks_calibrate_before_loading_and_notes_a_flag_with_nothing_to_calibrate(tiny, tmp_path, monkeypatch,
+                                                                                         caplog):
+    from mlx_dflash2.loading import load
+
+    with pytest.raises(ValueError, match="calibrate"):
+        load("/nonexistent/model", drafter="none", calibrate="yes")
+    monkeypatch.setenv(C.CACHE_ENV, str(tmp_path / "cal.json"))
+    with caplog.at_level("WARNING", logger="mlx_dflash2"):
+        model, _ = load(str(tiny[0]), drafter="lookup", calibrate=True)
+    assert model.proposer.name == "lookup" and "nothing measured" in caplog.text
+    assert not (tmp_path / "cal.json").exists()
+
+
+def test_cli_calibrate_flag_end_to_end(tmp_path):
+    """`--calibrate` measures on the spot and stores the entry; `--verbose` prints the widths verified and
+    the calibration table (within 30 s: the embedded model's calibration takes a few seconds)."""
+    cache = tmp_path / "cal.json"
+    env = {**os.environ, C.CACHE_ENV: str(cache)}
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "mlx_dflash2.generate", "--prompt", "Write a haiku about the sea.",
+                        "--max-tokens", "12", "--calibrate", "--verbose"], capture_output=True, text=True, env=env,
+                       timeout=120)
+    took = time.perf_counter() - t0
+    assert r.returncode == 0, r.stderr
+    assert "Verify widths:" in r.stdout and "Verify cost T(M)/T(1): 1:1.00" in r.stdout, r.stdout
+    entries = json.loads(cache.read_text())["entries"]
+    (entry,) = entries.values()
+    assert sorted(map(int, entry["verify_s"])) == list(DEFAULT_WIDTHS)
+    assert entry["fingerprint"]["target"] == "smollm2-135m-instruct" and entry["meta"]["seconds"] < 15
+    assert took < 30, took

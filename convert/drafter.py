@@ -37,6 +37,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_dflash2.drafter.config import DRAFTER_QUANT_METHODS, drafter_quant_method
 from mlx_dflash2.drafter.io import _remap
 
 from .errors import ConvertError, CorruptCheckpointError, MissingTensorError, ShapeMismatchError, UnsupportedFormatError
@@ -46,7 +47,6 @@ from .writer import AtomicOutput, ShardWriter
 
 __all__ = ["convert_drafter", "DrafterFieldError", "DRAFTER_QUANT_METHODS", "drafter_quant_method"]
 
-DRAFTER_QUANT_METHODS = ("gptq", "awq")  # packed drafter checkpoints the converter reads
 
 
 class DrafterFieldError(CorruptCheckpointError):
@@ -55,22 +55,6 @@ class DrafterFieldError(CorruptCheckpointError):
     def __init__(self, path: Path, field: str, message: str):
         super().__init__(f"{path}/config.json: drafter config field {field!r}: {message}")
         self.field = field
-
-
-def drafter_quant_method(path: Path, raw: dict) -> str | None:
-    """The quantization method of a drafter checkpoint (lower case; ``None``: a float checkpoint):
-    ``config.json``'s ``quantization_config.quant_method``, or a ``quantize_config.json`` (GPTQ)
-    / ``quant_config.json`` (AWQ) side file. A ``quantization_config`` without a method reads as
-    ``"(none given)"``."""
-    qc = raw.get("quantization_config")
-    if qc is None:
-        if (Path(path) / "quantize_config.json").is_file():
-            return "gptq"
-        if (Path(path) / "quant_config.json").is_file():
-            return "awq"
-        return None
-    method = qc.get("quant_method") if isinstance(qc, dict) else None
-    return str(method).lower() if method else "(none given)"
 
 
 def _quantized_source(path: Path, raw: dict):

@@ -441,3 +441,25 @@ def test_importing_the_cli_module_keeps_the_generate_function():
 
     importlib.import_module("mlx_dflash2.generate")
     assert callable(mlx_dflash2.generate) and mlx_dflash2.generate.__module__ == "mlx_dflash2.api"
+
+
+def test_runtime_does_not_import_the_converter():
+    """mlx_dflash2.convert exists only when installed (it is the top-level convert/ directory); the runtime
+    (loading a drafter, a target, the server) must work from a plain checkout on PYTHONPATH, as on the
+    H200 where a drafter load failed on it, so nothing in mlx_dflash2/ imports it."""
+    import ast
+    from pathlib import Path
+
+    pkg = Path(mlx_dflash2.__file__).parent
+    bad = []
+    for f in pkg.rglob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            mods = []
+            if isinstance(node, ast.ImportFrom):
+                mods = [("." * node.level) + (node.module or "")]
+            elif isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            for m in mods:
+                if m.startswith("mlx_dflash2.convert") or m.lstrip(".").split(".")[0] == "convert" and m.startswith("."):
+                    bad.append(f"{f.relative_to(pkg)}: {m}")
+    assert not bad, bad

@@ -9,6 +9,8 @@ never a silent default (known-bugs row 13).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -276,3 +278,22 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]
             lo -= 1
     # lo + floor(i * (hi - lo) / (n - 1) + 1/2): steps of at least one layer, so distinct
     return [lo + (2 * i * (hi - lo) + (n - 1)) // (2 * (n - 1)) for i in range(n)]
+
+
+DRAFTER_QUANT_METHODS = ("gptq", "awq")  # packed drafter checkpoints mlx_dflash2.convert reads
+
+
+def drafter_quant_method(path: Path, raw: dict) -> str | None:
+    """The quantization method of a drafter checkpoint (lower case; ``None``: a float checkpoint):
+    ``config.json``'s ``quantization_config.quant_method``, or a ``quantize_config.json`` (GPTQ)
+    / ``quant_config.json`` (AWQ) side file. A ``quantization_config`` without a method reads as
+    ``"(none given)"``."""
+    qc = raw.get("quantization_config")
+    if qc is None:
+        if (Path(path) / "quantize_config.json").is_file():
+            return "gptq"
+        if (Path(path) / "quant_config.json").is_file():
+            return "awq"
+        return None
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    return str(method).lower() if method else "(none given)"

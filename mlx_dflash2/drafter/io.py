@@ -53,7 +53,7 @@ def _refuse_packed(path: Path, raw: dict, target_name: str | None) -> None:
     """Raise for a drafter checkpoint whose linear layers are packed by another engine's quantizer."""
     import shlex
 
-    from ..convert.drafter import DRAFTER_QUANT_METHODS, drafter_quant_method
+    from .config import DRAFTER_QUANT_METHODS, drafter_quant_method
 
     method = drafter_quant_method(path, raw)
     if method is None:

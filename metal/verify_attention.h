@@ -17,12 +17,15 @@
 
 namespace dflash_attn {
 
-// params: [H, Hk, Lq, L, k_head_stride (rows of the cache buffer * D), n_chunks, n_row_groups]
+// params: [H, Hk, Lq, n_row_groups] (static per call signature: made once); the cache length L and the
+// head strides of the K/V buffers come from the inputs' shapes and strides (no per-call host data).
 template <typename T, int D, int TILE, int TILES, int ROWS, int WARPS>
 DF_FN void attn_partial(const DF_DEVICE T* q, const DF_DEVICE T* k, const DF_DEVICE T* v, const DF_DEVICE int* params,
                         const DF_DEVICE float* scale_p, DF_DEVICE float* part_o, DF_DEVICE float* part_ml,
-                        DF_TG float* tq, DF_TG float* tk, DF_TG float* tv, int chunk, int hk, int rg, int warp, int lane) {
-  const int H = params[0], Hk = params[1], Lq = params[2], L = params[3], kstride = params[4], n_chunks = params[5];
+                        DF_TG float* tq, DF_TG float* tk, DF_TG float* tv, int chunk, int hk, int rg, int warp, int lane,
+                        int L, long kstride, long vstride) {
+  const int H = params[0], Hk = params[1], Lq = params[2];
+  const int n_chunks = (L + TILE * TILES - 1) / (TILE * TILES);
   const int G = H / Hk;
   const int R = G * Lq;                    // query rows of this kv head: r = gi * Lq + i
   const int tid = warp * 32 + lane;
@@ -53,7 +56,7 @@ DF_FN void attn_partial(const DF_DEVICE T* q, const DF_DEVICE T* k, const DF_DEV
     const int e = tid + p * WARPS * 32, j = e / D, d = e % D, key = key0 + j;
     const bool in = key < L;
     rk[p] = in ? df_f(k[(long)hk * kstride + (long)key * D + d]) : 0.0f;
-    rv[p] = in ? df_f(v[(long)hk * kstride + (long)key * D + d]) : 0.0f;
+    rv[p] = in ? df_f(v[(long)hk * vstride + (long)key * D + d]) : 0.0f;
   }
   for (int tile = 0; tile < TILES; ++tile) {
     const int kb = key0 + tile * TILE;
@@ -71,7 +74,7 @@ DF_FN void attn_partial(const DF_DEVICE T* q, const DF_DEVICE T* k, const DF_DEV
         const int e = tid + p * WARPS * 32, j = e / D, d = e % D, key = nb + j;
         const bool in = key < L;
         rk[p] = in ? df_f(k[(long)hk * kstride + (long)key * D + d]) : 0.0f;
-        rv[p] = in ? df_f(v[(long)hk * kstride + (long)key * D + d]) : 0.0f;
+        rv[p] = in ? df_f(v[(long)hk * vstride + (long)key * D + d]) : 0.0f;
       }
     }
     for (int a = 0; a < ROWS / WARPS; ++a) {
@@ -117,8 +120,8 @@ DF_FN void attn_partial(const DF_DEVICE T* q, const DF_DEVICE T* k, const DF_DEV
 
 template <typename T, int D>
 DF_FN void attn_combine(const DF_DEVICE float* part_o, const DF_DEVICE float* part_ml, const DF_DEVICE int* params,
-                        DF_DEVICE T* out, int row, int lane) {
-  const int H = params[0], Hk = params[1], Lq = params[2], n_chunks = params[5];
+                        DF_DEVICE T* out, int row, int lane, int n_chunks) {
+  const int H = params[0], Hk = params[1], Lq = params[2];
   const int G = H / Hk, R = G * Lq;
   if (row >= Hk * R) return;
   constexpr int DL = D / 32;

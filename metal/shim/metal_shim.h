@@ -9,7 +9,7 @@
 #define device
 #define threadgroup
 #define thread
-#define constant const
+#define constant
 #define kernel
 #define INFINITY_F (1.0f / 0.0f)
 

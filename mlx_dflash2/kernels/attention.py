@@ -16,7 +16,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .registry import KernelOp, KernelSpec
+from .registry import KernelOp, KernelSpec, int_params
 
 __all__ = ["VerifyAttention", "verify_attention", "KernelAttention", "route_attention", "ATTENTION_CLASSES"]
 
@@ -96,6 +96,8 @@ class VerifyAttention(KernelOp):
         io2 = dict(inputs=[("part_o", "float32"), ("part_ml", "float32"), ("params", "int32")], outputs=[("out", "T")])
         call = ("dflash_attn::attn_partial<T, D, TILE, TILES, ROWS, WARPS>(q, k, v, params, scale, part_o, part_ml, "
                 "tq, tk, tv, ")
+        # the cache length and the K/V head strides are read from the views' shapes and strides
+        lens = "k_shape[2], (long)k_strides[1], (long)v_strides[1]"
         if backend == "cuda":
             tg, ids = "__shared__", ("blockIdx.x / n_rg, blockIdx.y, blockIdx.x % n_rg, threadIdx.x / 32, threadIdx.x % 32",
                                       "blockIdx.x * blockDim.x + threadIdx.x")
@@ -106,35 +108,31 @@ class VerifyAttention(KernelOp):
         header = "verify_attention." + ("cu" if backend == "cuda" else "metal")
         return {
             "partial": KernelSpec(
-                "dflash_attn_partial", header=header, examples=ex,
+                "dflash_attn_partial", header=header, examples=ex, contiguous=False,
                 body=f"  {tg} float tq[ROWS * D];\n  {tg} float tk[TILE * (D + 1)];\n  {tg} float tv[TILE * D];\n"
-                     f"  const int n_rg = params[6];\n  {call}{ids[0]});\n", **io1),
+                     f"  const int n_rg = params[3];\n  {call}{ids[0]}, {lens});\n", **io1),
             "combine": KernelSpec(
                 "dflash_attn_combine", header=header, examples=ex2,
                 body=f"  const int t = {ids[1]};\n"
-                     "  dflash_attn::attn_combine<T, D>(part_o, part_ml, params, out, t / 32, t % 32);\n", **io2),
+                     "  const int n_chunks = int(part_ml_shape[0]) / (2 * params[0] * params[2]);\n"
+                     "  dflash_attn::attn_combine<T, D>(part_o, part_ml, params, out, t / 32, t % 32, n_chunks);\n",
+                **io2),
         }
-
-    def fast_key(self, args, kw):
-        q, keys, values, length, scale = args
-        return (q.shape, q.dtype, keys.shape, keys.dtype, values.shape, values.dtype,
-                q.shape[2] <= length <= keys.shape[2])
 
     def launch(self, backend, q, keys, values, length, scale):
         _, H, Lq, D = q.shape
-        Hk, S = keys.shape[1], keys.shape[2]
+        Hk = keys.shape[1]
         R = (H // Hk) * Lq
         n_chunks = -(-length // (TILE * TILES))
         n_rg = -(-R // ROWS)
-        # 8 elements each: Metal passes shorter inputs as `constant` pointers (registry.device_input)
-        params = mx.array([H, Hk, Lq, length, S * D, n_chunks, n_rg, 0], dtype=mx.int32)
+        params = int_params(H, Hk, Lq, n_rg)  # made once per signature; the length travels as a view's shape
         sc = self._scales.get(scale)
         if sc is None:
             sc = self._scales[scale] = mx.array([scale] + [0.0] * 7, dtype=mx.float32)
             mx.eval(sc)
         rows_total = Hk * R
         part_o, part_ml = self.kernel(backend, "partial")(
-            inputs=[q, keys, values, params, sc],
+            inputs=[mx.contiguous(q), keys[:, :, :length], values[:, :, :length], params, sc],
             template=[("T", q.dtype), ("D", D), ("TILE", TILE), ("TILES", TILES), ("ROWS", ROWS), ("WARPS", WARPS)],
             grid=(n_chunks * n_rg * WARPS * 32, Hk, 1), threadgroup=(WARPS * 32, 1, 1),
             output_shapes=[(rows_total * n_chunks * D,), (rows_total * n_chunks * 2,)],

@@ -48,13 +48,31 @@ def cuda_source(spec: KernelSpec, example: dict) -> str:
     def ty(t):
         return types.get(t) or _CUDA_TYPES[t]
 
-    sig = [f"    const {ty(t)}* {n}" for n, t in spec.inputs] + [f"    {ty(t)}* {n}" for n, t in spec.outputs]
+    sig = []
+    for n, t in spec.inputs:  # as MLX: a pointer, then shape / strides / ndim where the body names them
+        sig.append(f"    const {ty(t)}* {n}")
+        if f"{n}_shape" in spec.body:
+            sig.append(f"    const __grid_constant__ Shape {n}_shape")
+        if f"{n}_strides" in spec.body:
+            sig.append(f"    const __grid_constant__ Strides {n}_strides")
+        if f"{n}_ndim" in spec.body:
+            sig.append(f"    const __grid_constant__ int {n}_ndim")
+    sig += [f"    {ty(t)}* {n}" for n, t in spec.outputs]
     consts = [f"  using {k} = {types[k]};" if isinstance(v, str) else f"  constexpr {'bool' if isinstance(v, bool) else 'int'} {k} = {_tval(v)};"
               for k, v in example.items()]
     return ("typedef unsigned int uint32_t;\ntypedef int int32_t;\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
-            + source_text(spec.header) +
+            + _CUDA_STUB + source_text(spec.header) +
             "namespace mlx::core::cu {\n__global__ void custom_kernel_" + spec.name + "(\n" +
             ",\n".join(sig) + ") {\n" + "\n".join(consts) + "\n" + spec.body + "\n}\n}\n")
+
+
+# what MLX's device header (mlx/backend/cuda/device/utils.cuh) gives a kernel signature: Shape and Strides
+# (there cuda::std::arrays of MAX_NDIM entries); read-only here, indexed like arrays
+_CUDA_STUB = """namespace mlx { namespace core { namespace cu {
+struct Shape { int v[10]; __device__ const int& operator[](int i) const { return v[i]; } };
+struct Strides { long long v[10]; __device__ const long long& operator[](int i) const { return v[i]; } };
+} } }
+"""
 
 
 def metal_source(spec: KernelSpec, example: dict) -> str:
@@ -66,7 +84,16 @@ def metal_source(spec: KernelSpec, example: dict) -> str:
 
     header = "\n".join(line for line in source_text(spec.header).splitlines()
                        if not line.strip().startswith("#include <metal"))
-    params = [f"const device {ty(t)}* {n}" for n, t in spec.inputs] + [f"device {ty(t)}* {n}" for n, t in spec.outputs]
+    params = []
+    for n, t in spec.inputs:  # as MLX's metal_kernel: shape / strides / ndim where the body names them
+        params.append(f"const device {ty(t)}* {n}")
+        if f"{n}_shape" in spec.body:
+            params.append(f"const constant int* {n}_shape")
+        if f"{n}_strides" in spec.body:
+            params.append(f"const constant int64_t* {n}_strides")
+        if f"{n}_ndim" in spec.body:
+            params.append(f"const constant int& {n}_ndim")
+    params += [f"device {ty(t)}* {n}" for n, t in spec.outputs]
     params += [f"{t} {a}" for a, t in _METAL_ATTRS.items() if a in spec.body]
     consts = [f"  using {k} = {types[k]};" if isinstance(v, str) else f"  constexpr int {k} = {_tval(v)};"
               for k, v in example.items()]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .registry import KernelOp, KernelSpec, device_input
+from .registry import KernelOp, KernelSpec, device_input, int_params
 
 __all__ = ["DynamicConv", "dynamic_conv", "dynamic_conv_reference"]
 
@@ -102,7 +102,7 @@ class DynamicConv(KernelOp):
     def launch(self, backend, x, base_kernel, delta, side, group_size):
         N, B, D = x.shape
         K = base_kernel.shape[1]
-        params = device_input(mx.array([N, B, D, K, D // group_size, group_size, side], dtype=mx.int32))
+        params = int_params(N, B, D, K, D // group_size, group_size, side)
         total = N * B * D
         return self.kernel(backend, "conv")(
             inputs=[x, delta, base_kernel, params],

@@ -70,20 +70,21 @@ int main(int argc, char** argv) {
   auto v = readf((dir + "/v").c_str(), (size_t)Hk * S * D);
   float scale = readf((dir + "/scale").c_str(), 1)[0];
   int G = H / Hk, R = G * Lq, n_chunks = (L + TILE * TILES - 1) / (TILE * TILES), n_rg = (R + ROWS - 1) / ROWS;
-  int params[7] = {H, Hk, Lq, L, S * D, n_chunks, n_rg};
+  int params[8] = {H, Hk, Lq, n_rg, 0, 0, 0, 0};
   std::vector<float> po((size_t)Hk * R * n_chunks * D), pml((size_t)Hk * R * n_chunks * 2), out((size_t)H * Lq * D);
   for (int hk = 0; hk < Hk; ++hk)
     for (int bx = 0; bx < n_chunks * n_rg; ++bx) {
       std::vector<float> tq(ROWS * D), tk(TILE * (D + 1)), tv(TILE * D);
       run_block(WARPS * 32, [&](int warp, int lane) {
         dflash_attn::attn_partial<float, D, TILE, TILES, ROWS, WARPS>(q.data(), k.data(), v.data(), params, &scale,
-            po.data(), pml.data(), tq.data(), tk.data(), tv.data(), bx / n_rg, hk, bx % n_rg, warp, lane);
+            po.data(), pml.data(), tq.data(), tk.data(), tv.data(), bx / n_rg, hk, bx % n_rg, warp, lane, L,
+            (long)S * D, (long)S * D);
       });
     }
   int rows = Hk * R;
   for (int r0 = 0; r0 < rows; r0 += 4)
     run_block(128, [&](int warp, int lane) {
-      dflash_attn::attn_combine<float, D>(po.data(), pml.data(), params, out.data(), r0 + warp, lane);
+      dflash_attn::attn_combine<float, D>(po.data(), pml.data(), params, out.data(), r0 + warp, lane, n_chunks);
     });
   writef(dir + "/out", out);
   return 0;

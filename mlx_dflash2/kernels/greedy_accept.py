@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .registry import KernelOp, KernelSpec, device_input
+from .registry import KernelOp, KernelSpec, device_input, int_params
 
 __all__ = ["GreedyAccept", "greedy_accept", "greedy_accept_reference", "TPB"]
 
@@ -99,7 +99,7 @@ class GreedyAccept(KernelOp):
     def launch(self, backend, logits, draft):
         rows, V = logits.shape
         n = rows - 1
-        params = device_input(mx.array([V, n], dtype=mx.int32))
+        params = int_params(V, n)
         tokens = self.kernel(backend, "argmax")(  # >= 8 entries: the accept kernel's device input
             inputs=[logits, params], template=[("T", logits.dtype), ("TPB", TPB)],
             grid=(rows * TPB, 1, 1), threadgroup=(TPB, 1, 1),

@@ -23,7 +23,7 @@ import os
 import mlx.core as mx
 import mlx.nn as nn
 
-from .registry import KernelOp, KernelSpec
+from .registry import KernelOp, KernelSpec, int_params
 
 __all__ = ["QuantizedMatmul", "qmm", "KernelQuantizedLinear", "route_quantized_linears", "undo_routes", "qmm_config"]
 
@@ -155,27 +155,12 @@ class QuantizedMatmul(KernelOp):
             tmpl += [("WARPS", warps), ("U", u)] if backend == "cuda" else [("S", warps)]
             blocks = -(-N // (8 * nt))
             geo = self._geo[key] = (M, K, tmpl, (blocks * warps * 32, 1, 1), (warps * 32, 1, 1), [(M, N)],
-                                    _params(M, N, K), (*shape[:-1], N))
+                                    int_params(M, N, K), (*shape[:-1], N))
         M, K, tmpl, grid, tg, out_shapes, params, out_shape = geo
         y = self.kernel(backend, "qmm")(
             inputs=[x.reshape(M, K), w, scales, biases, params], template=tmpl, grid=grid, threadgroup=tg,
             output_shapes=out_shapes, output_dtypes=[x.dtype])[0]
         return y.reshape(out_shape)
-
-
-_param_cache: dict[tuple, mx.array] = {}
-
-
-def _params(M: int, N: int, K: int) -> mx.array:
-    """The kernel's int32 ``[M, N, K]``, zero-padded to 8 elements (Metal: a ``device`` pointer, see
-    :func:`~.registry.device_input`), evaluated and cached: no per-call host array."""
-    key = (M, N, K)
-    p = _param_cache.get(key)
-    if p is None:
-        p = mx.array([M, N, K, 0, 0, 0, 0, 0], dtype=mx.int32)
-        mx.eval(p)
-        _param_cache[key] = p
-    return p
 
 
 qmm = QuantizedMatmul()

@@ -152,6 +152,8 @@ class KernelSpec:
         header: the source file in ``metal/`` (its local includes expanded).
         body: the kernel body (the signature is generated from ``inputs``/``outputs``).
         examples: template-argument dicts to instantiate in compile checks.
+        contiguous: MLX copies non-contiguous inputs first (``ensure_row_contiguous``); ``False`` passes
+            views as they are (the body then reads ``<input>_shape`` / ``<input>_strides``).
     """
 
     name: str
@@ -160,6 +162,7 @@ class KernelSpec:
     header: str
     body: str
     examples: list = field(default_factory=list)
+    contiguous: bool = True
 
 
 @dataclass
@@ -231,7 +234,8 @@ class KernelOp:
             spec = self.specs(backend)[role]
             names = dict(input_names=[n for n, _ in spec.inputs], output_names=[n for n, _ in spec.outputs])
             make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
-            self._kernels[k] = make(name=spec.name, header=source_text(spec.header), source=spec.body, **names)
+            self._kernels[k] = make(name=spec.name, header=source_text(spec.header), source=spec.body,
+                                    ensure_row_contiguous=spec.contiguous, **names)
         return self._kernels[k]
 
     def tol(self, dtype) -> float:
@@ -340,6 +344,23 @@ def device_input(x: mx.array, n: int = 8) -> mx.array:
     if x.shape[0] >= n:
         return x
     return mx.concatenate([x, mx.zeros((n - x.shape[0],), dtype=x.dtype)])
+
+
+_int_params: dict[tuple, mx.array] = {}
+
+
+def int_params(*values: int) -> mx.array:
+    """A kernel's small int32 parameter array ``values`` (zero-padded to 8 elements: a ``device`` pointer
+    on Metal, see :func:`device_input`), made once per distinct ``values`` and evaluated: no host array
+    is created per call. (On MLX's CUDA backend a host array made while the GPU runs a queued step
+    halved the pipelined plain decoding of the 8B shape: one per attention layer per step.)"""
+    p = _int_params.get(values)
+    if p is None:
+        p = mx.array(list(values) + [0] * max(0, 8 - len(values)), dtype=mx.int32)
+        mx.eval(p)
+        if len(_int_params) < 65536:
+            _int_params[values] = p
+    return p
 
 
 def _as_list(x) -> list:

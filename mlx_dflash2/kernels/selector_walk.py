@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .registry import KernelOp, KernelSpec, device_input
+from .registry import KernelOp, KernelSpec, device_input, int_params
 
 __all__ = ["SelectorWalk", "selector_walk", "tree_sum", "lattice_scores", "walk_lattice", "MAX_K", "MAX_RANK"]
 
@@ -180,7 +180,7 @@ class SelectorWalk(KernelOp):
     def launch(self, backend, cand, u, H, pred_codebook, succ_codebook, anchor):
         M, T, K = cand.shape
         R = H.shape[-1]
-        params = device_input(mx.array([M, T, K], dtype=mx.int32))
+        params = int_params(M, T, K)
         return self.kernel(backend, "walk")(
             inputs=[cand, u, H, pred_codebook, succ_codebook, device_input(anchor.astype(mx.int32)), params],
             template=[("TC", pred_codebook.dtype), ("R", R), ("P", _pow2(R))],

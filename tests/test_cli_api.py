@@ -463,3 +463,19 @@ def test_runtime_does_not_import_the_converter():
                 if m.startswith("mlx_dflash2.convert") or m.lstrip(".").split(".")[0] == "convert" and m.startswith("."):
                     bad.append(f"{f.relative_to(pkg)}: {m}")
     assert not bad, bad
+
+
+def test_readme_python_snippet_prints_the_answer_once(capsys):
+    """The README's Python API snippet (its generate() part, 8 tokens): the answer is printed once (it was
+    printed by verbose=True and again by a print() around the call)."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = re.search(r"```python\n(from mlx_dflash2 import load.*?)```", readme, re.S).group(1)
+    head = block.split("for r in stream_generate")[0].replace("max_tokens=64", "max_tokens=8")
+    scope: dict = {}
+    exec(head, scope)  # noqa: S102 - the project's own README
+    out = capsys.readouterr().out
+    text = scope["text"]
+    assert text.strip() and out.count(text.strip()) == 1, out

@@ -22,6 +22,17 @@ from ._blas import preload as _preload_blas  # noqa: E402
 
 _preload_blas()
 
+# The CLI module shares its name with the function bound below, as in mlx-lm. Loading it here keeps
+# ``import mlx_dflash2.generate`` from rebinding ``mlx_dflash2.generate`` to the module; ``python -m
+# mlx_dflash2.generate`` then finds it already imported, which runpy reports as a RuntimeWarning about this
+# package's own modules only (the module runs as __main__ all the same): silence exactly that message.
+import warnings as _warnings  # noqa: E402
+
+_warnings.filterwarnings(
+    "ignore", message=r"'mlx_dflash2\.[a-z_]+' found in sys\.modules after import of package 'mlx_dflash2'",
+    category=RuntimeWarning,
+)
+
 from ._version import __version__  # noqa: E402
 from . import generate as _generate_cli  # noqa: E402,F401  (loaded first: the function below keeps the name)
 from .api import GenerationResponse, generate, stream_generate  # noqa: E402

@@ -198,9 +198,14 @@ def test_width_policy_acceptance_estimate_and_choice():
     assert w.acceptance(3) == pytest.approx([p1, p1 * p2, p1 * p2 * p2])  # position 3 takes position 2's rate
     w.record(2, 2)
     assert w._counts["drafter"][1] == [1.5, 1.5]  # discounted, then counted
-    steep = VerifyCosts({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0, 16: 16.0})  # a verify row costs a plain step
-    assert WidthPolicy(steep).choose(15) == 1  # (1 + c_1) / 2 is the best it gets
-    assert WidthPolicy(steep).choose(1) == 1 and WidthPolicy(steep).choose(0) == 0
+    # a verify row costs a plain step (quantized matmuls on MLX's CPU backend): no width pays, a plain step
+    steep = VerifyCosts({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0, 16: 16.0})
+    assert WidthPolicy(steep).choose(15) == 0 and WidthPolicy(steep).choose(15, "lookup") == 0
+    assert WidthPolicy(steep).choose(0) == 0
+    w3 = WidthPolicy(steep)
+    w3._counts["lookup-short"] = ([0.5], [1.0])
+    w3.record(0, 0, "lookup-short")  # a plain step instead: the counts are only discounted (back to the prior)
+    assert w3._counts["lookup-short"] == ([0.5 * 0.95], [0.95])
     # the lookup kind has its own counts and no drafter cost
     w2 = WidthPolicy(VerifyCosts({1: 1.0, 16: 1.0}, {1: 100.0, 15: 100.0}))
     assert w2.rate(3, "lookup") > 1.0 > w2.rate(3, "drafter")
@@ -279,13 +284,14 @@ def test_width_policy_verifies_full_blocks_on_a_flat_cost_table(smol_f32, code_r
 
 def test_width_policy_follows_acceptance_lossless(smol_f32, code_ref):
     """A CPU-like table (T(16)/T(1) ~ 2, T(12) > T(16)): while every draft is right the policy widens to full
-    blocks, then every first draft is wrong and it narrows to one draft; it never picks 12 rows, and output
-    equals plain decoding throughout."""
+    blocks; then every first draft is wrong, and once its estimate has fallen no width pays: plain steps, no
+    drafter forward. It never picks 12 rows, and output equals plain decoding throughout."""
     table = {1: 1.0, 2: 1.2, 3: 1.35, 4: 1.5, 6: 1.55, 8: 1.7, 12: 2.2, 16: 2.0}
     out, ref, stats, asked = _run_policy(smol_f32, code_ref, table, [15] * 3 + [0] * 60, n=64,
                                          drafter_s={1: 0.5, 15: 0.8})
     assert out == ref
-    assert 11 not in asked and 15 in asked[:3] and asked[-1] == 1, asked
+    assert 11 not in asked and 15 in asked[:3], asked
+    assert len(asked) <= 16 and stats.rounds_by_source.get("none", 0) >= 8, (asked, stats.rounds_by_source)
 
 
 def test_without_calibration_drafter_rounds_draft_full_blocks(smol_f32, code_ref):

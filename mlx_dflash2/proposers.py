@@ -674,7 +674,11 @@ class _FusedSession(ProposerSession):
                     return Proposal.empty()
                 return self._lookup(lt[: min(n, self.p.lookup.block_size - 1)], "lookup-short", True)
             n = sch.width(n)  # the calibrated width policy's choice (n itself without a calibration)
-            if n == 0:  # no width pays at the acceptance measured so far: a plain step, no drafter forward
+            if n == 0:  # no width pays at the acceptance measured so far: a plain step, no drafter forward,
+                # timed as a round without the drafter (the other arm: counted as the drafter's, these cheap
+                # steps made the drafter look fast where a short lookup match competes with it, and it was
+                # then given rounds it wasted)
+                self._round = (ctx, False, self._round[2])
                 self._width = ("drafter", 0)
                 return Proposal.empty()
         dp = self.d.propose(anchor, n, temperature, key)

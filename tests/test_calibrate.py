@@ -216,6 +216,39 @@ def test_width_policy_acceptance_estimate_and_choice():
             WidthPolicy(flat, **bad)
 
 
+def test_fused_rounds_follow_the_width_policy_and_a_plain_choice_runs_no_drafter():
+    """Drafter rounds draft the policy's n, lookup rounds (long and short matches) propose its share of the
+    match, and where no width pays the round is a plain step: no drafter forward, timed as the schedule's
+    other arm (not the drafter's, which it would make look cheap)."""
+    from test_lookup import _Fixed
+
+    t = [0.0]
+    gpu_like = VerifyCosts({1: 1.0, 2: 1.5, 4: 2.4, 8: 1.3, 16: 2.8})
+    sch = AdaptiveSchedule(min_samples=1, warmup=0, clock=lambda: t[0], widths=WidthPolicy(gpu_like))
+    fp = FusedProposer(_Fixed(list(range(50, 70))), LookupProposer(block_size=8), schedule=sch)
+    s = fp.start([])
+    s.extend([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 1, 2, 3, 4, 5, 6, 7, 8], None)
+    p = s.propose(9, 15)  # a long match of 19 tokens: the lookup's 15 cut to the policy's 7 (T(8) << T(16))
+    assert p.source == "lookup" and p.tokens.tolist() == list(range(10, 17)) and fp.drafter.calls == 0
+    s.verified(8)
+    assert sch.widths._counts["lookup"][0] == [1.0] * 7
+    s2 = fp.start([])
+    s2.extend([40, 41, 42], None)
+    p = s2.propose(77, 15)  # no match, context "none": the schedule's first trial is the drafter's
+    assert p.n == 7 and fp.drafter.calls == 1  # T(8) is the cheap width
+    t[0] += 1.0
+    s2.verified(1)  # nothing accepted
+    steep = AdaptiveSchedule(min_samples=1, warmup=0, clock=lambda: t[0],
+                             widths=WidthPolicy(VerifyCosts({1: 1.0, 2: 2.0, 16: 16.0})))
+    fp2 = FusedProposer(_Fixed(list(range(50, 70))), LookupProposer(block_size=8), schedule=steep)
+    s3 = fp2.start([])
+    p = s3.propose(77, 15)  # the drafter's turn, but no width pays: a plain step
+    assert p.n == 0 and fp2.drafter.calls == 0
+    t[0] += 1.0
+    s3.verified(1)
+    assert steep.rate("none", False) == 1.0 and steep.rate("none", True) is None
+
+
 # ---------------------------------------------------------------------------
 # through the loop: float32 embedded target, scripted drafter, fake cost tables
 # ---------------------------------------------------------------------------

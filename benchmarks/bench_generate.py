@@ -8,6 +8,11 @@ if matplotlib is installed, to a plot of speedup and tau per prompt.
 
     scripts/run python benchmarks/bench_generate.py --drafter lookup --max-tokens 96
     scripts/run python benchmarks/bench_generate.py --dequantize --dtype float32 --drafter lookup
+    scripts/run python benchmarks/bench_generate.py --dequantize --dtype float32 --drafter auto --calibrate off,cached
+
+``--calibrate`` runs each adaptive drafter with the schedule's calibrated verify widths (``cached``: the
+cached calibration, measured when missing, as ``load`` does; ``rerun``: measured again) or without them
+(``off``: full blocks, the behaviour before session 11); rows record the rounds by verified width.
 """
 
 from __future__ import annotations
@@ -50,6 +55,18 @@ def _confidences(text: str) -> list:
             out.append(check_confidence(float(c), "--min-confidence"))
         except ValueError:
             raise argparse.ArgumentTypeError(f"each value must be 'auto' or a number in [0, 1), got {c!r}") from None
+    return out
+
+
+CALIBRATE = {"cached": None, "rerun": True, "off": False}
+
+
+def _calibrations(text: str) -> list[str]:
+    """``--calibrate``: comma-separated values of :data:`CALIBRATE`."""
+    out = [c.strip() for c in text.split(",")]
+    bad = [c for c in out if c not in CALIBRATE]
+    if bad:
+        raise argparse.ArgumentTypeError(f"each value must be one of {', '.join(CALIBRATE)}, got {bad[0]!r}")
     return out
 
 
@@ -109,6 +126,9 @@ def main(argv=None):
     ap.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
                     help="run the drafters under the adaptive schedule (default: only 'auto'); its state carries "
                          "over the repeats of a row, as in a long-running server")
+    ap.add_argument("--calibrate", default="cached", type=_calibrations,
+                    help="adaptive drafters: comma-separated 'cached' (the calibrated verify widths, measured when "
+                         "missing), 'rerun' (measured again) and/or 'off' (full blocks); each value is run")
     ap.add_argument("--out", default="benchmarks/results/generate.json")
     ap.add_argument("--replot", default=None, metavar="JSON", help="only redraw the plot of a saved run")
     args = ap.parse_args(argv)
@@ -131,31 +151,40 @@ def main(argv=None):
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
         "adaptive": args.adaptive,
+        "calibrate": args.calibrate,
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    header = (f"{'prompt':8} {'drafter':44} {'B':>3} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} "
+    header = (f"{'prompt':8} {'drafter':56} {'B':>3} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} "
               f"{'tau':>6} same")
 
     def line(r):
-        return (f"{r['prompt']:8} {r['drafter']:44} {r['block_size']:>3} {r['plain_tps']:>11.2f} "
+        return (f"{r['prompt']:8} {r['drafter']:56} {r['block_size']:>3} {r['plain_tps']:>11.2f} "
                 f"{r['spec_tps']:>10.2f} {r['speedup']:>7.2f}x {r['tau']:>6.2f} {'yes' if r['identical'] else 'NO'}")
 
     rows = []
     confs = [default_min_confidence() if c == "auto" else c for c in args.min_confidence]
-    jobs = [(p, d, c) for p in prompts for d in drafters for c in confs]
-    for pname, dname, conf in tqdm(jobs, desc="benchmark", file=sys.stderr):
+    jobs = [(p, d, c, cal) for p in prompts for d in drafters for c in confs for cal in args.calibrate]
+    calibrations = {}
+    for pname, dname, conf, cal in tqdm(jobs, desc="benchmark", file=sys.stderr):
         ids = tok.apply_chat_template([{"role": "user", "content": prompts[pname]}], add_generation_prompt=True)
         proposer = make_proposer(dname, target, tok, name, dequantize=args.dequantize, min_confidence=conf,
-                                 adaptive=args.adaptive)
+                                 adaptive=args.adaptive, calibrate=CALIBRATE[cal], block_size=args.block_size)
         drafts = isinstance(proposer, (DFlashProposer, FusedProposer))
         if not drafts:  # lookup / plain: the threshold does not apply, run them once
             if conf != confs[0]:
                 continue
             conf = 0.0
+        scheduled = isinstance(proposer, FusedProposer) and proposer.schedule is not None
+        if not scheduled and cal != args.calibrate[0]:  # no schedule, no widths to calibrate: run once
+            continue
+        costs = getattr(proposer, "calibration", None)
+        if costs is not None:
+            calibrations[cal] = {"ratios": costs.ratios(), "drafter_s": costs.drafter_s, "verify_s": costs.verify_s,
+                                 "meta": costs.meta}
         B = args.block_size or (proposer.block_size if proposer else 1)
-        plain_tps, spec_tps, taus = [], [], []
+        plain_tps, spec_tps, taus, widths = [], [], [], {}
         run_once(target, ids, None, 1, 8)  # warm-up
         for _ in range(args.repeats):
             ref, ps = run_once(target, ids, None, 1, args.max_tokens)
@@ -166,6 +195,8 @@ def main(argv=None):
             plain_tps.append(ps.decode_tps)
             spec_tps.append(ss.decode_tps)
             taus.append(ss.tau)
+            for m, k in ss.verify_widths.items():
+                widths[m] = widths.get(m, 0) + k
         rows.append(
             {
                 "prompt": pname,
@@ -173,8 +204,10 @@ def main(argv=None):
                 # `auto` under --adaptive, stay apart
                 "drafter": (ss.drafter if dname in ("lookup", "none")
                             else f"{ss.drafter} ({dname})" if dname in ("shipped", "init", "auto")
-                            else f"{ss.drafter} ({Path(dname).name})") + (f" c={conf:g}" if conf else ""),
+                            else f"{ss.drafter} ({Path(dname).name})") + (f" c={conf:g}" if conf else "")
+                + ((" widths" if costs is not None else " full") if scheduled else ""),
                 "min_confidence": conf,
+                "calibrate": cal if scheduled else None,
                 "block_size": B,
                 "tokens": len(out),
                 "identical": out == ref,
@@ -185,11 +218,14 @@ def main(argv=None):
                 "acceptance_by_position": [
                     a / p if p else None for a, p in zip(ss.position_accepted, ss.position_proposed)
                 ],
+                "verify_widths": {str(m): k for m, k in sorted(widths.items())},  # rounds by rows, all repeats
             }
         )
+        meta["calibrations"] = calibrations
         # each finished row is printed and saved at once: a run cut short (a device call's time limit)
         # keeps what it measured
-        tqdm.write(line(rows[-1]), file=sys.stderr)
+        tqdm.write(line(rows[-1]) + "  widths " + " ".join(f"{m}:{k}" for m, k in rows[-1]["verify_widths"].items()),
+                   file=sys.stderr)
         out_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
 
     print(

@@ -350,8 +350,10 @@ class WidthPolicy:
     A round that proposes ``n`` tokens emits ``1 + sum_{i<=n} c_i`` tokens on average, ``c_i`` being the
     probability that drafts ``1..i`` are all accepted, and costs ``T(n+1)`` (a target forward of ``n + 1``
     rows) plus, for a drafter round, ``D(n)`` (its proposal): ``costs``, a calibration of this machine
-    (:class:`~.calibrate.VerifyCosts`). :meth:`choose` returns the ``n`` of ``1..n_max`` with the most tokens
-    per second, among the measured widths (``n + 1`` measured) and ``n_max`` itself. The cost curve need not
+    (:class:`~.calibrate.VerifyCosts`). :meth:`choose` returns the ``n`` of ``0..n_max`` with the most tokens
+    per second, among the measured widths (``n + 1`` measured), ``n_max`` itself and ``0`` (a plain step,
+    ``1 / T(1)``: no proposal is verified, and the kind's counts are only discounted, so its estimate drifts
+    back to the prior and it is tried again after a while). The cost curve need not
     be monotone (on the H200 a verify of 4 rows costs more than one of 16; on a 2-core CPU 12 more than
     16), so no width is taken for granted, and 16 is verified only where it pays.
 
@@ -377,7 +379,7 @@ class WidthPolicy:
         ValueError: a prior, ``prior_weight`` or ``decay`` out of range.
     """
 
-    PRIORS = {"drafter": 0.6, "lookup": 0.8, "lookup-short": 0.6}
+    PRIORS = {"drafter": 0.6, "lookup": 0.9, "lookup-short": 0.6}
 
     def __init__(self, costs, priors: dict | None = None, prior_weight: float = 2.0, decay: float = 0.95):
         self.priors = {**self.PRIORS, **(priors or {})}
@@ -411,11 +413,12 @@ class WidthPolicy:
         return (1.0 + sum(c[:n])) / cost
 
     def choose(self, n_max: int, kind: str = "drafter") -> int:
-        """How many of the ``n_max`` tokens a round of ``kind`` may propose to verify (``n_max`` when < 2)."""
-        if n_max <= 1:
-            return n_max
+        """How many of the ``n_max`` tokens a round of ``kind`` may propose to verify: ``0..n_max`` (``0``:
+        none, a plain step of ``T(1)`` for one token, where no width is estimated to pay)."""
+        if n_max <= 0:
+            return 0
         c = self.acceptance(n_max, kind)
-        cands = sorted({m - 1 for m in self.costs.verify_s if 2 <= m <= n_max + 1} | {n_max})
+        cands = sorted({0, n_max} | {m - 1 for m in self.costs.verify_s if 2 <= m <= n_max + 1})
         best, best_rate = cands[0], -1.0
         for n in cands:
             r = self.rate(n, kind, c)
@@ -424,8 +427,14 @@ class WidthPolicy:
         return best
 
     def record(self, drafted: int, accepted: int, kind: str = "drafter") -> None:
-        """A verified round of ``kind`` that proposed ``drafted`` tokens accepted the first ``accepted``."""
+        """A verified round of ``kind`` that proposed ``drafted`` tokens accepted the first ``accepted``.
+        ``drafted = 0`` (the policy chose a plain step instead) only discounts the kind's counts, so its
+        estimate drifts back towards the prior and the kind is tried again after a while."""
         if drafted <= 0:
+            hits, trials = self._counts.get(kind, ([], []))
+            for lst in (hits, trials):
+                for j in range(len(lst)):
+                    lst[j] *= self.decay
             return
         accepted = max(0, min(int(accepted), int(drafted)))
         reached = min(accepted + 1, drafted)  # positions 1..reached were verified after a full prefix
@@ -536,7 +545,7 @@ class AdaptiveSchedule:
     def width(self, n_max: int, kind: str = "drafter") -> int:
         """How many tokens the next round of ``kind`` (see :class:`WidthPolicy`) proposes, at most ``n_max``
         (for the drafter the loop's ``B - 1``, capped by ``max_tokens`` and the context; for lookup the
-        tokens it has): the :class:`WidthPolicy`'s choice, or ``n_max`` without one."""
+        tokens it has; ``0``: a plain step): the :class:`WidthPolicy`'s choice, or ``n_max`` without one."""
         return self.widths.choose(n_max, kind) if self.widths is not None else n_max
 
     def record_acceptance(self, drafted: int, accepted: int, kind: str = "drafter") -> None:
@@ -638,11 +647,14 @@ class _FusedSession(ProposerSession):
         return _FusedSession(self.p, self.d.clone(), self.l.clone())
 
     def _lookup(self, tokens: list[int], kind: str, scheduled: bool) -> Proposal:
-        """The lookup's ``tokens`` as a proposal, cut to the width policy's choice for ``kind``."""
+        """The lookup's ``tokens`` as a proposal, cut to the width policy's choice for ``kind`` (possibly none:
+        a plain step, where its measured acceptance does not pay for a wider verify)."""
         if scheduled:
             k = self.p.schedule.width(len(tokens), kind)
             tokens = tokens[:k]
             self._width = (kind, len(tokens))
+        if not tokens:
+            return Proposal.empty()
         return Proposal(mx.array(tokens, dtype=mx.int32), source="lookup")
 
     def propose(self, anchor, n, temperature=0.0, key=None):
@@ -662,6 +674,13 @@ class _FusedSession(ProposerSession):
                     return Proposal.empty()
                 return self._lookup(lt[: min(n, self.p.lookup.block_size - 1)], "lookup-short", True)
             n = sch.width(n)  # the calibrated width policy's choice (n itself without a calibration)
+            if n == 0:  # no width pays at the acceptance measured so far: a plain step, no drafter forward,
+                # timed as a round without the drafter (the other arm: counted as the drafter's, these cheap
+                # steps made the drafter look fast where a short lookup match competes with it, and it was
+                # then given rounds it wasted)
+                self._round = (ctx, False, self._round[2])
+                self._width = ("drafter", 0)
+                return Proposal.empty()
         dp = self.d.propose(anchor, n, temperature, key)
         if scheduled:
             self._width = ("drafter", dp.n)

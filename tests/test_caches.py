@@ -10,6 +10,7 @@ import functools
 
 import mlx_dflash2  # noqa: F401  (before MLX: the optimized BLAS)
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
@@ -256,6 +257,16 @@ def test_install_recording_keeps_parameters_and_undo():
     undo2 = install_recording(model)  # idempotent: nothing left to switch
     undo2()
     assert type(mixer) is not cls
+    # quantizing while recording keeps the paths (the mixer is the same object) and the rollback works
+    nn.quantize(model, group_size=32, bits=8)
+    assert isinstance(mixer.in_proj_qkv, nn.QuantizedLinear)
+    caches = convert_caches(model.make_cache())
+    _forward(model, caches, [1, 2, 3, 4, 5])
+    mid = caches[0][1]
+    _forward(model, caches, [6, 7])
+    for c in caches:
+        c.trim(2)
+    assert _maxdiff(caches[0][1], mid) == 0.0
     undo()
     undo()
     assert type(mixer) is cls

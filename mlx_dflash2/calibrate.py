@@ -377,7 +377,7 @@ def fingerprint(target, target_name: str, drafter=None) -> dict:
     this process may use and the BLAS). A JSON-serialisable dict; :func:`cache_key` hashes it."""
     import mlx_lm
 
-    cfg = target.config
+    cfg = target.text_config
     fp = {
         "target": str(target_name),
         "model_type": cfg.get("model_type"),

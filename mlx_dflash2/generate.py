@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from .api import GenerationResponse, _consume, generate, stream_generate
 from .sampling import SamplingParams
@@ -98,6 +99,10 @@ def _check_args(args) -> None:
         raise ValueError(f"--repetition-context-size must be >= 1, got {args.repetition_context_size}")
     SamplingParams(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                    repetition_penalty=args.repetition_penalty, seed=args.seed).validate()
+    d = args.drafter
+    if d not in ("auto", "shipped", "lookup", "none", "init") and not Path(d).expanduser().is_dir():
+        raise ValueError(f"--drafter: drafter checkpoint directory not found: {d} (or one of auto, shipped, "
+                         "lookup, none, init)")
 
 
 def _build_prompt(args, tokenizer) -> list[int]:

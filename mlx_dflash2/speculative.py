@@ -201,28 +201,87 @@ class GenerationState:
     tokens: list = field(default_factory=list)
     proposer: object = None
     reused: int = 0
+    snapshots: dict = field(default_factory=dict)
 
     def clone(self) -> "GenerationState":
         """An independent copy (own caches and history; the proposer's weights
         and the target are shared): what a server hands to a request that must
         not mutate a cached state."""
         return GenerationState(
-            cache=None if self.cache is None else [_clone_kv(c) for c in self.cache],
+            cache=None if self.cache is None else [_clone_cache(c) for c in self.cache],
             session=None if self.session is None else self.session.clone(),
             tokens=list(self.tokens),
             proposer=self.proposer,
             reused=self.reused,
+            snapshots=dict(self.snapshots),  # immutable arrays: sharing them is safe
         )
 
 
-def _clone_kv(c):
-    """Copy of an mlx-lm ``KVCache`` whose arrays are new objects (in-place slice
-    updates of one copy never reach the other)."""
+def _clone_cache(c):
+    """Independent copy of one layer's cache: the cache's own ``clone()`` (:mod:`~.caches`), or for an
+    mlx-lm ``KVCache`` a copy whose arrays are new objects (in-place slice updates of one copy never
+    reach the other)."""
+    if hasattr(c, "clone"):
+        return c.clone()
     new = type(c).__new__(type(c))
     new.__dict__.update(c.__dict__)
     if getattr(c, "keys", None) is not None:
         new.keys, new.values = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
     return new
+
+
+# Prefix (prompt) cache of targets with recurrent layers (GatedDeltaNet): their state cannot be cut back to an
+# arbitrary length, so the prefill keeps a snapshot of every recurrent layer's state at each multiple of
+# SNAPSHOT_INTERVAL prompt tokens (the chunks end there), the last MAX_SNAPSHOTS of them; a later request
+# reuses the longest snapshot at or before its shared prefix and prefills only the rest.
+SNAPSHOT_INTERVAL = 256
+MAX_SNAPSHOTS = 8
+
+
+def _recurrent_entries(cache: list) -> list[int]:
+    from mlx_lm.models.cache import ArraysCache
+
+    return [i for i, c in enumerate(cache) if isinstance(c, ArraysCache)]
+
+
+def _snapshot(cache: list, rec: list[int]) -> list:
+    """The recurrent entries' arrays (immutable MLX arrays: kept by reference, no copy)."""
+    return [(i, list(cache[i].cache)) for i in rec]
+
+
+def _can_trim(c, n: int) -> bool:
+    if n <= 0:
+        return True
+    cap = getattr(c, "rollback_capacity", None)
+    if cap is not None:
+        return n <= (cap() if callable(cap) else cap)
+    return c.is_trimmable() and n <= c.offset
+
+
+def _rewind(cache: list, snapshots: dict, want: int) -> int:
+    """Cut ``cache`` back to at most ``want`` positions, exactly; returns the length kept (0: nothing
+    reusable, the caller starts fresh caches). Every layer trims if it can; otherwise the recurrent
+    layers take the longest snapshot at or before ``want`` and the others trim to it."""
+    off = cache_length(cache)
+    want = min(want, off)
+    if all(_can_trim(c, off - want) for c in cache):
+        trim_cache(cache, off - want)
+        return want
+    rec = _recurrent_entries(cache)
+    for p in sorted((p for p in snapshots if p <= want), reverse=True):
+        if p == 0 or not all(_can_trim(c, off - p) for i, c in enumerate(cache) if i not in rec):
+            continue
+        for i, c in enumerate(cache):
+            if i not in rec:
+                trim_cache([c], off - p)
+        for i, arrays in snapshots[p]:
+            c = cache[i]
+            c.cache = list(arrays)
+            c.offset = p
+            if hasattr(c, "commit"):
+                c.commit()  # no rollback history across a restore
+        return p
+    return 0
 
 
 PLAIN_PROPOSER = Proposer()  # the proposer of plain decoding (one object, so its states can be reused)
@@ -309,12 +368,16 @@ def speculative_generate_step(
         stats.drafter_cost = {n: t / t1 for n, t in sorted(costs.drafter_s.items())}
     tap_ids = tuple(proposer.tap_ids)
     reuse = 0
+    snapshots = {}
     if state is not None and state.cache is not None and state.proposer is proposer and state.tokens:
-        # prompt (prefix) cache: keep the common prefix, at least one prompt token left to feed
+        # prompt (prefix) cache: keep the common prefix, at least one prompt token left to feed (recurrent
+        # layers: the longest snapshot at or before it; sliding windows: only what every layer still holds)
         cache, session = state.cache, state.session
-        reuse = min(_common_prefix(state.tokens, prompt), len(prompt) - 1)
-        trim_cache(cache, cache_length(cache) - reuse)
+        reuse = _rewind(cache, state.snapshots, min(_common_prefix(state.tokens, prompt), len(prompt) - 1))
+        if reuse == 0:
+            cache = target.make_cache()
         session.truncate(reuse)
+        snapshots = {p: v for p, v in state.snapshots.items() if p <= reuse}
     else:
         cache = target.make_cache()
         session = proposer.start(prompt)
@@ -322,6 +385,8 @@ def speculative_generate_step(
     if state is not None:
         state.cache, state.session, state.proposer, state.reused = cache, session, proposer, reuse
         state.tokens = prompt[:reuse]
+        state.snapshots = snapshots
+    recurrent = _recurrent_entries(cache) if state is not None else []
     stats.cached_tokens = reuse
     progress = prompt_progress_callback or (lambda *_: None)
 
@@ -335,11 +400,17 @@ def speculative_generate_step(
     progress(0, total)
     while total - done > 1:
         n = min(prefill_step_size, total - 1 - done)
+        if recurrent:  # chunks end at the snapshot positions
+            n = min(n, SNAPSHOT_INTERVAL - done % SNAPSHOT_INTERVAL)
         chunk = prompt[done : done + n]
         res = target.forward(mx.array(chunk, dtype=mx.int32), cache, tap_ids, last_only=True)
         session.extend(chunk, feats(res.features))
         mx.eval([c.state for c in cache] + session.state_arrays())
         done += n
+        if recurrent and done % SNAPSHOT_INTERVAL == 0:
+            state.snapshots[done] = _snapshot(cache, recurrent)
+            for p in sorted(state.snapshots)[:-MAX_SNAPSHOTS]:
+                del state.snapshots[p]
         progress(done, total)
     res = target.forward(mx.array(prompt[-1:], dtype=mx.int32), cache, tap_ids)
     session.extend(prompt[-1:], feats(res.features))

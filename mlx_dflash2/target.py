@@ -1,14 +1,24 @@
-"""Target adapter: run an mlx-lm target with taps at ``target_layer_ids``.
+"""Target adapter: run an mlx-lm target with taps at ``target_layer_ids`` and exact rollback.
 
 DFlash conditions its drafter on *context features*: the residual stream after
 some target decoder layers (before the final norm; Hugging Face's
 ``hidden_states[id + 1]``), concatenated along the feature axis
-(DFlash2 spec §1.2). mlx-lm models only return logits, so the adapter runs the
-model's own public sub-modules (``embed_tokens``, ``layers``, ``norm``, the LM
-head) in the order the mlx-lm families it supports use, collecting the taps on
-the way. A load-time *parity probe* checks that this reproduces the model's own
-``__call__`` (logits within 1e-3) and refuses the model otherwise, so an mlx-lm
-change that breaks the assumption is caught at load, never as wrong output.
+(DFlash2 spec §1.2). mlx-lm models only return logits, so during a call the
+adapter stands a small proxy in for each tapped decoder layer (in this model
+object's layer list only, put back when the call returns) that keeps the layer's
+output; everything up to the final norm is the text model's own ``__call__``:
+its embedding scale, masks, per-layer-type caches (full attention, sliding
+window, GatedDeltaNet recurrent state), for every supported mlx-lm family; the
+LM head (tied or not, with the family's logit soft-capping) is applied by the
+adapter, so a kernel can take it over (:meth:`TargetAdapter.route_kernels`).
+
+The caches are :mod:`mlx_dflash2.caches`' exact-rollback versions of mlx-lm's
+(``KVCache`` kept; ``RotatingKVCache`` -> ``WindowKVCache``; a GatedDeltaNet
+layer's ``ArraysCache`` -> ``RecurrentCache``), so the loop rolls back rejected
+drafts with :func:`trim_cache` whatever the layer type. A load-time *parity
+probe* checks the forward and the head against the model's own ``__call__``
+(logits within 1e-3) and refuses the model otherwise, so an mlx-lm change that
+breaks an assumption is caught at load, never as wrong output.
 """
 
 from __future__ import annotations
@@ -18,16 +28,19 @@ from typing import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from .modelconfig import sliding_window_layers
 
-__all__ = ["TargetAdapter", "TargetCompatibilityError", "ForwardResult"]
+__all__ = ["TargetAdapter", "TargetCompatibilityError", "ForwardResult", "SUPPORTED_MODEL_TYPES",
+           "trim_cache", "cache_length"]
 
-# mlx-lm families whose inner model is embed -> layers(h, mask, cache) -> norm with
-# plain (trimmable) KV caches. Others may work but are refused until probed here.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# mlx-lm families probed here (model_type of the checkpoint's config): dense full attention; GatedDeltaNet
+# hybrids (Qwen3-Next, Qwen3.5 and later: vision-language checkpoints whose text model's config is nested
+# under text_config); sliding-window hybrids (Gemma 3 as gemma3 or gemma3_text, Gemma 4). Others are refused.
+DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + ("qwen3_next", "qwen3_5", "gemma3", "gemma3_text", "gemma4",
+                                             "gemma4_text")
 
 PARITY_TOLERANCE = 1e-3
 
@@ -52,13 +65,43 @@ class ForwardResult:
     features: mx.array | None
 
 
+class _Tap:
+    """Stands in for one decoder layer during a call: runs it and keeps its output (the first element
+    when the layer returns a tuple, as Gemma 4's do). Attribute reads go to the layer (``is_linear``,
+    ``layer_type``... that the model's ``__call__`` inspects)."""
+
+    __slots__ = ("layer", "out")
+
+    def __init__(self, layer):
+        self.layer, self.out = layer, None
+
+    def __call__(self, *args, **kwargs):
+        r = self.layer(*args, **kwargs)
+        self.out = r[0] if isinstance(r, tuple) else r
+        return r
+
+    def __getattr__(self, name):
+        return getattr(self.layer, name)
+
+
+def text_config(config: dict) -> dict:
+    """The text model's config: ``text_config`` merged over the top level (Qwen3.5 and Gemma 3/4
+    vision-language checkpoints nest it there), else ``config`` itself."""
+    tc = config.get("text_config")
+    if not isinstance(tc, dict):
+        return config
+    out = {k: v for k, v in config.items() if k != "text_config"}
+    out.update(tc)
+    return out
+
+
 class TargetAdapter:
-    """Drive an mlx-lm causal LM with tap outputs and trimmable KV caches.
+    """Drive an mlx-lm causal LM with tap outputs and exactly rollable caches.
 
     Args:
-        model: an mlx-lm ``Model`` of a supported family (``model.model`` has
-            ``embed_tokens``, ``layers``, ``norm``).
-        config: the model's config dict (``model_type`` is checked).
+        model: an mlx-lm ``Model`` of a supported family (its text model, ``model`` or
+            ``model.language_model``, has ``model.embed_tokens``, ``model.layers``, ``model.norm``).
+        config: the model's config dict (``model_type`` is checked; a nested ``text_config`` is read).
         probe: run the parity probe (default True).
         vocab_size: the real vocabulary (the tokenizer's size). Embeddings are
             often padded past it (every Qwen2/2.5/3 checkpoint: 151,936 rows
@@ -70,17 +113,19 @@ class TargetAdapter:
             target's quantized linear layers, tied quantized LM head and attention through the
             registry's row-invariant kernels on a GPU backend (:meth:`route_kernels`); ``None``:
             ``MLX_DFLASH2_KERNELS``. Default ``"reference"`` (a bare adapter, as in tests).
+        rollback: rows every cache can roll back exactly (a sliding-window layer keeps this many rows
+            past its window; :mod:`mlx_dflash2.caches`). The loop trims at most two blocks back.
 
     Raises:
-        TargetCompatibilityError: unsupported family, sliding-window attention
-            (rotating caches, or a ``sliding_window`` in the config that changes the
-            model: :func:`~.modelconfig.sliding_window_layers`), non-trimmable
-            caches, or the parity probe failed.
+        TargetCompatibilityError: unsupported family, a ``sliding_window`` in the config that the
+            model class would ignore on only some layers (:func:`~.modelconfig.sliding_window_layers`;
+            on every layer it is honoured through window caches), caches of an unsupported kind, or
+            the parity probe failed.
         ValueError: ``vocab_size < 1``.
     """
 
     def __init__(self, model: nn.Module, config: dict, probe: bool = True, vocab_size: int | None = None,
-                 kernels: str | None = "reference"):
+                 kernels: str | None = "reference", rollback: int = 64):
         self.model = model
         self.config = config
         model_type = config.get("model_type")
@@ -89,33 +134,41 @@ class TargetAdapter:
                 f"target model_type {model_type!r} is not supported by the speculative loop "
                 f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
-        inner = getattr(model, "model", None)
+        self.text_config = text_config(config)
+        self.lm = getattr(model, "language_model", model)  # the text model (logits from token ids)
+        inner = getattr(self.lm, "model", None)
         for attr in ("embed_tokens", "layers", "norm"):
             if inner is None or not hasattr(inner, attr):
                 raise TargetCompatibilityError(f"target has no model.{attr}; cannot attach taps")
         self.inner = inner
         self.layers = list(inner.layers)
-        if any(getattr(l, "use_sliding", False) for l in self.layers):
-            raise TargetCompatibilityError(
-                "target has sliding-window layers; their rotating KV cache cannot be rolled back "
-                "exactly after it wraps, so the speculative loop refuses it"
-            )
-        # a window the model class ignores (mlx-lm's llama runs a Mistral-style sliding_window
-        # without layer_types as full attention): refused too, never run as a different model
-        window, sliding = sliding_window_layers(config)
-        if sliding:
-            where = f"all {len(self.layers)} layers" if len(sliding) == len(self.layers) else f"layers {sliding}"
-            raise TargetCompatibilityError(
-                f"target config sets sliding_window={window} (below its context of "
-                f"{config.get('max_position_embeddings') or 'unknown'} tokens) on {where}; sliding-window "
-                "attention is not supported by the speculative loop yet, and running it as full attention "
-                "would be a different model, so it is refused"
-            )
-        cache = self.make_cache()
-        if not all(isinstance(c, KVCache) for c in cache):
-            kinds = sorted({type(c).__name__ for c in cache})
-            raise TargetCompatibilityError(f"target caches {kinds} are not plain trimmable KV caches")
-        self._head = model.lm_head if hasattr(model, "lm_head") else inner.embed_tokens.as_linear
+        self.rollback = int(rollback)
+        # a window the model class ignores (mlx-lm's llama/qwen2 run a sliding_window as full attention):
+        # honoured through window caches when it covers every layer (one mask serves them all), else refused
+        self._window = None
+        if model_type in DENSE_MODEL_TYPES:
+            window, sliding = sliding_window_layers(self.text_config)
+            if sliding and len(sliding) != len(self.layers):
+                raise TargetCompatibilityError(
+                    f"target config sets sliding_window={window} (below its context of "
+                    f"{self.text_config.get('max_position_embeddings') or 'unknown'} tokens) on layers {sliding} "
+                    f"only; mlx-lm's {model_type} class shares one attention mask across layers and would run "
+                    "them as full attention, a different model, so it is refused"
+                )
+            self._window = window if sliding else None
+        try:
+            kinds = self.make_cache()
+        except (TypeError, ValueError) as e:
+            raise TargetCompatibilityError(f"target caches are not supported: {e}") from None
+        from .caches import RecurrentCache, install_recording
+
+        if any(isinstance(c, RecurrentCache) for c in kinds):
+            # each GatedDeltaNet mixer of this model object records its block inputs into its cache, so a
+            # rejected tail is rolled back exactly (mlx_dflash2.caches: snapshot + replay)
+            install_recording(model)
+        self._head = self.lm.lm_head if hasattr(self.lm, "lm_head") else inner.embed_tokens.as_linear
+        softcap = getattr(self.lm, "final_logit_softcapping", None)
+        self._softcap = float(softcap) if softcap else None
         rows = self.vocab_rows
         if vocab_size is not None and (isinstance(vocab_size, bool) or int(vocab_size) < 1):
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size!r}")
@@ -137,7 +190,7 @@ class TargetAdapter:
 
     @property
     def hidden_size(self) -> int:
-        return int(self.config["hidden_size"])
+        return int(self.text_config["hidden_size"])
 
     @property
     def vocab_rows(self) -> int:
@@ -147,28 +200,41 @@ class TargetAdapter:
 
     @property
     def max_context(self) -> int | None:
-        v = self.config.get("max_position_embeddings")
+        v = self.text_config.get("max_position_embeddings")
         return int(v) if v else None
 
     @property
     def dtype(self) -> mx.Dtype:
-        return self.inner.norm.weight.dtype
+        w = getattr(self.inner.norm, "weight", None)
+        return w.dtype if w is not None else mx.float32
+
+    @property
+    def layer_kinds(self) -> list[str]:
+        """Per cache entry: ``"attention"``, ``"window"`` or ``"recurrent"`` (what :meth:`make_cache` holds)."""
+        from .caches import RecurrentCache, WindowKVCache
+
+        return ["recurrent" if isinstance(c, RecurrentCache) else "window" if isinstance(c, WindowKVCache)
+                else "attention" for c in self.make_cache()]
 
     # -- shared modules for the drafter ----------------------------------
     def embed(self, ids: mx.array) -> mx.array:
-        """Token embeddings, ``ids`` int ``[..., L]`` -> ``[..., L, D]``."""
+        """Token embeddings, ``ids`` int ``[..., L]`` -> ``[..., L, D]`` (the embedding table itself;
+        a family's input scale, e.g. Gemma's sqrt(D), is not applied)."""
         return self.inner.embed_tokens(ids)
 
     def lm_head(self, h: mx.array) -> mx.array:
-        """The raw target LM head on hidden states ``[..., D]`` -> ``[..., V]``, padding rows
-        included (the drafter applies it to its own states and masks its ids itself;
-        the target's own logits are :meth:`logits`)."""
-        return self._head(h)
+        """The target LM head on final-normed states ``[..., D]`` -> ``[..., V]`` (the family's logit
+        soft-capping included), padding rows included (the drafter applies it to its own states and
+        masks its ids itself; the target's own logits are :meth:`logits`)."""
+        out = self._head(h)
+        if self._softcap is not None:
+            out = mx.tanh(out / self._softcap) * self._softcap
+        return out
 
     def logits(self, h: mx.array) -> mx.array:
         """The target's logits from final-normed states ``[..., D]`` -> ``[..., V]``: the LM head
         with ``-inf`` at ids ``>= vocab_size`` (what :meth:`forward` returns)."""
-        return self.mask_padding(self._head(h))
+        return self.mask_padding(self.lm_head(h))
 
     def mask_padding(self, logits: mx.array) -> mx.array:
         """``logits`` ``[..., V]`` with ``-inf`` at the padding ids ``>= vocab_size`` (unchanged
@@ -178,10 +244,35 @@ class TargetAdapter:
         return mx.where(self._padding, mx.array(-mx.inf, logits.dtype), logits)
 
     def make_cache(self) -> list:
-        """A fresh per-request KV cache (one ``KVCache`` per layer)."""
-        return make_prompt_cache(self.model)
+        """A fresh per-request cache: one entry per cached decoder layer, the model's own kinds made
+        exactly rollable (:func:`mlx_dflash2.caches.convert_caches`; a Mistral-style window on every
+        layer: window caches)."""
+        from .caches import WindowKVCache, convert_caches
+
+        caches = convert_caches(make_prompt_cache(self.lm), slack=self.rollback)
+        if self._window:
+            caches = [WindowKVCache(self._window, slack=self.rollback) if type(c) is KVCache else c
+                      for c in caches]
+        return caches
 
     # -- forward ----------------------------------------------------------
+    def _call(self, fn, tap_ids: Sequence[int]):
+        """Run ``fn()`` (the model's own call) with :class:`_Tap` proxies at ``tap_ids``; returns
+        ``(fn's result, {id: tap})``."""
+        layers = self.inner.layers
+        taps = {}
+        for i in dict.fromkeys(tap_ids):
+            taps[i] = layers[i] = _Tap(layers[i])
+        try:
+            out = fn()
+        finally:
+            for i, t in taps.items():
+                layers[i] = t.layer
+        missing = [i for i, t in taps.items() if t.out is None]
+        if missing:
+            raise TargetCompatibilityError(f"the target's call did not run tapped layers {missing}")
+        return out, taps
+
     def forward(
         self,
         tokens: mx.array,
@@ -193,7 +284,7 @@ class TargetAdapter:
 
         Args:
             tokens: int ``[L]`` new token ids (positions ``cache offset ..+L-1``).
-            cache: the request's KV cache (mutated: grows by ``L`` rows).
+            cache: the request's cache from :meth:`make_cache` (mutated: grows by ``L`` positions).
             tap_ids: 0-based decoder layer ids whose outputs are tapped.
             last_only: compute logits for the last position only.
 
@@ -201,21 +292,13 @@ class TargetAdapter:
             :class:`ForwardResult` with logits ``[L, V]`` (``[1, V]`` if
             ``last_only``) and features ``[L, len(tap_ids)*D]`` or None.
         """
-        h = self.inner.embed_tokens(tokens[None])
-        mask = create_attention_mask(h, cache[0])
-        taps = []
-        want = set(tap_ids)
-        for i, (layer, c) in enumerate(zip(self.layers, cache)):
-            h = layer(h, mask, c)
-            if i in want:
-                taps.append((i, h))
+        h, taps = self._call(lambda: self.inner(tokens[None], cache=cache), tap_ids)
         features = None
         if tap_ids:
-            by_id = dict(taps)
-            features = mx.concatenate([by_id[i] for i in tap_ids], axis=-1)[0]
+            features = mx.concatenate([taps[i].out for i in tap_ids], axis=-1)[0]
         if last_only:
             h = h[:, -1:]
-        return ForwardResult(self.logits(self.inner.norm(h))[0], features)
+        return ForwardResult(self.logits(h)[0], features)
 
     def taps(self, tokens: mx.array, tap_ids: Sequence[int], final: bool = False):
         """Context features of whole sequences, without a cache (training, replay).
@@ -227,30 +310,32 @@ class TargetAdapter:
                 head's input: ``logits(final)`` are the target's logits).
 
         Returns:
-            ``[N, T, len(tap_ids)*D]`` (layers after the last tap are not run),
-            or ``(taps, final [N, T, D])`` with ``final=True``.
+            ``[N, T, len(tap_ids)*D]`` (layers after the last tap are built into the graph but never
+            evaluated unless ``final``), or ``(taps, final [N, T, D])`` with ``final=True``.
         """
-        h = self.inner.embed_tokens(tokens)
-        mask = create_attention_mask(h, None)
-        want = {i: None for i in tap_ids}
-        last = len(self.layers) - 1 if final else max(tap_ids)
-        for i, layer in enumerate(self.layers[: last + 1]):
-            h = layer(h, mask, None)
-            if i in want:
-                want[i] = h
-        feats = mx.concatenate([want[i] for i in tap_ids], axis=-1)
-        return (feats, self.inner.norm(h)) if final else feats
+        h, taps = self._call(lambda: self.inner(tokens), tap_ids)
+        feats = mx.concatenate([taps[i].out for i in tap_ids], axis=-1)
+        return (feats, h) if final else feats
 
     def _probe_logits(self, own: bool) -> list[mx.array]:
         """Logits of the probe (a 6-token prefill, then a 3-token cached step; real vocabulary only)
-        through the model's own ``__call__`` (``own``) or :meth:`forward`."""
+        through the model's own ``__call__`` and caches (``own``) or :meth:`forward`, plus the head
+        applied to :meth:`taps`' final states of the 6 tokens (ours)."""
         V = self.vocab_size
-        ids = mx.array([(17 + 7919 * i) % V for i in range(9)], dtype=mx.int32)
-        c = self.make_cache()
+        # a window the model class ignores (honoured by our caches only) must not be reached by the probe
+        n = min(9, self._window) if self._window else 9
+        k = max(1, 2 * n // 3)
+        ids = mx.array([(17 + 7919 * i) % V for i in range(n)], dtype=mx.int32)
         if own:
-            out = [self.model(ids[None, :6], cache=c)[0], self.model(ids[None, 6:], cache=c)[0]]
+            c = make_prompt_cache(self.lm)
+            out = [self.lm(ids[None, :k], cache=c)[0]]
+            out += [self.lm(ids[None, k:], cache=c)[0], out[0]] if n > k else [out[0]]
         else:
-            out = [self.forward(ids[:6], c, tap_ids=(0,)).logits, self.forward(ids[6:], c).logits]
+            c = self.make_cache()
+            out = [self.forward(ids[:k], c, tap_ids=(0,)).logits]
+            if n > k:
+                out.append(self.forward(ids[k:], c).logits)
+            out.append(self.logits(self.taps(ids[None, :k], (0,), final=True)[1])[0])
         out = [o[:, :V].astype(mx.float32) for o in out]
         mx.eval(out)
         return out
@@ -259,8 +344,10 @@ class TargetAdapter:
         """Tap-parity probe: the adapter must reproduce ``model(...)``.
 
         Runs a 6-token prefill and a 3-token cached step through both the
-        model's own ``__call__`` and :meth:`forward` and compares the logits
-        of the real vocabulary (the padding rows are ``-inf`` in ours).
+        model's own ``__call__`` (with mlx-lm's caches) and :meth:`forward` (with ours and the tap
+        proxies: the text model's own call, then our head, :meth:`logits`), and the LM head on
+        :meth:`taps`' final states, and compares the logits of the real
+        vocabulary (the padding rows are ``-inf`` in ours).
 
         Returns:
             The max absolute logit difference.
@@ -305,9 +392,10 @@ class TargetAdapter:
             return len(self._routes)
         ref = self._probe_logits(own=False)
         emb = self.inner.embed_tokens
-        swaps = K.route_quantized_linears(self.model, mode) + K.route_attention(self.layers, mode)
-        head = self.model.lm_head if hasattr(self.model, "lm_head") else emb.as_linear
-        if not hasattr(self.model, "lm_head") and isinstance(emb, nn.QuantizedEmbedding) and getattr(emb, "mode", "affine") == "affine":
+        dense = self.config.get("model_type") in DENSE_MODEL_TYPES  # KernelAttention knows their attention
+        swaps = K.route_quantized_linears(self.model, mode) + (K.route_attention(self.layers, mode) if dense else [])
+        head = self.lm.lm_head if hasattr(self.lm, "lm_head") else emb.as_linear
+        if not hasattr(self.lm, "lm_head") and isinstance(emb, nn.QuantizedEmbedding) and getattr(emb, "mode", "affine") == "affine":
             def head(h, emb=emb):
                 return K.qmm(h, emb.weight, emb.scales, emb.biases, emb.group_size, emb.bits, mode=mode)
         old_head, self._head = self._head, head
@@ -331,7 +419,8 @@ class TargetAdapter:
 
 
 def trim_cache(cache: list, n: int) -> None:
-    """Drop the last ``n`` rows of every layer's KV cache (rollback)."""
+    """Roll every layer's cache back by its last ``n`` positions (exact for every cache kind of
+    :mod:`mlx_dflash2.caches` within its rollback capacity; ValueError past it)."""
     if n <= 0:
         return
     for c in cache:
@@ -339,5 +428,5 @@ def trim_cache(cache: list, n: int) -> None:
 
 
 def cache_length(cache: list) -> int:
-    """Number of committed rows in the cache (all layers agree)."""
+    """Number of positions in the cache (all layers agree)."""
     return int(cache[0].offset)

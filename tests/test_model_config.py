@@ -313,19 +313,22 @@ MISTRAL = {"architectures": ["MistralForCausalLM"], "model_type": "mistral"}
 @pytest.mark.parametrize(
     "arch,over,refused",
     [
-        ("llama", dict(MISTRAL, sliding_window=16), "all 2 layers"),  # mlx-lm's class would ignore the window
+        ("llama", dict(MISTRAL, sliding_window=16), None),  # every layer: honoured through window caches
         ("llama", dict(MISTRAL, sliding_window=None), None),
         ("llama", dict(MISTRAL, sliding_window=512), None),  # >= max_position_embeddings (512): no effect
         ("llama", dict(MISTRAL), None),  # transformers' default window 4096 >= 512
-        ("llama", dict(MISTRAL, max_position_embeddings=8192), "sliding_window=4096"),  # ... < 8192
+        ("llama", dict(MISTRAL, max_position_embeddings=8192), None),  # ... < 8192: honoured
         ("qwen2", {"sliding_window": 16, "use_sliding_window": False}, None),  # Qwen2's usual setting
         ("qwen2", {"sliding_window": 16}, None),  # use_sliding_window defaults to false
         ("qwen2", {"sliding_window": 16, "use_sliding_window": True, "max_window_layers": 1}, "layers [1]"),
         ("qwen2", {"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 0}, None),
-        ("llama", {"sliding_window": 16}, "all 2 layers"),  # no layer_types: Mistral's meaning, every layer
+        ("llama", {"sliding_window": 16}, None),  # no layer_types: Mistral's meaning, every layer (honoured)
+        ("llama", {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]}, "layers [0]"),
     ],
 )
-def test_sliding_window_in_config_refused_unless_it_changes_nothing(tmp_path, arch, over, refused):
+def test_sliding_window_in_config_honoured_or_refused(tmp_path, arch, over, refused):
+    """A window mlx-lm's dense classes would ignore: on every layer it is honoured (window caches: one mask
+    serves every layer), on some layers only it is refused; never run as full attention."""
     from mlx_dflash2.loading import load_target
     from mlx_dflash2.target import TargetCompatibilityError
 
@@ -337,7 +340,11 @@ def test_sliding_window_in_config_refused_unless_it_changes_nothing(tmp_path, ar
         cfg.pop("sliding_window", None)
         (src / "config.json").write_text(json.dumps(cfg))
     if refused is None:
-        load_target(str(src))
+        target = load_target(str(src))[0]
+        window = over.get("sliding_window", 4096 if over.get("model_type") == "mistral" else None)
+        ctx = json.loads((src / "config.json").read_text()).get("max_position_embeddings")
+        honoured = bool(window) and window < ctx and (arch != "qwen2" or over.get("use_sliding_window"))
+        assert set(target.layer_kinds) == ({"window"} if honoured else {"attention"})
         return
     with pytest.raises(TargetCompatibilityError, match="sliding_window") as e:
         load_target(str(src))
@@ -345,17 +352,15 @@ def test_sliding_window_in_config_refused_unless_it_changes_nothing(tmp_path, ar
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_gguf_sliding_window_metadata_refused(tmp_path, arch):
+def test_gguf_sliding_window_metadata_honoured_or_refused(tmp_path, arch):
     from convert_helpers import write_gguf
 
     from mlx_dflash2.loading import load_target
-    from mlx_dflash2.target import TargetCompatibilityError
 
     cfg = tiny_config(arch, head_dim=32)
     w = random_weights(cfg, dtype=mx.float32)
     f = write_gguf(tmp_path / "w.gguf", cfg, w, arch=arch, sliding_window=16)
-    with pytest.raises(TargetCompatibilityError, match="sliding_window=16"):
-        load_target(str(f))
+    assert set(load_target(str(f))[0].layer_kinds) == {"window"}  # every layer windowed: honoured
     load_target(str(write_gguf(tmp_path / "full.gguf", cfg, w, arch=arch, sliding_window=512)))  # = the context
     load_target(str(write_gguf(tmp_path / "none.gguf", cfg, w, arch=arch)))
 
@@ -369,3 +374,36 @@ def test_converter_notes_a_window_mlx_lm_ignores(tmp_path):
     src2 = model_dir(tmp_path / "m2", "llama", {"rope_theta": 1e4}, 512, **dict(MISTRAL, sliding_window=None))
     res = convert(src2, tmp_path / "out3", progress=False, quantize=False)
     assert not any("sliding_window" in n for n in res.notes)
+
+
+def test_honoured_window_equals_an_independent_windowed_forward(tmp_path):
+    """A Mistral-style window (every layer, mlx-lm's llama class ignores it) run through window caches:
+    plain and speculative greedy equal a cache-free recompute with an explicit window mask per step."""
+    import numpy as np
+
+    from mlx_dflash2.loading import load_target
+    from mlx_dflash2.speculative import speculative_generate_step
+
+    from scripted import ScriptedProposer
+
+    src = model_dir(tmp_path / "m", "llama", {"rope_theta": 10000.0}, 512, sliding_window=6)
+    target = load_target(str(src), dtype=mx.float32)[0]
+    inner = target.inner
+    prompt = [(31 * i + 5) % 200 + 3 for i in range(9)]
+
+    def windowed_next(seq):
+        n = len(seq)
+        i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+        mask = mx.array((j <= i) & (j > i - 6))
+        h = inner.embed_tokens(mx.array(seq)[None])
+        for layer in inner.layers:
+            h = layer(h, mask, None)
+        return int(mx.argmax(target.logits(inner.norm(h))[0, -1]).item())
+
+    ref = []
+    for _ in range(20):
+        ref.append(windowed_next(prompt + ref))
+    plain = [t for t, _, _ in speculative_generate_step(prompt, target, None, max_tokens=20)]
+    assert plain == ref
+    prop = ScriptedProposer(len(prompt), ref, [0, 3, 1, 4], 5, target.vocab_rows)
+    assert [t for t, _, _ in speculative_generate_step(prompt, target, prop, block_size=5, max_tokens=20)] == ref

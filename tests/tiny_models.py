@@ -96,3 +96,98 @@ def tiny_mlx_lm_dir(
     save_config(cfg, path / "config.json")
     tok._tokenizer.save_pretrained(str(path))
     return path
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hybrid and sliding-window targets, saved the way their checkpoints ship
+# ---------------------------------------------------------------------------------------------------------
+
+HYBRID_KINDS = ("qwen3_next", "qwen3_5", "gemma3_text", "gemma3", "gemma4_text")
+
+
+def _hybrid_text_config(kind: str, rows: int, window: int) -> dict:
+    if kind in ("qwen3_next", "qwen3_5"):
+        cfg = dict(
+            hidden_size=64, num_hidden_layers=3, intermediate_size=128, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2,
+            linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=3,
+            rms_norm_eps=1e-6, vocab_size=rows, max_position_embeddings=4096, tie_word_embeddings=False,
+        )  # fmt: skip: 2 GatedDeltaNet layers + 1 full-attention layer
+        if kind == "qwen3_next":
+            cfg.update(model_type="qwen3_next", rope_theta=10000.0, partial_rotary_factor=0.5, num_experts=0,
+                       num_experts_per_tok=0, decoder_sparse_step=1, shared_expert_intermediate_size=0,
+                       mlp_only_layers=[], moe_intermediate_size=0)
+        else:
+            cfg.update(model_type="qwen3_5_text",
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+        return cfg
+    if kind in ("gemma3_text", "gemma3"):
+        return dict(
+            model_type="gemma3_text", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+            num_attention_heads=2, head_dim=32, num_key_value_heads=1, vocab_size=rows, sliding_window=window,
+            sliding_window_pattern=3, query_pre_attn_scalar=32, rms_norm_eps=1e-6, max_position_embeddings=4096,
+            rope_theta=1000000.0, rope_local_base_freq=10000.0,
+        )  # fmt: skip: layers 0, 1, 3 windowed, 2 global
+    if kind == "gemma4_text":
+        return dict(
+            model_type="gemma4_text", hidden_size=64, num_hidden_layers=5, intermediate_size=128,
+            num_attention_heads=2, head_dim=32, global_head_dim=32, num_key_value_heads=1, num_kv_shared_layers=2,
+            vocab_size=rows, vocab_size_per_layer_input=rows, hidden_size_per_layer_input=8,
+            sliding_window=window, sliding_window_pattern=3, max_position_embeddings=4096,
+        )  # fmt: skip
+    raise KeyError(kind)
+
+
+def tiny_hybrid_dir(path: Path, kind: str, tokenizer=None, *, window: int = 8, seed: int = 0) -> Path:
+    """Write a random mlx-lm checkpoint of a hybrid / sliding-window family to ``path``, in the layout
+    the real ones ship in.
+
+    ``qwen3_next``: a plain text checkpoint (2 GatedDeltaNet layers + 1 attention layer). ``qwen3_5``: a
+    vision-language checkpoint (``model_type: qwen3_5`` with the text model's config under
+    ``text_config``; Hugging Face tensor names ``model.language_model.*``, the conv1d weights as
+    ``[C, 1, K]`` and the RMSNorm weights stored as offsets from 1, which mlx-lm's ``sanitize`` undoes).
+    ``gemma3_text``: 3 sliding layers of ``window`` tokens + 1 global layer, tied head; ``gemma3``: the
+    same text model nested under ``text_config`` of a Gemma 3 multimodal checkpoint
+    (``language_model.*`` tensors). ``gemma4_text``: 5 layers, 2 of them sharing K/V, per-layer inputs,
+    logit soft-capping. Tokenizer files: :func:`smol_tokenizer`'s (49,152 tokens).
+
+    Returns:
+        ``path``.
+    """
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import save_config
+
+    tok = tokenizer if tokenizer is not None else smol_tokenizer()
+    rows = len(tok)
+    tc = _hybrid_text_config(kind, rows, window)
+    if kind == "qwen3_5":
+        cfg = {"model_type": "qwen3_5", "text_config": tc, "tie_word_embeddings": False}
+    elif kind == "gemma3":
+        cfg = {"model_type": "gemma3", "text_config": {k: v for k, v in tc.items() if k != "vocab_size"},
+               "vocab_size": rows}
+    else:
+        cfg = tc
+    mod = importlib.import_module(f"mlx_lm.models.{cfg['model_type']}")
+    mx.random.seed(seed)
+    m = mod.Model(mod.ModelArgs.from_dict(cfg))
+    weights = dict(tree_flatten(m.parameters()))
+    if kind == "qwen3_5":  # back to Hugging Face's names and layouts
+        norms = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
+                 ".q_norm.weight", ".k_norm.weight")
+        hf = {}
+        for k, v in weights.items():
+            if "conv1d.weight" in k:
+                v = v.moveaxis(2, 1)
+            elif any(k.endswith(s) for s in norms) and v.ndim == 1:
+                v = v - 1.0
+            k = k.replace("language_model.model.", "model.language_model.").replace("language_model.lm_head", "lm_head")
+            hf[k] = v
+        weights = hf
+    elif kind in ("gemma3_text", "gemma3"):  # tied: no lm_head tensor (mlx-lm's sanitize ties it)
+        weights = {k: v for k, v in weights.items() if not k.endswith("lm_head.weight")}
+    path = Path(path)
+    path.mkdir(parents=True)
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    save_config(cfg, path / "config.json")
+    tok._tokenizer.save_pretrained(str(path))
+    return path

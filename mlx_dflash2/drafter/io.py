@@ -170,7 +170,7 @@ def init_drafter(
     Returns:
         A :class:`DraftModel` in float32 (cast it as needed).
     """
-    tc = target.config
+    tc = target.text_config  # a vision-language checkpoint's text model (Qwen3.5+, Gemma 3/4)
     heads = int(tc["num_attention_heads"])
     cfg = DrafterConfig.from_dict(
         {
@@ -183,7 +183,8 @@ def init_drafter(
             "head_dim": int(tc.get("head_dim") or target.hidden_size // heads),
             "vocab_size": target.vocab_rows,
             "rms_norm_eps": float(tc.get("rms_norm_eps", 1e-6)),
-            "rope_theta": float(tc.get("rope_theta", 10000.0)),
+            "rope_theta": float(tc.get("rope_theta") or (tc.get("rope_parameters") or {}).get("rope_theta")
+                                or 10000.0),
             "max_position_embeddings": int(tc.get("max_position_embeddings") or 32768),
             "is_causal": False,
             "dflash_config": {
@@ -331,7 +332,7 @@ def save_drafter(model: DraftModel, path: str | Path, overwrite: bool = False, m
     """
     path = Path(path)
     if path.exists() and not overwrite:
-        raise FileExistsError(f"{path} exists; pass overwrite=True (--overwrite) to replace it")
+        raise FileExistsError(f"{path} exists; to replace it pass --overwrite (command line) or overwrite=True (Python)")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:

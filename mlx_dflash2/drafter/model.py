@@ -481,10 +481,10 @@ class DraftContext:
         self.offset += features.shape[0]
 
     def clone(self) -> "DraftContext":
-        from ..speculative import _clone_kv
+        from ..speculative import _clone_cache
 
         new = DraftContext.__new__(DraftContext)
-        new.caches = [_clone_kv(c) for c in self.caches]
+        new.caches = [_clone_cache(c) for c in self.caches]
         new.offset = self.offset
         return new
 

@@ -170,11 +170,19 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def state_nbytes(state: GenerationState) -> int:
     """Bytes of device memory held by a state's target KV cache and drafter context."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
     n = 0
     for c in state.cache or []:
-        for a in (getattr(c, "keys", None), getattr(c, "values", None)):
-            if a is not None:
-                n += a.nbytes
+        n += sum(a.nbytes for _, a in tree_flatten(c.state) if isinstance(a, mx.array))
+    seen = set()
+    for snap in state.snapshots.values():  # recurrent-state snapshots of hybrid targets
+        for _, arrays in snap:
+            for a in arrays:
+                if a is not None and id(a) not in seen:
+                    seen.add(id(a))
+                    n += a.nbytes
     if state.session is not None:
         n += sum(a.nbytes for a in state.session.state_arrays())
     return n

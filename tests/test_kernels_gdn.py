@@ -94,6 +94,8 @@ def test_shape_errors_are_named():
         gated_delta_steps(q, k, v, g, beta, state[..., :16])
     with pytest.raises(ValueError, match="scalar gates"):
         gated_delta_steps(q, k, v, g[..., None] * mx.ones((32,)), beta, state)
+    with pytest.raises(ValueError, match="state: zeros"):
+        gated_delta_steps(q, k, v, g, beta, None)
     assert not gated_delta_steps.supports(q, k, v, g, beta, state[..., :16])
 
 
@@ -121,6 +123,8 @@ def test_select_states_per_row():
     s2, w2 = select_states(states, conv_inputs, mx.array([-3, 99, 2], dtype=mx.int32))
     assert mx.array_equal(s2, select_states(states, conv_inputs, mx.array([0, T - 1, 2]))[0])
     assert w2.shape == (B, K - 1, C)
+    s1, w1 = select_states(states, qkv, accepted)  # K = 1: no convolution window
+    assert mx.array_equal(s1, state) and w1.shape == (B, 0, C)
     with pytest.raises(ValueError, match="accepted"):
         select_states(states, conv_inputs, mx.array([0.0, 1.0, 2.0]))
     with pytest.raises(ValueError, match="conv_inputs"):

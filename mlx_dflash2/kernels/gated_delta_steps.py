@@ -44,8 +44,10 @@ def check_shapes(q, k, v, g, beta, state) -> tuple[int, int, int, int, int, int]
     """``(B, T, Hk, Dk, Hv, Dv)`` of consistent inputs (see :func:`gated_delta_steps_reference`).
 
     Raises:
-        ValueError: a rank or size that does not fit (named).
+        ValueError: a rank or size that does not fit (named), or a missing input.
     """
+    if any(not isinstance(x, mx.array) for x in (q, k, v, g, beta, state)):
+        raise ValueError("q, k, v, g, beta and state must be arrays (state: zeros for a fresh sequence)")
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v must be [B, T, H, D], got {q.shape}, {k.shape}, {v.shape}")
     B, T, Hk, Dk = q.shape
@@ -166,7 +168,7 @@ class GatedDeltaSteps(KernelOp):
                 and B * T * Hv * Dv * Dk < 2**31)
 
     def fast_key(self, args, kw):
-        if len(args) != 6 or kw:
+        if len(args) != 6 or kw or any(not isinstance(a, mx.array) for a in args):
             return None
         return tuple((a.shape, a.dtype) for a in args)
 

@@ -1,6 +1,6 @@
 // dialect.h: the few macros that let one kernel body compile as Metal (mx.fast.metal_kernel) and as
 // CUDA (mx.fast.cuda_kernel, NVRTC). Shared bodies (verify_attention.h, dynamic_conv.h,
-// selector_walk.h, greedy_accept.h) use only these: functions, address spaces, barriers, 32-wide
+// selector_walk.h, greedy_accept.h, gated_delta_steps.h) use only these: functions, address spaces, barriers, 32-wide
 // SIMD-group / warp shuffles (float and int), float conversions, NaN tests, and df_add_rn / df_mul_rn.
 //
 // df_add_rn / df_mul_rn: one IEEE single-precision add / multiply, rounded once, never fused with a

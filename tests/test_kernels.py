@@ -171,6 +171,7 @@ def test_selftest_runs_on_the_cpu(capsys):
     assert main([]) == 0
     out = capsys.readouterr().out
     assert "kernel backend: cpu" in out and "reference only" in out and "qmm" in out and "verify_attention" in out
+    assert "gated_delta_steps" in out
 
 
 def _tiny_quantized_target(model_type="qwen3"):

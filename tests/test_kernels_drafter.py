@@ -30,7 +30,8 @@ DRAFTER_OPS = (dynamic_conv, selector_walk, greedy_accept)
 KEYS = {"dynamic_conv": [("float32", "float32", "float32"), ("bfloat16", "bfloat16", "float32")],
         "selector_walk": [("float32", 32), ("bfloat16", 8)], "greedy_accept": [("float32",), ("float16",)],
         "qmm": [("mlx.core.bfloat16", 4, 64, 1000, 512), ("mlx.core.float32", 8, 32, 64, 256)],
-        "verify_attention": [("mlx.core.float16", 8, 2, 64)]}
+        "verify_attention": [("mlx.core.float16", 8, 2, 64)],
+        "gated_delta_steps": [("float32", 128), ("bfloat16", 32)]}
 
 
 def test_drafter_ops_are_registered():

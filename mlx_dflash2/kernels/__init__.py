@@ -6,20 +6,26 @@ Ops (``OPS``): ``qmm`` (small-M quantized matmul), ``verify_attention`` (multi-r
 over the KV cache), and the drafter side: ``dynamic_conv`` (one side of DFlash2's grouped dynamic causal
 convolution, in the drafter's per-round forward), ``selector_walk`` (the candidate selector's greedy walk,
 all steps in one launch; top-K and the hidden projection stay in MLX; sampled walks stay in MLX) and
-``greedy_accept`` (the greedy verifier's argmaxes and accepted length; the log-probabilities stay in MLX).
+``greedy_accept`` (the greedy verifier's argmaxes and accepted length; the log-probabilities stay in MLX);
+for hybrid targets (issue 20): ``gated_delta_steps`` (the GatedDeltaNet recurrence over a verify block,
+every step's state kept; :func:`select_states` picks each sequence's state and convolution window after
+its accepted prefix).
 Tokens and ids from the kernels equal their references exactly; ``dynamic_conv`` is bit-identical in
 float32.
 """
 
 from .attention import KernelAttention, route_attention, verify_attention
 from .dynamic_conv import dynamic_conv
+from .gated_delta_steps import gated_delta_steps, select_states
 from .greedy_accept import greedy_accept
 from .qmm import KernelQuantizedLinear, qmm, route_quantized_linears, undo_routes
 from .registry import ENV, MODES, KernelError, KernelOp, backend, check_mode, default_mode
 from .selector_walk import selector_walk
 
-OPS = {op.name: op for op in (qmm, verify_attention, dynamic_conv, selector_walk, greedy_accept)}
+OPS = {op.name: op for op in (qmm, verify_attention, dynamic_conv, selector_walk, greedy_accept,
+                              gated_delta_steps)}
 
-__all__ = ["OPS", "qmm", "verify_attention", "dynamic_conv", "selector_walk", "greedy_accept", "KernelOp",
+__all__ = ["OPS", "qmm", "verify_attention", "dynamic_conv", "selector_walk", "greedy_accept", "gated_delta_steps",
+           "select_states", "KernelOp",
            "KernelError", "KernelQuantizedLinear", "KernelAttention", "route_quantized_linears", "route_attention", "undo_routes",
            "backend", "check_mode", "default_mode", "MODES", "ENV"]

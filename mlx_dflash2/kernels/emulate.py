@@ -21,7 +21,7 @@ import numpy as np
 
 from .registry import source_text
 
-__all__ = ["available", "attention", "dynamic_conv", "selector_walk", "greedy_accept"]
+__all__ = ["available", "attention", "dynamic_conv", "selector_walk", "greedy_accept", "gated_delta_steps"]
 
 # the launchers' common part: the body's sources, one block of threads, file I/O
 _PRELUDE = r"""
@@ -167,6 +167,35 @@ int main(int argc, char** argv) {
 """
 
 
+_GATED_DELTA_STEPS = r"""
+int main(int argc, char** argv) {
+  // argv: dir B S Hk Hv Dv
+  std::string dir = argv[1];
+  int p[8] = {0};
+  for (int i = 0; i < 5; ++i) p[i] = atoi(argv[2 + i]);
+  const int B = p[0], S = p[1], Hk = p[2], Hv = p[3], Dv = p[4];
+  constexpr int DK = EMU_DK, TGY = EMU_TGY;
+  auto q = readf((dir + "/q").c_str(), (size_t)B * S * Hk * DK);
+  auto k = readf((dir + "/k").c_str(), (size_t)B * S * Hk * DK);
+  auto v = readf((dir + "/v").c_str(), (size_t)B * S * Hv * Dv);
+  auto g = readf((dir + "/g").c_str(), (size_t)B * S * Hv);
+  auto beta = readf((dir + "/beta").c_str(), (size_t)B * S * Hv);
+  auto state = readf((dir + "/state").c_str(), (size_t)B * Hv * Dv * DK);
+  std::vector<float> y((size_t)B * S * Hv * Dv, NAN), states((size_t)B * S * Hv * Dv * DK, NAN);
+  const int rows = (Dv + TGY - 1) / TGY * TGY;  // the grid's y extent, padded to whole threadgroups
+  for (int n = 0; n < B * Hv; ++n)              // grid z
+    for (int y0 = 0; y0 < rows; y0 += TGY)      // one threadgroup (32, TGY, 1)
+      run_block(32 * TGY, [&](int warp, int lane) {
+        dflash_gdn::gated_delta_steps<float, DK>(q.data(), k.data(), v.data(), g.data(), beta.data(), state.data(), p,
+                                                 y.data(), states.data(), n, y0 + warp, lane);
+      });
+  writef(dir + "/y", y);
+  writef(dir + "/states", states);
+  return 0;
+}
+"""
+
+
 def _cxx() -> str:
     return os.environ.get("CXX", "g++")
 
@@ -266,3 +295,19 @@ def greedy_accept(logits: np.ndarray, draft: np.ndarray, tpb: int | None = None)
     out = _run(exe, dict(logits=logits, draft=np.asarray(draft, dtype=np.int32)), [rows, V],
                dict(tokens=(np.int32, (rows,)), num=(np.int32, (1,))))
     return int(out["num"][0]), out["tokens"]
+
+
+def gated_delta_steps(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
+                      state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``gated_delta_steps.h`` emulated in float32, threadgroup by threadgroup as the kernel's grid:
+    ``q, k [B, T, Hk, Dk]``, ``v [B, T, Hv, Dv]``, ``g, beta [B, T, Hv]``, ``state [B, Hv, Dv, Dk]`` ->
+    ``(y [B, T, Hv, Dv], states [B, T, Hv, Dv, Dk])`` (outputs start as NaN: an element the body
+    does not write stays NaN)."""
+    from .gated_delta_steps import TGY
+
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    exe = _binary(["dialect.h", "gated_delta_steps.h"], _GATED_DELTA_STEPS, dict(EMU_DK=Dk, EMU_TGY=TGY))
+    out = _run(exe, dict(q=q, k=k, v=v, g=g, beta=beta, state=state), [B, T, Hk, Hv, Dv],
+               dict(y=(np.float32, (B, T, Hv, Dv)), states=(np.float32, (B, T, Hv, Dv, Dk))))
+    return out["y"], out["states"]

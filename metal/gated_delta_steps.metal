@@ -1,0 +1,2 @@
+#include "dialect.h"
+#include "gated_delta_steps.h"

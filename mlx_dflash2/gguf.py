@@ -21,8 +21,12 @@ What it does (see ``shared/research/offline-assets.md`` §3 for the derivation):
   being a row permutation, it applies unchanged to packed weights, scales and
   biases.
 * Builds a byte-level BPE tokenizer from ``tokenizer.ggml.tokens``/``merges``
-  with the pre-tokenizer named by ``tokenizer.ggml.pre`` and takes the chat
-  template from ``tokenizer.chat_template``.
+  with the pre-tokenizer named by ``tokenizer.ggml.pre``, or a SentencePiece-BPE
+  tokenizer from ``tokens``/``scores``/``token_type`` (``tokenizer.ggml.model ==
+  "llama"``, Gemma 3), and takes the chat template from ``tokenizer.chat_template``.
+* Gemma 3 (``gemma3``) becomes mlx-lm's ``gemma3_text``: llama.cpp's hard-coded
+  layer pattern / local rope base / attention scale go into the config, and the
+  ``+1`` llama.cpp folds into every Gemma norm weight is subtracted again.
 """
 
 from __future__ import annotations
@@ -137,7 +141,7 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
 
 
 def gguf_model_config(h: GGUFHeader) -> dict:
-    """The mlx-lm / Hugging Face style config dict of a GGUF model (llama, qwen2).
+    """The mlx-lm / Hugging Face style config dict of a GGUF model (llama, qwen2, gemma3 -> gemma3_text).
 
     ``{arch}.attention.sliding_window`` becomes ``sliding_window`` on every layer (which
     :class:`~.target.TargetAdapter` refuses unless the window covers the whole context).
@@ -550,8 +554,9 @@ def load_gguf(path: str | Path, dtype: mx.Dtype | None = None):
             ``None`` keeps the file's own dtypes.
 
     Returns:
-        ``(model, tokenizer, config)``: an ``mlx_lm.models.<arch>.Model`` (Q4_0/
-        Q4_1/Q8_0 tensors natively quantized, everything else dense), an
+        ``(model, tokenizer, config)``: an ``mlx_lm.models.<arch>.Model`` (``gemma3``:
+        ``gemma3_text``; Q4_0/Q4_1/Q8_0 tensors natively quantized when every tensor of
+        the file is F32/F16/Q4_0/Q4_1/Q8_0, everything dense otherwise), an
         ``mlx_lm`` ``TokenizerWrapper`` and the mlx-lm config dict.
 
     Raises:

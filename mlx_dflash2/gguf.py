@@ -21,8 +21,12 @@ What it does (see ``shared/research/offline-assets.md`` §3 for the derivation):
   being a row permutation, it applies unchanged to packed weights, scales and
   biases.
 * Builds a byte-level BPE tokenizer from ``tokenizer.ggml.tokens``/``merges``
-  with the pre-tokenizer named by ``tokenizer.ggml.pre`` and takes the chat
-  template from ``tokenizer.chat_template``.
+  with the pre-tokenizer named by ``tokenizer.ggml.pre``, or a SentencePiece-BPE
+  tokenizer from ``tokens``/``scores``/``token_type`` (``tokenizer.ggml.model ==
+  "llama"``, Gemma 3), and takes the chat template from ``tokenizer.chat_template``.
+* Gemma 3 (``gemma3``) becomes mlx-lm's ``gemma3_text``: llama.cpp's hard-coded
+  layer pattern / local rope base / attention scale go into the config, and the
+  ``+1`` llama.cpp folds into every Gemma norm weight is subtracted again.
 """
 
 from __future__ import annotations
@@ -55,7 +59,9 @@ class GGUFError(ValueError):
 # ``gguf.quants.dequantize``: max |diff| = 0 for Q4_1/Q8_0 with mlx 0.32.4).
 _MX_NATIVE_TYPES = {"F32", "F16", "Q4_0", "Q4_1", "Q8_0"}
 
-_SUPPORTED_ARCHS = ("llama", "qwen2")
+_SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
+# GGUF architecture -> mlx-lm model module (mlx_lm.models.<module>) and config model_type
+_MLX_MODULE = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3_text"}
 
 # GPT-2 style byte-level pre-tokenizer regexes used by llama.cpp (llama-vocab.cpp).
 _QWEN2_REGEX = (
@@ -135,7 +141,7 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
 
 
 def gguf_model_config(h: GGUFHeader) -> dict:
-    """The mlx-lm / Hugging Face style config dict of a GGUF model (llama, qwen2).
+    """The mlx-lm / Hugging Face style config dict of a GGUF model (llama, qwen2, gemma3 -> gemma3_text).
 
     ``{arch}.attention.sliding_window`` becomes ``sliding_window`` on every layer (which
     :class:`~.target.TargetAdapter` refuses unless the window covers the whole context).
@@ -163,7 +169,7 @@ def gguf_model_config(h: GGUFHeader) -> dict:
         else:
             raise GGUFError(f"{h.path.name}: rope scaling {scaling_type!r} is not supported")
     cfg = {
-        "model_type": h.arch,
+        "model_type": _MLX_MODULE[h.arch],
         "hidden_size": hidden,
         "num_hidden_layers": int(h.require("block_count")),
         "intermediate_size": int(h.require("feed_forward_length")),
@@ -177,12 +183,58 @@ def gguf_model_config(h: GGUFHeader) -> dict:
         "tie_word_embeddings": "output.weight" not in h.tensor_types,
         "rope_scaling": rope_scaling,
     }
+    if h.arch == "gemma3":
+        cfg.update(_gemma3_config(h, cfg))
+        return cfg
     window = h.get("attention.sliding_window")
     if window:  # a GGUF carries no per-layer pattern for these architectures: every layer
         cfg["sliding_window"] = int(window)
         if h.arch == "qwen2":  # transformers' qwen2 semantics of "every layer windowed"
             cfg.update(use_sliding_window=True, max_window_layers=0)
     return cfg
+
+
+def _gemma3_config(h: GGUFHeader, cfg: dict) -> dict:
+    """The Gemma 3 fields of :func:`gguf_model_config` (mlx-lm ``gemma3_text``).
+
+    A Gemma 3 GGUF leaves most of them out; llama.cpp (``llama-model.cpp``, ``LLM_ARCH_GEMMA3``)
+    hard-codes them, and so do we: every 6th layer global, the others sliding-window
+    (``sliding_window_pattern`` 6), local rope base 10000, and the attention scale
+    ``1/sqrt(head_dim)`` (the 27B model, 62 layers: ``1/sqrt(hidden/heads)``). Newer files may
+    carry ``rope.freq_base_swa`` and ``attention.sliding_window_pattern`` (a period, or one
+    boolean per layer, true = sliding), which win.
+
+    Raises:
+        GGUFError: a per-layer pattern that is not "every n-th layer global", or a final logit
+            soft-capping (mlx-lm's gemma3_text has none).
+    """
+    layers = int(cfg["num_hidden_layers"])
+    pattern = h.get("attention.sliding_window_pattern")
+    if pattern is None:
+        period = 6
+    elif isinstance(pattern, (list, tuple)):
+        flags = [bool(x) for x in pattern]
+        globals_ = [i for i, f in enumerate(flags) if not f]
+        period = globals_[0] + 1 if globals_ else layers + 1
+        if len(flags) != layers or flags != [(i + 1) % period != 0 for i in range(layers)]:
+            raise GGUFError(f"{h.path.name}: sliding-window layer pattern {flags} is not 'every n-th layer global'")
+    else:
+        period = int(pattern)
+    if h.get("final_logit_softcapping") or h.get("attn_logit_softcapping"):
+        raise GGUFError(f"{h.path.name}: Gemma logit soft-capping is not supported by mlx-lm's gemma3_text")
+    heads = int(cfg["num_attention_heads"])
+    scalar = cfg["hidden_size"] // heads if layers == 62 else cfg["head_dim"]
+    window = int(h.get("attention.sliding_window") or 512)
+    return {
+        "query_pre_attn_scalar": float(h.get("attention.query_pre_attn_scalar") or scalar),
+        "rope_local_base_freq": float(h.get("rope.freq_base_swa") or 10000.0),
+        "sliding_window": window,
+        "sliding_window_pattern": period,
+        # the Hugging Face form of the same pattern (what a window-aware consumer reads)
+        "layer_types": ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(layers)],
+        "tie_word_embeddings": "output.weight" not in h.tensor_types,
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
 
 
 # ----------------------------------------------------------------------------
@@ -200,18 +252,32 @@ _LAYER_MAP = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# Gemma 3's four norms per block (llama.cpp's names): ffn_norm is the *pre*-feed-forward norm there.
+_GEMMA3_LAYER_MAP = {
+    **_LAYER_MAP,
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _TOP_MAP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _SUFFIXES = ("weight", "bias", "scales", "biases")
+# llama.cpp's convert_hf_to_gguf.py adds Gemma's RMSNorm "+1" (``x * (1 + w)``) into every
+# ``*norm.weight`` of these architectures; mlx-lm's Gemma RMSNorm adds it at run time, so the
+# loader subtracts it again.
+_NORM_SHIFT = {"gemma3": 1.0}
 
 
-def _mlx_name(gguf_name: str) -> str | None:
+def _mlx_name(gguf_name: str, arch: str = "llama") -> str | None:
     """``blk.3.attn_q.scales`` -> ``model.layers.3.self_attn.q_proj.scales``; None if unknown."""
     base, _, suffix = gguf_name.rpartition(".")
     if suffix not in _SUFFIXES:
         return None
     parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_MAP:
-        return f"model.layers.{parts[1]}.{_LAYER_MAP[parts[2]]}.{suffix}"
+    layer_map = _GEMMA3_LAYER_MAP if arch == "gemma3" else _LAYER_MAP
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_map:
+        return f"model.layers.{parts[1]}.{layer_map[parts[2]]}.{suffix}"
     if len(parts) == 1 and parts[0] in _TOP_MAP:
         return f"{_TOP_MAP[parts[0]]}.{suffix}"
     return None
@@ -325,6 +391,8 @@ class GGUFTensor:
         data: the raw tensor data as exposed by ``gguf.GGUFReader``.
         unpermute_heads: for llama-arch q/k, the head count whose llama.cpp row
             permutation is undone on every decoded form; otherwise ``None``.
+        offset: added to the dense values (``-1`` for Gemma's norm weights, whose ``+1``
+            llama.cpp folded in); only :meth:`dense`/:meth:`dense_rows` apply it.
     """
 
     gguf_name: str
@@ -334,6 +402,7 @@ class GGUFTensor:
     data: Any
     type_enum: Any
     unpermute_heads: int | None = None
+    offset: float = 0.0
 
     @property
     def native_bits(self) -> int | None:
@@ -360,8 +429,10 @@ class GGUFTensor:
         type, including the K-quants that ``mx.load`` mis-decodes)."""
         import gguf
 
-        arr = gguf.quants.dequantize(self.data, self.type_enum)
-        return self._rows(np.asarray(arr, dtype=np.float32).reshape(self.shape))
+        arr = np.asarray(gguf.quants.dequantize(self.data, self.type_enum), dtype=np.float32).reshape(self.shape)
+        if self.offset:
+            arr = arr + np.float32(self.offset)
+        return self._rows(arr)
 
     def dense_rows(self, r0: int, r1: int) -> np.ndarray:
         """Rows ``r0:r1`` of :meth:`dense` (2-D tensors without a q/k permutation only)."""
@@ -370,8 +441,8 @@ class GGUFTensor:
         if self.unpermute_heads is not None or len(self.shape) != 2:
             raise GGUFError(f"{self.gguf_name}: row slices need a 2-D tensor without the q/k permutation")
         data = np.asarray(self.data).reshape(self.shape[0], -1)[r0:r1]
-        arr = gguf.quants.dequantize(data, self.type_enum)
-        return np.asarray(arr, dtype=np.float32).reshape(r1 - r0, self.shape[1])
+        arr = np.asarray(gguf.quants.dequantize(data, self.type_enum), dtype=np.float32).reshape(r1 - r0, self.shape[1])
+        return arr + np.float32(self.offset) if self.offset else arr
 
     def native(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         """The MLX affine form (group size 32, no requantization) of a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0
@@ -387,8 +458,9 @@ class GGUFTensor:
         Raises:
             GGUFError: another type.
         """
-        if not self.is_native:
-            raise GGUFError(f"{self.gguf_name}: {self.ggml_type} has no MLX affine layout")
+        if not self.is_native or self.offset:
+            raise GGUFError(f"{self.gguf_name}: {self.ggml_type} has no MLX affine layout"
+                            + (" (its values need an offset)" if self.offset else ""))
         rows = int(np.prod(self.shape[:-1]))
         blocks = np.asarray(self.data).reshape(rows, -1)
         repack = _repack_k if self.ggml_type in _K_BLOCKS else _repack_native
@@ -416,7 +488,7 @@ def gguf_tensors(h: GGUFHeader, cfg: dict | None = None) -> dict[str, GGUFTensor
     out: dict[str, GGUFTensor] = {}
     unknown = []
     for t in reader.tensors:
-        new = _mlx_name(t.name)
+        new = _mlx_name(t.name, h.arch)
         if new is None:
             if not t.name.startswith("rope_freqs"):
                 unknown.append(t.name)
@@ -428,7 +500,8 @@ def gguf_tensors(h: GGUFHeader, cfg: dict | None = None) -> dict[str, GGUFTensor
             elif ".self_attn.k_proj." in new:
                 heads = int(cfg["num_key_value_heads"])
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-        out[new] = GGUFTensor(t.name, new, t.tensor_type.name, shape, t.data, t.tensor_type, heads)
+        offset = -_NORM_SHIFT.get(h.arch, 0.0) if t.name.endswith("norm.weight") else 0.0
+        out[new] = GGUFTensor(t.name, new, t.tensor_type.name, shape, t.data, t.tensor_type, heads, offset)
     if unknown:
         raise GGUFError(f"{h.path.name}: unexpected tensors {unknown[:5]} (and {max(0, len(unknown) - 5)} more)")
     return out
@@ -448,7 +521,7 @@ def _load_tensors(h: GGUFHeader, cfg: dict) -> tuple[dict[str, mx.array], dict[s
     file is dequantized tensor by tensor with ``gguf.quants.dequantize``.
     """
     tensors = gguf_tensors(h, cfg)
-    native = all(t.ggml_type in _MX_NATIVE_TYPES for t in tensors.values())
+    native = all(t.ggml_type in _MX_NATIVE_TYPES and not t.offset for t in tensors.values())
     weights: dict[str, mx.array] = {}
     quant: dict[str, dict] = {}
     if native:
@@ -481,8 +554,9 @@ def load_gguf(path: str | Path, dtype: mx.Dtype | None = None):
             ``None`` keeps the file's own dtypes.
 
     Returns:
-        ``(model, tokenizer, config)``: an ``mlx_lm.models.<arch>.Model`` (Q4_0/
-        Q4_1/Q8_0 tensors natively quantized, everything else dense), an
+        ``(model, tokenizer, config)``: an ``mlx_lm.models.<arch>.Model`` (``gemma3``:
+        ``gemma3_text``; Q4_0/Q4_1/Q8_0 tensors natively quantized when every tensor of
+        the file is F32/F16/Q4_0/Q4_1/Q8_0, everything dense otherwise), an
         ``mlx_lm`` ``TokenizerWrapper`` and the mlx-lm config dict.
 
     Raises:
@@ -492,7 +566,7 @@ def load_gguf(path: str | Path, dtype: mx.Dtype | None = None):
 
     h = read_gguf_header(path)
     cfg = gguf_model_config(h)
-    module = importlib.import_module(f"mlx_lm.models.{h.arch}")
+    module = importlib.import_module(f"mlx_lm.models.{_MLX_MODULE[h.arch]}")
     args = module.ModelArgs.from_dict(cfg)
     model = module.Model(args)
     weights, quant = _load_tensors(h, cfg)
@@ -500,6 +574,8 @@ def load_gguf(path: str | Path, dtype: mx.Dtype | None = None):
     if cfg["tie_word_embeddings"]:
         for k in [k for k in weights if k.startswith("lm_head.")]:
             weights.pop(k)
+        if h.arch == "gemma3":  # its Model always builds an lm_head; sanitize drops it when tied
+            weights = model.sanitize(weights)
 
     if dtype is not None:
         weights = {
@@ -526,12 +602,118 @@ def load_gguf(path: str | Path, dtype: mx.Dtype | None = None):
 # ----------------------------------------------------------------------------
 
 
+def _eos_ids(h: GGUFHeader, tokens: list[str], token_types: list[int]) -> list[int]:
+    """EOS id, then the end-of-turn id: ``tokenizer.ggml.eot_token_id``, or else a control token
+    ``<end_of_turn>`` (Gemma's, which its GGUFs do not mark; HF's generation config stops on it)."""
+    md = h.metadata
+    ids = [int(md["tokenizer.ggml.eos_token_id"])] if "tokenizer.ggml.eos_token_id" in md else []
+    eot = md.get("tokenizer.ggml.eot_token_id")
+    if eot is None and "<end_of_turn>" in tokens:
+        i = tokens.index("<end_of_turn>")
+        eot = i if token_types[i] == 3 else None
+    if eot is not None and int(eot) not in ids:
+        ids.append(int(eot))
+    return ids
+
+
+def spm_merges(tokens: list[str], scores: list[float], token_types: list[int]) -> list[tuple[str, str]]:
+    """BPE merges equivalent to SentencePiece-BPE's score-driven merging.
+
+    SentencePiece merges, at each step, the adjacent pair whose concatenation is the
+    highest-scoring *normal* piece (type 1). As HF merges: every split ``(l, r)`` of a normal
+    piece into two normal pieces, ranked by the merged piece's score (descending), then its id
+    (what ``transformers``' ``SpmConverter`` does for a SentencePiece BPE model).
+    """
+    normal = {t: (float(sc), i) for i, (t, sc, tt) in enumerate(zip(tokens, scores, token_types)) if int(tt) == 1}
+    ranked = []
+    for tok, (score, i) in normal.items():
+        for k in range(1, len(tok)):
+            left, right = tok[:k], tok[k:]
+            if left in normal and right in normal:
+                ranked.append((-score, i, left, right))
+    ranked.sort()
+    return [(left, right) for _, _, left, right in ranked]
+
+
+def _build_spm_tokenizer(h: GGUFHeader):
+    """SentencePiece BPE (``tokenizer.ggml.model == "llama"``: tokens, scores, token types, no
+    merges; Gemma 3) as an HF ``tokenizers`` BPE, matching Gemma's own ``tokenizer.json``:
+
+    * normalizer: ``" "`` -> ``"▁"`` (a dummy ``"▁"`` prefix only if ``add_space_prefix``);
+    * model: BPE over all tokens, merges from the scores (:func:`spm_merges`), byte fallback to
+      the ``<0xNN>`` tokens, ``<unk>`` otherwise;
+    * control (type 3) tokens are special added tokens, user-defined (type 4: Gemma's runs of
+      newlines / spaces / tabs and HTML tags) are non-special added tokens, both matched whole
+      on the raw text, as SentencePiece's prefix matcher does;
+    * decoder: ``"▁"`` -> ``" "``, byte fallback, fuse; BOS prepended if ``add_bos_token``.
+    """
+    import functools
+
+    from mlx_lm.tokenizer_utils import SPMStreamingDetokenizer, TokenizerWrapper
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    md = h.metadata
+    tokens: list[str] = list(md["tokenizer.ggml.tokens"])
+    scores = md.get("tokenizer.ggml.scores")
+    if scores is None:
+        raise GGUFError(f"{h.path.name}: SentencePiece tokenizer without tokenizer.ggml.scores")
+    scores = [float(x) for x in scores]
+    token_types = [int(x) for x in (md.get("tokenizer.ggml.token_type") or [1] * len(tokens))]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise GGUFError(f"{h.path.name}: duplicate tokens in the SentencePiece vocabulary")
+
+    def tok(key):
+        i = md.get(f"tokenizer.ggml.{key}_token_id")
+        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+    unk = tok("unknown") or ("<unk>" if "<unk>" in vocab else None)
+    byte_fallback = any(tt == 6 for tt in token_types)
+    bpe = models.BPE(
+        vocab=vocab,
+        merges=spm_merges(tokens, scores, token_types),
+        unk_token=unk,
+        fuse_unk=True,
+        byte_fallback=byte_fallback,
+    )
+    tk = Tokenizer(bpe)
+    norm = [normalizers.Replace(" ", "▁")]
+    add_prefix = bool(md.get("tokenizer.ggml.add_space_prefix", False))
+    if add_prefix:
+        norm.insert(0, normalizers.Prepend("▁"))
+    tk.normalizer = normalizers.Sequence(norm)
+    dec = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_prefix:
+        dec.append(decoders.Strip(content=" ", left=1))
+    tk.decoder = decoders.Sequence(dec)
+    tk.add_tokens(
+        [AddedToken(t, special=(tt == 3), normalized=False) for t, tt in zip(tokens, token_types) if tt in (3, 4)]
+    )
+    bos, eos = tok("bos"), tok("eos")
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        bos_token=bos,
+        eos_token=eos,
+        unk_token=unk,
+        pad_token=tok("padding"),
+        chat_template=md.get("tokenizer.chat_template"),
+        clean_up_tokenization_spaces=False,
+        # transformers builds the BOS post-processor from this flag
+        add_bos_token=bool(md.get("tokenizer.ggml.add_bos_token", False)) and bos is not None,
+        add_eos_token=False,
+    )
+    detok = functools.partial(SPMStreamingDetokenizer, trim_space=add_prefix)
+    return TokenizerWrapper(hf, detokenizer_class=detok, eos_token_ids=_eos_ids(h, tokens, token_types))
+
+
 def build_tokenizer(h: GGUFHeader):
     """Build an mlx-lm ``TokenizerWrapper`` from GGUF tokenizer metadata.
 
     Supports byte-level BPE (``tokenizer.ggml.model == "gpt2"``) with the
     pre-tokenizers ``smollm`` (individual digits + GPT-2 regex, as llama.cpp's
-    ``LLAMA_VOCAB_PRE_TYPE_SMOLLM``), ``gpt2``/``default`` and ``qwen2``.
+    ``LLAMA_VOCAB_PRE_TYPE_SMOLLM``), ``gpt2``/``default`` and ``qwen2``, and
+    SentencePiece BPE (``"llama"``, e.g. Gemma 3): see :func:`_build_spm_tokenizer`.
 
     Raises:
         GGUFError: another tokenizer model or pre-tokenizer.
@@ -542,8 +724,12 @@ def build_tokenizer(h: GGUFHeader):
 
     md = h.metadata
     kind = md.get("tokenizer.ggml.model")
+    if kind == "llama":
+        return _build_spm_tokenizer(h)
     if kind != "gpt2":
-        raise GGUFError(f"{h.path.name}: tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' only)")
+        raise GGUFError(
+            f"{h.path.name}: tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2', SentencePiece 'llama')"
+        )
     tokens: list[str] = list(md["tokenizer.ggml.tokens"])
     merges: list[str] = list(md.get("tokenizer.ggml.merges") or [])
     token_types = list(md.get("tokenizer.ggml.token_type") or [1] * len(tokens))

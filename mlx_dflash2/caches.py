@@ -69,13 +69,17 @@ class _Record:
     when the forward was longer than ``max_record`` rows. ``replay(x, mask, cache)``
     runs the un-recorded mixer. ``after`` is ``cache[1]`` after the forward: a
     trim checks it is still the cache's state (nothing ran un-recorded since).
+
+    ``steps``: ``(states [B, length, Hv, Dv, Dk], conv_input [B, K - 1 + length, C])`` when the mixer
+    computed every step's state (:func:`mlx_dflash2.kernels.gdn.route_gated_delta`): a trim inside this
+    forward then selects them instead of replaying.
     """
 
-    __slots__ = ("conv", "state", "offset", "length", "inputs", "mask", "replay", "after")
+    __slots__ = ("conv", "state", "offset", "length", "inputs", "mask", "replay", "after", "steps")
 
-    def __init__(self, conv, state, offset, length, inputs, mask, replay, after=None):
+    def __init__(self, conv, state, offset, length, inputs, mask, replay, after=None, steps=None):
         self.conv, self.state, self.offset, self.length = conv, state, offset, length
-        self.inputs, self.mask, self.replay, self.after = inputs, mask, replay, after
+        self.inputs, self.mask, self.replay, self.after, self.steps = inputs, mask, replay, after, steps
 
 
 class RecurrentCache(ArraysCache):
@@ -117,6 +121,7 @@ class RecurrentCache(ArraysCache):
         self._history: deque[_Record] = deque(maxlen=int(history))
         self._pending: Optional[_Record] = None
         self._replaying = False
+        self.replays = 0  # partial trims done by replay (the others selected a kept step state)
 
     # -- recording (called by the mixer wrapper / by mlx-lm's mixer) ---------------------------
 
@@ -140,6 +145,16 @@ class RecurrentCache(ArraysCache):
         self._pending = _Record(
             self.cache[0], self.cache[1], self.offset, L, x if keep else None, mask if keep else None, replay
         )
+
+    def record_steps(self, states: mx.array, conv_input: mx.array) -> None:
+        """Attach every step's state of the pending (recorded, not yet advanced) forward.
+
+        Args:
+            states: ``[B, L, Hv, Dv, Dk]`` float32, ``states[:, t]`` the state after step ``t``.
+            conv_input: ``[B, K - 1 + L, C]`` the convolution's input (previous window + the new rows).
+        """
+        if self._pending is not None and self._pending.inputs is not None:
+            self._pending.steps = (states, conv_input)
 
     def advance(self, N: int) -> None:
         """Called by mlx-lm's mixer after it updated the state with ``N`` rows.
@@ -228,14 +243,24 @@ class RecurrentCache(ArraysCache):
             keep = partial.length - remaining
             x = partial.inputs[:, :keep]
             mask = None if partial.mask is None else partial.mask[:, :keep]
-            self.cache[0], self.cache[1], self.offset = partial.conv, partial.state, partial.offset
-            self._replaying = True
-            try:
-                partial.replay(x, mask, self)
-            finally:
-                self._replaying = False
+            steps = None
+            if partial.steps is not None:  # every step's state was kept: select the accepted one
+                states, conv_input = partial.steps
+                k1 = conv_input.shape[1] - partial.length
+                self.cache[0] = mx.contiguous(conv_input[:, keep : keep + k1])
+                self.cache[1] = states[:, keep - 1]
+                self.offset = partial.offset + keep
+                steps = (states[:, :keep], conv_input[:, : k1 + keep])
+            else:  # replay the kept prefix from the pre-forward snapshot
+                self.cache[0], self.cache[1], self.offset = partial.conv, partial.state, partial.offset
+                self._replaying = True
+                self.replays += 1
+                try:
+                    partial.replay(x, mask, self)
+                finally:
+                    self._replaying = False
             hist[-1] = _Record(
-                partial.conv, partial.state, partial.offset, keep, x, mask, partial.replay, self.cache[1]
+                partial.conv, partial.state, partial.offset, keep, x, mask, partial.replay, self.cache[1], steps
             )
         self._pending = None
         return n
@@ -265,6 +290,7 @@ class RecurrentCache(ArraysCache):
         if not hasattr(self, "_history"):  # from_state
             self.max_record, self.offset = DEFAULT_MAX_RECORD, 0
             self._history, self._pending, self._replaying = deque(maxlen=DEFAULT_HISTORY), None, False
+            self.replays = 0
         self.commit()
 
 

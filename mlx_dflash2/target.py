@@ -368,9 +368,11 @@ class TargetAdapter:
         """Run this target's layers through the kernel registry (this model object only).
 
         Swaps every affine ``QuantizedLinear`` for a :class:`~.kernels.KernelQuantizedLinear`, the
-        attention of supported families for a :class:`~.kernels.KernelAttention` and a tied quantized
-        LM head for ``kernels.qmm``, so the plain step (1 row) and the verify (B rows) both use the
-        row-count-invariant kernels on a GPU. Then the probe runs again against the unrouted model's
+        attention of the dense families for a :class:`~.kernels.KernelAttention`, a tied quantized
+        LM head for ``kernels.qmm`` and the GatedDeltaNet mixers of hybrid targets for their stepping
+        versions (:func:`~.kernels.route_gated_delta`: a verify block keeps every step's state, so a
+        rollback selects instead of replaying), so the plain step (1 row) and the verify (B rows) both
+        use the registry's kernels on a GPU. Then the probe runs again against the unrouted model's
         logits (relative tolerance 1e-3 in float32, 0.1 in 16-bit): a mismatch puts the original
         modules back with one warning line, never a wrong token.
 
@@ -393,7 +395,8 @@ class TargetAdapter:
         ref = self._probe_logits(own=False)
         emb = self.inner.embed_tokens
         dense = self.config.get("model_type") in DENSE_MODEL_TYPES  # KernelAttention knows their attention
-        swaps = K.route_quantized_linears(self.model, mode) + (K.route_attention(self.layers, mode) if dense else [])
+        swaps = (K.route_quantized_linears(self.model, mode) + (K.route_attention(self.layers, mode) if dense else [])
+                 + K.route_gated_delta(self.model, mode))  # hybrid: every step's state kept in a verify block
         head = self.lm.lm_head if hasattr(self.lm, "lm_head") else emb.as_linear
         if not hasattr(self.lm, "lm_head") and isinstance(emb, nn.QuantizedEmbedding) and getattr(emb, "mode", "affine") == "affine":
             def head(h, emb=emb):

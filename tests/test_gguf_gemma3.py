@@ -398,3 +398,28 @@ def test_gemma_270m_greedy_english(gemma, prompt, expect):
     words = out.split()
     assert len(words) >= 10 and sum(w.strip(".,;:()'\"").isalpha() for w in words) >= 0.8 * len(words), out
     assert expect in out.lower(), out
+
+
+@pytest.mark.slow
+def test_gemma_270m_speculative_equals_plain_past_its_window(gemma_path):
+    """The real sliding-window target (window 512, 5 of every 6 layers windowed) through the speculative
+    loop in float32: a prompt plus output past the window, with a fresh DFlash2 drafter and with lookup,
+    token-identical to plain decoding (and plain to mlx-lm's own)."""
+    from conftest import plain_reference
+
+    from mlx_dflash2.loading import load_target, make_proposer
+    from mlx_dflash2.speculative import speculative_generate_step
+
+    target, tok, _ = load_target(str(gemma_path), dtype=mx.float32)
+    assert set(target.layer_kinds) == {"window", "attention"}
+    text = (PARAGRAPH + "\n\n") * 8
+    ids = tok.encode(text)[:470]
+    n = 72  # 470 + 72 positions > 512
+    ref, _ = plain_reference(target, ids, n)
+
+    def run(prop, B):
+        return [t for t, _, _ in speculative_generate_step(ids, target, prop, block_size=B, max_tokens=n)]
+
+    assert run(None, 1) == ref
+    assert run(make_proposer("init", target, tok, "gemma", adaptive=False), 8) == ref
+    assert run(make_proposer("lookup", target, tok, "gemma"), 8) == ref

@@ -249,3 +249,25 @@ def test_cli_runs_hybrid_checkpoints(targets, kind):
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr
         assert "acceptance length tau" in r.stdout and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("kind", RECURRENT_KINDS)
+def test_stepping_mixers_select_instead_of_replaying(tmp_path, kind):
+    """The GPU route of hybrid targets, forced on the CPU (gated_delta_steps' reference): the verify block
+    keeps every step's state, a rejected tail is rolled back by selecting the accepted step's state and
+    conv window (no replay), and output and states equal plain decoding's."""
+    path = tiny_hybrid_dir(tmp_path / kind, kind)
+    target, _, _ = load_target(str(path), dtype=mx.float32)
+    assert target.route_kernels("auto", force=True) > 0 and target.kernels == "auto"
+    B = 6
+    n = B * (B + 1) // 2 + 1
+    ref = mlx_lm_greedy(target, PROMPT, n)
+    state = GenerationState()
+    prop = _Watch(len(PROMPT), ref, list(range(B)), B, target.vocab_rows, tap_ids=(0, 2), state=state)
+    assert run(target, PROMPT, prop, B, n, state=state) == ref
+    plain = plain_states(target, PROMPT + ref)
+    for pos, rec in prop.seen:
+        for ours, theirs in zip(rec, plain[pos]):
+            for a, b in zip(ours, theirs):
+                assert mx.abs(a - b).max().item() <= 1e-5, (pos, kind)
+    assert all(c.replays == 0 for c in state.cache if isinstance(c, RecurrentCache))

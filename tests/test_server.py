@@ -854,3 +854,40 @@ def test_python_m_server_starts_and_serves(smol_f32):
     bad = subprocess.run([sys.executable, "-m", "mlx_dflash2.server", "--max-tokens", "0"], cwd=root, env=env,
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "max-tokens" in bad.stderr
+
+
+# ----------------------------------------------------------------------------
+# Hybrid (GatedDeltaNet) and sliding-window targets behind the server
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "gemma3"])
+def test_hybrid_and_window_targets_served_with_prompt_cache(tmp_path, kind):
+    """`mlx_dflash2.server --model <qwen3_5 / gemma3 checkpoint> --drafter init`: drafting requests answer,
+    speculative equals plain, and a request sharing a long prefix with an earlier one reuses the prompt
+    cache (a recurrent-state snapshot / what the window caches hold) with the same output as cold."""
+    from tiny_models import tiny_hybrid_dir
+
+    from mlx_dflash2.server.cli import build_app, setup_arg_parser
+
+    path = tiny_hybrid_dir(tmp_path / kind, kind, window=64)
+    args = setup_arg_parser().parse_args(
+        ["--model", str(path), "--drafter", "init", "--block-size", "4", "--max-tokens", "16", "--dtype", "float32",
+         "--max-context", "2048", "--prefill-step-size", "64", "--log-level", "WARNING"])
+    app, _ = build_app(args)
+    s = LiveServer(app)
+    try:
+        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0, timeout=120)
+        doc = " ".join(f"item {i} is {i * 7 % 13}." for i in range(90))  # ~700 tokens: snapshots at 256, 512
+        kw = dict(model="default_model", max_tokens=16)
+        first = c.completions.create(prompt=doc + " Question one?", **kw)
+        assert first.model_extra["speculative"]["drafted_tokens"] > 0
+        warm = c.completions.create(prompt=doc + " Question two?", **kw)
+        plain = c.completions.create(prompt=doc + " Question two?", extra_body={"num_draft_tokens": 1}, **kw)
+        assert warm.choices[0].text == plain.choices[0].text
+        if kind == "qwen3_5":  # the snapshot at 512 (the prompts share ~720 tokens)
+            assert warm.usage.prompt_tokens_details.cached_tokens >= 256
+        m = httpx.get(f"{s.url}/metrics", params={"format": "json"}).json()
+        assert m["request_errors_total"] == 0
+    finally:
+        s.stop()

@@ -133,13 +133,14 @@ def test_stop_at_every_offset_leaves_exactly_the_consumed_state(targets, kind):
     ref = mlx_lm_greedy(target, PROMPT, 3 * B + 2)
     plain = plain_states(target, PROMPT + ref) if kind in RECURRENT_KINDS else None
     for stop in range(1, 2 * B + 2):
-        for how in ("max_tokens", "close"):
+        for how in ("max_tokens", "close", "plain-close"):
             state = GenerationState()
             prop = ScriptedProposer(len(PROMPT), ref, [B - 1, 2], B, target.vocab_rows)
             if how == "max_tokens":
                 out = run(target, PROMPT, prop, B, stop, state=state)
-            else:
-                gen = speculative_generate_step(PROMPT, target, prop, block_size=B, max_tokens=-1, state=state)
+            else:  # the consumer stops (EOS, stop string); plain decoding has its next step queued
+                prop, b = (None, 1) if how == "plain-close" else (prop, B)
+                gen = speculative_generate_step(PROMPT, target, prop, block_size=b, max_tokens=-1, state=state)
                 out = [next(gen)[0] for _ in range(stop)]
                 gen.close()
             assert out == ref[:stop]

@@ -14,8 +14,9 @@ from pathlib import Path
 
 from .api import GenerationResponse, _consume, generate, stream_generate
 from .sampling import SamplingParams
-from .loading import (ADAPTIVE_HELP, CALIBRATE_HELP, DRAFT_CONFIDENCE_HELP, DRAFTER_HELP, KERNELS_HELP,
-                      check_block_size, draft_confidence_arg, load)
+from .drafter.model import DEFAULT_CONTEXT_WINDOW
+from .loading import (ADAPTIVE_HELP, CALIBRATE_HELP, DRAFT_CONFIDENCE_HELP, DRAFTER_HELP, DRAFTER_WINDOW_HELP,
+                      KERNELS_HELP, check_block_size, draft_confidence_arg, drafter_window_arg, load)
 
 __all__ = ["main", "generate", "stream_generate", "GenerationResponse"]
 
@@ -34,6 +35,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-lookup", action="store_true", help="do not fuse lookup proposals with the drafter's")
     p.add_argument("--draft-confidence", type=draft_confidence_arg, default=None, metavar="C",
                    help=DRAFT_CONFIDENCE_HELP)
+    p.add_argument("--drafter-window", type=drafter_window_arg, default=DEFAULT_CONTEXT_WINDOW, metavar="N",
+                   help=DRAFTER_WINDOW_HELP)
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None, help=ADAPTIVE_HELP)
     p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None, help=CALIBRATE_HELP)
     p.add_argument("--prompt", "-p", default="Hello!", help="the prompt ('-' reads stdin)")
@@ -133,6 +136,7 @@ def main(argv=None) -> int:
             adaptive=args.adaptive,
             kernels=args.kernels,
             calibrate=args.calibrate,
+            drafter_window=args.drafter_window,
         )
         prompt = _build_prompt(args, tokenizer)
         kwargs = dict(

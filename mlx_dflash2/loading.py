@@ -22,9 +22,9 @@ from mlx.utils import tree_flatten
 
 from . import assets
 from .drafter.io import dequantize_drafter, init_drafter, load_drafter
-from .drafter.model import DraftModel
+from .drafter.model import DEFAULT_CONTEXT_WINDOW, DraftModel
 from .proposers import (AdaptiveSchedule, DFlashProposer, FusedProposer, LookupProposer, Proposer, WidthPolicy,
-                        check_confidence)
+                        check_confidence, check_drafter_window)
 from .target import TargetAdapter
 
 __all__ = ["SpeculativeModel", "load", "load_target", "make_proposer", "check_block_size", "materialize",
@@ -318,6 +318,27 @@ CALIBRATE_HELP = (
 )
 
 
+DRAFTER_WINDOW_HELP = (
+    "the drafter's context window: it attends to the last N committed positions only, so its memory stays "
+    f"bounded on long prompts (0 = unbounded; default {DEFAULT_CONTEXT_WINDOW}). Lossless either way"
+)
+
+
+def drafter_window_arg(text: str) -> int:
+    """argparse type of ``--drafter-window`` (generate, server; help text :data:`DRAFTER_WINDOW_HELP`):
+    an integer >= 0.
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer >= 0.
+    """
+    import argparse
+
+    try:
+        return check_drafter_window(int(text), "--drafter-window")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0 (0 = unbounded), got {text!r}") from None
+
+
 def draft_confidence_arg(text: str) -> float:
     """argparse type of ``--draft-confidence`` (generate, server; help text
     :data:`DRAFT_CONFIDENCE_HELP`): a float in ``[0, 1)``.
@@ -354,6 +375,7 @@ def make_proposer(
     kernels: str | None = None,
     calibrate: bool | None = None,
     block_size: int | None = None,
+    drafter_window: int = DEFAULT_CONTEXT_WINDOW,
 ) -> Proposer | None:
     """Build the proposer for ``drafter``.
 
@@ -377,11 +399,14 @@ def make_proposer(
             seconds) when missing, ``True`` measures again and stores it, ``False`` has none (full blocks).
             Only with the adaptive schedule (otherwise nothing is measured).
         block_size: the widest block the calibration must cover (default: the drafter's).
+        drafter_window: the DFlash drafter's context window (committed positions it attends to and
+            keeps K/V of; :class:`~.drafter.model.DraftContext`); ``0``: unbounded.
 
     Raises:
         FileNotFoundError, DrafterConfigError, DrafterLoadError: bad drafter.
-        ValueError: ``adaptive`` without ``lookup``.
+        ValueError: ``adaptive`` without ``lookup``; ``drafter_window`` not an integer >= 0.
     """
+    drafter_window = check_drafter_window(drafter_window)
     if isinstance(drafter, Proposer):
         return drafter
     if drafter is None or drafter == "none":
@@ -410,7 +435,8 @@ def make_proposer(
     min_confidence = check_confidence(min_confidence, "min_confidence")
     if min_confidence is None:
         min_confidence = default_min_confidence()
-    p = DFlashProposer(model, target, valid_vocab=len(tokenizer), min_confidence=min_confidence)
+    p = DFlashProposer(model, target, valid_vocab=len(tokenizer), min_confidence=min_confidence,
+                       context_window=drafter_window)
     if lookup:
         # the lookup's own block (DEFAULT_LOOKUP_BLOCK) caps the adaptive schedule's lookup-only rounds
         p = FusedProposer(p, LookupProposer(block_size=DEFAULT_LOOKUP_BLOCK),
@@ -437,6 +463,7 @@ def load(
     adaptive: bool | None = None,
     kernels: str | None = None,
     calibrate: bool | None = None,
+    drafter_window: int = DEFAULT_CONTEXT_WINDOW,
 ):
     """Load a target and its drafter (mirrors ``mlx_lm.load``).
 
@@ -459,16 +486,21 @@ def load(
             (:mod:`mlx_dflash2.calibrate`): ``None`` (default) uses the cached calibration and measures it
             once (a few seconds) when missing, ``True`` measures again and replaces it, ``False`` verifies
             full blocks. Nothing is measured without the adaptive schedule (a note is logged for ``True``).
+        drafter_window: the drafter's context window ``W`` (default 4096): a block attends to the K/V of
+            the last ``W`` committed positions only, and the drafter keeps ``~W`` rows per layer whatever the
+            prompt length (the target's cache still holds the whole context). ``0``: unbounded. Lossless
+            either way; a smaller window can cost acceptance on long prompts.
 
     Returns:
         ``(SpeculativeModel, TokenizerWrapper)``.
 
     Raises:
-        ValueError: a bad block size or ``draft_confidence`` outside ``[0, 1)``;
+        ValueError: a bad block size, ``draft_confidence`` outside ``[0, 1)`` or ``drafter_window < 0``;
             and what :func:`load_target` and :func:`make_proposer` raise.
     """
     # everything that can be checked without the weights is checked before the (slow) loading
     draft_confidence = check_confidence(draft_confidence)
+    drafter_window = check_drafter_window(drafter_window)
     _check_adaptive(adaptive, lookup)
     if calibrate is not None and not isinstance(calibrate, bool):
         raise ValueError(f"calibrate must be None, True or False, got {calibrate!r}")
@@ -481,7 +513,7 @@ def load(
     dequantize = drafter_dequantize(dequantize, target)
     proposer = make_proposer(drafter, target, tokenizer, name, lookup=lookup, dequantize=dequantize,
                              min_confidence=draft_confidence, adaptive=adaptive, kernels=kernels,
-                             calibrate=calibrate, block_size=block_size)
+                             calibrate=calibrate, block_size=block_size, drafter_window=drafter_window)
     if calibrate and getattr(proposer, "calibration", None) is None:
         logger.warning("calibrate: drafter %r has no adaptive schedule to choose verify widths; nothing measured",
                        getattr(proposer, "name", "none"))

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .drafter.model import DraftContext, DraftModel
+from .drafter.model import DEFAULT_CONTEXT_WINDOW, DraftContext, DraftModel
 from .lookup import SuffixIndex
 
 logger = logging.getLogger("mlx_dflash2")
@@ -38,6 +38,23 @@ __all__ = [
     "confident_length",
     "check_confidence",
 ]
+
+
+def check_drafter_window(value, name: str = "drafter_window") -> int:
+    """Validate a drafter context window: an integer >= 0 (0 = unbounded).
+
+    Raises:
+        ValueError: anything else.
+    """
+    import operator
+
+    try:
+        v = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        v = None
+    if v is None or v < 0:
+        raise ValueError(f"{name} must be an integer >= 0 (0 = unbounded), got {value!r}")
+    return v
 
 
 def check_confidence(value, name: str = "draft_confidence") -> float | None:
@@ -170,10 +187,16 @@ class DFlashProposer(Proposer):
             whether a slot is verified depends only on the slots before it
             (adaptive draft length, e.g. SpecDec++, arXiv 2405.19715); it
             costs one host synchronisation per round.
+        context_window: the drafter's context window ``W`` (rows of committed
+            positions it attends to; :class:`~.drafter.model.DraftContext`):
+            its memory per request stays ``~W`` rows per layer whatever the
+            prompt length. ``0``: unbounded (every committed position).
     """
 
-    def __init__(self, model: DraftModel, target, valid_vocab: int, min_confidence: float = 0.0):
+    def __init__(self, model: DraftModel, target, valid_vocab: int, min_confidence: float = 0.0,
+                 context_window: int = DEFAULT_CONTEXT_WINDOW):
         self.min_confidence = check_confidence(min_confidence, "min_confidence") or 0.0
+        self.context_window = check_drafter_window(context_window)
         self.model = model
         self.target = target
         cfg = model.config
@@ -209,7 +232,7 @@ class DFlashProposer(Proposer):
 class _DFlashSession(ProposerSession):
     def __init__(self, p: DFlashProposer):
         self.p = p
-        self.ctx = DraftContext(p.model)
+        self.ctx = DraftContext(p.model, p.context_window)
         self.block_size = p.block_size
 
     def extend(self, tokens, features):

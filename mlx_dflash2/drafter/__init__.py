@@ -12,7 +12,8 @@ from .io import (
     save_drafter,
     validate_for_target,
 )
-from .model import CandidateSelector, DraftContext, DraftModel, GroupedDynamicCausalConv
+from .model import (DEFAULT_CONTEXT_SLACK, DEFAULT_CONTEXT_WINDOW, CandidateSelector, DraftContext, DraftModel,
+                    GroupedDynamicCausalConv)
 
 __all__ = [
     "DrafterConfig",

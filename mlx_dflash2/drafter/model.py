@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
-from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..kernels.dynamic_conv import dynamic_conv
@@ -38,6 +37,8 @@ from .config import DrafterConfig
 __all__ = [
     "DraftModel",
     "DraftContext",
+    "DEFAULT_CONTEXT_WINDOW",
+    "DEFAULT_CONTEXT_SLACK",
     "GroupedDynamicCausalConv",
     "CandidateSelector",
     "SelectorOutput",
@@ -388,8 +389,8 @@ class DraftModel(nn.Module):
         """
         x = block_embeddings
         P = context.offset
-        for layer, cache in zip(self.layers, context.caches):
-            ck, cv = cache.keys_and_values() if cache.keys is not None else (None, None)
+        for i, layer in enumerate(self.layers):
+            ck, cv = context.layer_kv(i)
             x = layer(x, lambda attn, v: attn(v, ck, cv, P), self.kernel_mode)
         return self.norm(x)
 
@@ -459,37 +460,163 @@ class DraftModel(nn.Module):
         self.update(tree_unflatten(new))
 
 
-class DraftContext:
-    """Per-request drafter cache: context K/V of every committed token.
+DEFAULT_CONTEXT_WINDOW = 4096
+"""Context rows a drafter attends to by default (:class:`DraftContext` ``window``; published DFlash2
+drafters use sliding layers of 2048, other engines keep 4096)."""
+DEFAULT_CONTEXT_SLACK = 64
+"""Rows kept beyond the window so that a rollback of up to this many rows (a few blocks) stays exact."""
 
-    One mlx-lm ``KVCache`` per drafter layer (keys already RoPE'd at their
-    absolute positions). ``offset`` is the number of committed positions, i.e.
-    the anchor's position for the next block. Rows can be dropped from the end
-    (:meth:`trim`) when a request is cut back.
+
+class _ContextRows:
+    """One drafter layer's context K/V: the rows of positions ``[start, offset)``.
+
+    ``keep``: most rows held after an append (``None``: all, never evicted). Rows
+    are stored in temporal order at buffer indices ``[_lo, _lo + offset - start)``
+    of preallocated ``[1, KV, capacity, hd]`` buffers (no ring): an append writes
+    in place, evicts from the front, and compacts into a new buffer of
+    ``held + new + step`` rows when the end is reached, so a bounded layer never
+    holds more than ``keep + step + (rows of one append)`` buffer rows.
     """
 
-    def __init__(self, model: DraftModel):
-        self.caches = [KVCache() for _ in model.layers]
+    step = 256
+
+    def __init__(self, keep: int | None):
+        self.keep = keep
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = 0  # committed positions (the next row's position)
+        self.start = 0  # oldest held position
+        self._lo = 0
+
+    @property
+    def rows(self) -> int:
+        return self.offset - self.start
+
+    def append(self, k: mx.array, v: mx.array, total: int) -> None:
+        """Add ``total`` positions ``[offset, offset + total)``, of which ``k``/``v`` ``[1, KV, m, hd]`` are
+        the last ``m`` (the caller leaves out rows that would be evicted at once: ``m < total`` only when
+        ``m >= keep``)."""
+        m = int(k.shape[2])
+        end = self.offset + total
+        first = end - m  # position of k's first row
+        s = self.start if self.keep is None else max(self.start, end - self.keep)
+        if s >= first:  # every held row is evicted (and maybe some of the new ones)
+            k, v = k[:, :, s - first :], v[:, :, s - first :]
+            held = 0
+            self._lo = 0
+        else:
+            self._lo += s - self.start
+            held = self.offset - s
+        m = int(k.shape[2])
+        self.start = s
+        if self.keys is None or self._lo + held + m > self.keys.shape[2]:
+            B, H, _, D = k.shape
+            cap = (held + m + 2 * self.step - 1) // self.step * self.step
+            new_k = mx.zeros((B, H, cap, D), k.dtype)
+            new_v = mx.zeros((B, H, cap, v.shape[3]), v.dtype)
+            if held > 0:
+                new_k[:, :, :held] = self.keys[:, :, self._lo : self._lo + held]
+                new_v[:, :, :held] = self.values[:, :, self._lo : self._lo + held]
+            self.keys, self.values, self._lo = new_k, new_v, 0
+        a = self._lo + held
+        self.keys[:, :, a : a + m] = k
+        self.values[:, :, a : a + m] = v
+        self.offset = end
+
+    def fetch(self, last: int | None) -> tuple[mx.array | None, mx.array | None]:
+        """K/V of the last ``min(last, rows)`` held positions (``None``: all held), ending at ``offset - 1``."""
+        n = self.rows if last is None else min(last, self.rows)
+        if n <= 0:
+            return None, None
+        b = self._lo + self.rows
+        return self.keys[:, :, b - n : b], self.values[:, :, b - n : b]
+
+    def trim(self, n: int) -> None:
+        """Drop the last ``n`` positions; rows before ``start`` were evicted, so a trim past them leaves
+        none held (the context then restarts at the new offset)."""
+        self.offset -= n
+        if self.offset < self.start:
+            self.start, self._lo = self.offset, 0
+
+    def clone(self) -> "_ContextRows":
+        c = _ContextRows(self.keep)
+        if self.keys is not None:  # new array objects: an in-place update of one copy never reaches the other
+            c.keys, c.values = mx.array(self.keys), mx.array(self.values)
+        c.offset, c.start, c._lo = self.offset, self.start, self._lo
+        return c
+
+
+class DraftContext:
+    """Per-request drafter cache: context K/V of the committed tokens.
+
+    One K/V store per drafter layer (keys already RoPE'd at their absolute
+    positions). ``offset`` is the number of committed positions, i.e. the
+    anchor's position for the next block. Rows can be dropped from the end
+    (:meth:`trim`) when a request is cut back.
+
+    ``window`` ``W`` bounds the drafter's context: a block at position ``P``
+    attends to the context rows of positions ``[P - W, P)`` only, and each
+    layer holds at most ``W + slack`` rows (plus its buffer's spare rows), so
+    the drafter's memory does not grow with the prompt. A layer with its own
+    sliding window (``cfg.layer_is_sliding``) keeps its smaller one. ``0``:
+    unbounded (every committed row is kept and attended to). A trim of up to
+    ``slack`` rows (the rollback of a few blocks) after any append is exact; a
+    longer trim (a prompt cache reused far back) may leave fewer than ``W``
+    rows before the new offset: the drafter then sees less context until new
+    rows arrive, which costs acceptance only (the target verifies every token).
+    """
+
+    def __init__(self, model: DraftModel, window: int = 0, slack: int = DEFAULT_CONTEXT_SLACK):
+        window, slack = int(window), int(slack)
+        if window < 0 or slack < 0:
+            raise ValueError(f"DraftContext: need window >= 0 and slack >= 0 (got {window}, {slack})")
+        cfg = model.config
+        self.window, self.slack = window, slack
+        # rows each layer attends to (None: all) and keeps
+        self.attend: list[int | None] = []
+        for i in range(len(model.layers)):
+            w = window or None
+            if window and cfg.layer_is_sliding(i):
+                w = min(window, cfg.sliding_window - 1)
+            self.attend.append(w)
+        self.caches = [_ContextRows(None if w is None else w + slack) for w in self.attend]
         self.offset = 0
 
     def append(self, model: DraftModel, features: mx.array) -> None:
-        """Add context rows: ``features`` ``[S, k*D]`` for positions ``offset..offset+S-1``."""
-        if features.shape[0] == 0:
+        """Add context rows: ``features`` ``[S, k*D]`` for positions ``offset..offset+S-1``.
+
+        With a window, K/V are computed only for the rows that stay held (the last ``W + slack``).
+        """
+        S = int(features.shape[0])
+        if S == 0:
             return
-        for cache, (k, v) in zip(self.caches, model.context_kv(features[None], self.offset)):
-            cache.update_and_fetch(k, v)
-        self.offset += features.shape[0]
+        keeps = [c.keep for c in self.caches]
+        m = S if None in keeps else min(S, max(keeps))
+        kvs = model.context_kv(features[None, S - m :], self.offset + S - m)
+        for cache, (k, v) in zip(self.caches, kvs):
+            cache.append(k, v, S)
+        self.offset += S
+
+    def layer_kv(self, i: int) -> tuple[mx.array | None, mx.array | None]:
+        """Context K/V layer ``i`` attends to: ``[1, KV, S, hd]`` of positions ``offset-S .. offset-1``
+        (``S <= W``), or ``(None, None)``."""
+        return self.caches[i].fetch(self.attend[i])
+
+    def rows(self) -> int:
+        """Most context rows held by a layer (``<= W + slack`` with a window)."""
+        return max((c.rows for c in self.caches), default=0)
 
     def clone(self) -> "DraftContext":
-        from ..speculative import _clone_cache
-
         new = DraftContext.__new__(DraftContext)
-        new.caches = [_clone_cache(c) for c in self.caches]
+        new.window, new.slack, new.attend = self.window, self.slack, list(self.attend)
+        new.caches = [c.clone() for c in self.caches]
         new.offset = self.offset
         return new
 
     def trim(self, n: int) -> None:
         n = min(n, self.offset)
+        if n <= 0:
+            return
         for c in self.caches:
             c.trim(n)
         self.offset -= n

@@ -14,8 +14,9 @@ import re
 import sys
 from pathlib import Path
 
-from ..loading import (ADAPTIVE_HELP, CALIBRATE_HELP, DRAFT_CONFIDENCE_HELP, DRAFTER_HELP, KERNELS_HELP,
-                       draft_confidence_arg)
+from ..drafter.model import DEFAULT_CONTEXT_WINDOW
+from ..loading import (ADAPTIVE_HELP, CALIBRATE_HELP, DRAFT_CONFIDENCE_HELP, DRAFTER_HELP, DRAFTER_WINDOW_HELP,
+                       KERNELS_HELP, draft_confidence_arg, drafter_window_arg)
 
 __all__ = ["main", "setup_arg_parser", "build_app"]
 
@@ -64,6 +65,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-lookup", action="store_true", help="do not fuse lookup proposals with the drafter's")
     p.add_argument("--draft-confidence", type=draft_confidence_arg, default=None, metavar="C",
                    help=DRAFT_CONFIDENCE_HELP)
+    p.add_argument("--drafter-window", type=drafter_window_arg, default=DEFAULT_CONTEXT_WINDOW, metavar="N",
+                   help=DRAFTER_WINDOW_HELP)
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None, help=ADAPTIVE_HELP)
     p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None, help=CALIBRATE_HELP)
     p.add_argument("--block-size", "--num-draft-tokens", type=_positive, default=None,
@@ -127,6 +130,7 @@ def build_app(args: argparse.Namespace, model=None, tokenizer=None):
             adaptive=args.adaptive,
             kernels=args.kernels,
             calibrate=args.calibrate,
+            drafter_window=args.drafter_window,
         )
     if args.chat_template:
         template = args.chat_template

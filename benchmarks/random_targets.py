@@ -1,5 +1,6 @@
-"""Helpers of the large-target benchmarks (``bench_scaling.py``, ``gpu/exactness.py``): random-weight
-Qwen3-shaped targets quantized like mlx-community 4-bit checkpoints, a second model object sharing
+"""Helpers of the large-target benchmarks (``bench_scaling.py``, ``gpu/exactness.py``, ``bench_hybrid.py``):
+random-weight Qwen3-shaped targets (dense, and GatedDeltaNet hybrids through mlx-lm's ``qwen3_5`` class)
+quantized like mlx-community 4-bit checkpoints, a second model object sharing
 their weights (the one the kernels are routed into), a fresh DFlash2 drafter of the shipped drafter's
 shape, a scripted proposer of fixed acceptance, a timestamped log and a time budget.
 
@@ -18,12 +19,12 @@ import time
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 
 from mlx_dflash2.proposers import Proposal, Proposer, ProposerSession
 
-__all__ = ["SHAPES", "param_count", "build_target", "twin", "StubTokenizer", "make_drafter", "ScriptedProposer",
-           "log", "Budget", "random_ids", "nbytes", "median", "generate_timed"]
+__all__ = ["SHAPES", "is_hybrid", "vocab_size", "param_count", "layer_counts", "build_target", "twin", "StubTokenizer",
+           "make_drafter", "ScriptedProposer", "log", "Budget", "random_ids", "nbytes", "median", "generate_timed"]
 
 SHAPES = {
     # Qwen3-8B geometry: 8.19B parameters
@@ -35,6 +36,20 @@ SHAPES = {
     # CPU logic tests of the scripts (every dimension a multiple of 64: 4-bit g64 everywhere)
     "tiny": dict(hidden_size=128, num_hidden_layers=6, intermediate_size=256, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=64, vocab_size=1024),
+    # GatedDeltaNet hybrids, built through mlx-lm's qwen3_5 class (the vision-language layout: model_type
+    # qwen3_5, the text model's config under text_config; layer i is full attention when (i + 1) % 4 == 0).
+    # Qwen3.5/3.6-27B's text geometry (as its config.json): 64 layers = 48 GatedDeltaNet + 16 gated attention,
+    # hidden 5120, MLP 17408, attention 24 heads / 4 KV heads of 256 (rotary on a quarter, theta 1e7),
+    # linear attention 16 key heads / 48 value heads of 128, conv kernel 4, vocab 248320, untied: 26.90B
+    "hybrid-27b": dict(model_type="qwen3_5", hidden_size=5120, num_hidden_layers=64, intermediate_size=17408,
+                       num_attention_heads=24, num_key_value_heads=4, head_dim=256, vocab_size=248320,
+                       linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+                       linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4),
+    # CPU logic tests: 8 layers = 6 GatedDeltaNet + 2 attention
+    "hybrid-tiny": dict(model_type="qwen3_5", hidden_size=128, num_hidden_layers=8, intermediate_size=256,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=1024,
+                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+                        linear_value_head_dim=64, linear_conv_kernel_dim=4, full_attention_interval=4),
 }
 
 _T0 = time.perf_counter()
@@ -60,22 +75,88 @@ class Budget:
         return self.left() - reserve >= est
 
 
+def is_hybrid(shape) -> bool:
+    """Whether a shape (name or dict) is a GatedDeltaNet hybrid (mlx-lm's ``qwen3_5`` class)."""
+    shape = SHAPES[shape] if isinstance(shape, str) else shape
+    return shape.get("model_type", "qwen3") == "qwen3_5"
+
+
+def vocab_size(cfg: dict) -> int:
+    """The vocabulary of a config made here (a hybrid's is under ``text_config``)."""
+    return int(cfg.get("text_config", cfg)["vocab_size"])
+
+
+def _hybrid_layer_params(shape: dict) -> tuple[int, int]:
+    """(a GatedDeltaNet mixer's parameters, a gated-attention mixer's), as mlx-lm's qwen3_5 modules hold them."""
+    D, H, KV, hd = (shape[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"))
+    nk, nv, dk, dv, K = (shape[k] for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                            "linear_value_head_dim", "linear_conv_kernel_dim"))
+    conv_dim, value_dim = 2 * nk * dk + nv * dv, nv * dv
+    # in_proj_qkv, in_proj_z, in_proj_b + in_proj_a, out_proj, depthwise conv1d, A_log + dt_bias, gated norm
+    gdn = D * conv_dim + D * value_dim + 2 * D * nv + value_dim * D + conv_dim * K + 2 * nv + dv
+    # q_proj (queries and output gate), k_proj, v_proj, o_proj, q_norm + k_norm
+    attn = D * 2 * H * hd + 2 * D * KV * hd + H * hd * D + 2 * hd
+    return gdn, attn
+
+
 def param_count(shape: dict) -> int:
-    """Parameters of a Qwen3 shape (untied embedding and head)."""
+    """Parameters of a shape (untied embedding and head). Dense: the linear layers only (the norms are
+    ~0.00001 of it); hybrid: everything the mlx-lm modules hold, norms and the convolution included."""
     D, L, I, H, KV, hd, V = (shape[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size",
                                                 "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size"))
-    return L * (D * H * hd * 2 + D * KV * hd * 2 + 3 * D * I) + 2 * V * D
+    if not is_hybrid(shape):
+        return L * (D * H * hd * 2 + D * KV * hd * 2 + 3 * D * I) + 2 * V * D
+    gdn, attn = _hybrid_layer_params(shape)
+    n_attn = L // shape["full_attention_interval"]
+    return (L - n_attn) * gdn + n_attn * attn + L * (3 * D * I + 2 * D) + 2 * V * D + D
+
+
+def layer_counts(shape) -> dict:
+    """``{"gated_delta": n, "attention": n}`` decoder layers of a shape (name or dict)."""
+    shape = SHAPES[shape] if isinstance(shape, str) else shape
+    L = shape["num_hidden_layers"]
+    n_attn = L // shape["full_attention_interval"] if is_hybrid(shape) else L
+    return {"gated_delta": L - n_attn, "attention": n_attn}
 
 
 def _config(name: str) -> dict:
     if name not in SHAPES:
         raise KeyError(f"unknown shape {name!r} (choose from {', '.join(SHAPES)})")
+    shape = dict(SHAPES[name])
+    if is_hybrid(shape):
+        shape.pop("model_type")
+        text = dict(model_type="qwen3_5_text", rms_norm_eps=1e-6, max_position_embeddings=262144,
+                    tie_word_embeddings=False, attention_bias=False,
+                    rope_parameters=dict(type="default", rope_theta=10000000.0, partial_rotary_factor=0.25), **shape)
+        return dict(model_type="qwen3_5", tie_word_embeddings=False, text_config=text)
     return dict(model_type="qwen3", rms_norm_eps=1e-6, max_position_embeddings=40960, rope_theta=1000000.0,
-                tie_word_embeddings=False, **SHAPES[name])
+                tie_word_embeddings=False, **shape)
 
 
 def _skeleton(cfg: dict, bits: int, group_size: int, dtype):
-    """An mlx-lm qwen3 model of ``cfg`` whose arrays are still lazy (nothing allocated yet)."""
+    """An mlx-lm model of ``cfg`` (qwen3, or qwen3_5 for a hybrid) whose arrays are still lazy (nothing
+    allocated yet), cast and quantized as mlx-lm's converter does for that class."""
+    if cfg["model_type"] == "qwen3_5":
+        from mlx_lm.models import qwen3_5
+
+        model = qwen3_5.Model(qwen3_5.ModelArgs.from_dict(cfg))
+        # mlx_lm.convert: floating parameters to dtype where the class's cast_predicate allows (A_log stays
+        # float32); quantize every module with to_quantized whose input width is a multiple of the group (the
+        # depthwise conv1d, the norms, A_log and dt_bias stay float), the class's quant_predicate on top
+        cast = model.cast_predicate
+        model.update(tree_map_with_path(
+            lambda k, v: v.astype(dtype) if cast(k) and mx.issubdtype(v.dtype, mx.floating) else v,
+            model.parameters()))
+        if bits:
+            qp = model.quant_predicate
+
+            def pred(path, m):
+                if not hasattr(m, "to_quantized") or m.weight.shape[-1] % group_size != 0:
+                    return False
+                return True if qp is None else qp(path, m)
+
+            nn.quantize(model, group_size=group_size, bits=bits, class_predicate=pred)
+        return model
     from mlx_lm.models import qwen3
 
     model = qwen3.Model(qwen3.ModelArgs.from_dict(cfg))
@@ -86,9 +167,9 @@ def _skeleton(cfg: dict, bits: int, group_size: int, dtype):
 
 
 def build_target(name: str, bits: int = 4, group_size: int = 64, dtype=mx.bfloat16, seed: int = 0):
-    """A random-weight Qwen3-shaped mlx-lm model, quantized (affine ``bits``/``group_size``; ``bits=0``:
-    dense ``dtype``) and evaluated layer by layer, so the float32 initial weights of one layer at a time
-    exist (a 27B shape peaks near its 4-bit size, ~13 GB, not at 90 GB).
+    """A random-weight Qwen3-shaped mlx-lm model (a hybrid: mlx-lm's ``qwen3_5.Model``), quantized (affine
+    ``bits``/``group_size``; ``bits=0``: dense ``dtype``) and evaluated layer by layer, so the float32 initial
+    weights of one layer at a time exist (a 27B shape peaks near its 4-bit size, ~13-15 GB, not at 100 GB).
 
     Returns:
         ``(model, config dict)``.
@@ -99,10 +180,11 @@ def build_target(name: str, bits: int = 4, group_size: int = 64, dtype=mx.bfloat
     cfg = _config(name)
     mx.random.seed(seed)
     model = _skeleton(cfg, bits, group_size, dtype)
-    mx.eval(model.model.embed_tokens.parameters())
-    for layer in model.model.layers:
+    lm = getattr(model, "language_model", model)  # the text model of a qwen3_5 (vision-language) model
+    mx.eval(lm.model.embed_tokens.parameters())
+    for layer in lm.model.layers:
         mx.eval(layer.parameters())
-    mx.eval(model.model.norm.parameters(), model.lm_head.parameters())
+    mx.eval(lm.model.norm.parameters(), lm.lm_head.parameters())
     model.eval()
     return model, cfg
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The device-call driver of issue 19's H200 measurements: run from the repository root on the lent machine
-# after ../shared/gpu/prepare's bundles were stashed and installed (MLX CUDA + mlx-lm installed; the SmolLM2
-# GGUF and the gguf wheel in /root/payload).
+# The device-call driver of issue 19's and issue 20's H200 measurements: run from the repository root on the lent
+# machine after ../shared/gpu/prepare's bundles were stashed and installed (MLX CUDA + mlx-lm installed; the
+# SmolLM2 GGUF and the gguf wheel in /root/payload).
 #
-#   bash benchmarks/gpu/run.sh PART...        PART: selftest check kernels scaling exactness sets
+#   bash benchmarks/gpu/run.sh PART...        PART: selftest check kernels scaling exactness sets hybrid
 #
 # Each part runs under `timeout` (T_<PART> seconds, below; never past RUN_BUDGET seconds from this script's
 # start, so one device call ends inside its 600 s limit), its output tee'd to $OUT/<part>.log, its results in
@@ -17,10 +17,15 @@
 #   scaling    benchmarks/bench_scaling.py --shapes $SCALING_SHAPES -> scaling.json, scaling.png
 #   exactness  benchmarks/gpu/exactness.py --gguf $GGUF -> exactness.json (exit 1 on a mismatch with the kernels)
 #   sets       benchmarks/gpu/smollm2_sets.py --model $GGUF -> sets.json
+#   hybrid     benchmarks/bench_hybrid.py --shapes $HYBRID_SHAPES --contexts $HYBRID_CONTEXTS -> hybrid.json,
+#              hybrid.png (issue 20: the random 27B GatedDeltaNet hybrid vs the dense 27B shape at 1K / 8K / 32K:
+#              plain tok/s vs mlx-lm, the scripted round in mlx-lm steps with MLX's ops and with the kernels,
+#              memory; one part per call: it wants most of a call, T_HYBRID=540 with RUN_BUDGET=570 alone)
 # Env: OUT (the device tool sets it), GGUF, PY (python3), MLX_PTX_CACHE_DIR (default /root/ptx: it stays for
 # the machine's lease, so only the first MLX process compiles), RUN_BUDGET (default 570), T_SELFTEST (180),
-# T_CHECK (150), T_KERNELS (180), T_SCALING (420), T_EXACTNESS (240), T_SETS (300), KERNEL_SHAPES (qwen3-8b),
-# SCALING_SHAPES (qwen3-8b,dense-27b), ARGS_<PART> (more arguments for that part's script).
+# T_CHECK (150), T_KERNELS (180), T_SCALING (420), T_EXACTNESS (240), T_SETS (300), T_HYBRID (400), KERNEL_SHAPES
+# (qwen3-8b), SCALING_SHAPES (qwen3-8b,dense-27b), HYBRID_SHAPES (hybrid-27b,dense-27b), HYBRID_CONTEXTS
+# (1024,8192,32768), ARGS_<PART> (more arguments for that part's script).
 # SMOKE=1: every part at toy size on any machine (CPU included) to check this driver.
 set -u
 cd "$(dirname "$0")/../.."
@@ -37,9 +42,9 @@ RUNLOG="$OUT/run.log"
 say() { echo "[run.sh $(date +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*" | tee -a "$RUNLOG"; }
 smi() { command -v nvidia-smi >/dev/null && say "nvidia-smi: $(nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem,temperature.gpu,driver_version --format=csv,noheader 2>&1 | head -1)"; }
 
-[ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu/run.sh PART...   (selftest check kernels scaling exactness sets)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu/run.sh PART...   (selftest check kernels scaling exactness sets hybrid)" >&2; exit 2; }
 for p in "$@"; do
-  case $p in selftest|check|kernels|scaling|exactness|sets) ;; *) echo "unknown part: $p" >&2; exit 2;; esac
+  case $p in selftest|check|kernels|scaling|exactness|sets|hybrid) ;; *) echo "unknown part: $p" >&2; exit 2;; esac
 done
 $PY -c "import gguf" 2>/dev/null || $PY -m pip install -q --no-index --no-deps /root/payload/gguf-*.whl 2>&1 | tail -2
 if [ ! -f "$GGUF" ]; then  # elsewhere (a CPU smoke run): the embedded model's GGUF, if installed
@@ -50,9 +55,10 @@ say "$($PY -c "import mlx_dflash2, mlx.core as mx, mlx_lm; print('MLX', mx.__ver
 say "parts: $*; budget ${RUN_BUDGET} s; OUT=$OUT; MLX_PTX_CACHE_DIR=$MLX_PTX_CACHE_DIR; GGUF=$GGUF"
 
 if [ "$SMOKE" = 1 ]; then
-  TINY=--tiny; KSHAPES=${KERNEL_SHAPES:-qwen2.5-0.5b}; SSHAPES=tiny
+  TINY=--tiny; KSHAPES=${KERNEL_SHAPES:-qwen2.5-0.5b}; SSHAPES=tiny; HSHAPES=hybrid-tiny,tiny; HCTX=128,512
 else
   TINY=; KSHAPES=${KERNEL_SHAPES:-qwen3-8b}; SSHAPES=${SCALING_SHAPES:-qwen3-8b,dense-27b}
+  HSHAPES=${HYBRID_SHAPES:-hybrid-27b,dense-27b}; HCTX=${HYBRID_CONTEXTS:-1024,8192,32768}
 fi
 
 status=0
@@ -60,7 +66,7 @@ for p in "$@"; do
   P=$(echo "$p" | tr a-z A-Z)
   def=$(eval echo "\${T_$P:-}")
   case $p in selftest) def=${def:-180};; check) def=${def:-150};; kernels) def=${def:-180};;
-             scaling) def=${def:-420};; exactness) def=${def:-240};; sets) def=${def:-300};; esac
+             scaling) def=${def:-420};; exactness) def=${def:-240};; sets) def=${def:-300};; hybrid) def=${def:-400};; esac
   left=$(( RUN_BUDGET - ($(date +%s) - T0) - 5 ))
   t=$(( def < left ? def : left ))
   if [ "$t" -lt 20 ]; then say "part $p: skipped (${left} s left of RUN_BUDGET)"; status=1; continue; fi
@@ -75,6 +81,7 @@ for p in "$@"; do
     scaling)   cmd=($PY benchmarks/bench_scaling.py --shapes "$SSHAPES" $TINY --budget "$b" --out "$OUT") ;;
     exactness) cmd=($PY benchmarks/gpu/exactness.py --gguf "$GGUF" $TINY --budget "$b" --out "$OUT/exactness.json") ;;
     sets)      cmd=($PY benchmarks/gpu/smollm2_sets.py --model "$GGUF" $TINY --budget "$b" --out "$OUT/sets.json") ;;
+    hybrid)    cmd=($PY benchmarks/bench_hybrid.py --shapes "$HSHAPES" --contexts "$HCTX" --budget "$b" --out "$OUT/hybrid.json") ;;
   esac
   [ "$SMOKE" = 1 ] && [ "$p" = kernels ] && cmd=("${cmd[@]}" --rows 1,16 --kv 1024 --repeats 2)
   # shellcheck disable=SC2086

@@ -173,6 +173,11 @@ class RecurrentCache(ArraysCache):
             return
         rec.after = self.cache[1]
         self._history.append(rec)
+        # every step's states are kept for the two latest forwards only (a trim reaches at most one forward
+        # past the latest: the loop's queued round): older ones fall back to replay, still exact. At a 27B
+        # hybrid shape a 16-row block's states are ~2.4 GB (48 layers x 16 x 48 heads x 128 x 128 x 4 B).
+        for old in list(self._history)[:-2]:
+            old.steps = None
 
     # -- rollback ---------------------------------------------------------------------------
 

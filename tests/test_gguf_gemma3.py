@@ -183,7 +183,7 @@ def test_f32_gemma3_matches_mlx_lm(tiny_gemma):
 
 
 def test_quantized_gemma3_is_dequantized_with_gguf(tmp_path):
-    """Q5_0/Q8_0 linears load dense, equal to gguf-py's dequantization; norms still un-folded."""
+    """Q5_0/Q8_0 linears loaded dense (``dequantize=True``) equal gguf-py's dequantization; norms still un-folded."""
     import gguf
     from mlx.utils import tree_flatten
 
@@ -192,7 +192,7 @@ def test_quantized_gemma3_is_dequantized_with_gguf(tmp_path):
     _, weights = reference_model(cfg, len(tokens), seed=1)
     for qt in ("Q5_0", "Q8_0"):
         path = write_gemma3_gguf(tmp_path / f"{qt}.gguf", cfg, weights, tokens, scores, types, quant=qt)
-        model, _, _ = load_gguf(path, dtype=mx.float32)
+        model, _, _ = load_gguf(path, dtype=mx.float32, dequantize=True)  # packed is test_gguf_packed's
         got = dict(tree_flatten(model.parameters()))
         t = gguf.quants.GGMLQuantizationType[qt]
         for k, v in weights.items():

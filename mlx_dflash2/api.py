@@ -206,7 +206,11 @@ def stream_generate(
     prompt = list(prompt)
     proposer = model.proposer
     if drafter is not None:
-        proposer = make_proposer(drafter, model.target, tokenizer, model.name)
+        # the loaded model's drafter context window carries over (a fused proposer keeps it on its drafter part)
+        loaded = getattr(model.proposer, "drafter", model.proposer)
+        window = getattr(loaded, "context_window", None)
+        proposer = make_proposer(drafter, model.target, tokenizer, model.name,
+                                 **({} if window is None else {"drafter_window": window}))
     B = block_size if block_size is not None else (
         proposer.block_size if (drafter is not None and proposer) else model.block_size
     )

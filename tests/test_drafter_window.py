@@ -181,3 +181,24 @@ def test_make_proposer_passes_window(smol_f32):
     p = make_proposer("init", target, tok, lookup=False, drafter_window=100)
     assert p.context_window == 100 and p.start([1, 2]).ctx.window == 100
     assert make_proposer("init", target, tok, lookup=False).context_window == DEFAULT_CONTEXT_WINDOW
+
+
+def test_per_request_drafter_keeps_the_loaded_window(smol_f32, monkeypatch):
+    """A request that names its own drafter (`stream_generate(..., drafter=...)`, the server's per-request
+    drafter) gets the loaded model's drafter window, not the default."""
+    import mlx_dflash2.api as api
+    from mlx_dflash2.loading import SpeculativeModel, make_proposer
+
+    target, tok = smol_f32
+    model = SpeculativeModel(target, make_proposer("init", target, tok, drafter_window=48), 8, "t", target.config)
+    made = []
+    real = api.make_proposer
+
+    def spy(*a, **kw):
+        made.append(real(*a, **kw))
+        return made[-1]
+
+    monkeypatch.setattr(api, "make_proposer", spy)
+    list(api.stream_generate(model, tok, [1, 2, 3], max_tokens=2, drafter="init"))
+    got = getattr(made[0], "drafter", made[0])
+    assert got.context_window == 48

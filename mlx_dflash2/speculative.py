@@ -194,6 +194,10 @@ class GenerationState:
         tokens: token ids whose K/V are in ``cache``.
         proposer: the proposer ``session`` belongs to (reuse requires the same one).
         reused: prompt tokens taken from the cache by the last request.
+        snapshots: hybrid (GatedDeltaNet) targets: prompt position -> the recurrent layers' arrays at that
+            position (every :data:`SNAPSHOT_INTERVAL` prompt tokens, the last :data:`MAX_SNAPSHOTS`): their
+            state cannot be cut back, so a later request resumes from the longest snapshot at or before the
+            shared prefix. Empty for other targets.
     """
 
     cache: list | None = None

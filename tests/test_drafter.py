@@ -407,3 +407,15 @@ def test_forward_blocks_equals_incremental_inference(over):
             ctx.append(m, feats[n, :P])
             want = m(emb[n * A + a][None], ctx)[0]
             np.testing.assert_allclose(np.array(got[n * A + a]), np.array(want), rtol=2e-4, atol=2e-4)
+
+
+def test_drafter_init_notes_fewer_taps_than_asked(tmp_path, capsys):
+    """`mlx_dflash2.drafter init --num-taps 5` on a 2-layer target makes 2 distinct taps and says so."""
+    from tiny_models import tiny_mlx_lm_dir
+
+    from mlx_dflash2.drafter.cli import main
+
+    src = tiny_mlx_lm_dir(tmp_path / "t", "qwen2", num_layers=2)
+    assert main(["init", "--model", str(src), "--num-taps", "5", "--out", str(tmp_path / "d")]) == 0
+    out = capsys.readouterr().out
+    assert "note: 5 taps asked, 2 made" in out and "[0, 1]" in out

@@ -84,6 +84,11 @@ def main(argv=None) -> int:
             model.update(tree_map(lambda a: a.astype(dtype), model.parameters()))
             path = save_drafter(model, args.out, overwrite=args.overwrite)
             print(f"wrote {model.config.architecture} ({param_count(model) / 1e6:.2f}M parameters) to {path}")
+            taps = list(model.config.target_layer_ids)
+            asked = args.num_taps or (None if args.target_layer_ids else args.num_layers)
+            if asked and len(taps) < asked:
+                print(f"note: {asked} taps asked, {len(taps)} made: the target has {target.num_layers} layer(s) and "
+                      f"each is tapped at most once (target_layer_ids {taps})")
         else:
             from ..loading import resolve_shipped
 

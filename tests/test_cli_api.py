@@ -88,6 +88,16 @@ def test_cli_flags_are_checked_before_loading(args, msg, capsys):
     assert msg in err and "not found" not in err
 
 
+def test_cli_missing_drafter_path_is_reported_before_loading(capsys):
+    """`--drafter <missing directory>` is an error before any weights load (it came after the target loaded):
+    with a model path that does not exist too, the drafter's error comes first."""
+    from mlx_dflash2.generate import main
+
+    assert main(["--model", "/nonexistent/model", "--prompt", "hi", "--drafter", "/nonexistent/drafter"]) == 2
+    err = capsys.readouterr().err
+    assert "--drafter: drafter checkpoint directory not found: /nonexistent/drafter" in err
+
+
 def test_load_notes_a_block_past_the_trained_one_before_generating(caplog):
     """load(block_size > the drafter's trained block) logs the note at load time, not mid-answer."""
     from mlx_dflash2 import load

@@ -30,7 +30,7 @@ what is estimated not to fit. On MLX's CPU backend there are no kernels (``kerne
 and nothing is routed unless ``--force-route``): use ``--tiny`` there to check the script's logic.
 
     python benchmarks/bench_scaling.py --out $OUT --budget 480            # the H200 run
-    scripts/run python benchmarks/bench_scaling.py --tiny --out /tmp/s    # CPU logic check (~1 min)
+    scripts/run python benchmarks/bench_scaling.py --tiny --out benchmarks/results/scaling-cpu-tiny    # CPU logic check (~1 min)
 """
 
 from __future__ import annotations

@@ -28,6 +28,18 @@ def smol_tokenizer():
     return build_tokenizer(read_gguf_header(embedded_model_path()))
 
 
+def _save_dir(path, cfg: dict, weights: dict, tok) -> Path:
+    """Write ``weights`` (safetensors), ``cfg`` (config.json) and ``tok``'s files to a new directory ``path``."""
+    from mlx_lm.utils import save_config
+
+    path = Path(path)
+    path.mkdir(parents=True)
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    save_config(cfg, path / "config.json")
+    tok._tokenizer.save_pretrained(str(path))
+    return path
+
+
 def tiny_mlx_lm_dir(
     path: Path,
     model_type: str = "qwen2",
@@ -60,7 +72,6 @@ def tiny_mlx_lm_dir(
         ``path``.
     """
     from mlx.utils import tree_flatten
-    from mlx_lm.utils import save_config
 
     tok = tokenizer if tokenizer is not None else smol_tokenizer()
     rows = int(vocab_rows or len(tok))
@@ -90,12 +101,7 @@ def tiny_mlx_lm_dir(
             if name in weights:
                 w = weights[name]
                 weights[name] = mx.concatenate([w[:n_real], w[n_real:] * pad_scale])
-    path = Path(path)
-    path.mkdir(parents=True)
-    mx.save_safetensors(str(path / "model.safetensors"), weights)
-    save_config(cfg, path / "config.json")
-    tok._tokenizer.save_pretrained(str(path))
-    return path
+    return _save_dir(path, cfg, weights, tok)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -155,7 +161,6 @@ def tiny_hybrid_dir(path: Path, kind: str, tokenizer=None, *, window: int = 8, s
         ``path``.
     """
     from mlx.utils import tree_flatten
-    from mlx_lm.utils import save_config
 
     tok = tokenizer if tokenizer is not None else smol_tokenizer()
     rows = len(tok)
@@ -185,9 +190,4 @@ def tiny_hybrid_dir(path: Path, kind: str, tokenizer=None, *, window: int = 8, s
         weights = hf
     elif kind in ("gemma3_text", "gemma3"):  # tied: no lm_head tensor (mlx-lm's sanitize ties it)
         weights = {k: v for k, v in weights.items() if not k.endswith("lm_head.weight")}
-    path = Path(path)
-    path.mkdir(parents=True)
-    mx.save_safetensors(str(path / "model.safetensors"), weights)
-    save_config(cfg, path / "config.json")
-    tok._tokenizer.save_pretrained(str(path))
-    return path
+    return _save_dir(path, cfg, weights, tok)

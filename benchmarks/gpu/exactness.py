@@ -23,8 +23,8 @@ Exit status 1 on any mismatch or error with the kernels (or kernels not routed o
 mode's divergences are reported, not failures. JSON to ``--out``. On MLX's CPU backend ``kernel`` runs
 the references (nothing is routed unless ``--force-route``): ``--tiny`` checks the script's logic there.
 
-    python benchmarks/gpu/exactness.py --gguf /root/payload/SmolLM2-135M-Instruct.Q4_1.gguf --out $OUT/exactness.json
-    scripts/run python benchmarks/gpu/exactness.py --tiny --out /tmp/exactness.json      # CPU logic check
+    python benchmarks/gpu/exactness.py --gguf $PAYLOAD/SmolLM2-135M-Instruct.Q4_1.gguf --out $OUT/exactness.json
+    scripts/run python benchmarks/gpu/exactness.py --tiny --out benchmarks/results/exactness-cpu-tiny.json      # CPU logic check
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The device-call driver of issue 19's and issue 20's H200 measurements: run from the repository root on the lent
 # machine after ../shared/gpu/prepare's bundles were stashed and installed (MLX CUDA + mlx-lm installed; the
-# SmolLM2 GGUF and the gguf wheel in /root/payload).
+# SmolLM2 GGUF and the gguf wheel in $PAYLOAD, default ~/payload).
 #
 #   bash benchmarks/gpu/run.sh PART...        PART: selftest check kernels scaling exactness sets hybrid
 #
@@ -21,7 +21,7 @@
 #              hybrid.png (issue 20: the random 27B GatedDeltaNet hybrid vs the dense 27B shape at 1K / 8K / 32K:
 #              plain tok/s vs mlx-lm, the scripted round in mlx-lm steps with MLX's ops and with the kernels,
 #              memory; one part per call: it wants most of a call, T_HYBRID=540 with RUN_BUDGET=570 alone)
-# Env: OUT (the device tool sets it), GGUF, PY (python3), MLX_PTX_CACHE_DIR (default /root/ptx: it stays for
+# Env: OUT (the device tool sets it), PAYLOAD (~/payload), GGUF, PY (python3), MLX_PTX_CACHE_DIR (default ~/ptx: it stays for
 # the machine's lease, so only the first MLX process compiles), RUN_BUDGET (default 570), T_SELFTEST (180),
 # T_CHECK (150), T_KERNELS (180), T_SCALING (420), T_EXACTNESS (240), T_SETS (300), T_HYBRID (400), KERNEL_SHAPES
 # (qwen3-8b), SCALING_SHAPES (qwen3-8b,dense-27b), HYBRID_SHAPES (hybrid-27b,dense-27b), HYBRID_CONTEXTS
@@ -32,10 +32,11 @@ cd "$(dirname "$0")/../.."
 T0=$(date +%s)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 SMOKE=${SMOKE:-0}
-if [ "$SMOKE" = 1 ]; then export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/ptx}; else export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/root/ptx}; fi
+if [ "$SMOKE" = 1 ]; then export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-${TMPDIR:-/tmp}/ptx}; else export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-$HOME/ptx}; fi
+PAYLOAD=${PAYLOAD:-$HOME/payload}
 OUT=${OUT:-/tmp/out}
 PY=${PY:-python3}
-GGUF=${GGUF:-/root/payload/SmolLM2-135M-Instruct.Q4_1.gguf}
+GGUF=${GGUF:-$PAYLOAD/SmolLM2-135M-Instruct.Q4_1.gguf}
 RUN_BUDGET=${RUN_BUDGET:-570}
 mkdir -p "$OUT" "$MLX_PTX_CACHE_DIR" 2>/dev/null || mkdir -p "$OUT"
 RUNLOG="$OUT/run.log"
@@ -46,7 +47,7 @@ smi() { command -v nvidia-smi >/dev/null && say "nvidia-smi: $(nvidia-smi --quer
 for p in "$@"; do
   case $p in selftest|check|kernels|scaling|exactness|sets|hybrid) ;; *) echo "unknown part: $p" >&2; exit 2;; esac
 done
-$PY -c "import gguf" 2>/dev/null || $PY -m pip install -q --no-index --no-deps /root/payload/gguf-*.whl 2>&1 | tail -2
+$PY -c "import gguf" 2>/dev/null || $PY -m pip install -q --no-index --no-deps "$PAYLOAD"/gguf-*.whl 2>&1 | tail -2
 if [ ! -f "$GGUF" ]; then  # elsewhere (a CPU smoke run): the embedded model's GGUF, if installed
   GGUF=$($PY -c "from mlx_dflash2.assets import embedded_model_path as p; print(p())" 2>/dev/null || echo "$GGUF")
 fi

@@ -16,7 +16,7 @@ the median of per-prompt ratios (each a median over repeats), tau, rounds by dra
 prompts gave plain's exact output. Before (part A: MLX 0.32.4, no kernels, the project as shipped then; MT-Bench
 7 prompts): auto 1.36x HumanEval, 1.03x MT-Bench, 1.17x GSM8K (``BEFORE``). JSON to ``--out`` after every prompt.
 
-    python benchmarks/gpu/smollm2_sets.py --model /root/payload/SmolLM2-135M-Instruct.Q4_1.gguf --out $OUT/sets.json
+    python benchmarks/gpu/smollm2_sets.py --model $PAYLOAD/SmolLM2-135M-Instruct.Q4_1.gguf --out $OUT/sets.json
     scripts/run python benchmarks/gpu/smollm2_sets.py --tiny --out /tmp/sets.json     # CPU logic check
 """
 

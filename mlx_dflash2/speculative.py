@@ -253,27 +253,21 @@ def _snapshot(cache: list, rec: list[int]) -> list:
     return [(i, list(cache[i].cache)) for i in rec]
 
 
-def _can_trim(c, n: int) -> bool:
-    if n <= 0:
-        return True
-    cap = getattr(c, "rollback_capacity", None)
-    if cap is not None:
-        return n <= (cap() if callable(cap) else cap)
-    return c.is_trimmable() and n <= c.offset
-
-
 def _rewind(cache: list, snapshots: dict, want: int) -> int:
     """Cut ``cache`` back to at most ``want`` positions, exactly; returns the length kept (0: nothing
     reusable, the caller starts fresh caches). Every layer trims if it can; otherwise the recurrent
     layers take the longest snapshot at or before ``want`` and the others trim to it."""
+    from .caches import rollback_capacity
+
     off = cache_length(cache)
     want = min(want, off)
-    if all(_can_trim(c, off - want) for c in cache):
+    if off - want <= 0 or rollback_capacity(cache) >= off - want:
         trim_cache(cache, off - want)
         return want
     rec = _recurrent_entries(cache)
+    others = [c for i, c in enumerate(cache) if i not in rec]
     for p in sorted((p for p in snapshots if p <= want), reverse=True):
-        if p == 0 or not all(_can_trim(c, off - p) for i, c in enumerate(cache) if i not in rec):
+        if p == 0 or (others and rollback_capacity(others) < off - p):
             continue
         for i, c in enumerate(cache):
             if i not in rec:

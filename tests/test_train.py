@@ -627,17 +627,21 @@ def test_self_instruct_runs_on_a_real_decode_and_refuses_a_short_run(tiny, tmp_p
     assert not (tmp_path / "r.jsonl").exists()
 
 
-def _slow_steps(monkeypatch, seconds: float) -> None:
-    """Make every training step take at least ``seconds`` (a step's cost without a big model)."""
+def _slow_steps(monkeypatch, seconds: float) -> list:
+    """Make every training step take at least ``seconds`` (a step's cost without a big model); returns the
+    list that counts the steps run."""
     import time
 
     real = Trainer.train_step
+    ran = []
 
     def slow(self, batch):
+        ran.append(1)
         time.sleep(seconds)
         return real(self, batch)
 
     monkeypatch.setattr(Trainer, "train_step", slow)
+    return ran
 
 
 def test_time_budget_smaller_than_one_step_writes_nothing(tiny, tmp_path, monkeypatch):
@@ -648,19 +652,18 @@ def test_time_budget_smaller_than_one_step_writes_nothing(tiny, tmp_path, monkey
 
     target, tok = tiny
     _patterned_data(tmp_path / "data")
-    _slow_steps(monkeypatch, 0.6)
-    t0 = time.perf_counter()
+    ran = _slow_steps(monkeypatch, 0.6)
     tr = Trainer(_cfg(tmp_path, steps=None, time_budget=0.3), target, tok)
     with pytest.raises(ValueError, match="not even one step fits .*nothing was written"):
         tr.fit(progress=False)
-    assert time.perf_counter() - t0 < 0.3 + 0.6 + 1.5  # budget + the one step + slack (never calibration steps)
+    assert len(ran) == 1  # the one step that measured the cost (no calibration steps); no wall-clock bound
     assert not (tmp_path / "run").exists()
     # the budget is over before the first step (e.g. loading took it): nothing runs, nothing is written
+    ran.clear()
     tr = Trainer(_cfg(tmp_path, steps=None, time_budget=5.0), target, tok, started=time.perf_counter() - 10)
-    t0 = time.perf_counter()
     with pytest.raises(ValueError, match="ended before the first step"):
         tr.fit(progress=False)
-    assert time.perf_counter() - t0 < 0.5 and not (tmp_path / "run").exists()
+    assert not ran and not (tmp_path / "run").exists()
     # a resumed run whose next step does not fit is left as it was, still resumable
     Trainer(_cfg(tmp_path, steps=4, save_every=2), target, tok).fit(progress=False, max_steps=2)
     before = {p: os.stat(p).st_mtime_ns for p in (tmp_path / "run").rglob("*")}

@@ -333,7 +333,8 @@ DRAFT_CONFIDENCE_HELP = (
     "(0 = full blocks; default 0.05 on CPU, 0 on GPU)"
 )
 KERNELS_HELP = (
-    "fused kernels (Metal, CUDA): auto = where they pass their numerics gates (else MLX's ops, one warning), "
+    "fused kernels (Metal, CUDA): auto = where they pass their numerics gates (else MLX's ops, one warning) "
+    "and the target's one-token step with them costs at most 1.1x MLX's (timed at load), "
     "reference = MLX's ops only, kernel = kernels or an error (default: $MLX_DFLASH2_KERNELS, else auto; "
     "the CPU always runs MLX's ops)"
 )
@@ -510,7 +511,8 @@ def load(
         adaptive: the adaptive schedule of a fused drafter (see
             :func:`make_proposer`; ``None``: on for ``drafter="auto"``).
         kernels: ``"auto"`` (fused kernels on a GPU where they pass their numerics gates, else MLX's
-            ops with one warning), ``"reference"`` (MLX's ops only) or ``"kernel"`` (kernels, or an
+            ops with one warning; the target's only where its timed one-token step with them costs at
+            most ``target.AUTO_STEP_LIMIT`` times MLX's), ``"reference"`` (MLX's ops only) or ``"kernel"`` (kernels, or an
             error); ``None``: ``MLX_DFLASH2_KERNELS`` (default ``"auto"``). See :mod:`mlx_dflash2.kernels`.
         calibrate: the adaptive schedule's verify widths from this machine's measured verify cost
             (:mod:`mlx_dflash2.calibrate`): ``None`` (default) uses the cached calibration and measures it

@@ -43,6 +43,9 @@ SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + ("qwen3_next", "qwen3_5", "gemma3", 
                                              "gemma4_text")
 
 PARITY_TOLERANCE = 1e-3
+# kernels="auto" keeps the routed kernels only if a one-token step costs at most this much more than with MLX's
+# ops (the plain loop must not get slower than mlx-lm's; on the H200 the routed 8B step measured 1.8x)
+AUTO_STEP_LIMIT = 1.10
 
 
 class TargetCompatibilityError(ValueError):
@@ -179,6 +182,7 @@ class TargetAdapter:
             mx.eval(self._padding)  # not lazy: the adapter may be used on another thread (server worker)
         self._routes: list = []
         self.kernels = "reference"
+        self.kernel_choice: dict = {}  # what route_kernels measured and decided (printed by --verbose)
         if probe:
             self.check_parity()
         self.route_kernels(kernels)
@@ -374,7 +378,12 @@ class TargetAdapter:
         rollback selects instead of replaying), so the plain step (1 row) and the verify (B rows) both
         use the registry's kernels on a GPU. Then the probe runs again against the unrouted model's
         logits (relative tolerance 1e-3 in float32, 0.1 in 16-bit): a mismatch puts the original
-        modules back with one warning line, never a wrong token.
+        modules back with one warning line, never a wrong token. In mode ``"auto"`` the routes also
+        have to pay: a one-token step (the plain loop's, and the schedule's plain rounds) is timed with
+        MLX's ops and routed (:meth:`time_step`), and the kernels are kept only if the routed step costs
+        at most :data:`AUTO_STEP_LIMIT` times MLX's (``"kernel"`` keeps them regardless: greedy
+        speculative output then equals plain decoding token for token). ``kernel_choice`` records the
+        times and the decision.
 
         Args:
             mode: kernel mode (``None``: ``MLX_DFLASH2_KERNELS``). ``"reference"``, or a CPU backend,
@@ -393,6 +402,7 @@ class TargetAdapter:
         if self._routes or (not force and (mode == "reference" or K.backend() == "cpu")):
             return len(self._routes)
         ref = self._probe_logits(own=False)
+        t_ref = self.time_step() if mode == "auto" else None
         emb = self.inner.embed_tokens
         dense = self.config.get("model_type") in DENSE_MODEL_TYPES  # KernelAttention knows their attention
         swaps = (K.route_quantized_linears(self.model, mode) + (K.route_attention(self.layers, mode) if dense else [])
@@ -418,7 +428,49 @@ class TargetAdapter:
                 "mlx_dflash2: the target's kernel path differs from its reference by %.3g (relative, > %g); "
                 "using the MLX reference path", diff, tol)
             return 0
+        if t_ref is not None:
+            t_k = self.time_step()
+            keep = t_k <= AUTO_STEP_LIMIT * t_ref
+            self.kernel_choice = {"step_ms_reference": t_ref * 1e3, "step_ms_kernel": t_k * 1e3, "routed": keep}
+            if not keep:
+                K.undo_routes(swaps)
+                self._routes, self.kernels, self._head = [], "reference", old_head
+                import logging
+
+                logging.getLogger("mlx_dflash2").info(
+                    "mlx_dflash2: a one-token step takes %.2f ms with the fused kernels and %.2f ms with MLX's ops: "
+                    "using MLX's ops (--kernels kernel keeps the kernels)", t_k * 1e3, t_ref * 1e3)
+                return 0
         return len(swaps)
+
+    def time_step(self, context: int = 32, warmup: int = 3, repeats: int = 7) -> float:
+        """Median seconds of a one-token cached step after ``context`` tokens (the plain loop's unit),
+        through :meth:`forward` with this adapter's current routes; ``warmup`` untimed steps first (a GPU
+        compiles its kernels there). Each step is trimmed off again, so every timed step sees the same
+        context.
+
+        Raises:
+            ValueError: ``context``, ``warmup`` or ``repeats`` < 1 (``warmup`` < 0).
+        """
+        import time
+
+        if context < 1 or repeats < 1 or warmup < 0:
+            raise ValueError(f"need context >= 1, repeats >= 1, warmup >= 0; got {context}, {repeats}, {warmup}")
+        if self._window:
+            context = max(1, min(context, self._window - 1))
+        V = self.vocab_size
+        ids = mx.array([(29 + 7919 * i) % V for i in range(context + 1)], dtype=mx.int32)
+        cache = self.make_cache()
+        mx.eval(self.forward(ids[:context], cache).logits)
+        times = []
+        for i in range(warmup + repeats):
+            t0 = time.perf_counter()
+            mx.eval(self.forward(ids[context:], cache).logits)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+            trim_cache(cache, 1)
+        times.sort()
+        return times[len(times) // 2]
 
 
 def trim_cache(cache: list, n: int) -> None:

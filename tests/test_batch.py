@@ -139,32 +139,34 @@ def _scripted(target, prompt, max_tokens, schedule, block=B, tap_ids=()):
 
 
 def test_batch_equals_solo_with_joins_and_leaves(target):
-    """Five requests, different prompt lengths and max_tokens: one rejecting at offset 0 every round, one
-    accepting every block, one cycling its first rejection over every offset (and leaving early), one
-    plain, one joining after two rounds with its own schedule: each gets exactly its solo output."""
-    spec = {  # key: (prompt, max_tokens, schedule or None)
-        "reject0": (_prompt(7, 1), 20, [0]),
-        "accept": (_prompt(13, 2), 23, [B - 1]),
-        "every": (_prompt(3, 3), 16, list(range(B))),  # 5 rounds of 1..5 tokens, then it leaves
-        "plain": (_prompt(5, 4), 12, None),
-        "late": (_prompt(10, 5), 15, [2, 0, B - 1, 1, 3]),
+    """Five requests, different prompt lengths, max_tokens and block sizes: one rejecting at offset 0 every
+    round, one accepting every (wider) block, one cycling its first rejection over every offset (and
+    leaving early), one plain, one joining after two rounds with its own schedule and a narrower block:
+    each gets exactly its solo output."""
+    spec = {  # key: (prompt, max_tokens, schedule or None, block size)
+        "reject0": (_prompt(7, 1), 20, [0], B),
+        "accept": (_prompt(13, 2), 23, [6], 7),  # a wider block than the others: rows of different widths
+        "every": (_prompt(3, 3), 16, list(range(B)), B),  # 5 rounds of 1..5 tokens, then it leaves
+        "plain": (_prompt(5, 4), 12, None, 1),
+        "late": (_prompt(10, 5), 15, [2, 0, 1], 3),
     }
     refs, props = {}, {}
-    for k, (p, n, sch) in spec.items():
+    for k, (p, n, sch, bs) in spec.items():
         if sch is None:
             refs[k], props[k] = _plain(target, p, n), None
         else:
-            refs[k], props[k] = _scripted(target, p, n, sch)
+            refs[k], props[k] = _scripted(target, p, n, sch, block=bs)
     batch = SpeculativeBatch(target)
     adds = {k: dict(prompt=spec[k][0], max_tokens=spec[k][1], proposer=props[k]) for k in spec}
     out = _drain(batch, joins={0: [(k, adds[k]) for k in ("reject0", "accept", "every", "plain")],
                                2: [("late", adds["late"])]})
-    for k, (p, n, _) in spec.items():
+    for k, (p, n, _, _) in spec.items():
         assert out[k] == (refs[k][:n], "length"), k
     # the scripted rows were checked against their references every round (ScriptedProposer asserts the
     # anchor) and saw every offset they were scripted for
     assert set(props["every"].sessions[0].offsets) == set(range(B))
     assert set(props["reject0"].sessions[0].offsets) == {0}
+    assert set(props["accept"].sessions[0].offsets) == {6}  # whole blocks of 6 drafts accepted
 
 
 def test_batch_matches_solo_speculative_stats(target):

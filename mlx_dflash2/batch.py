@@ -359,9 +359,10 @@ class SpeculativeBatch:
             eos_token_ids: Sequence[int] = ()) -> int:
         """Prefill a request (alone, exactly as the solo loop does) and make it a row of the batch.
 
-        Its first token is reported by the next :meth:`step`. An adaptive schedule (``FusedProposer``)
-        does not choose this request's rounds: its timings are per request, a batch's are shared. A request that ends at its first token
+        Its first token is reported by the next :meth:`step`. A request that ends at its first token
         (an EOS, ``max_tokens == 1``, a full context) or with ``max_tokens == 0`` never becomes a row.
+        An adaptive schedule (``FusedProposer``) does not choose this request's rounds: its timings are
+        per request, a batch's rounds are shared.
 
         Args:
             prompt: token ids (non-empty).

@@ -1,0 +1,525 @@
+"""Batched greedy speculative rounds for dense targets (issue 22, first building block).
+
+Not wired into the server or the CLI yet: :mod:`~.speculative` stays the loop they use. This module
+advances **N requests by one round with one target forward**.
+
+Data flow of one round (:meth:`SpeculativeBatch.step`)
+------------------------------------------------------
+1. **join**: :meth:`SpeculativeBatch.add` prefills a request alone, through the single-request loop
+   itself (:func:`~.speculative.speculative_generate_step` run to its first token, then closed), so
+   the prefill and the first token are exactly the solo ones; its per-layer ``KVCache`` rows are then
+   copied into a new row of the batch cache (:class:`RaggedKVCache`). Joins happen between rounds.
+2. **draft**: each active request's own proposer session proposes ``d_1..d_{n_i}`` after its anchor
+   (``n_i <= B_i - 1``, shrunk near its ``max_tokens`` and the context limit), one call per request.
+3. **verify**: one target forward over a padded ``[N, M]`` block, ``M = max_i(n_i + 1)``: row ``i`` is
+   ``[anchor_i, d_1..d_{n_i}, pad...]``. Each row's new K/V are written at that row's own offset
+   (its committed length) and RoPE runs at each row's own positions; the mask lets query ``q`` of row
+   ``i`` see exactly keys ``0 .. len_i + q`` of row ``i``. Padding sits after a row's real tokens, so
+   causality alone keeps it (and every other row) out of the real queries' view.
+4. **accept**: each request's own verifier (greedy by default: :class:`~.verify.GreedyVerifier`, the
+   same op as the solo loop) on its own ``n_i + 1`` logit rows. One host synchronisation for the
+   whole batch (every row's accepted length and tokens are read together).
+5. **commit / rollback**: row ``i`` keeps ``[anchor, d_1..d_{a_i}]`` (its length goes up by
+   ``a_i + 1``; the rest of the block, rejected drafts and padding, is dropped by a per-row length
+   decrement, no copy); its proposer session gets those positions' tap features. Tokens are emitted
+   up to the first EOS / ``max_tokens`` / the context limit; finished requests leave the batch (their
+   row is dropped) before the next round.
+
+Invariants (checked after every round)
+--------------------------------------
+* Row ``i`` of every layer's :class:`RaggedKVCache` holds exactly the K/V of the request's prompt and
+  emitted tokens but the last (the anchor, not yet fed), at positions ``0 .. len_i - 1`` (left
+  aligned, as in the request's solo cache, so a row's keys sit at the same indices as they would
+  alone); what lies at or past ``len_i`` is garbage that no mask lets through.
+* All layers agree on the lengths; the proposer session of a request holds the same committed
+  positions as its row.
+* No request reads another's tokens, cache rows, proposer state or verifier state: the only shared
+  computation is the target forward, whose attention is masked per row.
+
+Lossless: each request's greedy output equals its solo output (float32 on the reference path, as
+for the single-request loop; the batch's wider matmuls can differ from a solo forward only in the
+last bits, i.e. at exact near-ties). Tests: ``tests/test_batch.py``.
+
+Why not mlx-lm's ``BatchKVCache``: it keeps rows right-aligned (left padding) with one shared write
+index, so ``trim`` cuts every row by the same amount. A per-row rollback through its public API
+(``trim`` by the smallest rejection, then ``prepare(right_padding=...)`` + ``finalize()``) rolls the
+whole buffer of every layer every round (a full K/V copy) and grows each row's left padding by the
+spread of the accepted lengths every round (a row that accepts less than the others accumulates
+masked padding without bound, attention cost and memory with it). :class:`RaggedKVCache` keeps rows
+left-aligned with per-row lengths instead: a verify scatters ``N x M`` rows, a rollback is a host-side
+length decrement.
+
+Missing for the full issue 22 (later steps)
+-------------------------------------------
+* one drafter forward for all rows (each with its own context features and anchor): today each
+  request's proposer is called on its own;
+* sampled requests in a batch (a per-request :class:`~.verify.RejectionVerifier` plugs in through
+  ``verifier=``, untested here), per-request logprobs out of :meth:`SpeculativeBatch.step`;
+* hybrid targets (recurrent layers: per-row accept via ``kernels.select_states``; sliding windows):
+  refused here;
+* pipelining (queueing round r+1 before r's tokens are handed out, as the solo loop does), chunked
+  prefill interleaved with the decode rounds of others (a join prefills its whole prompt at once),
+  prompt-cache reuse for joins, stop strings (a server concern);
+* confidence-scheduled verify widths under a per-round token budget (today every row drafts up to its
+  ``B - 1``); logits are computed for all ``N x M`` rows, padding included;
+* the server wiring (continuous batching, fairness, cancellation, ``/metrics``) and the single-request
+  generator as a batch of one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from .proposers import Proposal, Proposer
+from .speculative import GenerationState, SpecStats, speculative_generate_step
+from .target import TargetAdapter, TargetCompatibilityError
+from .verify import GreedyVerifier, Verifier
+
+__all__ = ["RaggedKVCache", "BatchEvent", "SpeculativeBatch"]
+
+
+class RaggedKVCache:
+    """One attention layer's K/V for a batch of sequences of different lengths (per-row offsets).
+
+    Invariant: row ``i``'s K/V are at positions ``0 .. lengths[i] - 1`` of the buffers ``keys`` /
+    ``values`` (``[N, H, capacity, D]``, left aligned); anything at or past ``lengths[i]`` is garbage
+    (rejected drafts, padding, zeros) that :meth:`make_mask` never lets a query see.
+
+    It is an mlx-lm cache entry for the dense families (llama, mistral, qwen2, qwen3): their attention
+    reads :attr:`offset` (here an int32 ``[N]`` array: RoPE at each row's own positions), calls
+    :meth:`update_and_fetch` and gets the mask from :meth:`make_mask` (through
+    ``create_attention_mask``). A forward of ``[N, M]`` tokens writes row ``i``'s ``M`` new K/V at
+    ``lengths[i] .. lengths[i] + M - 1`` and advances every length by ``M``; :meth:`trim_rows` then
+    rolls each row back by its own amount.
+
+    The lengths are kept on the host (a list of ints: the round knows them anyway) and mirrored
+    into :attr:`offset`.
+    """
+
+    step = 256  # capacity grows in multiples of this many positions (as mlx-lm's KVCache)
+
+    def __init__(self):
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self._lengths: list[int] = []
+        self._offset: mx.array | None = None
+
+    # -- geometry ---------------------------------------------------------------------------------
+    @property
+    def lengths(self) -> list[int]:
+        """Per-row committed lengths (positions), a copy."""
+        return list(self._lengths)
+
+    @property
+    def rows(self) -> int:
+        return len(self._lengths)
+
+    @property
+    def offset(self) -> mx.array:
+        """int32 ``[N]``: each row's length, i.e. the position of its next token (RoPE offsets)."""
+        if self._offset is None:
+            self._offset = mx.array(self._lengths, dtype=mx.int32)
+        return self._offset
+
+    def _set_lengths(self, lengths: list[int]) -> None:
+        self._lengths = lengths
+        self._offset = None
+
+    def _capacity(self) -> int:
+        return 0 if self.keys is None else int(self.keys.shape[2])
+
+    def _grow(self, need: int) -> None:
+        cap = self._capacity()
+        if need <= cap:
+            return
+        new_cap = -(-need // self.step) * self.step
+        N, H, _, Dk = self.keys.shape
+        Dv = self.values.shape[3]
+        self.keys = mx.concatenate([self.keys, mx.zeros((N, H, new_cap - cap, Dk), self.keys.dtype)], axis=2)
+        self.values = mx.concatenate([self.values, mx.zeros((N, H, new_cap - cap, Dv), self.values.dtype)], axis=2)
+
+    # -- the mlx-lm cache interface ---------------------------------------------------------------
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write ``keys`` / ``values`` (``[N, H, M, D]``) at each row's own offset; advance every row by
+        ``M``. Returns the buffers cut to ``max(lengths) + M`` positions (the mask hides each row's tail).
+
+        Raises:
+            ValueError: the batch size differs from the number of rows, or the cache has no rows.
+        """
+        N, _, M, _ = keys.shape
+        if N != self.rows or N == 0:
+            raise ValueError(f"RaggedKVCache: a forward of {N} rows on a cache of {self.rows} rows")
+        need = max(self._lengths) + M
+        self._grow(need)
+        idx = (self.offset[:, None] + mx.arange(M, dtype=mx.int32))[:, None, :, None]
+        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(idx, keys.shape), keys, axis=2)
+        self.values = mx.put_along_axis(self.values, mx.broadcast_to(idx, values.shape), values, axis=2)
+        self._set_lengths([n + M for n in self._lengths])
+        return self.keys[..., :need, :], self.values[..., :need, :]
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **kwargs) -> mx.array:
+        """Bool ``[rows, 1, N, max(lengths) + N]``: query ``q`` of row ``i`` (position ``lengths[i] + q``)
+        sees keys ``0 .. lengths[i] + q`` of its own row. Called before the forward's writes.
+
+        Raises:
+            ValueError: a sliding window (dense full-attention targets only).
+        """
+        if window_size is not None:
+            raise ValueError("RaggedKVCache: sliding-window attention is not supported (dense targets only)")
+        S = max(self._lengths) + N
+        pos = self.offset[:, None] + mx.arange(N, dtype=mx.int32)  # [rows, N]
+        return (mx.arange(S, dtype=mx.int32)[None, None, :] <= pos[:, :, None])[:, None]
+
+    @property
+    def state(self) -> list[mx.array]:
+        """The arrays to evaluate (the buffers, or nothing while empty)."""
+        return [] if self.keys is None else [self.keys, self.values]
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Roll every row back by ``n`` positions (at most its length); returns ``n`` applied to the
+        shortest row."""
+        n = max(0, min(int(n), min(self._lengths, default=0)))
+        self._set_lengths([m - n for m in self._lengths])
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    # -- per-row operations (the batch's) ---------------------------------------------------------
+    def trim_rows(self, n: Sequence[int]) -> None:
+        """Roll row ``i`` back by ``n[i]`` positions (a length decrement; nothing is copied).
+
+        Raises:
+            ValueError: wrong count, a negative amount, or more than a row holds (nothing changed).
+        """
+        n = [int(x) for x in n]
+        if len(n) != self.rows:
+            raise ValueError(f"RaggedKVCache.trim_rows: {len(n)} amounts for {self.rows} rows")
+        if any(x < 0 or x > m for x, m in zip(n, self._lengths)):
+            raise ValueError(f"RaggedKVCache.trim_rows: amounts {n} outside 0..lengths {self._lengths}")
+        self._set_lengths([m - x for m, x in zip(self._lengths, n)])
+
+    def add_row(self, keys: mx.array, values: mx.array) -> None:
+        """Append a row holding ``keys`` / ``values`` (``[1, H, L, D]``, positions ``0 .. L - 1``; e.g. a
+        prefilled ``KVCache``'s ``keys[..., :offset, :]``). Copies the buffers (joins are rare).
+
+        Raises:
+            ValueError: a shape or dtype that does not match the rows already there.
+        """
+        if keys.ndim != 4 or keys.shape[0] != 1 or values.shape[:3] != keys.shape[:3]:
+            raise ValueError(f"RaggedKVCache.add_row: keys/values must be [1, H, L, D], got "
+                             f"{tuple(keys.shape)} / {tuple(values.shape)}")
+        L = int(keys.shape[2])
+        if self.keys is None:
+            cap = max(-(-L // self.step) * self.step, self.step)
+            pad = [(0, 0), (0, 0), (0, cap - L), (0, 0)]
+            self.keys, self.values = mx.pad(keys, pad), mx.pad(values, pad)
+        else:
+            if (keys.shape[1], keys.shape[3], values.shape[3]) != (self.keys.shape[1], self.keys.shape[3],
+                                                                    self.values.shape[3]) \
+                    or keys.dtype != self.keys.dtype:
+                raise ValueError(f"RaggedKVCache.add_row: row {tuple(keys.shape)} {keys.dtype} does not match "
+                                 f"the batch's {tuple(self.keys.shape)} {self.keys.dtype}")
+            self._grow(L)
+            pad = [(0, 0), (0, 0), (0, self._capacity() - L), (0, 0)]
+            self.keys = mx.concatenate([self.keys, mx.pad(keys, pad)], axis=0)
+            self.values = mx.concatenate([self.values, mx.pad(values, pad)], axis=0)
+        self._set_lengths(self._lengths + [L])
+
+    def keep_rows(self, keep: Sequence[int]) -> None:
+        """Keep only rows ``keep`` (in that order); the capacity shrinks to what the longest kept row
+        needs (rounded up to :attr:`step`). ``keep`` empty: the cache becomes empty."""
+        keep = [int(i) for i in keep]
+        if not keep:
+            self.keys = self.values = None
+            self._set_lengths([])
+            return
+        lengths = [self._lengths[i] for i in keep]
+        cap = -(-max(lengths) // self.step) * self.step
+        idx = mx.array(keep, dtype=mx.int32)
+        self.keys, self.values = self.keys[idx, :, :cap], self.values[idx, :, :cap]
+        self._set_lengths(lengths)
+
+    def extract(self, i: int) -> KVCache:
+        """Row ``i`` as an mlx-lm ``KVCache`` (a copy: e.g. a finished request's prompt cache)."""
+        c = KVCache()
+        n = self._lengths[i]
+        c.keys = mx.contiguous(self.keys[i : i + 1, :, :n])
+        c.values = mx.contiguous(self.values[i : i + 1, :, :n])
+        c.offset = n
+        return c
+
+
+@dataclass
+class BatchEvent:
+    """What one request did since the last :meth:`SpeculativeBatch.step`.
+
+    Attributes:
+        uid: the request's id (from :meth:`SpeculativeBatch.add`).
+        tokens: token ids emitted (in order; the prefill's first token comes in the first event).
+        finish_reason: ``None`` while running; ``"stop"`` (an EOS id was emitted, the last token),
+            ``"length"`` (``max_tokens`` reached or the context is full) or ``"cancelled"``.
+    """
+
+    uid: int
+    tokens: list[int]
+    finish_reason: str | None = None
+
+
+@dataclass
+class _Request:
+    uid: int
+    max_tokens: int
+    eos: frozenset
+    block_size: int
+    tap_ids: tuple
+    session: object
+    verifier: Verifier
+    stats: SpecStats
+    history: list[int]  # prompt + emitted tokens (the anchor last)
+    n_out: int = 0
+    out: list[int] = field(default_factory=list)  # emitted, not yet reported
+    finish: str | None = None
+
+
+class SpeculativeBatch:
+    """A batch of greedy speculative requests on one dense target, advanced one round at a time.
+
+    Usage::
+
+        batch = SpeculativeBatch(target)
+        uid = batch.add(prompt_ids, max_tokens=64, proposer=p, eos_token_ids={eos})
+        while batch.active or batch.pending:
+            for ev in batch.step():
+                ...  # ev.uid, ev.tokens, ev.finish_reason
+
+    Args:
+        target: a :class:`~.target.TargetAdapter` whose every layer is full attention (dense llama,
+            mistral, qwen2, qwen3 without a sliding window).
+        proposer: the default proposer of :meth:`add` (``None``: plain decoding).
+        block_size: the default verify width ``B`` (default: the proposer's).
+        prefill_step_size: prompt chunk length of a join's prefill (tokens).
+
+    Raises:
+        TargetCompatibilityError: a target with sliding-window or recurrent layers.
+    """
+
+    def __init__(self, target: TargetAdapter, proposer: Proposer | None = None, *, block_size: int | None = None,
+                 prefill_step_size: int = 2048):
+        kinds = target.make_cache()
+        if not all(type(c) is KVCache for c in kinds):
+            names = sorted({type(c).__name__ for c in kinds if type(c) is not KVCache})
+            raise TargetCompatibilityError(
+                f"batched rounds support full-attention targets only; this target has {', '.join(names)} layers")
+        self.target = target
+        self.proposer = proposer
+        self.block_size = block_size
+        self.prefill_step_size = int(prefill_step_size)
+        self.cache = [RaggedKVCache() for _ in kinds]
+        self._rows: list[_Request] = []  # row i of the cache is self._rows[i]
+        self._events: list[BatchEvent] = []  # finished at join, cancelled: reported by the next step
+        self._next_uid = 0
+
+    # -- membership -------------------------------------------------------------------------------
+    @property
+    def active(self) -> int:
+        """Requests in the batch (rows of the cache)."""
+        return len(self._rows)
+
+    @property
+    def pending(self) -> bool:
+        """Whether the next :meth:`step` has something to report without a round (joins, cancels)."""
+        return bool(self._events) or any(r.out for r in self._rows)
+
+    def lengths(self) -> list[int]:
+        """Per-row cache lengths (row order = join order of the active requests)."""
+        return self.cache[0].lengths
+
+    def stats(self, uid: int) -> SpecStats:
+        """The statistics of an active request.
+
+        Raises:
+            KeyError: ``uid`` is not active.
+        """
+        for r in self._rows:
+            if r.uid == uid:
+                return r.stats
+        raise KeyError(f"request {uid} is not active")
+
+    def add(self, prompt: Sequence[int], max_tokens: int = 256, *, proposer: Proposer | None = None,
+            block_size: int | None = None, verifier: Verifier | None = None,
+            eos_token_ids: Sequence[int] = ()) -> int:
+        """Prefill a request (alone, exactly as the solo loop does) and make it a row of the batch.
+
+        Its first token is reported by the next :meth:`step`. A request that ends at its first token
+        (an EOS, ``max_tokens == 1``, a full context) or with ``max_tokens == 0`` never becomes a row.
+        An adaptive schedule (``FusedProposer``) does not choose this request's rounds: its timings are
+        per request, a batch's rounds are shared.
+
+        Args:
+            prompt: token ids (non-empty).
+            max_tokens: tokens to generate at most (``-1``: until EOS or the context limit).
+            proposer: this request's proposer (default: the batch's; ``None`` for both: plain decoding).
+            block_size: its verify width B (default: the batch's, else the proposer's).
+            verifier: its verifier (default :class:`~.verify.GreedyVerifier`).
+            eos_token_ids: ids that end the request (emitted, then ``finish_reason == "stop"``).
+
+        Returns:
+            The request id.
+
+        Raises:
+            ValueError: bad ``max_tokens`` (named), an empty prompt, a prompt at or beyond the context
+                limit, a bad block size (from the solo loop); nothing is added then.
+        """
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < -1:
+            raise ValueError(f"max_tokens must be an integer >= -1 (-1: unbounded), got {max_tokens!r}")
+        prompt = [int(t) for t in prompt]
+        uid = self._next_uid
+        verifier = verifier or GreedyVerifier()
+        if max_tokens == 0:
+            if not prompt:
+                raise ValueError("the prompt must contain at least one token")
+            self._next_uid += 1
+            self._events.append(BatchEvent(uid, [], "length"))
+            return uid
+        proposer = proposer if proposer is not None else self.proposer
+        B = block_size if block_size is not None else self.block_size
+        state, stats = GenerationState(), SpecStats()
+        gen = speculative_generate_step(prompt, self.target, proposer, verifier=verifier, block_size=B,
+                                        max_tokens=max_tokens, prefill_step_size=self.prefill_step_size,
+                                        stats=stats, state=state, adaptive=False)
+        try:
+            first = next(gen)[0]  # the prefill and the first token, exactly the solo loop's
+        finally:
+            gen.close()
+        self._next_uid += 1
+        req = _Request(uid, max_tokens, frozenset(int(e) for e in eos_token_ids), stats.block_size,
+                       tuple(state.proposer.tap_ids), state.session, verifier, stats, prompt + [first], n_out=1,
+                       out=[first])
+        req.finish = self._finished(req, first, len(prompt))
+        if req.finish is not None:
+            self._events.append(BatchEvent(uid, req.out, req.finish))
+            return uid
+        for layer, c in zip(self.cache, state.cache):
+            layer.add_row(c.keys[..., : c.offset, :], c.values[..., : c.offset, :])
+        self._rows.append(req)
+        return uid
+
+    def cancel(self, uid: int) -> bool:
+        """Drop an active request now (its row and state); the next :meth:`step` reports it as
+        ``"cancelled"`` with any tokens not yet reported. Returns False if ``uid`` is not active."""
+        for i, r in enumerate(self._rows):
+            if r.uid == uid:
+                self._drop([i])
+                self._events.append(BatchEvent(uid, r.out, "cancelled"))
+                return True
+        return False
+
+    def _drop(self, rows: list[int]) -> None:
+        keep = [i for i in range(len(self._rows)) if i not in set(rows)]
+        for c in self.cache:
+            c.keep_rows(keep)
+        self._rows = [self._rows[i] for i in keep]
+
+    def _finished(self, req: _Request, tok: int, pos: int) -> str | None:
+        """Why ``req`` stops after emitting ``tok`` whose position is ``pos`` (None: it goes on)."""
+        limit = self.target.max_context
+        if tok in req.eos:
+            return "stop"
+        if (req.max_tokens >= 0 and req.n_out >= req.max_tokens) or (limit is not None and pos >= limit):
+            return "length"
+        return None
+
+    # -- the round --------------------------------------------------------------------------------
+    def step(self) -> list[BatchEvent]:
+        """Run one round over every active request (if any) and report what each emitted.
+
+        Returns:
+            One :class:`BatchEvent` per request that emitted tokens or finished since the last call
+            (joins' first tokens, cancellations, then the round's rows in row order).
+        """
+        events = self._events
+        self._events = []
+        if not self._rows:
+            return events
+        limit = self.target.max_context
+        rows = self._rows
+        lengths = self.lengths()
+
+        # 1. proposals, one per request
+        props = []
+        for r, P in zip(rows, lengths):
+            n = r.block_size - 1
+            if r.max_tokens >= 0:
+                n = min(n, r.max_tokens - r.n_out - 1)
+            if limit is not None:
+                n = min(n, limit - P - 1)
+            props.append(r.session.propose(r.history[-1], n) if n > 0 else Proposal.empty())
+        widths = [p.n + 1 for p in props]
+        M = max(widths)
+
+        # 2. one target forward over the padded block (padding after each row's real tokens)
+        block = mx.stack([
+            mx.concatenate([mx.array([r.history[-1]], mx.int32), p.tokens.astype(mx.int32),
+                            mx.zeros((M - w,), mx.int32)])
+            for r, p, w in zip(rows, props, widths)])
+        tap_ids = tuple(dict.fromkeys(t for r in rows for t in r.tap_ids))
+        h, taps = self.target._call(lambda: self.target.inner(block, cache=self.cache), tap_ids)
+        logits = self.target.logits(h)  # [N, M, V]
+
+        # 3. per-request accept; one host synchronisation for the batch
+        results = [r.verifier.verify(logits[i, :w], p, r.history)
+                   for i, (r, p, w) in enumerate(zip(rows, props, widths))]
+        mx.eval([x for vr in results for x in (vr.num_accepted, vr.tokens)])
+
+        # 4. per-request commit / rollback, emission
+        trims, done = [], []
+        for i, (r, p, vr, w) in enumerate(zip(rows, props, results, widths)):
+            a = int(vr.num_accepted.item())
+            toks = vr.tokens[: a + 1].tolist()
+            trims.append(M - (a + 1))
+            r.session.verified(a + 1)
+            feats = None
+            if r.tap_ids:
+                feats = mx.concatenate([taps[t].out[i, : a + 1] for t in r.tap_ids], axis=-1)
+            r.session.extend([r.history[-1]] + toks[:a], feats)
+            P = lengths[i]
+            emitted = 0
+            for j, tok in enumerate(toks):
+                r.history.append(tok)
+                r.out.append(tok)
+                r.n_out += 1
+                emitted += 1
+                r.finish = self._finished(r, tok, P + j + 1)
+                if r.finish is not None:
+                    break
+            r.stats.generated_tokens = r.n_out
+            if emitted < len(toks):  # stopped inside the round: only the drafts up to the stop count
+                r.stats.record_round(min(p.n, emitted), min(a, emitted), emitted, p.source, verified=p.n + 1)
+            else:
+                r.stats.record_round(p.n, a, a + 1, p.source)
+            if r.finish is not None:
+                done.append(i)
+        for c in self.cache:
+            c.trim_rows(trims)
+        after = self.lengths()
+        for i, r in enumerate(rows):
+            if i not in done and after[i] != len(r.history) - 1:
+                raise RuntimeError(f"batch invariant broken: row {i} holds {after[i]} positions, "
+                                   f"its request {len(r.history) - 1}")
+
+        for r in rows:
+            if r.out or r.finish is not None:
+                events.append(BatchEvent(r.uid, r.out, r.finish))
+                r.out = []
+        if done:
+            self._drop(done)
+        return events

@@ -1,0 +1,345 @@
+"""Batched speculative rounds (mlx_dflash2/batch.py): every request's greedy output equals its solo output.
+
+Tiny random float32 targets (in memory, 512-token vocabulary) and scripted proposers whose first wrong
+draft sits at a chosen block offset per round, so some rows reject at every offset while others accept
+everything; requests of different prompt lengths and max_tokens join and leave mid-way.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import KVCache
+from scripted import ScriptedProposer
+
+from mlx_dflash2.batch import RaggedKVCache, SpeculativeBatch
+from mlx_dflash2.proposers import DFlashProposer, LookupProposer, Proposer, ProposerSession
+from mlx_dflash2.speculative import SpecStats, speculative_generate_step
+from mlx_dflash2.target import TargetAdapter, TargetCompatibilityError
+
+VOCAB = 512
+
+
+def _tiny(model_type: str, seed: int = 0, max_pos: int = 2048) -> TargetAdapter:
+    cfg = {"model_type": model_type, "hidden_size": 64, "num_hidden_layers": 3, "intermediate_size": 128,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+           "vocab_size": VOCAB, "rope_theta": 10000.0, "max_position_embeddings": max_pos,
+           "tie_word_embeddings": True}
+    mod = importlib.import_module(f"mlx_lm.models.{model_type}")
+    mx.random.seed(seed)
+    model = mod.Model(mod.ModelArgs.from_dict(cfg))
+    mx.eval(model.parameters())
+    return TargetAdapter(model, cfg)
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def target(request):
+    return _tiny(request.param, seed=1)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return [(seed * 131 + 17 * i * i + 7 * i) % VOCAB for i in range(n)]
+
+
+def _plain(target, prompt, n):
+    """mlx-lm's own greedy decoding: the independent reference."""
+    return [int(t) for t, _ in generate_step(mx.array(prompt), target.model, max_tokens=n)]
+
+
+def _drain(batch, joins=None, cancels=None, max_rounds=200):
+    """Run rounds until the batch is empty; ``joins``: {round: [(key, add kwargs)]} added before that
+    round (round 0: before the first); ``cancels``: {round: [key]}. Returns {key: (tokens, reason)}."""
+    joins, cancels = dict(joins or {}), dict(cancels or {})
+    uid_of, out = {}, {}
+    for rnd in range(max_rounds):
+        for key, kw in joins.pop(rnd, []):
+            uid_of[kw.pop("uid_key", key)] = batch.add(**kw)
+        for key in cancels.pop(rnd, []):
+            assert batch.cancel(uid_of[key])
+        key_of = {u: k for k, u in uid_of.items()}
+        for ev in batch.step():
+            toks, reason = out.get(key_of[ev.uid], ([], None))
+            assert reason is None, f"{key_of[ev.uid]} reported after it finished"
+            out[key_of[ev.uid]] = (toks + ev.tokens, ev.finish_reason)
+        if not joins and not batch.active and not batch.pending:
+            return out
+    raise AssertionError("the batch did not finish")
+
+
+# ---------------------------------------------------------------------------------------------------
+# the ragged cache
+# ---------------------------------------------------------------------------------------------------
+
+
+def _solo_cache(target, prompt):
+    c = target.make_cache()
+    target.forward(mx.array(prompt, mx.int32), c)
+    return c
+
+
+def test_ragged_cache_rows_match_solo_forwards(target):
+    """A padded [N, M] forward writes each row at its own offset with its own RoPE positions and mask:
+    each row's logits equal a solo forward of its real tokens; per-row trims then roll back each row
+    alone (a later forward equals the solo one after the same trim). The capacity grows past its step."""
+    prompts = [_prompt(5, 1), _prompt(11, 2), _prompt(2, 3)]
+    solo = [_solo_cache(target, p) for p in prompts]
+    ragged = [RaggedKVCache() for _ in solo]
+    for layer, rc in enumerate(ragged):
+        rc.step = 8  # small, so the forwards below grow it
+        for s in solo:
+            c = s[layer]
+            rc.add_row(c.keys[..., : c.offset, :], c.values[..., : c.offset, :])
+    assert ragged[0].lengths == [5, 11, 2]
+
+    def batched(block, widths):
+        h, _ = target._call(lambda: target.inner(mx.array(block, mx.int32), cache=ragged), ())
+        logits = target.logits(h)
+        for i, w in enumerate(widths):
+            ref = target.forward(mx.array(block[i][:w], mx.int32), solo[i]).logits
+            assert mx.allclose(logits[i, :w], ref, atol=1e-5).item(), f"row {i}"
+
+    batched([[1, 2, 3, 4], [5, 6, 0, 0], [7, 8, 9, 0]], [4, 2, 3])
+    # the padded tails of rows 1 and 2 are rolled back with their rejected tokens
+    trims = [1, 2 + 1, 1 + 2]  # row 0 rejects 1; row 1 its padding and 1; row 2 its padding and 2
+    for rc in ragged:
+        rc.trim_rows(trims)
+    for s, w, t, M in zip(solo, [4, 2, 3], trims, [4, 4, 4]):
+        for c in s:
+            c.trim(t - (M - w))
+    assert ragged[0].lengths == [8, 12, 3] == [s[0].offset for s in solo]
+    batched([[10, 11], [12, 0], [13, 14]], [2, 1, 2])
+    assert ragged[0].keys.shape[2] == 16
+    with pytest.raises(ValueError, match="trim_rows"):
+        ragged[0].trim_rows([0, 0, 99])
+    # rows leave: the others keep their contents
+    for rc in ragged:
+        rc.keep_rows([2, 0])
+    assert ragged[0].lengths == [5, 10]
+    solo = [solo[2], solo[0]]
+    batched([[20, 21, 22], [23, 0, 0]], [3, 1])
+    ragged[0].trim_rows([0, 2])  # row 1's padding
+    ex, ref = ragged[0].extract(1), solo[1][0]
+    assert isinstance(ex, KVCache) and ex.offset == ref.offset == 11
+    assert mx.allclose(ex.keys, ref.keys[..., :11, :], atol=1e-5).item()
+
+
+# ---------------------------------------------------------------------------------------------------
+# the round
+# ---------------------------------------------------------------------------------------------------
+
+B = 5
+
+
+def _scripted(target, prompt, max_tokens, schedule, block=B, tap_ids=()):
+    ref = _plain(target, prompt, max_tokens + block + 1)
+    return ref, ScriptedProposer(len(prompt), ref, schedule, block, VOCAB, tap_ids=tap_ids)
+
+
+def test_batch_equals_solo_with_joins_and_leaves(target):
+    """Five requests, different prompt lengths, max_tokens and block sizes: one rejecting at offset 0 every
+    round, one accepting every (wider) block, one cycling its first rejection over every offset (and
+    leaving early), one plain, one joining after two rounds with its own schedule and a narrower block:
+    each gets exactly its solo output."""
+    spec = {  # key: (prompt, max_tokens, schedule or None, block size)
+        "reject0": (_prompt(7, 1), 20, [0], B),
+        "accept": (_prompt(13, 2), 23, [6], 7),  # a wider block than the others: rows of different widths
+        "every": (_prompt(3, 3), 16, list(range(B)), B),  # 5 rounds of 1..5 tokens, then it leaves
+        "plain": (_prompt(5, 4), 12, None, 1),
+        "late": (_prompt(10, 5), 15, [2, 0, 1], 3),
+    }
+    refs, props = {}, {}
+    for k, (p, n, sch, bs) in spec.items():
+        if sch is None:
+            refs[k], props[k] = _plain(target, p, n), None
+        else:
+            refs[k], props[k] = _scripted(target, p, n, sch, block=bs)
+    batch = SpeculativeBatch(target)
+    adds = {k: dict(prompt=spec[k][0], max_tokens=spec[k][1], proposer=props[k]) for k in spec}
+    out = _drain(batch, joins={0: [(k, adds[k]) for k in ("reject0", "accept", "every", "plain")],
+                               2: [("late", adds["late"])]})
+    for k, (p, n, _, _) in spec.items():
+        assert out[k] == (refs[k][:n], "length"), k
+    # the scripted rows were checked against their references every round (ScriptedProposer asserts the
+    # anchor) and saw every offset they were scripted for
+    assert set(props["every"].sessions[0].offsets) == set(range(B))
+    assert set(props["reject0"].sessions[0].offsets) == {0}
+    assert set(props["accept"].sessions[0].offsets) == {6}  # whole blocks of 6 drafts accepted
+
+
+def test_batch_matches_solo_speculative_stats(target):
+    """A request's rounds in the batch are its solo rounds: same drafted / accepted counts per round."""
+    p, n = _prompt(6, 7), 17
+    ref, prop = _scripted(target, p, n, [1, 3, 0, B - 1])
+    solo = SpecStats()
+    toks = [t for t, _, _ in speculative_generate_step(p, target, prop, max_tokens=n, stats=solo, adaptive=False)]
+    assert toks == ref[:n]
+    _, prop2 = _scripted(target, p, n, [1, 3, 0, B - 1])
+    _, other = _scripted(target, _prompt(9, 8), 30, [B - 1])
+    batch = SpeculativeBatch(target)
+    uid = batch.add(p, n, proposer=prop2)
+    batch.add(_prompt(9, 8), 30, proposer=other)
+    got, stats = [], batch.stats(uid)
+    while True:
+        evs = {e.uid: e for e in batch.step()}
+        got += evs[uid].tokens if uid in evs else []
+        if uid in evs and evs[uid].finish_reason:
+            break
+    assert got == ref[:n]
+    for f in ("rounds", "drafted", "accepted", "accept_hist", "position_accepted", "verify_widths"):
+        assert getattr(stats, f) == getattr(solo, f), f
+
+
+def test_eos_inside_an_accepted_block_ends_only_that_request(target):
+    """Declared-EOS trick: a token the target really emits is declared EOS; the request stops right after
+    it (nothing past it emitted) while its neighbour, sharing the rounds, goes on to its own end."""
+    p, n = _prompt(8, 9), 24
+    ref, prop = _scripted(target, p, n, [B - 1])
+    k = 6
+    eos = ref[k]
+    k = ref.index(eos)  # its first occurrence
+    ref2, prop2 = _scripted(target, _prompt(4, 10), 14, [0, 2])
+    out = _drain(SpeculativeBatch(target), joins={0: [
+        ("eos", dict(prompt=p, max_tokens=n, proposer=prop, eos_token_ids=[eos])),
+        ("other", dict(prompt=_prompt(4, 10), max_tokens=14, proposer=prop2))]})
+    assert out["eos"] == (ref[: k + 1], "stop")
+    assert out["other"] == (ref2[:14], "length")
+
+
+def test_cancel_mid_batch_leaves_the_others_exact(target):
+    p1, p2, p3 = _prompt(5, 11), _prompt(12, 12), _prompt(3, 13)
+    r1, a = _scripted(target, p1, 18, [0, 3])
+    r2, b = _scripted(target, p2, 18, [B - 1])
+    r3, c = _scripted(target, p3, 18, [2])
+    out = _drain(SpeculativeBatch(target), joins={0: [
+        ("a", dict(prompt=p1, max_tokens=18, proposer=a)), ("b", dict(prompt=p2, max_tokens=18, proposer=b)),
+        ("c", dict(prompt=p3, max_tokens=18, proposer=c))]}, cancels={2: ["b"]})
+    assert out["a"] == (r1[:18], "length") and out["c"] == (r3[:18], "length")
+    toks, reason = out["b"]
+    assert reason == "cancelled" and toks == r2[: len(toks)] and 0 < len(toks) < 18
+
+
+def test_first_token_finishes_and_zero_tokens(target):
+    """A request that ends at its prefill token (max_tokens 1, or that token an EOS) or asks for no
+    token never becomes a row; it is reported by the next step."""
+    p = _prompt(6, 14)
+    first = _plain(target, p, 1)
+    batch = SpeculativeBatch(target)
+    u1 = batch.add(p, 1)
+    u2 = batch.add(p, 10, eos_token_ids=first)
+    u3 = batch.add(p, 0)
+    assert batch.active == 0 and batch.pending
+    evs = {e.uid: (e.tokens, e.finish_reason) for e in batch.step()}
+    assert evs == {u1: (first, "length"), u2: (first, "stop"), u3: ([], "length")}
+
+
+def test_context_limit_per_row():
+    """A row that reaches the target's context limit stops there ("length"), as the solo loop does;
+    the near-limit round verifies only what fits."""
+    target = _tiny("qwen3", seed=2, max_pos=24)
+    p1, p2 = _prompt(18, 15), _prompt(4, 16)
+    solo = [t for t, _, _ in speculative_generate_step(p1, target, _scripted(target, p1, 3, [B - 1])[1],
+                                                       max_tokens=-1, adaptive=False)]
+    assert len(solo) == 24 - 18 + 1 - 1 + 1  # positions 18..23 fed, the token at position 24 emitted, not fed
+    _, prop1 = _scripted(target, p1, 3, [B - 1])
+    ref2, prop2 = _scripted(target, p2, 12, [1])
+    out = _drain(SpeculativeBatch(target), joins={0: [
+        ("near", dict(prompt=p1, max_tokens=-1, proposer=prop1)),
+        ("far", dict(prompt=p2, max_tokens=12, proposer=prop2))]})
+    assert out["near"] == (solo, "length")
+    assert out["far"] == (ref2[:12], "length")
+
+
+class _Recording(Proposer):
+    """Wraps a proposer; records each session's proposals and committed features."""
+
+    def __init__(self, inner):
+        self.inner, self.block_size, self.tap_ids, self.name = inner, inner.block_size, inner.tap_ids, "rec"
+        self.sessions = []
+
+    def start(self, prompt):
+        s = _RecSession(self.inner.start(prompt))
+        self.sessions.append(s)
+        return s
+
+
+class _RecSession(ProposerSession):
+    def __init__(self, s):
+        self.s, self.drafts, self.feats = s, [], []
+
+    def extend(self, tokens, features):
+        self.feats.append(features)
+        self.s.extend(tokens, features)
+
+    def propose(self, anchor, n, temperature=0.0, key=None):
+        p = self.s.propose(anchor, n, temperature, key)
+        self.drafts.append(p.tokens.tolist())
+        return p
+
+    def verified(self, tokens):
+        self.s.verified(tokens)
+
+
+def test_drafter_rows_get_their_own_features(target):
+    """A DFlash drafter (fresh, taps on) and a lookup proposer in one batch: each request's drafts and
+    committed tap features equal its solo run's (the features of a row are its own, not a neighbour's
+    or padding), and the output is its solo output."""
+    from mlx_dflash2.drafter.io import init_drafter
+
+    class Tok:  # what init_drafter reads of a tokenizer
+        eos_token_id = None
+
+        def __len__(self):
+            return VOCAB
+
+    drafter = init_drafter(target, Tok(), num_layers=1, block_size=B, mask_token_id=VOCAB - 1, seed=4)
+    dflash = DFlashProposer(drafter, target, VOCAB)
+    lookup = LookupProposer(block_size=B)
+    rep = _prompt(6, 20) * 3
+    cases = {"dflash": (_prompt(9, 21), 14, dflash), "lookup": (rep, 16, lookup),
+             "dflash2": (_prompt(4, 22), 11, dflash)}
+    solo = {}
+    for k, (p, n, prop) in cases.items():
+        rec = _Recording(prop)
+        toks = [t for t, _, _ in speculative_generate_step(p, target, rec, max_tokens=n, adaptive=False)]
+        assert toks == _plain(target, p, n), k
+        solo[k] = (toks, rec.sessions[0])
+    batch_rec = {k: _Recording(prop) for k, (p, n, prop) in cases.items()}
+    out = _drain(SpeculativeBatch(target), joins={
+        0: [(k, dict(prompt=cases[k][0], max_tokens=cases[k][1], proposer=batch_rec[k])) for k in ("dflash", "lookup")],
+        1: [("dflash2", dict(prompt=cases["dflash2"][0], max_tokens=cases["dflash2"][1],
+                             proposer=batch_rec["dflash2"]))]})
+    for k in cases:
+        toks, s = solo[k]
+        b = batch_rec[k].sessions[0]
+        assert out[k] == (toks, "length"), k
+        assert b.drafts == s.drafts, k
+        if cases[k][2] is dflash:
+            assert len(b.feats) == len(s.feats)
+            for fb, fs in zip(b.feats, s.feats):
+                assert fb.shape == fs.shape and mx.allclose(fb, fs, atol=1e-4).item(), k
+    assert any(len(d) for d in solo["lookup"][1].drafts)  # the lookup really drafted
+
+
+def test_bad_input_and_unsupported_targets(target):
+    batch = SpeculativeBatch(target)
+    with pytest.raises(ValueError, match="max_tokens"):
+        batch.add([1, 2], max_tokens=-2)
+    with pytest.raises(ValueError, match="prompt"):
+        batch.add([], max_tokens=4)
+    with pytest.raises(ValueError, match="block size"):
+        batch.add([1, 2], max_tokens=4, block_size=0)
+    assert batch.active == 0 and not batch.pending and batch.step() == []
+
+    class Windowed:
+        max_context = None
+
+        def make_cache(self):
+            from mlx_dflash2.caches import WindowKVCache
+
+            return [KVCache(), WindowKVCache(8)]
+
+    with pytest.raises(TargetCompatibilityError, match="WindowKVCache"):
+        SpeculativeBatch(Windowed())

@@ -1,6 +1,7 @@
 """Batched greedy speculative rounds for dense targets (issue 22, first building block).
 
-Not wired into the server or the CLI yet: :mod:`~.speculative` stays the loop they use. This module
+The server's engine (:mod:`~.server.engine`) runs its greedy requests through it (continuous
+batching); the CLI and :func:`~.api.stream_generate` still use :mod:`~.speculative`'s loop. This module
 advances **N requests by one round with one target forward**.
 
 Data flow of one round (:meth:`SpeculativeBatch.step`)
@@ -58,12 +59,12 @@ Missing for the full issue 22 (later steps)
 * hybrid targets (recurrent layers: per-row accept via ``kernels.select_states``; sliding windows):
   refused here;
 * pipelining (queueing round r+1 before r's tokens are handed out, as the solo loop does), chunked
-  prefill interleaved with the decode rounds of others (a join prefills its whole prompt at once),
-  prompt-cache reuse for joins, stop strings (a server concern);
+  prefill interleaved with the decode rounds of others (a join prefills its whole prompt at once;
+  done: prompt-cache reuse for joins, ``add(state=)``; stop strings, the server's through ``remove``);
 * confidence-scheduled verify widths under a per-round token budget (today every row drafts up to its
   ``B - 1``); logits are computed for all ``N x M`` rows, padding included;
-* the server wiring (continuous batching, fairness, cancellation, ``/metrics``) and the single-request
-  generator as a batch of one.
+* the single-request generator as a batch of one (the server wiring is done: continuous batching,
+  FIFO under ``--max-batch``, cancellation, ``/metrics``; sampled requests still go round-robin).
 """
 
 from __future__ import annotations

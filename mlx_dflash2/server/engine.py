@@ -10,6 +10,17 @@ equals what it gets alone. (A speculative round verifies a whole block; the
 following ``next()`` calls of that request return the round's other tokens at
 no cost.) A request's first ``next()`` is its prefill.
 
+Batched rounds: greedy requests without logprobs, penalties or logit bias on a
+dense target (:meth:`Engine._batch_verifier`) skip ``stream_generate``. They
+wait in FIFO order for a row of one :class:`~mlx_dflash2.batch.SpeculativeBatch`
+(at most :attr:`EngineConfig.max_batch` rows), join it between rounds
+(``add``: the prefill, from the prompt cache's state), and each worker turn
+runs one ``step()`` for all rows after the round-robin requests' ``next()``.
+Their tokens go through :class:`~mlx_dflash2.api.TextStream` (the text, stop
+strings and finish reasons of ``stream_generate``); a request stopped by a
+stop string or cancelled leaves the batch (``remove``), its final state goes
+to the prompt cache.
+
 The asyncio side (:mod:`.app`) submits :class:`Job` objects and receives
 events on the job's ``asyncio.Queue`` (posted thread-safely):
 :class:`Admitted`, :class:`Progress` (prefill; the SSE keep-alives),

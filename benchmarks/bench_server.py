@@ -59,6 +59,8 @@ def start_server(drafter: str, args) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "mlx_dflash2.server", "--port", str(port), "--drafter", drafter,
            "--prompt-cache-size", "0", "--dtype", args.dtype, "--log-level", "WARNING",
            "--decode-concurrency", str(max(args.clients, 1))]
+    if args.max_batch is not None:
+        cmd += ["--max-batch", str(args.max_batch)]
     if args.model:
         cmd += ["--model", args.model]
     if args.dequantize:
@@ -150,6 +152,8 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=5, help="requests per client")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--max-batch", type=int, default=None,
+                    help="the server's --max-batch (default: its default; 0: round-robin, no batching)")
     ap.add_argument("--dequantize", action=argparse.BooleanOptionalAction, default=True,
                     help="dense target (default on: the fast exact target on CPU)")
     ap.add_argument("--out", default="benchmarks/results/server.json")

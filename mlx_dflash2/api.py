@@ -20,7 +20,7 @@ from .speculative import GenerationState, SpecStats, speculative_generate_step
 from .sampling import SamplingParams
 from .verify import make_verifier
 
-__all__ = ["GenerationResponse", "stream_generate", "generate", "IncrementalDetokenizer"]
+__all__ = ["GenerationResponse", "stream_generate", "generate", "IncrementalDetokenizer", "TextStream"]
 
 
 @dataclass
@@ -89,6 +89,45 @@ class IncrementalDetokenizer:
         now = self._decode(self.tokens[self._prefix :])
         self._prefix = self._read = len(self.tokens)
         return now[len(before) :]
+
+
+class TextStream:
+    """The text side of one request's token stream: incremental detokenizing, stop strings, EOS and the
+    length cap, token by token (what :func:`stream_generate` and the server's batched requests share).
+
+    Args:
+        tokenizer: the target's ``TokenizerWrapper`` (its ``eos_token_ids`` end the stream).
+        stop: stop strings (the text ends before the first; it is never returned).
+        cap: tokens at most (the last one finishes with ``"length"``); ``-1``: no cap.
+    """
+
+    def __init__(self, tokenizer, stop: Optional[Sequence[str]] = None, cap: int = -1):
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stopper = _StopText(stop or ())
+        self.eos = set(tokenizer.eos_token_ids)
+        self.cap = cap
+        self.n = 0  # tokens fed so far
+
+    def add(self, token: int) -> tuple[str, Optional[str]]:
+        """Feed the next token; returns its text segment (may be empty) and the finish reason
+        (``"stop"``: EOS or a stop string, ``"length"``: the cap; None: the stream goes on)."""
+        self.n += 1
+        if token in self.eos:
+            text, _ = self.stopper.feed(self.detok.finalize())
+            return text + self.stopper.flush(), "stop"
+        text, stopped = self.stopper.feed(self.detok.add_token(token))
+        if stopped:
+            return text, "stop"
+        if self.n == self.cap:
+            more, stopped = self.stopper.feed(self.detok.finalize())
+            return text + (more if stopped else more + self.stopper.flush()), "stop" if stopped else "length"
+        return text, None
+
+    def end(self) -> str:
+        """Flush the text held back (an unfinished character, a possible stop-string start): the
+        stream was ended from outside (e.g. by the generation loop's own limit)."""
+        more, _ = self.stopper.feed(self.detok.finalize())
+        return more + self.stopper.flush()
 
 
 class _StopText:
@@ -218,9 +257,6 @@ def stream_generate(
         B = 1
 
     stats = SpecStats()
-    detok = IncrementalDetokenizer(tokenizer)
-    stopper = _StopText(stop or ())
-    eos = set(tokenizer.eos_token_ids)
     gen = speculative_generate_step(
         prompt,
         model.target,
@@ -259,26 +295,14 @@ def stream_generate(
     if limit is not None:
         room = limit - len(prompt) + 1
         cap = room if cap < 0 else min(cap, room)
-    n = 0
+    out = TextStream(tokenizer, stop, cap)
     tic = time.perf_counter()
     try:
         for token, logprobs, from_draft in gen:
-            if n == 0:
+            if out.n == 0:
                 tic = time.perf_counter()
-            n += 1
-            finish = None
-            if token in eos:
-                finish = "stop"
-                text, _ = stopper.feed(detok.finalize())
-                text += stopper.flush()
-            else:
-                text, stopped = stopper.feed(detok.add_token(token))
-                if stopped:
-                    finish = "stop"
-                elif n == cap:
-                    more, stopped = stopper.feed(detok.finalize())
-                    text += more if stopped else more + stopper.flush()
-                    finish = "stop" if stopped else "length"
+            text, finish = out.add(token)
+            n = out.n
             if finish is not None:
                 gen.close()
                 yield response(text, token, logprobs, from_draft, n, finish)

@@ -1,6 +1,7 @@
 """Batched greedy speculative rounds for dense targets (issue 22, first building block).
 
-Not wired into the server or the CLI yet: :mod:`~.speculative` stays the loop they use. This module
+The server's engine (:mod:`~.server.engine`) runs its greedy requests through it (continuous
+batching); the CLI and :func:`~.api.stream_generate` still use :mod:`~.speculative`'s loop. This module
 advances **N requests by one round with one target forward**.
 
 Data flow of one round (:meth:`SpeculativeBatch.step`)
@@ -58,16 +59,17 @@ Missing for the full issue 22 (later steps)
 * hybrid targets (recurrent layers: per-row accept via ``kernels.select_states``; sliding windows):
   refused here;
 * pipelining (queueing round r+1 before r's tokens are handed out, as the solo loop does), chunked
-  prefill interleaved with the decode rounds of others (a join prefills its whole prompt at once),
-  prompt-cache reuse for joins, stop strings (a server concern);
+  prefill interleaved with the decode rounds of others (a join prefills its whole prompt at once;
+  done: prompt-cache reuse for joins, ``add(state=)``; stop strings, the server's through ``remove``);
 * confidence-scheduled verify widths under a per-round token budget (today every row drafts up to its
   ``B - 1``); logits are computed for all ``N x M`` rows, padding included;
-* the server wiring (continuous batching, fairness, cancellation, ``/metrics``) and the single-request
-  generator as a batch of one.
+* the single-request generator as a batch of one (the server wiring is done: continuous batching,
+  FIFO under ``--max-batch``, cancellation, ``/metrics``; sampled requests still go round-robin).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -267,11 +269,14 @@ class BatchEvent:
         tokens: token ids emitted (in order; the prefill's first token comes in the first event).
         finish_reason: ``None`` while running; ``"stop"`` (an EOS id was emitted, the last token),
             ``"length"`` (``max_tokens`` reached or the context is full) or ``"cancelled"``.
+        stats: the request's :class:`~.speculative.SpecStats` (updated in place while it runs;
+            ``None`` for a request with ``max_tokens == 0``).
     """
 
     uid: int
     tokens: list[int]
     finish_reason: str | None = None
+    stats: SpecStats | None = None
 
 
 @dataclass
@@ -285,6 +290,8 @@ class _Request:
     verifier: Verifier
     stats: SpecStats
     history: list[int]  # prompt + emitted tokens (the anchor last)
+    proposer: object = None
+    keep_state: bool = False
     n_out: int = 0
     out: list[int] = field(default_factory=list)  # emitted, not yet reported
     finish: str | None = None
@@ -326,7 +333,10 @@ class SpeculativeBatch:
         self.cache = [RaggedKVCache() for _ in kinds]
         self._rows: list[_Request] = []  # row i of the cache is self._rows[i]
         self._events: list[BatchEvent] = []  # finished at join, cancelled: reported by the next step
+        self._states: dict[int, GenerationState] = {}  # final states of finished keep_state requests
         self._next_uid = 0
+        #: the last round's geometry: rows, tokens verified (real, padding excluded), block width M
+        self.last_round: dict = {"rows": 0, "verified": 0, "width": 0}
 
     # -- membership -------------------------------------------------------------------------------
     @property
@@ -356,7 +366,8 @@ class SpeculativeBatch:
 
     def add(self, prompt: Sequence[int], max_tokens: int = 256, *, proposer: Proposer | None = None,
             block_size: int | None = None, verifier: Verifier | None = None,
-            eos_token_ids: Sequence[int] = ()) -> int:
+            eos_token_ids: Sequence[int] = (), state: GenerationState | None = None, keep_state: bool = False,
+            prompt_progress_callback=None) -> int:
         """Prefill a request (alone, exactly as the solo loop does) and make it a row of the batch.
 
         Its first token is reported by the next :meth:`step`. A request that ends at its first token
@@ -371,6 +382,12 @@ class SpeculativeBatch:
             block_size: its verify width B (default: the batch's, else the proposer's).
             verifier: its verifier (default :class:`~.verify.GreedyVerifier`).
             eos_token_ids: ids that end the request (emitted, then ``finish_reason == "stop"``).
+            state: a prompt-cache :class:`~.speculative.GenerationState` to start from (the solo loop
+                reuses its common prefix with ``prompt`` and prefills only the rest); the batch takes it
+                over (it must not be used elsewhere afterwards).
+            keep_state: keep the request's final state (its row's K/V, its proposer session, the tokens
+                they hold) when it finishes, for :meth:`take_state` (or return it from :meth:`remove`).
+            prompt_progress_callback: ``f(processed, total)`` during the prefill.
 
         Returns:
             The request id.
@@ -392,21 +409,24 @@ class SpeculativeBatch:
             return uid
         proposer = proposer if proposer is not None else self.proposer
         B = block_size if block_size is not None else self.block_size
-        state, stats = GenerationState(), SpecStats()
+        state, stats = state if state is not None else GenerationState(), SpecStats()
         gen = speculative_generate_step(prompt, self.target, proposer, verifier=verifier, block_size=B,
                                         max_tokens=max_tokens, prefill_step_size=self.prefill_step_size,
-                                        stats=stats, state=state, adaptive=False)
+                                        stats=stats, state=state, adaptive=False,
+                                        prompt_progress_callback=prompt_progress_callback)
         try:
             first = next(gen)[0]  # the prefill and the first token, exactly the solo loop's
         finally:
             gen.close()
         self._next_uid += 1
         req = _Request(uid, max_tokens, frozenset(int(e) for e in eos_token_ids), stats.block_size,
-                       tuple(state.proposer.tap_ids), state.session, verifier, stats, prompt + [first], n_out=1,
-                       out=[first])
+                       tuple(state.proposer.tap_ids), state.session, verifier, stats, prompt + [first],
+                       proposer=state.proposer, keep_state=keep_state, n_out=1, out=[first])
         req.finish = self._finished(req, first, len(prompt))
         if req.finish is not None:
-            self._events.append(BatchEvent(uid, req.out, req.finish))
+            self._events.append(BatchEvent(uid, req.out, req.finish, stats))
+            if keep_state:
+                self._states[uid] = state  # the solo loop left it holding the prompt
             return uid
         for layer, c in zip(self.cache, state.cache):
             layer.add_row(c.keys[..., : c.offset, :], c.values[..., : c.offset, :])
@@ -419,9 +439,38 @@ class SpeculativeBatch:
         for i, r in enumerate(self._rows):
             if r.uid == uid:
                 self._drop([i])
-                self._events.append(BatchEvent(uid, r.out, "cancelled"))
+                self._events.append(BatchEvent(uid, r.out, "cancelled", r.stats))
                 return True
         return False
+
+    def remove(self, uid: int) -> GenerationState | None:
+        """Drop an active request now, without an event (its consumer has stopped it, e.g. at a stop
+        string); returns its final state if it was added with ``keep_state``, else None. Tokens it
+        emitted but were not reported yet are discarded. Does nothing (None) if ``uid`` is not active.
+        """
+        for i, r in enumerate(self._rows):
+            if r.uid == uid:
+                st = self._row_state(i) if r.keep_state else None
+                self._drop([i])
+                return st
+        return None
+
+    def take_state(self, uid: int) -> GenerationState | None:
+        """The final state of a finished ``keep_state`` request (once; None if there is none): a
+        :class:`~.speculative.GenerationState` whose ``cache`` / ``session`` hold exactly ``tokens`` (the
+        prompt and the emitted tokens but the last), for a prompt cache."""
+        return self._states.pop(uid, None)
+
+    def _row_state(self, i: int) -> GenerationState:
+        """Row ``i`` as a standalone state (a copy of its K/V; the session is handed over)."""
+        r = self._rows[i]
+        cache = [c.extract(i) for c in self.cache]
+        n = min(cache[0].offset, len(r.history) - 1)  # a request stopped inside a round holds fewer tokens
+        if n < cache[0].offset:
+            for c in cache:
+                c.trim(c.offset - n)
+            r.session.truncate(n)
+        return GenerationState(cache=cache, session=r.session, tokens=r.history[:n], proposer=r.proposer)
 
     def _drop(self, rows: list[int]) -> None:
         keep = [i for i in range(len(self._rows)) if i not in set(rows)]
@@ -450,6 +499,7 @@ class SpeculativeBatch:
         self._events = []
         if not self._rows:
             return events
+        tic = time.perf_counter()
         limit = self.target.max_context
         rows = self._rows
         lengths = self.lengths()
@@ -465,6 +515,7 @@ class SpeculativeBatch:
             props.append(r.session.propose(r.history[-1], n) if n > 0 else Proposal.empty())
         widths = [p.n + 1 for p in props]
         M = max(widths)
+        self.last_round = {"rows": len(rows), "verified": sum(widths), "width": M}
 
         # 2. one target forward over the padded block (padding after each row's real tokens)
         block = mx.stack([
@@ -516,10 +567,14 @@ class SpeculativeBatch:
                 raise RuntimeError(f"batch invariant broken: row {i} holds {after[i]} positions, "
                                    f"its request {len(r.history) - 1}")
 
-        for r in rows:
+        dt = time.perf_counter() - tic
+        for i, r in enumerate(rows):
+            r.stats.decode_s += dt  # the rounds it took part in
             if r.out or r.finish is not None:
-                events.append(BatchEvent(r.uid, r.out, r.finish))
+                events.append(BatchEvent(r.uid, r.out, r.finish, r.stats))
                 r.out = []
+            if r.finish is not None and r.keep_state:
+                self._states[r.uid] = self._row_state(i)
         if done:
             self._drop(done)
         return events

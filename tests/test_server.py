@@ -495,6 +495,126 @@ def test_client_disconnect_cancels_generation(srv, http):
     assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}).status_code == 200
 
 
+# ----------------------------------------------------------------------------
+# Batched rounds (greedy requests share one target forward per round)
+# ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def rr_srv(smol_f32):
+    """The same server with batching off: every request gets its own rounds (the solo reference)."""
+    target, tokenizer = smol_f32
+    s = make_server(target, tokenizer, engine_kw={"max_batch": 0})
+    yield s
+    s.stop()
+
+
+def _stream_completion(url, body, leave_after=None):
+    """Stream a /v1/completions request: (text, finish_reason, completion_tokens); ``leave_after``: close
+    the connection after that many data chunks (returns None)."""
+    text, finish, usage, got = "", None, None, 0
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            got += 1
+            if leave_after is not None and got >= leave_after:
+                return None
+            d = json.loads(line[6:])
+            assert "error" not in d, d
+            for c in d["choices"]:
+                text += c.get("text") or ""
+                finish = c.get("finish_reason") or finish
+            usage = d.get("usage") or usage
+    return text, finish, usage["completion_tokens"]
+
+
+BATCH_REQS = [
+    {"prompt": "The capital of France is", "max_tokens": 12},
+    {"prompt": "Once upon a time, in a small village,", "max_tokens": 16},
+    {"prompt": "def fibonacci(n):", "max_tokens": 7},
+    {"prompt": "List of fruits: apple, banana,", "max_tokens": 14},
+    {"prompt": "1, 2, 3, 4,", "max_tokens": 3},
+]
+
+
+def _run_together(url, bodies, extra=()):
+    """All ``bodies`` (and the callables ``extra``) started at once; their results in order."""
+    with ThreadPoolExecutor(len(bodies) + len(extra)) as ex:
+        futs = [ex.submit(_stream_completion, url, b) for b in bodies] + [ex.submit(f) for f in extra]
+        return [f.result() for f in futs]
+
+
+def test_batched_concurrent_greedy_requests_equal_solo(srv, rr_srv, http):
+    """Concurrent greedy requests (different prompts, max_tokens, a stop string) go through one batched
+    round and each gets exactly its solo output (text, finish reason, usage), the solo reference being
+    the round-robin path; a bad request sent meanwhile is still a 400, and /metrics shows the batch."""
+    text = _stream_completion(rr_srv.url, BATCH_REQS[1])[0]
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    bodies = BATCH_REQS + [{**BATCH_REQS[1], "stop": [stop]}]
+    solo = [_stream_completion(rr_srv.url, b) for b in bodies]
+    assert solo[-1][:2] == (text[: text.index(stop)], "stop")
+    assert [_stream_completion(srv.url, b) for b in bodies] == solo  # one at a time: a batch of one
+    before = metrics(http)
+
+    def bad():
+        return http.post("/v1/completions", json={"prompt": [10 ** 7], "max_tokens": 2}).status_code
+
+    got = _run_together(srv.url, bodies, extra=[bad])
+    after = metrics(http)
+    assert got[:-1] == solo
+    assert got[-1] == 400
+    rounds = after["batch_rounds_total"] - before["batch_rounds_total"]
+    rows = after["batch_rows_total"] - before["batch_rows_total"]
+    assert rounds > 0 and rows / rounds > 1.5, (rows, rounds)  # they really shared rounds
+    assert after["batch_verified_tokens_per_round"] > 1 and after["batch_size"] == 0
+    assert after["requests_active"] == 0
+    assert "mlx_dflash2_batch_size_mean" in http.get("/metrics").text
+
+
+def test_batched_limit_waits_in_order(smol_f32, rr_srv):
+    """More greedy requests than --max-batch: the rest wait for a free row (FIFO) and all are exact."""
+    target, tokenizer = smol_f32
+    s = make_server(target, tokenizer, engine_kw={"max_batch": 2})
+    try:
+        solo = [_stream_completion(rr_srv.url, b) for b in BATCH_REQS]
+        assert _run_together(s.url, BATCH_REQS) == solo
+        m = httpx.get(f"{s.url}/metrics", params={"format": "json"}).json()
+        assert 1 < m["batch_size_mean"] <= 2 and m["requests_active"] == 0
+    finally:
+        s.stop()
+
+
+def test_sampled_request_alongside_batched_ones(srv, rr_srv):
+    """A seeded sampled request (round-robin path) served next to batched greedy ones: every output
+    equals its solo one."""
+    sampled = {"prompt": "Tell me a story about a cat.", "max_tokens": 10, "temperature": 0.9, "seed": 5}
+    bodies = BATCH_REQS[:3] + [sampled]
+    solo = [_stream_completion(rr_srv.url, b) for b in bodies]
+    assert _run_together(srv.url, bodies) == solo
+
+
+def test_batched_disconnect_mid_batch_leaves_others_exact(srv, rr_srv, http):
+    """A client that leaves while its request is a row of the batch: its row is freed at the next round,
+    the others' outputs are unchanged."""
+    solo = [_stream_completion(rr_srv.url, b) for b in BATCH_REQS[:3]]
+    before = metrics(http)
+    leaver = {"prompt": "Write a very long essay about the history of Rome.", "max_tokens": 200}
+    got = _run_together(srv.url, BATCH_REQS[:3],
+                        extra=[lambda: _stream_completion(srv.url, leaver, leave_after=3)])
+    assert got[:3] == solo and got[3] is None
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        m = metrics(http)
+        if m["requests_cancelled_total"] > before["requests_cancelled_total"] and m["requests_active"] == 0:
+            break
+        time.sleep(0.05)
+    assert m["requests_cancelled_total"] == before["requests_cancelled_total"] + 1
+    assert m["requests_active"] == 0 and m["batch_size"] == 0
+
+
 def test_keepalive_comments_during_prefill(srv):
     prompt = "Summarize this text. " + " ".join(f"Sentence number {i} is here." for i in range(40))
     lines = []

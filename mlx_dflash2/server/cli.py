@@ -90,7 +90,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-context", type=_positive, default=None,
                    help="limit on prompt + generated tokens per request (default: the target's context)")
     p.add_argument("--decode-concurrency", type=_positive, default=32,
-                   help="requests generated at once (round-robin); more wait in order (default 32)")
+                   help="requests generated at once; more wait in order (default 32)")
+    p.add_argument("--max-batch", type=_non_negative, default=8,
+                   help="greedy requests (temperature 0, no logprobs / penalties / logit bias, dense target) "
+                   "advanced together by one batched round (one target forward) at most; more wait in order; "
+                   "0 = no batching: every request gets its own rounds, round-robin (default 8)")
     p.add_argument("--prefill-step-size", type=_positive, default=2048, help="prompt chunk size (tokens)")
     p.add_argument("--keepalive-interval", type=float, default=5.0,
                    help="seconds of silence before an SSE ': keep-alive' comment (default 5)")
@@ -147,6 +151,7 @@ def build_app(args: argparse.Namespace, model=None, tokenizer=None):
             prompt_cache_size=args.prompt_cache_size,
             prompt_cache_bytes=args.prompt_cache_bytes,
             decode_concurrency=args.decode_concurrency,
+            max_batch=args.max_batch,
             prefill_step_size=args.prefill_step_size,
             chat_template_args=args.chat_template_args,
         ),

@@ -10,6 +10,17 @@ equals what it gets alone. (A speculative round verifies a whole block; the
 following ``next()`` calls of that request return the round's other tokens at
 no cost.) A request's first ``next()`` is its prefill.
 
+Batched rounds: greedy requests without logprobs, penalties or logit bias on a
+dense target (:meth:`Engine._batch_verifier`) skip ``stream_generate``. They
+wait in FIFO order for a row of one :class:`~mlx_dflash2.batch.SpeculativeBatch`
+(at most :attr:`EngineConfig.max_batch` rows), join it between rounds
+(``add``: the prefill, from the prompt cache's state), and each worker turn
+runs one ``step()`` for all rows after the round-robin requests' ``next()``.
+Their tokens go through :class:`~mlx_dflash2.api.TextStream` (the text, stop
+strings and finish reasons of ``stream_generate``); a request stopped by a
+stop string or cancelled leaves the batch (``remove``), its final state goes
+to the prompt cache.
+
 The asyncio side (:mod:`.app`) submits :class:`Job` objects and receives
 events on the job's ``asyncio.Queue`` (posted thread-safely):
 :class:`Admitted`, :class:`Progress` (prefill; the SSE keep-alives),
@@ -36,9 +47,13 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..api import stream_generate
+from ..api import TextStream, stream_generate
+from ..batch import SpeculativeBatch
 from ..loading import SpeculativeModel, materialize
+from ..sampling import SamplingParams
 from ..speculative import PLAIN_PROPOSER, GenerationState
+from ..target import TargetCompatibilityError
+from ..verify import make_verifier
 from .protocol import APIError, bad_request
 from .text import TokenText, convert_chat, initial_reasoning_state, top_logprobs
 
@@ -139,6 +154,12 @@ class Job:
     cache_state: bool = False
     prompt_ids: list = field(default_factory=list)
     submitted: float = field(default_factory=time.perf_counter)
+    # batched requests (see Engine): the arguments of SpeculativeBatch.add, the row's id once joined,
+    # the text side of the stream
+    batched: bool = False
+    join: Optional[dict] = None
+    uid: Optional[int] = None
+    text: Optional[TextStream] = None
 
     def cancel(self) -> None:
         """Ask the worker to stop this request and free its caches (idempotent)."""
@@ -276,6 +297,10 @@ class Metrics:
         self.drafted = 0
         self.accepted = 0
         self.busy_s = 0.0
+        self.batch_rounds = 0
+        self.batch_rows = 0
+        self.batch_verified = 0
+        self.batch_size = 0  # rows of the last batched round
 
     def add(self, **kw) -> None:
         with self.lock:
@@ -302,6 +327,12 @@ class Metrics:
                 "accepted_tokens_total": self.accepted,
                 "acceptance_length": self.round_tokens / self.rounds if self.rounds else 0.0,
                 "busy_s": self.busy_s,
+                "batch_size": self.batch_size,
+                "batch_rounds_total": self.batch_rounds,
+                "batch_rows_total": self.batch_rows,
+                "batch_size_mean": self.batch_rows / self.batch_rounds if self.batch_rounds else 0.0,
+                "batch_verified_tokens_per_round": (self.batch_verified / self.batch_rounds
+                                                    if self.batch_rounds else 0.0),
                 "generation_tokens_per_second": self.generated_tokens / self.busy_s if self.busy_s > 0 else 0.0,
             }
 
@@ -321,6 +352,8 @@ class EngineConfig:
         prompt_cache_size: cached prompt states (0: no prompt cache).
         prompt_cache_bytes: byte limit of the prompt cache (None: none).
         decode_concurrency: active requests at most; more wait in FIFO order.
+        max_batch: greedy requests sharing one batched round at most (0: no batching, every request
+            is advanced on its own, round-robin); more eligible requests wait in FIFO order.
         prefill_step_size: prompt chunk (tokens) between prefill progress events.
         chat_template_args: default chat template arguments.
     """
@@ -330,6 +363,7 @@ class EngineConfig:
     prompt_cache_size: int = 10
     prompt_cache_bytes: Optional[int] = None
     decode_concurrency: int = 32
+    max_batch: int = 8
     prefill_step_size: int = 2048
     chat_template_args: dict = field(default_factory=dict)
 
@@ -381,6 +415,18 @@ class Engine:
         self._thread: Optional[threading.Thread] = None
         self._call_lock = threading.Lock()
         self._calls: list = []
+        # batched rounds (greedy requests on a dense target); None: every request goes round-robin
+        self._batch: Optional[SpeculativeBatch] = None
+        if self.config.max_batch > 0:
+            try:
+                self._batch = self._new_batch()
+            except TargetCompatibilityError as e:
+                log.info("batched rounds off: %s", e)
+        self._batch_queue: deque = deque()  # batched jobs not yet joined (FIFO)
+        self._batched: dict = {}  # row uid -> job
+
+    def _new_batch(self) -> SpeculativeBatch:
+        return SpeculativeBatch(self.model.target, prefill_step_size=self.config.prefill_step_size)
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -445,7 +491,10 @@ class Engine:
                 if self._active:
                     tic = time.perf_counter()
                     for job in list(self._active):
-                        self._step(job)
+                        if not job.batched:
+                            self._step(job)
+                    if self._batch is not None:
+                        self._batch_turn()
                     self.metrics.add(busy_s=time.perf_counter() - tic)
             except Exception:  # noqa: BLE001 - the worker must survive anything
                 log.exception("generation worker error")
@@ -538,6 +587,26 @@ class Engine:
         def progress(done: int, total: int) -> None:
             job.post(Progress(done, total))
 
+        verifier = self._batch_verifier(job, max_tokens)
+        if verifier is not None:
+            # a greedy request: it joins the batched round (below, _batch_turn) when a row is free
+            cap = max_tokens
+            if m.target.max_context is not None:  # as stream_generate: the target's own limit is a length cap
+                room = m.target.max_context - len(ids) + 1
+                cap = room if cap < 0 else min(cap, room)
+            job.batched = True
+            job.text = TextStream(self.tokenizer, job.gen_kwargs.get("stop"), cap)
+            job.join = dict(prompt=ids, max_tokens=max_tokens, proposer=proposer,
+                            block_size=B if m.proposer is not None else 1, verifier=verifier,
+                            eos_token_ids=list(self.tokenizer.eos_token_ids), state=job.state,
+                            keep_state=job.cache_state, prompt_progress_callback=progress)
+            job.state = None  # the batch owns it from the join on
+            self._batch_queue.append(job)
+            self._active.append(job)
+            reasoning = job.kind == "chat" and initial_reasoning_state(self.tokenizer, ids)
+            job.post(Admitted(len(ids), reasoning))
+            return
+
         job.gen = stream_generate(
             m,
             self.tokenizer,
@@ -600,8 +669,18 @@ class Engine:
         job.post(out)
 
     def _close(self, job: Job, keep: bool = False) -> None:
-        """Close the request's generator (its caches are cut to the emitted tokens)
-        and keep its state in the prompt cache or drop it."""
+        """Close the request's generator (its caches are cut to the emitted tokens) or take it out of
+        the batch (its row is freed), and keep its state in the prompt cache or drop it."""
+        if job.uid is not None:
+            try:
+                st = self._batch.remove(job.uid)  # still a row (stopped by a stop string, cancelled)
+                job.state = st if st is not None else self._batch.take_state(job.uid)
+            except Exception:  # noqa: BLE001
+                log.exception("removing request %s from the batch", job.id)
+                keep, job.state = False, None
+            self._batched.pop(job.uid, None)
+            job.uid = None
+        job.join = None
         if job.gen is not None:
             try:
                 job.gen.close()
@@ -614,6 +693,94 @@ class Engine:
         if keep and job.cache_state and job.state is not None:
             self.prompt_cache.put(job.state)
         job.state = None
+
+    # ---- batched rounds ----------------------------------------------------
+
+    def _batch_verifier(self, job: Job, max_tokens: int):
+        """The verifier of a request that can join the batched round, or None (it goes round-robin
+        through ``stream_generate``): greedy without logits processors or logprobs; a request whose
+        parameters are invalid is left to ``stream_generate``, which names the bad field."""
+        if self._batch is None or job.logprobs or max_tokens == 0:
+            return None
+        kw = {k: v for k, v in job.gen_kwargs.items() if k != "stop"}
+        try:
+            params = SamplingParams(**kw).validate()
+        except (TypeError, ValueError):
+            return None
+        if not params.greedy or params.needs_history or params.processors:
+            return None
+        return make_verifier(params, kernel_mode=getattr(self.model, "kernels", None))
+
+    def _batch_turn(self) -> None:
+        """One turn of the batched requests: drop the cancelled ones, join waiting ones (FIFO) while
+        rows are free, run one round, hand out each request's tokens."""
+        batch = self._batch
+        for job in [j for j in self._active if j.batched and j.cancelled]:
+            self._close(job)
+            self.metrics.add(cancelled=1)
+            log.info("request %s cancelled (client gone)", job.id)
+        while self._batch_queue and batch.active < self.config.max_batch:
+            job = self._batch_queue.popleft()
+            if job not in self._active or job.join is None:  # closed while waiting
+                continue
+            try:
+                job.uid = batch.add(**job.join)
+                job.join = None
+                self._batched[job.uid] = job
+            except (ValueError, NotImplementedError) as e:
+                self._close(job)
+                self._fail(job, bad_request(str(e), _param_of(str(e))))
+            except Exception as e:  # noqa: BLE001
+                log.exception("request %s could not join the batch", job.id)
+                self._close(job)
+                self._fail(job, APIError(500, f"internal error: {type(e).__name__}: {e}"))
+        if not (batch.active or batch.pending):
+            return
+        try:
+            rows = batch.active
+            events = batch.step()
+        except Exception as e:  # noqa: BLE001 - the batch's state is unknown: fail its requests, start afresh
+            log.exception("batched round failed")
+            for job in list(self._batched.values()):
+                job.uid = None
+                self._close(job)
+                self._fail(job, APIError(500, f"internal error: {type(e).__name__}: {e}"))
+            self._batched.clear()
+            self._batch = self._new_batch()
+            return
+        if rows:
+            r = batch.last_round
+            self.metrics.add(batch_rounds=1, batch_rows=r["rows"], batch_verified=r["verified"])
+        with self.metrics.lock:
+            self.metrics.batch_size = batch.active
+        for ev in events:
+            job = self._batched.get(ev.uid)
+            if job is not None:
+                self._emit(job, ev)
+
+    def _emit(self, job: Job, ev) -> None:
+        """Post a batch event's tokens to the request, exactly as ``stream_generate`` would yield them
+        (text, stop strings, finish reason, usage); a request that finishes leaves the batch."""
+        for i, tok in enumerate(ev.tokens):
+            text, finish = job.text.add(tok)
+            if finish is None and i == len(ev.tokens) - 1 and ev.finish_reason is not None:
+                # the loop ended it (its caps equal the text's, so this is a safety net)
+                text += job.text.end()
+                finish = "stop" if ev.finish_reason == "stop" else "length"
+            out = TokenOut(text, int(tok), finish)
+            if finish is not None:
+                s = ev.stats
+                s.generated_tokens = job.text.n
+                out.usage = {"prompt_tokens": len(job.prompt_ids), "completion_tokens": job.text.n,
+                             "cached_tokens": s.cached_tokens}
+                out.stats = s.as_dict()
+                self.metrics.add(completed=1, prompt_tokens=len(job.prompt_ids), cached_tokens=s.cached_tokens,
+                                 generated_tokens=job.text.n, rounds=s.rounds, round_tokens=s.round_tokens,
+                                 drafted=s.drafted, accepted=s.accepted)
+                self._close(job, keep=True)
+                job.post(out)
+                return
+            job.post(out)
 
     def _fail(self, job: Job, error: APIError) -> None:
         self.metrics.add(errors=1)

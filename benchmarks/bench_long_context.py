@@ -42,7 +42,7 @@ import mlx.core as mx
 
 from mlx_dflash2.drafter.model import DEFAULT_CONTEXT_WINDOW
 from mlx_dflash2.loading import drafter_dequantize, load_target, make_proposer
-from mlx_dflash2.speculative import PLAIN_PROPOSER, GenerationState, SpecStats, _clone_kv, speculative_generate_step
+from mlx_dflash2.speculative import PLAIN_PROPOSER, GenerationState, SpecStats, _clone_cache, speculative_generate_step
 
 EVALSETS = Path(mlx_dflash2.__file__).parent / "data" / "evalsets"
 REQUEST = "\n\nSummarize the document above in a few sentences, then continue it with one more item in the same style."
@@ -210,7 +210,7 @@ def main(argv=None):
                 session.extend(chunk, feats if p.tap_ids else None)
                 mx.eval(session.state_arrays())
             ctx_s[cname] = time.perf_counter() - tic
-            bases[cname] = GenerationState(cache=[_clone_kv(c) for c in cache], session=session,
+            bases[cname] = GenerationState(cache=[_clone_cache(c) for c in cache], session=session,
                                            tokens=list(ids[:-1]), proposer=p)
         del cache, chunks
         tps = {c: [] for c in bases}

@@ -6,7 +6,11 @@ kernels, not of the model alone: on a 2-core CPU (dense float32 SmolLM2-135M) ``
 ``T(12)`` costs more than ``T(16)``; on the H200 ``T(4)`` costs more than ``T(16)`` (shared research
 ``h200-profile.md``); a quantized matmul on MLX's CPU backend costs about ``M`` steps. So the adaptive schedule
 (:class:`~.proposers.AdaptiveSchedule`) measures instead of assuming: :func:`measure_verify_costs` times the
-target's forwards at a few widths (and the drafter's proposal), :func:`calibrate` caches the table in a JSON
+target's forwards at a few widths after a short and a long context (a verify row's cost grows with the
+context it attends to: on that CPU ``T(16)/T(1)`` reads 1.8 after 128 tokens, 2.9 after 1K and 3.8 after 8K,
+and widths chosen from the short table made the default 0.78x of plain decoding after an 8K prompt; each
+round reads the cost at its own context, :meth:`VerifyCosts.verify`) and the drafter's proposal,
+:func:`calibrate` caches the table in a JSON
 file keyed by a :func:`fingerprint` of everything that changes it, and a :class:`~.proposers.WidthPolicy`
 picks each round's verify width from it and the acceptance measured so far.
 
@@ -48,73 +52,134 @@ __all__ = [
 
 DEFAULT_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)  # verify widths M (rows of one target forward) measured by default
 CACHE_ENV = "MLX_DFLASH2_CALIBRATION_CACHE"
-CACHE_VERSION = 1  # of the file's layout and of the measurement protocol: another version is measured again
+CACHE_VERSION = 1  # of the file's layout: a file of another version is measured again (and rewritten)
+# of the measurement (part of the fingerprint, so entries of either protocol live side by side in one file and
+# an older package simply does not find the newer entries): 2 adds the verify costs after a long context
+PROTOCOL = 2
+DEFAULT_LONG_CONTEXT = 1024  # the second context the verify costs are measured after (tokens)
 
 
 @dataclass
 class VerifyCosts:
     """A calibration: seconds of a target forward of ``M`` new tokens, and of a drafter proposal.
 
+    The cost of a verify row grows with the context it attends to (on MLX's CPU backend steeply: dense float32
+    SmolLM2-135M, 2 cores, ``T(1)`` 69 ms after 128 tokens and ``T(16)/T(1)`` 1.8, but after 8K tokens
+    several times that, ``benchmarks/README.md``), so a calibration may hold a second table, ``verify_long_s``,
+    measured after ``long_context`` tokens; :meth:`verify` then reads the cost at any context off the line
+    through the two (per width, never decreasing with the context). Without it (a calibration of protocol 1,
+    or ``long_context=0``) the cost does not depend on the context.
+
     Attributes:
         verify_s: ``{M: seconds}`` of a synchronous target forward over ``M`` new tokens (taps on, greedy
-            argmax of every row), after a short context; ``1`` is always present.
+            argmax of every row), after ``context`` tokens; ``1`` is always present.
         drafter_s: ``{n: seconds}`` of one drafter proposal of ``n`` tokens (``{}``: no drafter measured).
         fingerprint: what the costs were measured for (:func:`fingerprint`).
-        meta: how (context length, timed passes, whether every cost settled, seconds spent, date).
+        meta: how (context lengths, timed passes, whether every cost settled, seconds spent, date).
+        verify_long_s: ``{M: seconds}`` as ``verify_s`` after ``long_context`` tokens, for the same widths, or
+            ``{}`` (not measured).
+        context: tokens of context before the ``verify_s`` forwards (>= 1; :func:`measure_verify_costs`'
+            default when not known).
+        long_context: tokens of context before the ``verify_long_s`` forwards (> ``context``; 0 without them).
+
+    Raises:
+        ValueError: a table without width 1, a cost that is not a positive finite number of seconds, a width
+            < 1, a ``verify_long_s`` whose widths differ from ``verify_s``'s, or contexts out of range (named).
     """
 
     verify_s: dict[int, float]
     drafter_s: dict[int, float] = field(default_factory=dict)
     fingerprint: dict = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
+    verify_long_s: dict[int, float] = field(default_factory=dict)
+    context: int = 128
+    long_context: int = 0
 
     def __post_init__(self):
         self.verify_s = {int(k): float(v) for k, v in self.verify_s.items()}
         self.drafter_s = {int(k): float(v) for k, v in self.drafter_s.items()}
+        self.verify_long_s = {int(k): float(v) for k, v in (self.verify_long_s or {}).items()}
         if 1 not in self.verify_s:
             raise ValueError("verify_s must hold the cost of width 1 (a plain step)")
-        for name, table in (("verify_s", self.verify_s), ("drafter_s", self.drafter_s)):
+        for name, table in (("verify_s", self.verify_s), ("drafter_s", self.drafter_s),
+                            ("verify_long_s", self.verify_long_s)):
             for k, v in table.items():
                 if k < 1 or not v > 0 or v != v or v == float("inf"):
                     raise ValueError(f"{name}[{k}] must be a positive finite number of seconds at a width >= 1, "
                                      f"got {v!r}")
+        for name in ("context", "long_context"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0 tokens, got {v!r}")
+        if self.verify_long_s:
+            if set(self.verify_long_s) != set(self.verify_s):
+                raise ValueError(f"verify_long_s must measure the widths of verify_s {sorted(self.verify_s)}, "
+                                 f"got {sorted(self.verify_long_s)}")
+            if not self.long_context > self.context:
+                raise ValueError(f"long_context ({self.long_context}) must exceed context ({self.context}) "
+                                 "when verify_long_s is given")
 
     @property
     def max_width(self) -> int:
         """The widest measured verify width."""
         return max(self.verify_s)
 
-    def verify(self, m: int) -> float:
+    def verify(self, m: int, context: int | None = None) -> float:
         """Seconds of a forward of ``m >= 1`` rows: measured, else linear between the nearest measured
-        widths, else (past the widest) extended from ``T(1)`` to ``T(max)`` linearly."""
-        return _interp(self.verify_s, m)
+        widths, else (past the widest) extended from ``T(1)`` to ``T(max)`` linearly.
+
+        ``context``: tokens already in the cache that the rows attend to (``None``: the short ``context`` of
+        the calibration). With a long-context table the cost is linear in the context through the two
+        measurements, extended past the longer one, at least the short one's (attention reads every cached
+        key per row: its cost grows with the context, never shrinks); without one it is the same at every
+        context."""
+        short = _interp(self.verify_s, m)
+        if context is None or not self.verify_long_s or context <= self.context:
+            return short
+        slope = max(0.0, _interp(self.verify_long_s, m) - short) / (self.long_context - self.context)
+        return short + slope * (context - self.context)
 
     def drafter(self, n: int) -> float:
         """Seconds of a proposal of ``n >= 1`` drafts (interpolated as :meth:`verify`; 0 without a drafter)."""
         return _interp(self.drafter_s, n) if self.drafter_s else 0.0
 
-    def ratios(self) -> dict[int, float]:
-        """``{M: T(M) / T(1)}`` over the measured widths."""
-        t1 = self.verify_s[1]
-        return {m: t / t1 for m, t in sorted(self.verify_s.items())}
+    def ratios(self, context: int | None = None) -> dict[int, float]:
+        """``{M: T(M) / T(1)}`` over the measured widths (at ``context``, as :meth:`verify`)."""
+        t1 = self.verify(1, context)
+        return {m: self.verify(m, context) / t1 for m in sorted(self.verify_s)}
 
     def table(self) -> str:
-        """One line: ``T(M)/T(1)`` per measured width and the drafter's cost in plain steps."""
+        """One line: ``T(M)/T(1)`` per measured width and the drafter's cost in plain steps (and the same
+        after the long context, when measured)."""
         t1 = self.verify_s[1]
         s = " ".join(f"{m}:{r:.2f}" for m, r in self.ratios().items())
         if self.drafter_s:
             s += "; drafter " + " ".join(f"n={n}:{t / t1:.2f}" for n, t in sorted(self.drafter_s.items()))
-        return s + f" (T(1) = {t1 * 1e3:.1f} ms)"
+        s += f" (T(1) = {t1 * 1e3:.1f} ms)"
+        if self.verify_long_s:
+            tl = self.verify_long_s[1]
+            s += (f"; after {self.long_context} tokens " + " ".join(
+                f"{m}:{t / tl:.2f}" for m, t in sorted(self.verify_long_s.items())) + f" (T(1) = {tl * 1e3:.1f} ms)")
+        return s
 
     def to_json(self) -> dict:
-        return {"verify_s": {str(k): v for k, v in sorted(self.verify_s.items())},
-                "drafter_s": {str(k): v for k, v in sorted(self.drafter_s.items())},
-                "fingerprint": self.fingerprint, "meta": self.meta}
+        d = {"verify_s": {str(k): v for k, v in sorted(self.verify_s.items())},
+             "drafter_s": {str(k): v for k, v in sorted(self.drafter_s.items())},
+             "fingerprint": self.fingerprint, "meta": self.meta, "context": self.context}
+        if self.verify_long_s:
+            d["verify_long_s"] = {str(k): v for k, v in sorted(self.verify_long_s.items())}
+            d["long_context"] = self.long_context
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> "VerifyCosts":
-        """Inverse of :meth:`to_json`. Raises ``ValueError``/``KeyError``/``TypeError`` on malformed input."""
-        return cls(d["verify_s"], d.get("drafter_s") or {}, d.get("fingerprint") or {}, d.get("meta") or {})
+        """Inverse of :meth:`to_json`; an entry of protocol 1 (no ``verify_long_s``, the context in ``meta``)
+        reads as a context-independent table. Raises ``ValueError``/``KeyError``/``TypeError`` on malformed
+        input."""
+        meta = d.get("meta") or {}
+        return cls(d["verify_s"], d.get("drafter_s") or {}, d.get("fingerprint") or {}, meta,
+                   d.get("verify_long_s") or {}, int(d.get("context", meta.get("context", 128))),
+                   int(d.get("long_context", 0)))
 
 
 def _interp(table: dict[int, float], x: int) -> float:
@@ -146,6 +211,7 @@ def measure_verify_costs(
     *,
     drafter=None,
     context: int = 128,
+    long_context: int = DEFAULT_LONG_CONTEXT,
     repeats: int = 3,
     max_repeats: int = 10,
     tolerance: float = 0.1,
@@ -155,11 +221,13 @@ def measure_verify_costs(
 ) -> VerifyCosts:
     """Time target forwards of ``M`` new tokens for each width, and the drafter's proposal.
 
-    A context of ``context`` random token ids (valid vocabulary, fixed ``seed``) is prefilled once; then, in
-    each pass, the widths are timed one after the other (interleaved, so a slow spell of a shared host falls
-    on all of them alike): a synchronous forward of ``M`` tokens with the drafter's taps, evaluated with the
-    argmax of every row (what a greedy verify reads), after which the cache is cut back to the context. With a
-    drafter, one proposal of ``1`` and of ``B - 1`` drafts (``B`` = the widest width) is timed in each pass too.
+    A context of ``context`` random token ids (valid vocabulary, fixed ``seed``) is prefilled once, and in a
+    second cache ``long_context`` of them (the verify cost grows with the context its rows attend to: see
+    :class:`VerifyCosts`); then, in each pass, the widths are timed one after the other after each context
+    (interleaved, so a slow spell of a shared host falls on all of them alike): a synchronous forward of ``M``
+    tokens with the drafter's taps, evaluated with the argmax of every row (what a greedy verify reads), after
+    which the cache is cut back to its context. With a drafter, one proposal of ``1`` and of ``B - 1`` drafts
+    (``B`` = the widest width) is timed in each pass too (after the short context).
     A first pass is not timed (on a GPU it compiles each width's kernels; on the CPU only the narrowest and
     widest widths run in it).
 
@@ -167,8 +235,8 @@ def measure_verify_costs(
     2-core host medians of 3 passes swung by 2x from run to run (T(6) read 4.1 T(1) in one, 1.5 in the next),
     while the fastest agreed within ~10 %. Passes go on until at least ``repeats`` have run and every cost is
     *settled* (its two fastest timings within ``tolerance`` of each other), but never past ``max_repeats``
-    passes, and no pass starts after ``time_budget`` seconds from the start (at least one runs): a large target
-    gets fewer passes, a quiet machine stops after ``repeats``.
+    passes, and no pass starts after ``time_budget`` seconds from the end of the prefills (at least one runs):
+    a large target gets fewer passes, a quiet machine stops after ``repeats``.
 
     Args:
         target: the :class:`~.target.TargetAdapter` (its cache is a fresh one; the target is not changed).
@@ -176,6 +244,9 @@ def measure_verify_costs(
         drafter: a :class:`~.proposers.DFlashProposer` (or a proposer with a ``.drafter`` that is one, e.g. a
             :class:`~.proposers.FusedProposer`) whose proposal to time, or ``None``.
         context: tokens of context before the timed forwards (>= 1).
+        long_context: tokens of context before the second set of timed forwards (``0``: none; otherwise
+            > ``context``; cut to the target's limit less the widest width, and dropped if that leaves it at
+            most ``context``).
         repeats: timed passes at least (when time allows; >= 1).
         max_repeats: timed passes at most (>= ``repeats``).
         tolerance: relative gap of the two fastest timings under which a cost is settled (>= 0).
@@ -184,17 +255,21 @@ def measure_verify_costs(
         seed: seed of the random context.
 
     Returns:
-        :class:`VerifyCosts` (``fingerprint`` empty: :func:`calibrate` fills it); ``meta`` says how many
-        passes ran, whether every cost settled, and the seconds spent.
+        :class:`VerifyCosts` (``fingerprint`` empty: :func:`calibrate` fills it; ``verify_long_s`` empty
+        without a long context); ``meta`` says how many passes ran, whether every cost settled, and the
+        seconds spent (prefills included).
 
     Raises:
-        ValueError: a bad width, ``context``, ``repeats``, ``max_repeats``, ``tolerance`` or ``time_budget``
-            (named).
+        ValueError: a bad width, ``context``, ``long_context``, ``repeats``, ``max_repeats``, ``tolerance`` or
+            ``time_budget`` (named).
     """
     widths = sorted({1, *(_width(w, "widths") for w in widths)})
     for name, v, lo in (("context", context, 1), ("repeats", repeats, 1), ("max_repeats", max_repeats, repeats)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+    if isinstance(long_context, bool) or not isinstance(long_context, int) or not (
+            long_context == 0 or long_context > context):
+        raise ValueError(f"long_context must be 0 or an integer > context ({context}), got {long_context!r}")
     if not tolerance >= 0:
         raise ValueError(f"tolerance must be >= 0, got {tolerance!r}")
     if not time_budget > 0:
@@ -202,12 +277,17 @@ def measure_verify_costs(
     limit = target.max_context
     if limit is not None and context + widths[-1] > limit:
         context = max(1, limit - widths[-1])
+    if limit is not None and long_context + widths[-1] > limit:
+        long_context = limit - widths[-1]
+    if long_context <= context:
+        long_context = 0
     dp = getattr(drafter, "drafter", drafter)
     tap_ids = tuple(dp.tap_ids) if dp is not None else ()
     start = time.perf_counter()
 
     key = mx.random.key(seed)
-    ids = mx.random.randint(0, max(1, target.vocab_size), (context + widths[-1],), key=key).astype(mx.int32)
+    total = max(context, long_context) + widths[-1]
+    ids = mx.random.randint(0, max(1, target.vocab_size), (total,), key=key).astype(mx.int32)
     ids_list = ids.tolist()
     cache = target.make_cache()
     res = target.forward(ids[:context], cache, tap_ids)
@@ -219,18 +299,26 @@ def measure_verify_costs(
         mx.eval([c.state for c in cache] + session.state_arrays())
     else:
         mx.eval([c.state for c in cache])
-    base = cache_length(cache)
+    caches = {context: (cache, cache_length(cache))}
+    if long_context:
+        long_cache = target.make_cache()
+        for a in range(0, long_context, 512):
+            target.forward(ids[a : min(a + 512, long_context)], long_cache, last_only=True)
+            mx.eval([c.state for c in long_cache])
+        caches[long_context] = (long_cache, cache_length(long_cache))
+    start_passes = time.perf_counter()
     anchor = ids_list[context - 1]
     block = widths[-1]
     draft_ns = sorted({1, block - 1}) if dp is not None and block > 1 else []
 
-    def forward(m: int) -> float:
+    def forward(m: int, at: int) -> float:
+        c, base = caches[at]
         t0 = time.perf_counter()
-        out = target.forward(ids[context : context + m], cache, tap_ids)
+        out = target.forward(ids[at : at + m], c, tap_ids)
         arrays = [mx.argmax(out.logits, axis=-1)] + ([out.features] if tap_ids else [])
         mx.eval(arrays)
         dt = time.perf_counter() - t0
-        trim_cache(cache, cache_length(cache) - base)
+        trim_cache(c, cache_length(c) - base)
         return dt
 
     def propose(n: int) -> float:
@@ -239,7 +327,7 @@ def measure_verify_costs(
         mx.eval([a for a in (prop.tokens, prop.q) if a is not None])
         return time.perf_counter() - t0
 
-    jobs = [("verify", m) for m in widths] + [("drafter", n) for n in draft_ns]
+    jobs = [("verify", m, at) for at in caches for m in widths] + [("drafter", n, context) for n in draft_ns]
     bar = None
     if progress:
         from tqdm import tqdm
@@ -248,7 +336,7 @@ def measure_verify_costs(
                    unit="forward", delay=2.0, mininterval=0.5, file=sys.stderr, leave=False)
 
     def run(job):
-        r = forward(job[1]) if job[0] == "verify" else propose(job[1])
+        r = forward(job[1], job[2]) if job[0] == "verify" else propose(job[1])
         if bar is not None:
             bar.update(1)
         return r
@@ -274,7 +362,7 @@ def measure_verify_costs(
                 times[job].append(run(job))
             passes += 1
             stable = all(settled(ts) for ts in times.values())
-            spent, per_pass = time.perf_counter() - start, time.perf_counter() - t0
+            spent, per_pass = time.perf_counter() - start_passes, time.perf_counter() - t0
             if (passes >= repeats and stable) or passes >= max_repeats or spent + per_pass > time_budget:
                 break
             if bar is not None and passes >= repeats:
@@ -283,12 +371,13 @@ def measure_verify_costs(
     finally:
         if bar is not None:
             bar.close()
-        del cache
-    verify_s = {m: min(times[("verify", m)]) for m in widths}
-    drafter_s = {n: min(times[("drafter", n)]) for n in draft_ns}
-    meta = {"context": context, "passes": passes, "settled": stable,
+        del cache, caches
+    verify_s = {m: min(times[("verify", m, context)]) for m in widths}
+    verify_long_s = {m: min(times[("verify", m, long_context)]) for m in widths} if long_context else {}
+    drafter_s = {n: min(times[("drafter", n, context)]) for n in draft_ns}
+    meta = {"context": context, "long_context": long_context, "passes": passes, "settled": stable,
             "seconds": round(time.perf_counter() - start, 3), "date": time.strftime("%Y-%m-%d %H:%M")}
-    return VerifyCosts(verify_s, drafter_s, {}, meta)
+    return VerifyCosts(verify_s, drafter_s, {}, meta, verify_long_s, context, long_context)
 
 
 def _width(w, name: str) -> int:
@@ -392,7 +481,7 @@ def fingerprint(target, target_name: str, drafter=None) -> dict:
         "mlx": mx.__version__,
         "mlx_lm": getattr(mlx_lm, "__version__", "?"),
         "device": _device(),
-        "protocol": CACHE_VERSION,
+        "protocol": PROTOCOL,
     }
     dp = getattr(drafter, "drafter", drafter)
     if dp is not None:

@@ -378,7 +378,11 @@ class WidthPolicy:
     ``1 / T(1)``: no proposal is verified, and the kind's counts are only discounted, so its estimate drifts
     back to the prior and it is tried again after a while). The cost curve need not
     be monotone (on the H200 a verify of 4 rows costs more than one of 16; on a 2-core CPU 12 more than
-    16), so no width is taken for granted, and 16 is verified only where it pays.
+    16), so no width is taken for granted, and 16 is verified only where it pays. Nor is it the same at every
+    context: a verify row attends to every cached key, and on MLX's CPU backend ``T(16)/T(1)`` read 1.8 after
+    128 tokens but 2.9 after 1K, so a width chosen from short-context costs overpaid at 8K (the default ran at
+    0.78x of plain decoding there, ``benchmarks/README.md``); the loop passes the round's ``context`` (tokens
+    in the cache), and the costs are read at it (:meth:`~.calibrate.VerifyCosts.verify`).
 
     Each *kind* of proposal has its own acceptance: ``"drafter"`` (a drafter round, its proposal cost
     included), ``"lookup"`` (a long lookup match, which wins without a drafter forward) and
@@ -427,24 +431,26 @@ class WidthPolicy:
             out.append(c)
         return out
 
-    def rate(self, n: int, kind: str = "drafter", c: list[float] | None = None) -> float:
-        """Estimated tokens per second of a round proposing ``n`` tokens of ``kind`` (``n = 0``: a plain step)."""
+    def rate(self, n: int, kind: str = "drafter", c: list[float] | None = None, context: int | None = None) -> float:
+        """Estimated tokens per second of a round proposing ``n`` tokens of ``kind`` (``n = 0``: a plain step)
+        after ``context`` tokens in the cache (``None``: the calibration's own short context)."""
         if n <= 0:
-            return 1.0 / self.costs.verify(1)
+            return 1.0 / self.costs.verify(1, context)
         c = self.acceptance(n, kind) if c is None else c
-        cost = self.costs.verify(n + 1) + (self.costs.drafter(n) if kind == "drafter" else 0.0)
+        cost = self.costs.verify(n + 1, context) + (self.costs.drafter(n) if kind == "drafter" else 0.0)
         return (1.0 + sum(c[:n])) / cost
 
-    def choose(self, n_max: int, kind: str = "drafter") -> int:
+    def choose(self, n_max: int, kind: str = "drafter", context: int | None = None) -> int:
         """How many of the ``n_max`` tokens a round of ``kind`` may propose to verify: ``0..n_max`` (``0``:
-        none, a plain step of ``T(1)`` for one token, where no width is estimated to pay)."""
+        none, a plain step of ``T(1)`` for one token, where no width is estimated to pay), the verify rows
+        attending to ``context`` cached tokens (``None``: the calibration's short context)."""
         if n_max <= 0:
             return 0
         c = self.acceptance(n_max, kind)
         cands = sorted({0, n_max} | {m - 1 for m in self.costs.verify_s if 2 <= m <= n_max + 1})
         best, best_rate = cands[0], -1.0
         for n in cands:
-            r = self.rate(n, kind, c)
+            r = self.rate(n, kind, c, context)
             if r > best_rate:
                 best, best_rate = n, r
         return best
@@ -565,11 +571,12 @@ class AdaptiveSchedule:
         e[0] = self.decay * e[0] + tokens
         e[1] = self.decay * e[1] + seconds
 
-    def width(self, n_max: int, kind: str = "drafter") -> int:
+    def width(self, n_max: int, kind: str = "drafter", context: int | None = None) -> int:
         """How many tokens the next round of ``kind`` (see :class:`WidthPolicy`) proposes, at most ``n_max``
         (for the drafter the loop's ``B - 1``, capped by ``max_tokens`` and the context; for lookup the
-        tokens it has; ``0``: a plain step): the :class:`WidthPolicy`'s choice, or ``n_max`` without one."""
-        return self.widths.choose(n_max, kind) if self.widths is not None else n_max
+        tokens it has; ``0``: a plain step), its verify attending to ``context`` cached tokens: the
+        :class:`WidthPolicy`'s choice, or ``n_max`` without one."""
+        return self.widths.choose(n_max, kind, context) if self.widths is not None else n_max
 
     def record_acceptance(self, drafted: int, accepted: int, kind: str = "drafter") -> None:
         """A verified round of ``kind`` proposed ``drafted`` tokens and accepted ``accepted`` (for the width
@@ -673,7 +680,7 @@ class _FusedSession(ProposerSession):
         """The lookup's ``tokens`` as a proposal, cut to the width policy's choice for ``kind`` (possibly none:
         a plain step, where its measured acceptance does not pay for a wider verify)."""
         if scheduled:
-            k = self.p.schedule.width(len(tokens), kind)
+            k = self.p.schedule.width(len(tokens), kind, len(self.l.index))
             tokens = tokens[:k]
             self._width = (kind, len(tokens))
         if not tokens:
@@ -696,7 +703,8 @@ class _FusedSession(ProposerSession):
                 if not lt:
                     return Proposal.empty()
                 return self._lookup(lt[: min(n, self.p.lookup.block_size - 1)], "lookup-short", True)
-            n = sch.width(n)  # the calibrated width policy's choice (n itself without a calibration)
+            n = sch.width(n, "drafter", len(self.l.index))  # the calibrated width policy's choice at this
+            # context (the committed tokens, all in the target's cache; n itself without a calibration)
             if n == 0:  # no width pays at the acceptance measured so far: a plain step, no drafter forward,
                 # timed as a round without the drafter (the other arm: counted as the drafter's, these cheap
                 # steps made the drafter look fast where a short lookup match competes with it, and it was

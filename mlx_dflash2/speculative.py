@@ -62,7 +62,9 @@ class SpecStats:
     rows (the anchor and ``m - 1`` drafts; a stop does not change it).
     ``verify_cost`` / ``drafter_cost``: the calibration the adaptive schedule
     chose widths from (``{M: T(M)/T(1)}``, ``{n: D(n)/T(1)}``: a forward of
-    ``M`` rows, a proposal of ``n`` drafts, in plain steps), empty without one.
+    ``M`` rows, a proposal of ``n`` drafts, in plain steps, read at the
+    prompt's length: a verify row's cost grows with the context), empty
+    without one.
     """
 
     drafter: str = "none"
@@ -361,8 +363,8 @@ def speculative_generate_step(
     stats.draft_confidence = proposer.min_confidence
     costs = getattr(proposer, "calibration", None) if adaptive else None  # the width policy's table
     if costs is not None:
-        t1 = costs.verify(1)
-        stats.verify_cost = costs.ratios()
+        t1 = costs.verify(1, len(prompt))
+        stats.verify_cost = costs.ratios(len(prompt))
         stats.drafter_cost = {n: t / t1 for n, t in sorted(costs.drafter_s.items())}
     tap_ids = tuple(proposer.tap_ids)
     reuse = 0

@@ -138,6 +138,22 @@ def test_calibrate_caches_per_fingerprint_measures_wider_and_reruns_on_request(t
     assert len(json.loads(cache.read_text())["entries"]) == 1
 
 
+def test_entries_of_the_first_protocol_stay_in_the_file_and_are_measured_again(tiny, tmp_path, monkeypatch):
+    """A protocol-1 entry (no long-context table) is not this protocol's: the calibration is measured again
+    (now with the long context) and stored beside it, which an older package still finds."""
+    path, target, tok, name, drafter = tiny
+    cache = tmp_path / "cal.json"
+    monkeypatch.setenv(C.CACHE_ENV, str(cache))
+    fp1 = {**C.fingerprint(target, name, drafter), "protocol": 1}
+    old = {"verify_s": {"1": 1.0, "2": 1.0, "3": 1.0, "4": 1.0}, "drafter_s": {}, "fingerprint": fp1,
+           "meta": {"context": 128}}
+    cache.write_text(json.dumps({"version": C.CACHE_VERSION, "entries": {C.cache_key(fp1): old}}))
+    costs = C.calibrate(target, name, drafter, block_size=4, progress=False, repeats=1, max_repeats=1)
+    assert costs.verify_long_s and costs.fingerprint["protocol"] == C.PROTOCOL == 2
+    entries = json.loads(cache.read_text())["entries"]
+    assert len(entries) == 2 and entries[C.cache_key(fp1)] == old
+
+
 class _Slow:
     """The tiny target with ``delay`` seconds added to every forward (a large target, in time)."""
 
@@ -164,12 +180,16 @@ def test_measurement_runs_in_bounded_time(tiny):
     # the budget stopped the passes after the first (a wall-clock bound here would only measure the host's load)
     assert costs.meta["passes"] == 1 and not costs.meta["settled"], (costs.meta, took)
     assert all(t >= 0.03 for t in costs.verify_s.values())
+    # the second context (the cost of a verify row grows with the context it attends to)
+    assert sorted(costs.verify_long_s) == list(DEFAULT_WIDTHS) and costs.long_context > costs.context
+    assert costs.meta["long_context"] == costs.long_context
+    assert C.measure_verify_costs(target, (1, 4), long_context=0, repeats=1, progress=False).verify_long_s == {}
     fast = C.measure_verify_costs(target, (1, 4), repeats=3, max_repeats=6, time_budget=30.0, progress=False)
     assert 3 <= fast.meta["passes"] <= 6 and fast.drafter_s == {} and sorted(fast.verify_s) == [1, 4]
     loose = C.measure_verify_costs(target, (1, 4), repeats=2, tolerance=100.0, time_budget=30.0, progress=False)
     assert loose.meta["passes"] == 2 and loose.meta["settled"]  # settled at once: stops at `repeats`
     for bad in (dict(widths=(0, 4)), dict(context=0), dict(repeats=0), dict(max_repeats=1, repeats=2),
-                dict(tolerance=-1), dict(time_budget=0)):
+                dict(tolerance=-1), dict(time_budget=0), dict(long_context=100)):
         with pytest.raises(ValueError, match=list(bad)[-1]):
             C.measure_verify_costs(target, **{"widths": (1, 2), **bad})
 
@@ -183,6 +203,60 @@ def test_verify_costs_interpolate_and_validate():
     for bad in ({2: 1.0}, {1: 0.0}, {1: float("nan")}, {1: 1.0, 0: 1.0}):
         with pytest.raises(ValueError):
             VerifyCosts(bad)
+
+
+def test_verify_costs_grow_with_the_context_and_read_old_entries():
+    """With a table measured after a long context, the cost at a context is the line through the two per width
+    (extended past the long one, never below the short one); without it (protocol-1 entries, which have no
+    such table and keep their context in `meta`) every context costs the same. Round trip through JSON."""
+    c = VerifyCosts({1: 1.0, 16: 2.0}, {1: 0.3}, verify_long_s={1: 2.0, 16: 8.0}, context=128, long_context=1024)
+    assert c.verify(16) == 2.0 and c.verify(16, 100) == 2.0 and c.verify(16, 1024) == pytest.approx(8.0)
+    assert c.verify(1, 8064) == pytest.approx(1.0 + 1.0 * (8064 - 128) / 896)
+    assert c.verify(8, 1024) == pytest.approx(2.0 + 6.0 * 7 / 15)  # interpolated in the width at each context
+    assert c.ratios(1024) == pytest.approx({1: 1.0, 16: 4.0}) and c.ratios() == {1: 1.0, 16: 2.0}
+    back = VerifyCosts.from_json(json.loads(json.dumps(c.to_json())))
+    assert (back.verify_long_s, back.context, back.long_context) == (c.verify_long_s, 128, 1024)
+    old = {"verify_s": {"1": 1.0, "16": 2.0}, "drafter_s": {}, "fingerprint": {}, "meta": {"context": 64}}
+    v1 = VerifyCosts.from_json(old)
+    assert v1.context == 64 and v1.verify_long_s == {} and v1.verify(16, 8000) == 2.0
+    assert "after 1024 tokens 1:1.00 16:4.00" in c.table()
+    for bad in (dict(verify_long_s={1: 2.0}), dict(long_context=128), dict(verify_long_s={1: 2.0, 16: -1.0}),
+                dict(context=-1)):
+        with pytest.raises(ValueError, match=list(bad)[-1]):
+            VerifyCosts({1: 1.0, 16: 2.0}, **{"verify_long_s": {1: 2.0, 16: 8.0}, "long_context": 1024, **bad})
+
+
+def test_width_policy_at_a_long_context_takes_plain_steps_where_a_verify_no_longer_pays():
+    """Issue 20 (the default ran at 0.78x of plain decoding after an 8K-token prompt on the CPU): verify rows
+    cost little more than a plain step after a short context but much more after a long one (attention over
+    every cached key). A long lookup match is verified in full while the history is short, and not at all
+    (a plain step, no drafter forward) once the history is long; a drafter round likewise."""
+    from test_lookup import _Fixed
+
+    cpu_like = VerifyCosts({m: 1.0 + 0.05 * (m - 1) for m in DEFAULT_WIDTHS}, {1: 0.1, 15: 0.2},
+                           verify_long_s={m: 2.0 + 1.5 * (m - 1) for m in DEFAULT_WIDTHS}, context=128,
+                           long_context=1024)
+    w = WidthPolicy(cpu_like)
+    assert w.choose(15, "lookup") == 15 and w.choose(15, "lookup", context=64) == 15
+    assert w.choose(15, "lookup", context=8000) == 0 and w.choose(15, "drafter", context=8000) == 0
+    t = [0.0]
+    pattern = list(range(100, 140))
+
+    def session(history_len):
+        sch = AdaptiveSchedule(min_samples=1, warmup=0, clock=lambda: t[0], widths=WidthPolicy(cpu_like))
+        fp = FusedProposer(_Fixed(list(range(50, 70))), LookupProposer(block_size=8), schedule=sch)
+        s = fp.start([])
+        s.extend((pattern * (history_len // len(pattern) + 1))[:history_len], None)
+        return fp, s
+
+    fp, s = session(120)  # the history repeats: a long match of the anchor's continuation
+    assert s.propose(120 % 40 + 100, 15).n == 15
+    fp, s = session(8000)
+    p = s.propose(8000 % 40 + 100, 15)
+    assert p.n == 0 and fp.drafter.calls == 0  # a plain step
+    fp, s = session(8001)
+    p = s.propose(7, 15)  # no match: the drafter's trial round, but no width pays at 8K: a plain step
+    assert p.n == 0 and fp.drafter.calls == 0
 
 
 def test_width_policy_acceptance_estimate_and_choice():
@@ -285,7 +359,8 @@ def _run_policy(smol_f32, code_ref, verify_s, offsets, n=64, drafter_s=None):
         tick[0] += 0.5
         return tick[0]
 
-    policy = WidthPolicy(VerifyCosts(verify_s, drafter_s or {1: 0.2, 15: 0.3}))
+    costs = verify_s if isinstance(verify_s, VerifyCosts) else VerifyCosts(verify_s, drafter_s or {1: 0.2, 15: 0.3})
+    policy = WidthPolicy(costs)
     sch = AdaptiveSchedule(min_samples=1, warmup=0, clock=clock, widths=policy)
     prop = FusedProposer(scripted, LookupProposer(block_size=8), schedule=sch)
     stats = SpecStats()
@@ -326,6 +401,22 @@ def test_width_policy_follows_acceptance_lossless(smol_f32, code_ref):
     assert out == ref
     assert 11 not in asked and 15 in asked[:3], asked
     assert len(asked) <= 16 and stats.rounds_by_source.get("none", 0) >= 8, (asked, stats.rounds_by_source)
+
+
+def test_loop_reads_the_verify_cost_at_the_context_it_has(smol_f32, code_ref):
+    """The same flat short-context table (every draft right: full blocks pay), but verify rows that cost many
+    plain steps after a long context; the prompt is long for this table (contexts of 8 and 16 tokens), so
+    the loop, which passes each round's context to the width policy, takes plain steps only: no drafter
+    forward, and the calibration in the stats is the one at the prompt's length. Output equals plain."""
+    ids, _ = code_ref
+    assert len(ids) > 32
+    flat = {m: 1.0 for m in DEFAULT_WIDTHS}
+    costs = VerifyCosts(flat, {1: 0.2, 15: 0.3}, verify_long_s={m: 1.0 + m for m in DEFAULT_WIDTHS}, context=8,
+                        long_context=16)
+    out, ref, stats, asked = _run_policy(smol_f32, code_ref, costs, [15], n=24)
+    assert out == ref
+    assert asked == [] and stats.verify_widths == {1: 23}, (asked, stats.verify_widths)
+    assert stats.verify_cost[16] > 4 * stats.verify_cost[2]
 
 
 def test_without_calibration_drafter_rounds_draft_full_blocks(smol_f32, code_ref):

@@ -18,9 +18,10 @@ import mlx.core as mx
 from .loading import SpeculativeModel, make_proposer
 from .speculative import GenerationState, SpecStats, speculative_generate_step
 from .sampling import SamplingParams
-from .verify import make_verifier
+from .verify import Verifier, make_verifier
 
-__all__ = ["GenerationResponse", "stream_generate", "generate", "IncrementalDetokenizer", "TextStream"]
+__all__ = ["GenerationResponse", "stream_generate", "generate", "IncrementalDetokenizer", "TextStream",
+           "RequestSampling", "request_sampling"]
 
 
 @dataclass
@@ -52,6 +53,43 @@ class GenerationResponse:
     peak_memory: float
     finish_reason: Optional[str] = None
     stats: SpecStats = field(default_factory=SpecStats)
+
+
+@dataclass
+class RequestSampling:
+    """How one request samples (what :func:`request_sampling` builds from its :class:`SamplingParams`).
+
+    Attributes:
+        verifier: its own verifier (greedy or rejection sampling, its logits processors; a sampled
+            one holds the request's verify key and splits it once per round).
+        draft_temperature: the drafter's temperature (``params.temp``; 0: greedy drafts).
+        draft_key: the drafter's own PRNG key (split once per round that drafts), None when greedy.
+        adaptive: whether a timing-based adaptive schedule may choose the rounds (False for a seeded
+            sampled request: it repeats token for token only if its rounds do).
+    """
+
+    verifier: Verifier
+    draft_temperature: float
+    draft_key: Optional[mx.array]
+    adaptive: bool
+
+
+def request_sampling(params: SamplingParams, kernel_mode: Optional[str] = None) -> RequestSampling:
+    """A request's verifier and drafter randomness from its validated ``params``: the request's root
+    key (``params.key()``: from its seed, else fresh) split into a draft key and a verify key, so its
+    random streams are its own and consumed in round order, whichever loop (solo or batched) runs it.
+
+    Args:
+        params: validated sampling parameters.
+        kernel_mode: the greedy accept's kernel mode (the model's ``kernels``; None: the default).
+    """
+    draft_key, verify_key = mx.random.split(params.key())
+    return RequestSampling(
+        verifier=make_verifier(params, verify_key, kernel_mode=kernel_mode),
+        draft_temperature=params.temp,
+        draft_key=draft_key if not params.greedy else None,
+        adaptive=params.greedy or params.seed is None,
+    )
 
 
 class IncrementalDetokenizer:
@@ -235,8 +273,7 @@ def stream_generate(
         logit_bias=logit_bias,
         seed=seed,
     ).validate()
-    draft_key, verify_key = mx.random.split(params.key())
-    verifier = make_verifier(params, verify_key, kernel_mode=getattr(model, "kernels", None))
+    rs = request_sampling(params, kernel_mode=getattr(model, "kernels", None))
     if isinstance(prompt, str):
         add_special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
         prompt = tokenizer.encode(prompt, add_special_tokens=add_special)
@@ -261,12 +298,11 @@ def stream_generate(
         prompt,
         model.target,
         proposer,
-        verifier=verifier,
+        verifier=rs.verifier,
         block_size=B,
-        draft_temperature=params.temp,
-        draft_key=draft_key if not params.greedy else None,
-        # a seeded sampled run repeats token for token only if its rounds do: no timing-based schedule
-        adaptive=params.greedy or seed is None,
+        draft_temperature=rs.draft_temperature,
+        draft_key=rs.draft_key,
+        adaptive=rs.adaptive,
         max_tokens=max_tokens,
         prefill_step_size=prefill_step_size,
         stats=stats,

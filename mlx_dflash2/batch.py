@@ -1,7 +1,8 @@
-"""Batched greedy speculative rounds for dense targets (issue 22, first building block).
+"""Batched speculative rounds for dense targets (issue 22, first building blocks).
 
-The server's engine (:mod:`~.server.engine`) runs its greedy requests through it (continuous
-batching); the CLI and :func:`~.api.stream_generate` still use :mod:`~.speculative`'s loop. This module
+Every request kind shares a batch: greedy and sampled (each with its own verifier, logits processors
+and random keys), with or without logprobs. The server's engine (:mod:`~.server.engine`) runs its
+requests on dense targets through it (continuous batching); the CLI and :func:`~.api.stream_generate` still use :mod:`~.speculative`'s loop. This module
 advances **N requests by one round with one target forward**.
 
 Data flow of one round (:meth:`SpeculativeBatch.step`)
@@ -11,15 +12,20 @@ Data flow of one round (:meth:`SpeculativeBatch.step`)
    the prefill and the first token are exactly the solo ones; its per-layer ``KVCache`` rows are then
    copied into a new row of the batch cache (:class:`RaggedKVCache`). Joins happen between rounds.
 2. **draft**: each active request's own proposer session proposes ``d_1..d_{n_i}`` after its anchor
-   (``n_i <= B_i - 1``, shrunk near its ``max_tokens`` and the context limit), one call per request.
+   (``n_i <= B_i - 1``, shrunk near its ``max_tokens`` and the context limit), one call per request;
+   a sampled request's drafter gets its draft temperature and the next split of its own draft key
+   (split once per round that drafts, as in the solo loop).
 3. **verify**: one target forward over a padded ``[N, M]`` block, ``M = max_i(n_i + 1)``: row ``i`` is
    ``[anchor_i, d_1..d_{n_i}, pad...]``. Each row's new K/V are written at that row's own offset
    (its committed length) and RoPE runs at each row's own positions; the mask lets query ``q`` of row
    ``i`` see exactly keys ``0 .. len_i + q`` of row ``i``. Padding sits after a row's real tokens, so
    causality alone keeps it (and every other row) out of the real queries' view.
 4. **accept**: each request's own verifier (greedy by default: :class:`~.verify.GreedyVerifier`, the
-   same op as the solo loop) on its own ``n_i + 1`` logit rows. One host synchronisation for the
-   whole batch (every row's accepted length and tokens are read together).
+   same op as the solo loop; :class:`~.verify.RejectionVerifier` for a sampled request, whose key
+   splits once per round exactly as in the solo loop; either with the request's penalties / logit
+   bias over its own history) on its own ``n_i + 1`` logit rows. One host synchronisation for the
+   whole batch (every row's accepted length and tokens, and the logprobs of the rows that asked for
+   them, are read together).
 5. **commit / rollback**: row ``i`` keeps ``[anchor, d_1..d_{a_i}]`` (its length goes up by
    ``a_i + 1``; the rest of the block, rejected drafts and padding, is dropped by a per-row length
    decrement, no copy); its proposer session gets those positions' tap features. Tokens are emitted
@@ -39,7 +45,11 @@ Invariants (checked after every round)
 
 Lossless: each request's greedy output equals its solo output (float32 on the reference path, as
 for the single-request loop; the batch's wider matmuls can differ from a solo forward only in the
-last bits, i.e. at exact near-ties). Tests: ``tests/test_batch.py``.
+last bits, i.e. at exact near-ties), and so does a seeded sampled request's: its random streams (the
+verify key and the draft key, from :func:`~.api.request_sampling`) are its own and are consumed in
+the solo loop's order (one verify split per round, including the prefill's first token; one draft
+split per round that drafts), and the batch's rounds are the solo loop's non-adaptive rounds (what a
+seeded solo run uses). Tests: ``tests/test_batch.py``.
 
 Why not mlx-lm's ``BatchKVCache``: it keeps rows right-aligned (left padding) with one shared write
 index, so ``trim`` cuts every row by the same amount. A per-row rollback through its public API
@@ -54,8 +64,6 @@ Missing for the full issue 22 (later steps)
 -------------------------------------------
 * one drafter forward for all rows (each with its own context features and anchor): today each
   request's proposer is called on its own;
-* sampled requests in a batch (a per-request :class:`~.verify.RejectionVerifier` plugs in through
-  ``verifier=``, untested here), per-request logprobs out of :meth:`SpeculativeBatch.step`;
 * hybrid targets (recurrent layers: per-row accept via ``kernels.select_states``; sliding windows):
   refused here;
 * pipelining (queueing round r+1 before r's tokens are handed out, as the solo loop does), chunked
@@ -64,7 +72,7 @@ Missing for the full issue 22 (later steps)
 * confidence-scheduled verify widths under a per-round token budget (today every row drafts up to its
   ``B - 1``); logits are computed for all ``N x M`` rows, padding included;
 * the single-request generator as a batch of one (the server wiring is done: continuous batching,
-  FIFO under ``--max-batch``, cancellation, ``/metrics``; sampled requests still go round-robin).
+  FIFO under ``--max-batch``, cancellation, ``/metrics``).
 """
 
 from __future__ import annotations
@@ -271,12 +279,17 @@ class BatchEvent:
             ``"length"`` (``max_tokens`` reached or the context is full) or ``"cancelled"``.
         stats: the request's :class:`~.speculative.SpecStats` (updated in place while it runs;
             ``None`` for a request with ``max_tokens == 0``).
+        logprobs: for a request added with ``logprobs=True``: per token, the target's (processed)
+            log-probabilities ``[V]`` at its position, evaluated (what the solo loop yields); else None.
+        from_draft: per token, whether it was an accepted draft (as the solo loop's ``from_draft``).
     """
 
     uid: int
     tokens: list[int]
     finish_reason: str | None = None
     stats: SpecStats | None = None
+    logprobs: list[mx.array] | None = None
+    from_draft: list[bool] = field(default_factory=list)
 
 
 @dataclass
@@ -292,13 +305,25 @@ class _Request:
     history: list[int]  # prompt + emitted tokens (the anchor last)
     proposer: object = None
     keep_state: bool = False
+    draft_temperature: float = 0.0
+    draft_key: mx.array | None = None  # split once per round that drafts, as the solo loop does
+    want_logprobs: bool = False
     n_out: int = 0
     out: list[int] = field(default_factory=list)  # emitted, not yet reported
+    out_lp: list = field(default_factory=list)  # their logprobs (want_logprobs only)
+    out_draft: list = field(default_factory=list)  # their from_draft flags
     finish: str | None = None
+
+    def event(self, finish: str | None) -> BatchEvent:
+        """The tokens not yet reported as an event (and forget them)."""
+        ev = BatchEvent(self.uid, self.out, finish, self.stats,
+                        self.out_lp if self.want_logprobs else None, self.out_draft)
+        self.out, self.out_lp, self.out_draft = [], [], []
+        return ev
 
 
 class SpeculativeBatch:
-    """A batch of greedy speculative requests on one dense target, advanced one round at a time.
+    """A batch of speculative requests (greedy or sampled) on one dense target, advanced one round at a time.
 
     Usage::
 
@@ -367,6 +392,7 @@ class SpeculativeBatch:
     def add(self, prompt: Sequence[int], max_tokens: int = 256, *, proposer: Proposer | None = None,
             block_size: int | None = None, verifier: Verifier | None = None,
             eos_token_ids: Sequence[int] = (), state: GenerationState | None = None, keep_state: bool = False,
+            draft_temperature: float = 0.0, draft_key: mx.array | None = None, logprobs: bool = False,
             prompt_progress_callback=None) -> int:
         """Prefill a request (alone, exactly as the solo loop does) and make it a row of the batch.
 
@@ -380,13 +406,19 @@ class SpeculativeBatch:
             max_tokens: tokens to generate at most (``-1``: until EOS or the context limit).
             proposer: this request's proposer (default: the batch's; ``None`` for both: plain decoding).
             block_size: its verify width B (default: the batch's, else the proposer's).
-            verifier: its verifier (default :class:`~.verify.GreedyVerifier`).
+            verifier: its verifier (default :class:`~.verify.GreedyVerifier`): any
+                :class:`~.verify.Verifier`, e.g. a :class:`~.verify.RejectionVerifier` with its own key
+                and logits processors (penalties, logit bias), as :func:`~.api.request_sampling` builds
+                it; the batch calls it once per round, as the solo loop does (its key advances alike).
             eos_token_ids: ids that end the request (emitted, then ``finish_reason == "stop"``).
             state: a prompt-cache :class:`~.speculative.GenerationState` to start from (the solo loop
                 reuses its common prefix with ``prompt`` and prefills only the rest); the batch takes it
                 over (it must not be used elsewhere afterwards).
             keep_state: keep the request's final state (its row's K/V, its proposer session, the tokens
                 they hold) when it finishes, for :meth:`take_state` (or return it from :meth:`remove`).
+            draft_temperature, draft_key: the request's drafter sampling (as the solo loop's: the key
+                is split once per round that drafts; 0 / None: greedy drafts).
+            logprobs: report each token's log-probabilities in :attr:`BatchEvent.logprobs`.
             prompt_progress_callback: ``f(processed, total)`` during the prefill.
 
         Returns:
@@ -413,18 +445,21 @@ class SpeculativeBatch:
         gen = speculative_generate_step(prompt, self.target, proposer, verifier=verifier, block_size=B,
                                         max_tokens=max_tokens, prefill_step_size=self.prefill_step_size,
                                         stats=stats, state=state, adaptive=False,
+                                        draft_temperature=draft_temperature, draft_key=draft_key,
                                         prompt_progress_callback=prompt_progress_callback)
         try:
-            first = next(gen)[0]  # the prefill and the first token, exactly the solo loop's
+            first, first_lp, _ = next(gen)  # the prefill and the first token, exactly the solo loop's
         finally:
-            gen.close()
+            gen.close()  # before its first round: the draft key is not split yet
         self._next_uid += 1
         req = _Request(uid, max_tokens, frozenset(int(e) for e in eos_token_ids), stats.block_size,
                        tuple(state.proposer.tap_ids), state.session, verifier, stats, prompt + [first],
-                       proposer=state.proposer, keep_state=keep_state, n_out=1, out=[first])
+                       proposer=state.proposer, keep_state=keep_state, draft_temperature=draft_temperature,
+                       draft_key=draft_key, want_logprobs=bool(logprobs), n_out=1, out=[first],
+                       out_lp=[first_lp] if logprobs else [], out_draft=[False])
         req.finish = self._finished(req, first, len(prompt))
         if req.finish is not None:
-            self._events.append(BatchEvent(uid, req.out, req.finish, stats))
+            self._events.append(req.event(req.finish))
             if keep_state:
                 self._states[uid] = state  # the solo loop left it holding the prompt
             return uid
@@ -439,7 +474,7 @@ class SpeculativeBatch:
         for i, r in enumerate(self._rows):
             if r.uid == uid:
                 self._drop([i])
-                self._events.append(BatchEvent(uid, r.out, "cancelled", r.stats))
+                self._events.append(r.event("cancelled"))
                 return True
         return False
 
@@ -512,7 +547,13 @@ class SpeculativeBatch:
                 n = min(n, r.max_tokens - r.n_out - 1)
             if limit is not None:
                 n = min(n, limit - P - 1)
-            props.append(r.session.propose(r.history[-1], n) if n > 0 else Proposal.empty())
+            prop = Proposal.empty()
+            if n > 0:
+                sub = None
+                if r.draft_key is not None:  # the solo loop's order: one split per round that drafts
+                    r.draft_key, sub = mx.random.split(r.draft_key)
+                prop = r.session.propose(r.history[-1], n, r.draft_temperature, sub)
+            props.append(prop)
         widths = [p.n + 1 for p in props]
         M = max(widths)
         self.last_round = {"rows": len(rows), "verified": sum(widths), "width": M}
@@ -529,7 +570,8 @@ class SpeculativeBatch:
         # 3. per-request accept; one host synchronisation for the batch
         results = [r.verifier.verify(logits[i, :w], p, r.history)
                    for i, (r, p, w) in enumerate(zip(rows, props, widths))]
-        mx.eval([x for vr in results for x in (vr.num_accepted, vr.tokens)])
+        mx.eval([x for vr in results for x in (vr.num_accepted, vr.tokens)]
+                + [vr.logprobs for r, vr in zip(rows, results) if r.want_logprobs])
 
         # 4. per-request commit / rollback, emission
         trims, done = [], []
@@ -547,6 +589,9 @@ class SpeculativeBatch:
             for j, tok in enumerate(toks):
                 r.history.append(tok)
                 r.out.append(tok)
+                r.out_draft.append(j < a)
+                if r.want_logprobs:
+                    r.out_lp.append(vr.logprobs[j])
                 r.n_out += 1
                 emitted += 1
                 r.finish = self._finished(r, tok, P + j + 1)
@@ -571,8 +616,7 @@ class SpeculativeBatch:
         for i, r in enumerate(rows):
             r.stats.decode_s += dt  # the rounds it took part in
             if r.out or r.finish is not None:
-                events.append(BatchEvent(r.uid, r.out, r.finish, r.stats))
-                r.out = []
+                events.append(r.event(r.finish))
             if r.finish is not None and r.keep_state:
                 self._states[r.uid] = self._row_state(i)
         if done:

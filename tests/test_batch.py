@@ -343,3 +343,116 @@ def test_bad_input_and_unsupported_targets(target):
 
     with pytest.raises(TargetCompatibilityError, match="WindowKVCache"):
         SpeculativeBatch(Windowed())
+
+
+# ---------------------------------------------------------------------------------------------------
+# every request kind: sampled (seeded), logits processors, logprobs
+# ---------------------------------------------------------------------------------------------------
+
+
+def _dflash(target, seed=4):
+    from mlx_dflash2.drafter.io import init_drafter
+
+    class Tok:  # what init_drafter reads of a tokenizer
+        eos_token_id = None
+
+        def __len__(self):
+            return VOCAB
+
+    drafter = init_drafter(target, Tok(), num_layers=1, block_size=B, mask_token_id=VOCAB - 1, seed=seed)
+    return DFlashProposer(drafter, target, VOCAB)
+
+
+def _solo_run(target, prompt, n, proposer, params, block=None):
+    """The solo loop with the request's sampling exactly as stream_generate builds it:
+    [(token, logprobs [V], from_draft)]."""
+    from mlx_dflash2.api import request_sampling
+
+    rs = request_sampling(params)
+    return [(t, lp, fd) for t, lp, fd in speculative_generate_step(
+        prompt, target, proposer, verifier=rs.verifier, block_size=block, max_tokens=n,
+        draft_temperature=rs.draft_temperature, draft_key=rs.draft_key, adaptive=rs.adaptive)]
+
+
+def test_sampled_penalised_and_logprob_rows_equal_solo(target):
+    """Seeded sampled requests (temperature, top-p, top-k, min-p; lookup, DFlash-drafter sampled drafts
+    and plain decoding), greedy ones with penalties and logit bias, rows with logprobs, joining and
+    leaving at different rounds: each row's tokens, from_draft flags and logprobs equal its solo run
+    (its verifier and draft key advance exactly as in the solo loop)."""
+    from mlx_dflash2.api import request_sampling
+    from mlx_dflash2.sampling import SamplingParams
+
+    dflash = _dflash(target)
+    lookup = LookupProposer(block_size=B)
+    rep = _prompt(6, 30) * 3
+    spec = {  # key: (prompt, max_tokens, proposer, params, block, logprobs, join round)
+        "greedy": (_prompt(7, 31), 14, dflash, SamplingParams(), None, False, 0),
+        "s_lookup": (rep, 18, lookup, SamplingParams(temp=0.1, top_p=0.9, seed=3), None, True, 0),
+        "s_dflash": (_prompt(9, 32), 16, dflash, SamplingParams(temp=1.0, top_k=40, min_p=0.02, seed=7),
+                     None, False, 0),
+        "g_penalty": (rep[:14], 15, lookup, SamplingParams(repetition_penalty=1.5, logit_bias={3: 4.0, 9: -2.0}),
+                      None, True, 1),
+        "s_penalty": (_prompt(5, 33), 12, dflash, SamplingParams(temp=0.7, presence_penalty=0.8,
+                      frequency_penalty=0.5, logit_bias={17: 3.0}, seed=11), None, True, 2),
+        "s_plain": (_prompt(4, 34), 9, None, SamplingParams(temp=1.2, seed=5), 1, True, 1),
+    }
+    solo = {k: _solo_run(target, p, n, prop, params, blk) for k, (p, n, prop, params, blk, _, _) in spec.items()}
+    joins, fd, lps = {}, {}, {}
+    for k, (p, n, prop, params, blk, want, rnd) in spec.items():
+        rs = request_sampling(params)
+        joins.setdefault(rnd, []).append((k, dict(prompt=p, max_tokens=n, proposer=prop, block_size=blk,
+                                                  verifier=rs.verifier, draft_temperature=rs.draft_temperature,
+                                                  draft_key=rs.draft_key, logprobs=want)))
+    batch = SpeculativeBatch(target)
+    uid_of, out = {}, {k: ([], None) for k in spec}
+    for rnd in range(100):
+        for k, kw in joins.pop(rnd, []):
+            uid_of[batch.add(**kw)] = k
+        for ev in batch.step():
+            k = uid_of[ev.uid]
+            out[k] = (out[k][0] + ev.tokens, ev.finish_reason)
+            fd.setdefault(k, []).extend(ev.from_draft)
+            assert (ev.logprobs is not None) == spec[k][5], k
+            lps.setdefault(k, []).extend(ev.logprobs or [])
+        if not joins and not batch.active and not batch.pending:
+            break
+    for k, s in solo.items():
+        assert out[k] == ([t for t, _, _ in s], "length"), k
+        assert fd[k] == [f for _, _, f in s], k
+        if spec[k][5]:
+            assert len(lps[k]) == len(s)
+            for a, (_, b, _) in zip(lps[k], s):
+                assert mx.allclose(a, b, atol=1e-4).item(), k
+    # the sampled rows really sampled and drafted: not their greedy output, some drafts accepted
+    assert [t for t, _, _ in solo["s_dflash"]] != _plain(target, spec["s_dflash"][0], spec["s_dflash"][1])
+    assert any(fd["s_lookup"]) and any(fd["g_penalty"])
+
+
+def test_seeded_sampled_row_is_independent_of_its_neighbours(target):
+    """The same seeded sampled request beside different neighbours (none, greedy ones, other sampled
+    ones) gets the same tokens: no request consumes another's random stream."""
+    from mlx_dflash2.api import request_sampling
+    from mlx_dflash2.sampling import SamplingParams
+
+    lookup = LookupProposer(block_size=B)
+    p = _prompt(6, 40) * 2
+
+    def run(neighbours):
+        batch = SpeculativeBatch(target)
+        rs = request_sampling(SamplingParams(temp=1.0, seed=21))
+        uid = batch.add(p, 14, proposer=lookup, verifier=rs.verifier, draft_temperature=1.0, draft_key=rs.draft_key)
+        for i, t in enumerate(neighbours):
+            r2 = request_sampling(SamplingParams(temp=t, seed=100 + i))
+            batch.add(_prompt(5 + i, 41 + i), 10 + 3 * i, proposer=lookup, verifier=r2.verifier,
+                      draft_temperature=t, draft_key=r2.draft_key)
+        got = []
+        while batch.active or batch.pending:
+            for ev in batch.step():
+                if ev.uid == uid:
+                    got += ev.tokens
+        return got
+
+    alone = run([])
+    assert len(alone) == 14
+    assert run([0.0, 0.0]) == alone
+    assert run([0.9, 1.3, 0.0]) == alone

@@ -588,12 +588,58 @@ def test_batched_limit_waits_in_order(smol_f32, rr_srv):
 
 
 def test_sampled_request_alongside_batched_ones(srv, rr_srv):
-    """A seeded sampled request (round-robin path) served next to batched greedy ones: every output
-    equals its solo one."""
+    """A seeded sampled request served next to greedy ones: every output equals its solo one."""
     sampled = {"prompt": "Tell me a story about a cat.", "max_tokens": 10, "temperature": 0.9, "seed": 5}
     bodies = BATCH_REQS[:3] + [sampled]
     solo = [_stream_completion(rr_srv.url, b) for b in bodies]
     assert _run_together(srv.url, bodies) == solo
+
+
+def _completion_json(url, body):
+    """A non-streaming /v1/completions request: (text, finish_reason, completion_tokens, logprobs)."""
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    d = r.json()
+    c = d["choices"][0]
+    return c["text"], c["finish_reason"], d["usage"]["completion_tokens"], c.get("logprobs")
+
+
+def test_every_request_kind_batched_equals_solo(srv, rr_srv, http):
+    """Concurrent seeded sampled requests (temperature, top-p, top-k, min-p), greedy ones with
+    penalties and logit bias, and requests with logprobs / top_logprobs all share the batched rounds
+    (nothing goes round-robin on a dense target) and each equals its solo (max_batch=0) output: text,
+    finish reason, usage and logprobs."""
+    bodies = [
+        {"prompt": "Tell me a story about a cat.", "max_tokens": 10, "temperature": 0.9, "seed": 5},
+        {"prompt": "The capital of France is", "max_tokens": 9, "temperature": 0.7, "top_p": 0.9, "top_k": 50,
+         "seed": 11, "logprobs": 3},
+        {"prompt": "List of fruits: apple, banana,", "max_tokens": 12, "repetition_penalty": 1.3,
+         "presence_penalty": 0.5, "logit_bias": {"13": 3.0}},
+        {"prompt": "Once upon a time, in a small village,", "max_tokens": 8, "logprobs": 2},
+        {"prompt": "def fibonacci(n):", "max_tokens": 11, "temperature": 1.1, "min_p": 0.05,
+         "frequency_penalty": 0.4, "seed": 3},
+        BATCH_REQS[0],
+    ]
+    solo = [_completion_json(rr_srv.url, b) for b in bodies]
+    before = metrics(http)
+    with ThreadPoolExecutor(len(bodies)) as ex:
+        got = list(ex.map(lambda b: _completion_json(srv.url, b), bodies))
+    after = metrics(http)
+    for g, s, b in zip(got, solo, bodies):
+        assert g[:3] == s[:3], b
+        if s[3] is None:
+            assert g[3] is None, b
+            continue
+        assert g[3]["tokens"] == s[3]["tokens"], b
+        assert g[3]["token_logprobs"] == pytest.approx(s[3]["token_logprobs"], abs=1e-4), b
+        assert g[3]["top_logprobs"] == [pytest.approx(t, abs=1e-4) for t in s[3]["top_logprobs"]], b
+    rows = after["batch_rows_total"] - before["batch_rows_total"]
+    rounds = after["batch_rounds_total"] - before["batch_rounds_total"]
+    forwards = after["target_forwards_total"] - before["target_forwards_total"]
+    assert rounds > 0 and rows / rounds > 1.5, (rows, rounds)  # they really shared rounds
+    # every request was batched: each of its rounds was a row of a batched round (a round-robin
+    # request's rounds would count as target forwards without a row)
+    assert rows == forwards, (rows, forwards)
 
 
 def test_batched_disconnect_mid_batch_leaves_others_exact(srv, rr_srv, http):

@@ -10,8 +10,11 @@ equals what it gets alone. (A speculative round verifies a whole block; the
 following ``next()`` calls of that request return the round's other tokens at
 no cost.) A request's first ``next()`` is its prefill.
 
-Batched rounds: greedy requests without logprobs, penalties or logit bias on a
-dense target (:meth:`Engine._batch_verifier`) skip ``stream_generate``. They
+Batched rounds: on a dense target every request (greedy or sampled, with
+logprobs, penalties or logit bias: :meth:`Engine._batch_sampling`) skips
+``stream_generate``; only hybrid / sliding-window targets (or ``--max-batch 0``)
+use the round-robin path. Each keeps its own verifier and random keys
+(:func:`~mlx_dflash2.api.request_sampling`, as ``stream_generate`` builds them). They
 wait in FIFO order for a row of one :class:`~mlx_dflash2.batch.SpeculativeBatch`
 (at most :attr:`EngineConfig.max_batch` rows), join it between rounds
 (``add``: the prefill, from the prompt cache's state), and each worker turn
@@ -47,13 +50,12 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..api import TextStream, stream_generate
+from ..api import TextStream, request_sampling, stream_generate
 from ..batch import SpeculativeBatch
 from ..loading import SpeculativeModel, materialize
 from ..sampling import SamplingParams
 from ..speculative import PLAIN_PROPOSER, GenerationState
 from ..target import TargetCompatibilityError
-from ..verify import make_verifier
 from .protocol import APIError, bad_request
 from .text import TokenText, convert_chat, initial_reasoning_state, top_logprobs
 
@@ -352,7 +354,7 @@ class EngineConfig:
         prompt_cache_size: cached prompt states (0: no prompt cache).
         prompt_cache_bytes: byte limit of the prompt cache (None: none).
         decode_concurrency: active requests at most; more wait in FIFO order.
-        max_batch: greedy requests sharing one batched round at most (0: no batching, every request
+        max_batch: requests sharing one batched round at most (0: no batching, every request
             is advanced on its own, round-robin); more eligible requests wait in FIFO order.
         prefill_step_size: prompt chunk (tokens) between prefill progress events.
         chat_template_args: default chat template arguments.
@@ -415,7 +417,7 @@ class Engine:
         self._thread: Optional[threading.Thread] = None
         self._call_lock = threading.Lock()
         self._calls: list = []
-        # batched rounds (greedy requests on a dense target); None: every request goes round-robin
+        # batched rounds (every request on a dense target); None: every request goes round-robin
         self._batch: Optional[SpeculativeBatch] = None
         if self.config.max_batch > 0:
             try:
@@ -587,9 +589,9 @@ class Engine:
         def progress(done: int, total: int) -> None:
             job.post(Progress(done, total))
 
-        verifier = self._batch_verifier(job, max_tokens)
-        if verifier is not None:
-            # a greedy request: it joins the batched round (below, _batch_turn) when a row is free
+        rs = self._batch_sampling(job, max_tokens)
+        if rs is not None:
+            # it joins the batched round (below, _batch_turn) when a row is free
             cap = max_tokens
             if m.target.max_context is not None:  # as stream_generate: the target's own limit is a length cap
                 room = m.target.max_context - len(ids) + 1
@@ -597,7 +599,9 @@ class Engine:
             job.batched = True
             job.text = TextStream(self.tokenizer, job.gen_kwargs.get("stop"), cap)
             job.join = dict(prompt=ids, max_tokens=max_tokens, proposer=proposer,
-                            block_size=B if m.proposer is not None else 1, verifier=verifier,
+                            block_size=B if m.proposer is not None else 1, verifier=rs.verifier,
+                            draft_temperature=rs.draft_temperature, draft_key=rs.draft_key,
+                            logprobs=job.logprobs,
                             eos_token_ids=list(self.tokenizer.eos_token_ids), state=job.state,
                             keep_state=job.cache_state, prompt_progress_callback=progress)
             job.state = None  # the batch owns it from the join on
@@ -696,20 +700,20 @@ class Engine:
 
     # ---- batched rounds ----------------------------------------------------
 
-    def _batch_verifier(self, job: Job, max_tokens: int):
-        """The verifier of a request that can join the batched round, or None (it goes round-robin
-        through ``stream_generate``): greedy without logits processors or logprobs; a request whose
-        parameters are invalid is left to ``stream_generate``, which names the bad field."""
-        if self._batch is None or job.logprobs or max_tokens == 0:
+    def _batch_sampling(self, job: Job, max_tokens: int):
+        """The sampling (:class:`~mlx_dflash2.api.RequestSampling`: verifier, draft temperature and key)
+        of a request that joins the batched round, or None (it goes round-robin through
+        ``stream_generate``): every request on a dense target (greedy or sampled, logprobs, penalties,
+        logit bias); a request whose parameters are invalid is left to ``stream_generate``, which
+        names the bad field."""
+        if self._batch is None or max_tokens == 0:
             return None
         kw = {k: v for k, v in job.gen_kwargs.items() if k != "stop"}
         try:
             params = SamplingParams(**kw).validate()
         except (TypeError, ValueError):
             return None
-        if not params.greedy or params.needs_history or params.processors:
-            return None
-        return make_verifier(params, kernel_mode=getattr(self.model, "kernels", None))
+        return request_sampling(params, kernel_mode=getattr(self.model, "kernels", None))
 
     def _batch_turn(self) -> None:
         """One turn of the batched requests: drop the cancelled ones, join waiting ones (FIFO) while
@@ -768,6 +772,8 @@ class Engine:
                 text += job.text.end()
                 finish = "stop" if ev.finish_reason == "stop" else "length"
             out = TokenOut(text, int(tok), finish)
+            if job.logprobs and not (finish == "stop" and out.token in self.tokenizer.eos_token_ids):
+                out.logprob, out.top = top_logprobs(ev.logprobs[i], out.token, job.top_logprobs)
             if finish is not None:
                 s = ev.stats
                 s.generated_tokens = job.text.n

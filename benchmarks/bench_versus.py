@@ -1,0 +1,425 @@
+"""Issue 21's head to head: plain mlx-lm, mlx-lm's speculative decoding with a draft model, and ours.
+
+One run, one machine, one packed target (the same model object for every method), greedy. For every
+prompt of each held-out set (HumanEval, MT-Bench first turns, GSM8K test; ``mlx_dflash2/data/evalsets``)
+it runs:
+
+- ``plain``: ``mlx_lm.generate.generate_step`` on the target (the reference every output is compared with);
+- ``mlx-spec``: ``mlx_lm.generate.speculative_generate_step`` with the draft model (default
+  Qwen2.5-Coder-0.5B-Instruct, packed from its GGUF like the target) at each ``--num-draft`` (2, 4, 6);
+  per set its best ``num_draft_tokens`` (highest median speedup) is reported;
+- ``auto``: ours, ``mlx_dflash2``'s default drafter (``--drafter auto``: the trained drafter shipped for
+  the target under the adaptive schedule, or lookup drafting where none ships, which is the case for
+  Qwen2.5-Coder-1.5B until issue 21's drafter is trained);
+- ``lookup``: ours with ``--drafter lookup`` (suffix matches of the request's own history, B = 8).
+
+Where ``auto`` resolves to the same lookup proposer as ``lookup`` it is measured once and reported for
+both (the JSON says so). Each prompt's K/V is prefilled once (all but the last prompt token, by our loop)
+and handed to every method, the draft model's own K/V too, so the timed part of a request is its decode:
+**tok/s = generated tokens / seconds from the request's start to its last token** (the last prompt token's
+forward included, the EOS counted when it ends the answer). Reported per set and method: median tok/s
+over the prompts, median speedup over plain (per prompt), tau (generated tokens per target forward,
+pooled over the set's prompts) and output identity with plain (prompts identical / prompts). The target's
+verify cost ``T(M)/T(1)`` on this machine is measured first (:func:`mlx_dflash2.calibrate.measure_verify_costs`).
+A progress line goes to stderr for every request; the JSON is rewritten after each, and a plot of
+speedup and tau per set is drawn at the end.
+
+    python -m mlx_dflash2.assets fetch qwen2.5-coder-1.5b-instruct
+    python -m mlx_dflash2.assets fetch qwen2.5-coder-0.5b-instruct
+    scripts/run python benchmarks/bench_versus.py                        # 20 prompts per set, 256 tokens
+    scripts/run python benchmarks/bench_versus.py --prompts 3 --max-tokens 64 --out benchmarks/results/versus-cpu.json
+    scripts/run python benchmarks/bench_versus.py --replot benchmarks/results/versus-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx_dflash2  # noqa: F401,E402  (before MLX: loads the optimized OpenBLAS, mlx_dflash2/_blas.py)
+import mlx.core as mx
+
+from mlx_dflash2 import assets
+from mlx_dflash2.loading import load_target, make_proposer
+from mlx_dflash2.proposers import LookupProposer
+from mlx_dflash2.speculative import GenerationState, SpecStats, speculative_generate_step
+from mlx_dflash2.train.data import EVAL_SETS, load_eval_set
+
+METHODS = ("plain", "mlx-spec", "auto", "lookup")
+LABELS = {"plain": "plain mlx_lm", "mlx-spec": "mlx-lm speculative", "auto": "ours (auto)", "lookup": "ours (lookup)"}
+
+
+def _csv(kind, choices=None):
+    def parse(text: str):
+        try:
+            out = [kind(x.strip()) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__} values, got {text!r}") from None
+        bad = [x for x in out if choices is not None and x not in choices]
+        if bad or not out:
+            raise argparse.ArgumentTypeError(f"choose from {', '.join(map(str, choices))}; got {text!r}")
+        return out
+
+    return parse
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return v
+
+
+def _model_path(arg: str | None, name: str, flag: str) -> str:
+    """``arg``, else the fetched model ``name`` in the user's cache; exits with the fetch command if absent."""
+    if arg:
+        return arg
+    path = assets.cached_model(name)
+    if path is None:
+        sys.exit(f"{flag}: {name} is not fetched; run `python -m mlx_dflash2.assets fetch {name}` (or pass {flag} PATH)")
+    return str(path)
+
+
+def _trim_to(cache: list, n: int) -> None:
+    """Cut every layer of an mlx-lm KV cache back to its first ``n`` positions."""
+    from mlx_lm.models.cache import trim_prompt_cache
+
+    extra = cache[0].offset - n
+    if extra > 0:
+        trim_prompt_cache(cache, extra)
+
+
+def _timed(gen, eos: set[int], max_tokens: int):
+    """Drain a ``(token, logprobs, from_draft)`` generator until ``max_tokens`` or an EOS (counted).
+
+    Returns ``(tokens, seconds from the call to the last token, from_draft flags)``."""
+    toks, drafted = [], []
+    tic = time.perf_counter()
+    try:
+        for t, _, d in gen:
+            toks.append(int(t))
+            drafted.append(bool(d))
+            if toks[-1] in eos or len(toks) >= max_tokens:
+                break
+    finally:
+        gen.close()
+    return toks, time.perf_counter() - tic, drafted
+
+
+def run_mlx(target, draft, ids, tcache, dcache, k, max_tokens, eos):
+    """One request through mlx-lm (``k`` = 0: plain ``generate_step``; else speculative with ``k`` drafts).
+    ``tcache``/``dcache`` hold ``ids[:-1]`` and are cut back to it afterwards. Returns tokens, seconds, rounds."""
+    from mlx_lm.generate import generate_step, speculative_generate_step as mlx_spec
+
+    y = mx.array(ids[-1:], dtype=mx.uint32)
+    base = len(ids) - 1
+    if k == 0:
+        gen = ((t, lp, False) for t, lp in generate_step(y, target.model, max_tokens=max_tokens, prompt_cache=tcache))
+    else:
+        gen = mlx_spec(y, target.model, draft.model, num_draft_tokens=k, max_tokens=max_tokens,
+                       prompt_cache=tcache + dcache)
+    toks, secs, drafted = _timed(gen, eos, max_tokens)
+    _trim_to(tcache, base)
+    if dcache:
+        _trim_to(dcache, base)
+    # a round (target forward) yields its accepted drafts then one token of the target; a cut round counts too
+    rounds = drafted.count(False) + (1 if drafted and drafted[-1] else 0)
+    return toks, secs, rounds
+
+
+def run_ours(target, proposer, ids, state, max_tokens, eos):
+    """One request through our loop, reusing ``state`` (holds the prompt) as its prompt cache on a clone.
+    Returns tokens, seconds, rounds, stats."""
+    stats = SpecStats()
+    st = state.clone()
+    gen = speculative_generate_step(ids, target, proposer, max_tokens=max_tokens, stats=stats, state=st)
+    toks, secs, _ = _timed(gen, eos, max_tokens)
+    assert st.reused == len(ids) - 1, (st.reused, len(ids))  # the timed request never re-prefills
+    return toks, secs, stats.rounds, stats
+
+
+def summarize(rows: list[dict], sets: list[str], methods: list[str], num_draft: list[int]) -> list[dict]:
+    """Per set and method: median tok/s, median speedup over plain, pooled tau, identical prompts.
+    mlx-spec: the ``num_draft_tokens`` with the best median speedup (all of them are in ``by_k``)."""
+    out = []
+    for s in sets:
+        rs = [r for r in rows if r["set"] == s]
+        plain = {r["prompt"]: r for r in rs if r["method"] == "plain"}
+        if not plain:
+            continue
+
+        def agg(sel):
+            ok = [r for r in sel if r["prompt"] in plain]
+            if not ok:
+                return None
+            return {
+                "prompts": len(ok),
+                "tps": statistics.median(r["tps"] for r in ok),
+                "speedup": statistics.median(r["tps"] / plain[r["prompt"]]["tps"] for r in ok),
+                "tau": sum(r["tokens"] for r in ok) / max(1, sum(r["rounds"] for r in ok)),
+                "identical": sum(r["tokens_out"] == plain[r["prompt"]]["tokens_out"] for r in ok),
+            }
+
+        for m in methods:
+            if m == "mlx-spec":
+                by_k = {k: agg([r for r in rs if r["method"] == m and r["k"] == k]) for k in num_draft}
+                by_k = {k: v for k, v in by_k.items() if v}
+                if not by_k:
+                    continue
+                best = max(by_k, key=lambda k: by_k[k]["speedup"])
+                out.append({"set": s, "method": m, "k": best, **by_k[best],
+                            "by_k": {str(k): v for k, v in by_k.items()}})
+            else:
+                a = agg([r for r in rs if r["method"] == m])
+                if a:
+                    out.append({"set": s, "method": m, "k": None, **a})
+    return out
+
+
+def labels(meta: dict) -> dict[str, str]:
+    """Display names of the methods; ``auto`` says so where it was lookup drafting."""
+    out = dict(LABELS)
+    if meta.get("same_as", {}).get("auto") == "lookup":
+        out["auto"] = "ours (auto = lookup: no drafter ships)"
+    return out
+
+
+def table(summary: list[dict], meta: dict | None = None) -> str:
+    """The summary as a Markdown table."""
+    names = labels(meta or {})
+    lines = ["| set | method | tok/s | speedup | tau | identical to plain |", "|---|---|---:|---:|---:|---|"]
+    for r in summary:
+        name = names[r["method"]] + (f" (k={r['k']})" if r["k"] else "")
+        lines.append(f"| {r['set']} | {name} | {r['tps']:.2f} | {r['speedup']:.2f}x | {r['tau']:.2f} | "
+                     f"{r['identical']}/{r['prompts']} |")
+    return "\n".join(lines)
+
+
+def plot(summary: list[dict], path: Path, meta: dict) -> Path | None:
+    """Speedup over plain and tau per set, one bar per method (None without matplotlib)."""
+    names = labels(meta)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import numpy as np
+    except ImportError:
+        return None
+    sets = list(dict.fromkeys(r["set"] for r in summary))
+    methods = [m for m in METHODS if any(r["method"] == m for r in summary)]
+    width = 0.8 / max(1, len(methods))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    for ax, key, ylabel in ((axes[0], "speedup", "speedup over plain mlx_lm (tok/s)"), (axes[1], "tau", "tau (tokens per target forward)")):
+        for j, m in enumerate(methods):
+            vals, ks = [], []
+            for s in sets:
+                r = next((r for r in summary if r["set"] == s and r["method"] == m), None)
+                vals.append(r[key] if r else 0)
+                ks.append(r["k"] if r else None)
+            bars = ax.bar(np.arange(len(sets)) + j * width, vals, width, label=names[m])
+            if m == "mlx-spec":
+                for b, k in zip(bars, ks):
+                    if k:
+                        ax.annotate(f"k={k}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center",
+                                    va="bottom", fontsize=7)
+        ax.set_xticks(np.arange(len(sets)) + width * (len(methods) - 1) / 2, sets)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_ylabel(ylabel)
+    handles, texts = axes[0].get_legend_handles_labels()
+    fig.legend(handles, texts, fontsize=8, loc="lower center", ncol=len(methods))
+    fig.suptitle(_title(meta), fontsize=9)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _title(meta: dict) -> str:
+    n = meta["prompts"] if "stopped_after" not in meta else f"{meta['stopped_after']} prompts in all, <= {meta['prompts']}"
+    return (f"{meta['target']} vs draft {meta['draft']} on {meta['device']}: {n} prompts/set, "
+            f"{meta['max_tokens']} tokens, greedy")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help=f"target (default: the fetched {assets.QWEN_CODER_15B})")
+    ap.add_argument("--draft-model", default=None, help=f"mlx-lm's draft model (default: the fetched {assets.QWEN_CODER_05B})")
+    ap.add_argument("--sets", type=_csv(str, EVAL_SETS), default=list(EVAL_SETS))
+    ap.add_argument("--prompts", type=_positive, default=20, help="the first N prompts of each set")
+    ap.add_argument("--max-tokens", type=_positive, default=256)
+    ap.add_argument("--methods", type=_csv(str, METHODS), default=list(METHODS))
+    ap.add_argument("--num-draft", type=_csv(int), default=[2, 4, 6], help="mlx-lm's num_draft_tokens values")
+    ap.add_argument("--repeats", type=_positive, default=1, help="timed runs per request (median)")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--dequantize", action="store_true", help="expand the target to dense (default: packed)")
+    ap.add_argument("--draft-dequantize", action="store_true", help="expand the draft model to dense")
+    ap.add_argument("--verify-widths", type=_csv(int), default=[1, 3, 5, 7, 8],
+                    help="widths M whose target forward T(M)/T(1) is measured first ('0' skips it)")
+    ap.add_argument("--time-budget", type=float, default=None, metavar="MIN",
+                    help="start no new prompt after MIN minutes from the start (loading included); the run then "
+                         "ends as usual with the prompts done (round-robin over the sets)")
+    ap.add_argument("--out", default="benchmarks/results/versus.json")
+    ap.add_argument("--replot", default=None, metavar="JSON", help="only redraw the plot and table of a saved run")
+    args = ap.parse_args(argv)
+    if args.replot:
+        saved = json.loads(Path(args.replot).read_text())
+        print(table(saved["summary"], saved["meta"]))
+        print(plot(saved["summary"], Path(args.replot).with_suffix(".png"), saved["meta"]))
+        return
+    if any(k < 1 for k in args.num_draft):
+        ap.error("--num-draft: each value must be >= 1")
+
+    def log(msg: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    t_start = time.perf_counter()
+    target_path = _model_path(args.model, assets.QWEN_CODER_15B, "--model")
+    tic = time.perf_counter()
+    target, tok, name = load_target(target_path, dtype=args.dtype, dequantize=args.dequantize)
+    log(f"target {Path(name).name} loaded ({'dense' if args.dequantize else 'packed'}) in {time.perf_counter() - tic:.0f} s")
+    draft = None
+    if "mlx-spec" in args.methods:
+        draft_path = _model_path(args.draft_model, assets.QWEN_CODER_05B, "--draft-model")
+        tic = time.perf_counter()
+        draft = load_target(draft_path, dtype=args.dtype, dequantize=args.draft_dequantize)[0]
+        log(f"draft {Path(draft_path).name} loaded in {time.perf_counter() - tic:.0f} s")
+    eos = set(tok.eos_token_ids)
+
+    proposers = {}
+    same_as = {}
+    if "lookup" in args.methods:
+        proposers["lookup"] = make_proposer("lookup", target, tok, name)
+    if "auto" in args.methods:
+        p = make_proposer("auto", target, tok, name)
+        lk = proposers.get("lookup")
+        if isinstance(p, LookupProposer) and isinstance(lk, LookupProposer) and vars(p) == vars(lk):
+            same_as["auto"] = "lookup"  # no drafter ships for this target: auto is lookup drafting
+            log("auto: no trained drafter ships for this target, so --drafter auto is lookup drafting "
+                f"(B={p.block_size}); measured once, reported as both")
+        else:
+            proposers["auto"] = p
+    drafter_names = {m: getattr(p, "name", str(p)) for m, p in proposers.items()}
+
+    meta = {
+        "target": Path(str(name)).name, "draft": Path(str(args.draft_model or assets.QWEN_CODER_05B)).name,
+        "dtype": args.dtype, "dequantize": args.dequantize, "draft_dequantize": args.draft_dequantize,
+        "device": str(mx.default_device()), "mlx": mx.__version__, "sets": args.sets, "prompts": args.prompts,
+        "max_tokens": args.max_tokens, "methods": args.methods, "num_draft": args.num_draft,
+        "repeats": args.repeats, "same_as": same_as, "drafters": drafter_names,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "timing": "decode: generated tokens / seconds from the request's start (prompt but its last token "
+                  "already cached) to its last token; EOS counted",
+    }
+    widths = [w for w in args.verify_widths if w > 0]
+    if widths:
+        from mlx_dflash2.calibrate import measure_verify_costs
+
+        tic = time.perf_counter()
+        costs = measure_verify_costs(target, widths, context=32, repeats=1, max_repeats=2, time_budget=30.0,
+                                     progress=False)
+        meta["verify_cost"] = {str(m): r for m, r in costs.ratios().items()}
+        meta["verify_s"] = {str(m): s for m, s in costs.verify_s.items()}
+        log(f"target forward cost T(M)/T(1): {costs.table()} (measured in {time.perf_counter() - tic:.0f} s)")
+
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+
+    def save():
+        summary = summarize(rows, args.sets, args.methods, args.num_draft)
+        meta["wall_s"] = time.perf_counter() - t_start
+        out_path.write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1) + "\n")
+        return summary
+
+    # round-robin over the sets, so that a run cut short (the JSON is saved after every prompt) covers each
+    per_set = {s: load_eval_set(s, args.prompts) for s in args.sets}
+    jobs = [(s, per_set[s][i]) for i in range(args.prompts) for s in args.sets if i < len(per_set[s])]
+    warm = True
+    for j, (set_name, prompt) in enumerate(jobs):
+        if args.time_budget is not None and time.perf_counter() - t_start > 60 * args.time_budget:
+            log(f"time budget of {args.time_budget:g} min spent: stopping after {j} of {len(jobs)} prompts")
+            meta["stopped_after"] = j
+            break
+        ids = tok.apply_chat_template(prompt["messages"], add_generation_prompt=True)
+        tic = time.perf_counter()
+        # one prefill of the prompt by our loop; its K/V (all but the last token) serves every method (a
+        # proposer other than the lookup one, e.g. a trained drafter, needs its own: its session holds features)
+        states = {}
+        for m, p in list(proposers.items()) or [("plain", None)]:
+            states[m] = GenerationState()
+            for _ in speculative_generate_step(ids, target, p, max_tokens=1, state=states[m]):
+                pass
+        tcache = next(iter(states.values())).clone().cache
+        _trim_to(tcache, len(ids) - 1)
+        dcache = []
+        if draft is not None:
+            from mlx_lm.models.cache import make_prompt_cache
+
+            dcache = make_prompt_cache(draft.model)
+            draft.model(mx.array(ids[:-1], dtype=mx.uint32)[None], cache=dcache)
+            mx.eval([c.state for c in dcache])
+        log(f"[{j + 1}/{len(jobs)}] {set_name} {prompt['id']}: {len(ids)}-token prompt prefilled in "
+            f"{time.perf_counter() - tic:.1f} s")
+        if warm:  # first use of each path: allocations and compilation, not timed
+            run_mlx(target, draft, ids, tcache, [], 0, 4, eos)
+            if draft is not None:
+                run_mlx(target, draft, ids, tcache, dcache, max(args.num_draft), 4, eos)
+            for m, p in proposers.items():
+                run_ours(target, p, ids, states[m], 4, eos)
+            warm = False
+
+        todo = [("plain", 0)] + [("mlx-spec", k) for k in args.num_draft if draft is not None]
+        todo += [(m, 0) for m in proposers]
+        plain_row = None
+        for method, k in todo:
+            runs = []
+            for _ in range(args.repeats):
+                if method in ("plain", "mlx-spec"):
+                    toks, secs, rounds = run_mlx(target, draft, ids, tcache, dcache if k else [], k,
+                                                 args.max_tokens, eos)
+                else:
+                    toks, secs, rounds, _ = run_ours(target, proposers[method], ids, states[method],
+                                                     args.max_tokens, eos)
+                runs.append((secs, toks, rounds))
+            secs = statistics.median(r[0] for r in runs)
+            toks, rounds = runs[0][1], runs[0][2]
+            ref = toks if plain_row is None else plain_row["tokens_out"]
+            same = toks == ref
+            row = {"set": set_name, "prompt": prompt["id"], "prompt_tokens": len(ids), "method": method,
+                   "k": k or None, "tokens": len(toks), "rounds": rounds, "seconds": secs,
+                   "tps": len(toks) / secs, "tau": len(toks) / max(1, rounds), "identical": same,
+                   "tokens_out": toks}
+            if plain_row is None:
+                plain_row = row
+            rows.append(row)
+            for alias, m in same_as.items():  # the same run stands for the method that resolved to it
+                if m == method:
+                    rows.append({**row, "method": alias, "measured_as": method})
+            diff = "" if same else " (differs from plain at token %d)" % next(
+                (i for i, (a, b) in enumerate(zip(toks, ref)) if a != b), min(len(toks), len(ref)))
+            log(f"[{j + 1}/{len(jobs)}] {set_name} {prompt['id']} {LABELS[method]}{f' k={k}' if k else ''}: "
+                f"{len(toks)} tokens in {secs:.1f} s = {row['tps']:.2f} tok/s ({row['tps'] / plain_row['tps']:.2f}x "
+                f"plain), tau {row['tau']:.2f}, {'identical' if same else 'NOT identical'}{diff}")
+        save()
+
+    summary = save()
+    print(f"\n{_title(meta)}; wall {meta['wall_s'] / 60:.1f} min")
+    if "verify_cost" in meta:
+        print("target T(M)/T(1): " + " ".join(f"{m}:{r:.2f}" for m, r in meta["verify_cost"].items()))
+    print(table(summary, meta))
+    png = plot(summary, out_path.with_suffix(".png"), meta)
+    if png:
+        print(f"plot: {png}")
+    print(f"results: {out_path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -611,7 +611,7 @@ _HELP = {
     "acceptance_length": ("gauge", "Acceptance length tau: tokens emitted per target forward, all requests."),
     "generation_tokens_per_second": ("gauge", "Generated tokens per second of worker busy time."),
     "busy_s": ("counter", "Seconds the generation worker spent generating."),
-    "batch_size": ("gauge", "Greedy requests in the batched round now (rows)."),
+    "batch_size": ("gauge", "Requests in the batched round now (rows)."),
     "batch_rounds_total": ("counter", "Batched rounds run (one target forward each)."),
     "batch_rows_total": ("counter", "Requests advanced by batched rounds, summed over the rounds."),
     "batch_size_mean": ("gauge", "Mean requests per batched round."),

@@ -115,6 +115,18 @@ def metrics(http):
 # ----------------------------------------------------------------------------
 
 
+
+def _wait_for_cancel(http, before: dict, timeout: float = 20.0) -> dict:
+    """The server's metrics once a cancellation past ``before`` is counted and no request is active (or
+    after ``timeout`` seconds: the caller's asserts then say what is missing)."""
+    deadline = time.time() + timeout
+    while True:
+        m = metrics(http)
+        done = m["requests_cancelled_total"] > before["requests_cancelled_total"] and m["requests_active"] == 0
+        if done or time.time() >= deadline:
+            return m
+        time.sleep(0.05)
+
 def test_health_models_openapi_metrics(srv, http, client):
     assert http.get("/health").json() == {"status": "ok"}
     assert [m.id for m in client.models.list().data] == [MODEL_ID]
@@ -483,12 +495,7 @@ def test_client_disconnect_cancels_generation(srv, http):
                 got += 1
             if got >= 4:
                 break  # leave: the connection is closed
-    deadline = time.time() + 20
-    while time.time() < deadline:
-        m = metrics(http)
-        if m["requests_cancelled_total"] > before["requests_cancelled_total"] and m["requests_active"] == 0:
-            break
-        time.sleep(0.05)
+    m = _wait_for_cancel(http, before)
     assert m["requests_cancelled_total"] == before["requests_cancelled_total"] + 1
     assert m["requests_active"] == 0
     assert m["generated_tokens_total"] == before["generated_tokens_total"]  # never finished
@@ -651,12 +658,7 @@ def test_batched_disconnect_mid_batch_leaves_others_exact(srv, rr_srv, http):
     got = _run_together(srv.url, BATCH_REQS[:3],
                         extra=[lambda: _stream_completion(srv.url, leaver, leave_after=3)])
     assert got[:3] == solo and got[3] is None
-    deadline = time.time() + 20
-    while time.time() < deadline:
-        m = metrics(http)
-        if m["requests_cancelled_total"] > before["requests_cancelled_total"] and m["requests_active"] == 0:
-            break
-        time.sleep(0.05)
+    m = _wait_for_cancel(http, before)
     assert m["requests_cancelled_total"] == before["requests_cancelled_total"] + 1
     assert m["requests_active"] == 0 and m["batch_size"] == 0
 

@@ -34,7 +34,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 SMOKE=${SMOKE:-0}
 if [ "$SMOKE" = 1 ]; then export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-${TMPDIR:-/tmp}/ptx}; else export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-$HOME/ptx}; fi
 PAYLOAD=${PAYLOAD:-$HOME/payload}
-OUT=${OUT:-/tmp/out}
+OUT=${OUT:-${TMPDIR:-/tmp}/out}
 PY=${PY:-python3}
 GGUF=${GGUF:-$PAYLOAD/SmolLM2-135M-Instruct.Q4_1.gguf}
 RUN_BUDGET=${RUN_BUDGET:-570}
@@ -97,8 +97,10 @@ done
 n=$(find "$OUT" -maxdepth 1 -type f ! -name results.tar.gz | wc -l)
 if [ "$n" -gt 8 ]; then
   say "$n files in $OUT (the device tool returns 8): packing them into results.tar.gz (run.log stays beside it)"
-  (cd "$OUT" && find . -maxdepth 1 -type f ! -name results.tar.gz ! -name run.log -printf '%P\n' > /tmp/run_sh_files \
-     && tar -czf results.tar.gz -T /tmp/run_sh_files && xargs rm -f < /tmp/run_sh_files)
+  list=$(mktemp)
+  (cd "$OUT" && find . -maxdepth 1 -type f ! -name results.tar.gz ! -name run.log -printf '%P\n' > "$list" \
+     && tar -czf results.tar.gz -T "$list" && xargs rm -f < "$list")
+  rm -f "$list"
 fi
 say "done: exit $status, $(( $(date +%s) - T0 )) s"
 exit $status

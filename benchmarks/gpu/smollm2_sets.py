@@ -17,7 +17,7 @@ prompts gave plain's exact output. Before (part A: MLX 0.32.4, no kernels, the p
 7 prompts): auto 1.36x HumanEval, 1.03x MT-Bench, 1.17x GSM8K (``BEFORE``). JSON to ``--out`` after every prompt.
 
     python benchmarks/gpu/smollm2_sets.py --model $PAYLOAD/SmolLM2-135M-Instruct.Q4_1.gguf --out $OUT/sets.json
-    scripts/run python benchmarks/gpu/smollm2_sets.py --tiny --out /tmp/sets.json     # CPU logic check
+    scripts/run python benchmarks/gpu/smollm2_sets.py --tiny --out benchmarks/results/sets-cpu-tiny.json     # CPU logic check
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@
 # Env: SKIP (regen: prompts answered by earlier runs), TEMPS (regen temperatures), PROMPTS (regen prompt
 # file), REGEN_INTO (where regen's shards are added; default $WORK/responses), INIT (train: drafter to
 # continue from; INIT=shipped: the packaged one, also when MODEL is a copy of the embedded GGUF), DATA (train: responses dir; default $WORK/responses), TRAIN_ARGS (more `fit` flags, e.g.
-# "--labels target --kd-weight 1"), REGEN_BS (selfinstruct/regen batch size; also regen's shard size), EVAL_BLOCKS (eval block sizes), EVAL_RTD (eval target flags; default RTD), BENCH_ARGS (more bench_generate.py flags, e.g. --adaptive), RTD (regen target flags; default the deployed Q4_1 weights).
+# "--labels target --kd-weight 1"), LAYERS / INTER / SEQ (train: drafter layers, its MLP width (default: the
+# target's), sequences per step; defaults 4 / target's / 32: a drafter for a wider target, e.g. Qwen2.5-Coder-1.5B,
+# takes INTER=3072 to stay within ~60 MB at 4 bits), REGEN_BS (selfinstruct/regen batch size; also regen's shard size), EVAL_BLOCKS (eval block sizes), EVAL_RTD (eval target flags; default RTD), BENCH_ARGS (more bench_generate.py flags, e.g. --adaptive), RTD (regen target flags; default the deployed Q4_1 weights).
 # SMOKE=1 runs every stage at toy size on any machine (CPU included) to check the pipeline.
 set -euo pipefail
 # Env: WORK (work dir, default .cache/gpu-work in the checkout: keep it outside the checkout on the device
@@ -26,7 +28,7 @@ SMOKE=${SMOKE:-0}
 # TD: target settings for training (features); RTD: for generating responses (the deployed Q4_1 weights).
 if [ "$SMOKE" = 1 ]; then N=24; MAXT=32; SIMAXT=16; BS=16; SEQ=4; ANCH=8; LAYERS=1; RANK=8; LIMIT=4; BLOCKS=4,8; MAXLEN=128
   TD="--dtype float32 --dequantize"; RTD="$TD"
-else N=100000; MAXT=256; SIMAXT=128; BS=512; SEQ=32; ANCH=64; LAYERS=4; RANK=32; LIMIT=-1; BLOCKS=4,8,16; MAXLEN=768
+else N=100000; MAXT=256; SIMAXT=128; BS=512; SEQ=${SEQ:-32}; ANCH=64; LAYERS=${LAYERS:-4}; RANK=32; LIMIT=-1; BLOCKS=4,8,16; MAXLEN=768
   TD="--dtype bfloat16 --dequantize"; RTD=${RTD:-}; fi
 stage=$1; shift
 case "$stage" in
@@ -95,7 +97,7 @@ train)
   arch=$1; name=$2; spec=$3
   if [[ "$spec" == steps:* ]]; then lim="--steps ${spec#steps:}"; else lim="--time-budget $spec"; fi
   $PY -m mlx_dflash2.train fit --model "$MODEL" $TD --data "${DATA:-$W/responses}" --out "$W/runs/$name" \
-      --architecture "$arch" --num-layers $LAYERS --num-taps 5 --block-size 16 --selector-rank $RANK \
+      --architecture "$arch" --num-layers $LAYERS ${INTER:+--intermediate-size $INTER} --num-taps 5 --block-size 16 --selector-rank $RANK \
       --anchors $ANCH --batch-size $SEQ --max-len $MAXLEN --lr 1e-3 --log-every 20 --save-every ${SAVE_EVERY:-100000} $lim \
       ${INIT:+--init "$INIT"} ${TRAIN_ARGS:-}
   X=${EXPORT:-$OUT}; mkdir -p "$X"  # EXPORT: where the bf16 drafter and the log go (default $OUT)

@@ -68,8 +68,8 @@ selfinstruct)
   # REGEN_TAG=self regen SECONDS. SEED=K (K > 0): other requests, in $W/prompts-self-sK.jsonl, deduplicated
   # against the earlier prompts-self*.jsonl there (the data stage writes prompts-self-data.jsonl: the requests
   # of the unpacked responses)
-  sf="$W/prompts-self$([ "${SEED:-0}" != 0 ] && echo "-s$SEED").jsonl"
-  ex=(); for f in "$W"/prompts-self*.jsonl; do [ -e "$f" ] && [ "$f" != "$sf" ] && ex+=(--exclude "$f"); done
+  sf="$W/prompts-self.jsonl"; [ "${SEED:-0}" = 0 ] || sf="$W/prompts-self-s$SEED.jsonl"  # (a failing $(...) in an assignment ends a set -e script)
+  ex=(); for f in "$W"/prompts-self*.jsonl; do if [ -e "$f" ] && [ "$f" != "$sf" ]; then ex+=(--exclude "$f"); fi; done
   $PY -m mlx_dflash2.train self-instruct --model "$MODEL" $RTD --n "$1" --out "$sf" \
       --batch-size ${REGEN_BS:-$BS} --max-tokens $SIMAXT --seed ${SEED:-0} "${ex[@]}"
   cp "$sf" "$OUT/"

@@ -4,7 +4,7 @@
 # Stages (one device call each, back to back; the machine keeps $WORK while warm):
 #   setup | data TARBALL... | selfinstruct N | regen SECONDS | train ARCH OUTNAME (SECONDS | steps:N) | eval RUN... | bench RUN|DIR |
 #   quantize NAME | bg NAME STAGE ARGS... [--then STAGE ARGS...] (detached chain; outlives the call) |
-#   wait SECONDS NAME... | pack NAME PATH...
+#   wait SECONDS NAME... (an ended chain's outputs and COLLECT's paths come back with the call) | pack NAME PATH...
 # Env: SKIP (regen: prompts answered by earlier runs), TEMPS (regen temperatures), PROMPTS (regen prompt
 # file), REGEN_INTO (where regen's shards are added; default $WORK/responses), INIT (train: drafter to
 # continue from; INIT=shipped: the packaged one, also when MODEL is a copy of the embedded GGUF), DATA (train: responses dir; default $WORK/responses), TRAIN_ARGS (more `fit` flags, e.g.
@@ -202,6 +202,17 @@ wait)
     elif [ "$(cat "$W/bg-$n.rc" 2>/dev/null)" = 0 ]; then st="ended: all stages done"
     else st="ended: FAILED (rc $(cat "$W/bg-$n.rc" 2>/dev/null || echo unknown))"; ok=1; fi
     echo "== $n ($st)"; tail -c 1500 "$W/bg-$n.log" | tr '\r' '\n' | tail -n 6
+    # what an ended chain made comes back with this call: its $OUT files, its log, and COLLECT's paths
+    # (relative to $W, e.g. "runs/c1-q4/drafter export/c1-log.jsonl"; in 15 MB parts, as `pack`). The machine
+    # is given back ~30 s after a call: anything left on it after the last call is lost (session 13 lost a
+    # trained drafter that way)
+    if [ "$st" != running ]; then
+      cp -r "$W/out-$n/." "$OUT/" 2>/dev/null || true; cp "$W/bg-$n.log" "$OUT/" 2>/dev/null || true
+      if [ -n "${COLLECT:-}" ]; then
+        # shellcheck disable=SC2086
+        (cd "$W" && ls -d $COLLECT >/dev/null 2>&1) && tar -cf - -C "$W" $COLLECT | split -b 15000000 -d -a 1 - "$OUT/$n-collect.tar.part"
+      fi
+    fi
   done
   exit $ok
   ;;

@@ -67,10 +67,12 @@ Missing for the full issue 22 (later steps)
 * hybrid targets (recurrent layers: per-row accept via ``kernels.select_states``; sliding windows):
   refused here;
 * pipelining (queueing round r+1 before r's tokens are handed out, as the solo loop does), chunked
-  prefill interleaved with the decode rounds of others (a join prefills its whole prompt at once;
+  prefill interleaved with the decode rounds of others (a join prefills its whole prompt at once, alone,
+  while the batch waits: with 32 streaming clients on a 2-core CPU the batch held 6.6 rows per round on
+  average, benchmarks/README.md;
   done: prompt-cache reuse for joins, ``add(state=)``; stop strings, the server's through ``remove``);
-* confidence-scheduled verify widths under a per-round token budget (today every row drafts up to its
-  ``B - 1``); logits are computed for all ``N x M`` rows, padding included;
+* widths by the drafter's own confidence per row (:class:`WidthSchedule` caps the round's width by
+  measured throughput, the same cap for every greedy row; sampled rows keep their widths);
 * the single-request generator as a batch of one (the server wiring is done: continuous batching,
   FIFO under ``--max-batch``, cancellation, ``/metrics``).
 """
@@ -89,7 +91,7 @@ from .speculative import GenerationState, SpecStats, speculative_generate_step
 from .target import TargetAdapter, TargetCompatibilityError
 from .verify import GreedyVerifier, Verifier
 
-__all__ = ["RaggedKVCache", "BatchEvent", "SpeculativeBatch"]
+__all__ = ["RaggedKVCache", "BatchEvent", "SpeculativeBatch", "WidthSchedule"]
 
 
 class RaggedKVCache:
@@ -322,6 +324,81 @@ class _Request:
         return ev
 
 
+class WidthSchedule:
+    """The verify width of a batched round, chosen by measured throughput (issue 22: "verify width under load").
+
+    A round over ``N`` rows verifies a padded ``[N, M]`` block, so its cost grows with ``N * M`` wherever
+    the target's forward is bound by compute (MLX's CPU backend; a GPU past the rows it absorbs for the
+    price of one), while what it gains is each row's accepted drafts. With many rows, verifying every
+    row's full block can make speculation slower than plain batched decoding. This schedule caps the
+    round's width ``M`` (each row's drafts are cut to ``M - 1``) at one of ``caps`` (``1``: a plain
+    batched step, no proposer call) and learns, per batch size bucket (``N`` = 2, 3-4, 5-8, 9-16, ...),
+    the cap with the most emitted tokens per second: an exponential moving average of each round's
+    ``emitted / seconds`` per (bucket, cap), every cap tried once first, then the best one, with the
+    least recently tried cap re-measured every ``explore_every`` rounds of the bucket (the best cap moves
+    as the rows' acceptance and lengths change). A batch of one is never capped (the solo behaviour).
+
+    The idea of scheduling widths under a per-round budget is vLLM's confidence-scheduled verification
+    (vLLM 0.28 with DSpark); this is its throughput-measured form, with no cost model to calibrate.
+
+    Lossless: a greedy row's output does not depend on how many drafts it verifies (a cut draft is a
+    shorter proposal; verification stays exact). Rows with a sampling verifier keep their own widths
+    (a seeded sampled request's tokens then do not depend on its neighbours; capping them would keep
+    the target distribution but change which random numbers meet which positions).
+
+    Args:
+        caps: candidate widths (tokens verified per row, anchor included), ascending, >= 1.
+        explore_every: rounds of a bucket between two re-measurements of its least recent cap.
+        decay: weight of the old average in each update (0..1).
+
+    Raises:
+        ValueError: empty ``caps``, a cap < 1, ``explore_every`` < 2 or ``decay`` outside [0, 1).
+    """
+
+    def __init__(self, caps: Sequence[int] = (1, 2, 4, 8, 16), explore_every: int = 16, decay: float = 0.7):
+        caps = sorted({int(c) for c in caps})
+        if not caps or caps[0] < 1:
+            raise ValueError(f"caps must be widths >= 1, got {caps}")
+        if explore_every < 2 or not 0.0 <= decay < 1.0:
+            raise ValueError("explore_every must be >= 2 and decay in [0, 1)")
+        self.caps, self.explore_every, self.decay = caps, int(explore_every), float(decay)
+        self.rate: dict = {}  # (bucket, cap) -> EMA of emitted tokens / s
+        self.last: dict = {}  # (bucket, cap) -> round number of its last measurement
+        self.rounds: dict = {}  # bucket -> rounds run
+
+    @staticmethod
+    def bucket(n_rows: int) -> int:
+        """The batch-size bucket of ``n_rows`` (1, 2, 3-4, 5-8, ... share a bucket)."""
+        return max(1, int(n_rows) - 1).bit_length()
+
+    def choose(self, n_rows: int, max_width: int) -> int | None:
+        """The width cap of the next round (``None``: no cap) for ``n_rows`` rows whose widest
+        block is ``max_width`` tokens."""
+        if n_rows < 2 or max_width <= 1:
+            return None
+        b = self.bucket(n_rows)
+        arms = [c for c in self.caps if c < max_width] + [max_width]
+        for c in arms:
+            if (b, c) not in self.rate:
+                return c
+        r = self.rounds.get(b, 0)
+        if r % self.explore_every == self.explore_every - 1:
+            return min(arms, key=lambda c: self.last[(b, c)])
+        return max(arms, key=lambda c: self.rate[(b, c)])
+
+    def record(self, n_rows: int, cap: int, emitted: int, seconds: float) -> None:
+        """Account one round: ``emitted`` tokens in ``seconds`` under ``cap`` with ``n_rows`` rows."""
+        if seconds <= 0:
+            return
+        b = self.bucket(n_rows)
+        r = self.rounds.get(b, 0)
+        self.rounds[b] = r + 1
+        x = emitted / seconds
+        old = self.rate.get((b, cap))
+        self.rate[(b, cap)] = x if old is None else self.decay * old + (1.0 - self.decay) * x
+        self.last[(b, cap)] = r
+
+
 class SpeculativeBatch:
     """A batch of speculative requests (greedy or sampled) on one dense target, advanced one round at a time.
 
@@ -339,18 +416,31 @@ class SpeculativeBatch:
         proposer: the default proposer of :meth:`add` (``None``: plain decoding).
         block_size: the default verify width ``B`` (default: the proposer's).
         prefill_step_size: prompt chunk length of a join's prefill (tokens).
+        schedule: ``"full"`` (every row verifies its whole proposal: the solo loop's rounds, so a row's
+            statistics equal its solo ones) or ``"auto"`` (a :class:`WidthSchedule` caps the width of
+            rounds with two rows or more by measured throughput: what the server runs), or a
+            :class:`WidthSchedule`.
 
     Raises:
         TargetCompatibilityError: a target with sliding-window or recurrent layers.
+        ValueError: an unknown ``schedule``.
     """
 
     def __init__(self, target: TargetAdapter, proposer: Proposer | None = None, *, block_size: int | None = None,
-                 prefill_step_size: int = 2048):
+                 prefill_step_size: int = 2048, schedule: "str | WidthSchedule" = "full"):
         kinds = target.make_cache()
         if not all(type(c) is KVCache for c in kinds):
             names = sorted({type(c).__name__ for c in kinds if type(c) is not KVCache})
             raise TargetCompatibilityError(
                 f"batched rounds support full-attention targets only; this target has {', '.join(names)} layers")
+        if isinstance(schedule, WidthSchedule):
+            self.schedule = schedule
+        elif schedule == "auto":
+            self.schedule = WidthSchedule()
+        elif schedule == "full":
+            self.schedule = None
+        else:
+            raise ValueError(f"schedule must be 'full', 'auto' or a WidthSchedule, got {schedule!r}")
         self.target = target
         self.proposer = proposer
         self.block_size = block_size
@@ -360,8 +450,9 @@ class SpeculativeBatch:
         self._events: list[BatchEvent] = []  # finished at join, cancelled: reported by the next step
         self._states: dict[int, GenerationState] = {}  # final states of finished keep_state requests
         self._next_uid = 0
-        #: the last round's geometry: rows, tokens verified (real, padding excluded), block width M
-        self.last_round: dict = {"rows": 0, "verified": 0, "width": 0}
+        #: the last round's geometry: rows, tokens verified (real, padding excluded), block width M,
+        #: the schedule's width cap (None: none)
+        self.last_round: dict = {"rows": 0, "verified": 0, "width": 0, "cap": None}
 
     # -- membership -------------------------------------------------------------------------------
     @property
@@ -539,10 +630,15 @@ class SpeculativeBatch:
         rows = self._rows
         lengths = self.lengths()
 
-        # 1. proposals, one per request
+        # 1. proposals, one per request (greedy rows cut to the schedule's width cap)
+        cap = None
+        if self.schedule is not None:
+            cap = self.schedule.choose(len(rows), max(r.block_size for r in rows))
         props = []
         for r, P in zip(rows, lengths):
             n = r.block_size - 1
+            if cap is not None and isinstance(r.verifier, GreedyVerifier):
+                n = min(n, cap - 1)
             if r.max_tokens >= 0:
                 n = min(n, r.max_tokens - r.n_out - 1)
             if limit is not None:
@@ -556,7 +652,7 @@ class SpeculativeBatch:
             props.append(prop)
         widths = [p.n + 1 for p in props]
         M = max(widths)
-        self.last_round = {"rows": len(rows), "verified": sum(widths), "width": M}
+        self.last_round = {"rows": len(rows), "verified": sum(widths), "width": M, "cap": cap}
 
         # 2. one target forward over the padded block (padding after each row's real tokens)
         block = mx.stack([
@@ -565,19 +661,43 @@ class SpeculativeBatch:
             for r, p, w in zip(rows, props, widths)])
         tap_ids = tuple(dict.fromkeys(t for r in rows for t in r.tap_ids))
         h, taps = self.target._call(lambda: self.target.inner(block, cache=self.cache), tap_ids)
-        logits = self.target.logits(h)  # [N, M, V]
+        # the LM head on the real rows only ([sum(w), V]; padding never reaches it)
+        if all(w == M for w in widths):
+            logits = self.target.logits(h.reshape(len(rows) * M, -1))
+        else:
+            real = mx.array([i * M + j for i, w in enumerate(widths) for j in range(w)], mx.int32)
+            logits = self.target.logits(h.reshape(len(rows) * M, -1)[real])
+        starts = [sum(widths[:i]) for i in range(len(widths))]
 
-        # 3. per-request accept; one host synchronisation for the batch
-        results = [r.verifier.verify(logits[i, :w], p, r.history)
-                   for i, (r, p, w) in enumerate(zip(rows, props, widths))]
-        mx.eval([x for vr in results for x in (vr.num_accepted, vr.tokens)]
+        # 3. per-request accept; one host synchronisation for the batch. Plain greedy rows (no logits
+        # processors, no logprobs: most requests) share one argmax over every real row and are compared
+        # with their drafts on the host, the reference of kernels.greedy_accept (first maximal id); the
+        # others run their own verifier (penalties, logit bias, sampling, logprobs).
+        plain = [type(r.verifier) is GreedyVerifier and not r.verifier.params.processors and not r.want_logprobs
+                 for r in rows]
+        results = [None if pl else r.verifier.verify(logits[s0 : s0 + w], p, r.history)
+                   for r, p, w, s0, pl in zip(rows, props, widths, starts, plain)]
+        best = mx.argmax(logits, axis=-1).astype(mx.int32) if any(plain) else None
+        drafts = [p.tokens.astype(mx.int32) for p, pl in zip(props, plain) if pl and p.n]
+        mx.eval(([best] if best is not None else []) + drafts
+                + [x for vr in results if vr is not None for x in (vr.num_accepted, vr.tokens)]
                 + [vr.logprobs for r, vr in zip(rows, results) if r.want_logprobs])
+        best_ids = best.tolist() if best is not None else []
+        draft_ids = iter(d.tolist() for d in drafts)
 
         # 4. per-request commit / rollback, emission
-        trims, done = [], []
+        trims, done, total = [], [], 0
         for i, (r, p, vr, w) in enumerate(zip(rows, props, results, widths)):
-            a = int(vr.num_accepted.item())
-            toks = vr.tokens[: a + 1].tolist()
+            if vr is None:
+                toks, a = best_ids[starts[i] : starts[i] + w], 0
+                for d, t in zip(next(draft_ids) if p.n else (), toks):
+                    if d != t:
+                        break
+                    a += 1
+                toks = toks[: a + 1]
+            else:
+                a = int(vr.num_accepted.item())
+                toks = vr.tokens[: a + 1].tolist()
             trims.append(M - (a + 1))
             r.session.verified(a + 1)
             feats = None
@@ -598,6 +718,7 @@ class SpeculativeBatch:
                 if r.finish is not None:
                     break
             r.stats.generated_tokens = r.n_out
+            total += emitted
             if emitted < len(toks):  # stopped inside the round: only the drafts up to the stop count
                 r.stats.record_round(min(p.n, emitted), min(a, emitted), emitted, p.source, verified=p.n + 1)
             else:
@@ -613,6 +734,8 @@ class SpeculativeBatch:
                                    f"its request {len(r.history) - 1}")
 
         dt = time.perf_counter() - tic
+        if cap is not None:
+            self.schedule.record(len(rows), cap, total, dt)
         for i, r in enumerate(rows):
             r.stats.decode_s += dt  # the rounds it took part in
             if r.out or r.finish is not None:

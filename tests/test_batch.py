@@ -456,3 +456,92 @@ def test_seeded_sampled_row_is_independent_of_its_neighbours(target):
     assert len(alone) == 14
     assert run([0.0, 0.0]) == alone
     assert run([0.9, 1.3, 0.0]) == alone
+
+
+# ---------------------------------------------------------------------------------------------------
+# verify widths under load (WidthSchedule)
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_width_schedule_tries_every_cap_then_keeps_the_fastest():
+    """Every cap is measured once per batch-size bucket, then the fastest is kept, with the least
+    recently measured cap re-measured every ``explore_every`` rounds; a batch of one is never capped."""
+    from mlx_dflash2.batch import WidthSchedule
+
+    s = WidthSchedule(caps=(1, 2, 4), explore_every=4, decay=0.5)
+    assert s.choose(1, 8) is None and s.choose(5, 1) is None  # solo, or nothing to cap
+    speed = {1: 10.0, 2: 30.0, 4: 20.0, 8: 5.0}  # tokens/s per cap (8: the rows' own widest block)
+    seen = []
+    for _ in range(12):
+        c = s.choose(6, 8)
+        seen.append(c)
+        s.record(6, c, int(speed[c]), 1.0)
+    assert seen[:4] == [1, 2, 4, 8]  # each arm once
+    assert seen[4:] == [2, 2, 2, 1, 2, 2, 2, 4]  # the fastest, and every 4th round the least recent one
+    assert s.choose(2, 8) == 1  # another bucket starts over
+    assert WidthSchedule.bucket(2) != WidthSchedule.bucket(3) == WidthSchedule.bucket(4) != WidthSchedule.bucket(5)
+    for bad in (dict(caps=()), dict(caps=(0, 2)), dict(explore_every=1), dict(decay=1.0)):
+        with pytest.raises(ValueError):
+            WidthSchedule(**bad)
+    with pytest.raises(ValueError, match="schedule"):
+        SpeculativeBatch(_tiny("qwen3", seed=1), schedule="fast")
+
+
+def _cycling(caps):
+    """A WidthSchedule that cycles through fixed caps (every width, whatever the timings)."""
+    from mlx_dflash2.batch import WidthSchedule
+
+    class Cycling(WidthSchedule):
+        def __init__(self):
+            super().__init__()
+            self.cycle, self.i, self.recorded = list(caps), 0, []
+
+        def choose(self, n_rows, max_width):
+            if n_rows < 2:
+                return None
+            self.i += 1
+            return min(self.cycle[self.i % len(self.cycle)], max_width)
+
+        def record(self, n_rows, cap, emitted, seconds):
+            self.recorded.append((n_rows, cap, emitted))
+
+    return Cycling()
+
+
+
+@pytest.mark.parametrize("schedule", ["auto", "cycle"])
+def test_scheduled_widths_keep_every_row_exact(target, schedule):
+    """Greedy rows cut to the schedule's cap (1 = a plain batched step, up to the whole block) still give
+    their solo outputs (scripted rows rejecting at every offset, lookup rows, a plain row), and a seeded
+    sampled row beside them keeps its own widths: its tokens equal its tokens alone."""
+    from mlx_dflash2.api import request_sampling
+    from mlx_dflash2.batch import WidthSchedule
+    from mlx_dflash2.sampling import SamplingParams
+
+    sch = WidthSchedule(explore_every=3) if schedule == "auto" else _cycling([1, 2, 3, B, 4])
+    spec = {"every": (_prompt(9, 6), 18, list(range(B))), "accept": (_prompt(4, 7), 21, [B - 1]),
+            "reject0": (_prompt(12, 8), 15, [0])}
+    refs, props = {}, {}
+    for k, (p, n, s) in spec.items():
+        refs[k], props[k] = _scripted(target, p, n, s)
+    lk = _prompt(6, 9) * 3
+    refs["lookup"] = _plain(target, lk, 17)
+    sp = _prompt(6, 40) * 2
+
+    def sampled_add():
+        rs = request_sampling(SamplingParams(temp=1.0, seed=5))
+        return dict(prompt=sp, max_tokens=12, proposer=LookupProposer(block_size=B), verifier=rs.verifier,
+                    draft_temperature=1.0, draft_key=rs.draft_key)
+
+    alone = _drain(SpeculativeBatch(target), joins={0: [("s", sampled_add())]})["s"]
+    batch = SpeculativeBatch(target, schedule=sch)
+    adds = [(k, dict(prompt=spec[k][0], max_tokens=spec[k][1], proposer=props[k])) for k in spec]
+    adds.append(("lookup", dict(prompt=lk, max_tokens=17, proposer=LookupProposer(block_size=B))))
+    out = _drain(batch, joins={0: adds[:2], 1: adds[2:] + [("s", sampled_add())]})
+    for k, (p, n, _) in spec.items():
+        assert out[k] == (refs[k][:n], "length"), k
+    assert out["lookup"] == (refs["lookup"], "length")
+    assert out["s"] == alone
+    if schedule == "cycle":
+        assert {c for _, c, _ in sch.recorded} >= {1, 2, 3}  # plain steps and cut blocks both ran
+        assert all(e >= 1 for _, _, e in sch.recorded)

@@ -95,6 +95,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="requests (greedy or sampled, any logprobs / penalties / logit bias; dense targets only) "
                    "advanced together by one batched round (one target forward) at most; more wait in order; "
                    "0 = no batching: every request gets its own rounds, round-robin (default 8)")
+    p.add_argument("--batch-schedule", choices=["auto", "full"], default="auto",
+                   help="verify widths of batched rounds: auto = each round's width capped by measured "
+                   "throughput (never much slower than plain batched decoding); full = every request verifies "
+                   "its whole draft (default auto)")
     p.add_argument("--prefill-step-size", type=_positive, default=2048, help="prompt chunk size (tokens)")
     p.add_argument("--keepalive-interval", type=float, default=5.0,
                    help="seconds of silence before an SSE ': keep-alive' comment (default 5)")
@@ -152,6 +156,7 @@ def build_app(args: argparse.Namespace, model=None, tokenizer=None):
             prompt_cache_bytes=args.prompt_cache_bytes,
             decode_concurrency=args.decode_concurrency,
             max_batch=args.max_batch,
+            batch_schedule=args.batch_schedule,
             prefill_step_size=args.prefill_step_size,
             chat_template_args=args.chat_template_args,
         ),

@@ -357,6 +357,8 @@ class EngineConfig:
         max_batch: requests sharing one batched round at most (0: no batching, every request
             is advanced on its own, round-robin); more eligible requests wait in FIFO order.
         prefill_step_size: prompt chunk (tokens) between prefill progress events.
+        batch_schedule: verify widths of batched rounds: ``"auto"`` (capped by measured throughput,
+            :class:`~mlx_dflash2.batch.WidthSchedule`) or ``"full"`` (every row its whole proposal).
         chat_template_args: default chat template arguments.
     """
 
@@ -367,6 +369,7 @@ class EngineConfig:
     decode_concurrency: int = 32
     max_batch: int = 8
     prefill_step_size: int = 2048
+    batch_schedule: str = "auto"
     chat_template_args: dict = field(default_factory=dict)
 
 
@@ -428,7 +431,8 @@ class Engine:
         self._batched: dict = {}  # row uid -> job
 
     def _new_batch(self) -> SpeculativeBatch:
-        return SpeculativeBatch(self.model.target, prefill_step_size=self.config.prefill_step_size)
+        return SpeculativeBatch(self.model.target, prefill_step_size=self.config.prefill_step_size,
+                                schedule=self.config.batch_schedule)
 
     # ---- lifecycle -------------------------------------------------------
 

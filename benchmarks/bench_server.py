@@ -1,17 +1,20 @@
-"""Load test of the OpenAI-compatible server on loopback: drafter on vs off, concurrency 1 vs 8.
+"""Load test of the OpenAI-compatible server on loopback: ours with and without a drafter vs ``mlx_lm.server``.
 
-For each drafter setting it starts ``python -m mlx_dflash2.server`` on a free
-127.0.0.1 port (prompt cache off, so that both settings prefill every prompt),
-then runs ``--clients`` x ``--requests`` streaming chat requests twice: one
-client at a time (concurrency 1: every request alone, the solo reference) and
-all clients at once (concurrency ``--clients``). It checks that there are no
-errors and no cross-talk (each concurrent output equals its solo output) and
-reports, per setting and concurrency: aggregate completion tokens/s (all tokens
-/ wall time), request latency p50/p95 and time to first token p50 (seconds).
+For each server (``--server``: ``ours:DRAFTER`` starts ``python -m mlx_dflash2.server --drafter DRAFTER``,
+``mlx_lm`` starts ``mlx_lm.server`` on the same weights: ``--mlx-model``, an MLX directory, e.g. the
+dense float32 conversion of the embedded GGUF that ``python -m convert`` writes) on a free 127.0.0.1
+port with the prompt cache off, it first answers every prompt of a pool one at a time (concurrency 1:
+each request alone, the solo reference), then, for each concurrency ``c`` of ``--concurrency``, runs
+``c`` streaming clients with ``--requests`` requests each over the pool. It checks that there are no
+errors and no cross-talk (each output equals its solo output; greedy) and reports, per server and
+concurrency: aggregate completion tokens/s (all tokens / wall time), request latency p50/p95 and time
+to first token p50 (seconds), plus a plot of aggregate tokens/s and p50 latency against concurrency.
 The request loops are bounded; the servers are stopped at the end.
 
-    scripts/run python benchmarks/bench_server.py                      # lookup vs none, 8 clients x 5
-    scripts/run python benchmarks/bench_server.py --drafter auto --drafter none --max-tokens 64
+    scripts/run python benchmarks/bench_server.py                      # ours lookup / none, c = 1 and 8
+    scripts/run python -m convert mlx_dflash2/... .cache/smollm2-f32 --no-quantize --dtype float32
+    scripts/run python benchmarks/bench_server.py --server ours:lookup --server ours:none --server mlx_lm \
+        --mlx-model .cache/smollm2-f32 --concurrency 1,2,4,8,16,32 --requests 2
 """
 
 from __future__ import annotations
@@ -53,21 +56,37 @@ def free_port() -> int:
     return port
 
 
-def start_server(drafter: str, args) -> tuple[subprocess.Popen, str]:
+def start_server(server: str, args) -> tuple[subprocess.Popen, str]:
+    """Start ``server`` (``ours:DRAFTER`` or ``mlx_lm``) on a free port; returns (process, base URL)."""
     port = free_port()
     root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "mlx_dflash2.server", "--port", str(port), "--drafter", drafter,
-           "--prompt-cache-size", "0", "--dtype", args.dtype, "--log-level", "WARNING",
-           "--decode-concurrency", str(max(args.clients, 1))]
-    if args.max_batch is not None:
-        cmd += ["--max-batch", str(args.max_batch)]
-    if args.model:
-        cmd += ["--model", args.model]
-    if args.dequantize:
-        cmd.append("--dequantize")
-    if args.block_size:
-        cmd += ["--block-size", str(args.block_size)]
+    conc = str(max(max(args.levels), 1))
+    if server == "mlx_lm":
+        if not args.mlx_model:
+            raise SystemExit("--server mlx_lm needs --mlx-model (an MLX model directory of the same weights)")
+        cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", args.mlx_model, "--port", str(port),
+               "--prompt-cache-size", "0", "--decode-concurrency", conc, "--log-level", "WARNING"]
+    else:
+        drafter = server.split(":", 1)[1]
+        cmd = [sys.executable, "-m", "mlx_dflash2.server", "--port", str(port), "--drafter", drafter,
+               "--prompt-cache-size", "0", "--dtype", args.dtype, "--log-level", "WARNING",
+               "--decode-concurrency", conc]
+        if args.max_batch is not None:
+            cmd += ["--max-batch", str(args.max_batch)]
+        if args.model:
+            cmd += ["--model", args.model]
+        if args.dequantize:
+            cmd.append("--dequantize")
+        if args.block_size:
+            cmd += ["--block-size", str(args.block_size)]
+        cmd += args.server_arg
     env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if server == "mlx_lm":
+        # the same optimized OpenBLAS as ours on MLX's Linux CPU backend (mlx_dflash2._blas): without it
+        # mlx_lm.server would run on MLX's bundled reference BLAS, several times slower (an unfair baseline)
+        from mlx_dflash2 import _blas
+
+        env.update(_blas.subprocess_env())
     proc = subprocess.Popen(cmd, cwd=root, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
@@ -79,13 +98,13 @@ def start_server(drafter: str, args) -> tuple[subprocess.Popen, str]:
             pass
         if proc.poll() is not None or time.time() > deadline:
             proc.kill()
-            raise RuntimeError(f"server for drafter {drafter!r} did not start")
+            raise RuntimeError(f"server {server!r} did not start")
         time.sleep(0.5)
 
 
 def one_request(url: str, prompt: str, max_tokens: int) -> dict:
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, "temperature": 0.0}
     t0 = time.perf_counter()
     ttft, text, usage, spec = None, "", None, None
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
@@ -104,8 +123,9 @@ def one_request(url: str, prompt: str, max_tokens: int) -> dict:
                     text += t
             usage = d.get("usage") or usage
             spec = d.get("speculative") or spec
+    ntok = usage["completion_tokens"] if usage else None
     return {"text": text, "latency": time.perf_counter() - t0, "ttft": ttft or 0.0,
-            "tokens": usage["completion_tokens"], "tau": spec["acceptance_length"]}
+            "tokens": ntok if ntok is not None else max_tokens, "tau": spec["acceptance_length"] if spec else 1.0}
 
 
 def run_phase(url: str, plist: list[str], clients: int, max_tokens: int) -> tuple[list[dict], float]:
@@ -143,56 +163,112 @@ def summarize(results: list[dict], wall: float) -> dict:
     }
 
 
+def plot(report: dict, levels: list[int], path: Path) -> Path | None:
+    """Aggregate tokens/s and p50 latency against concurrency, one line per server."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    for name, r in report.items():
+        cs = [c for c in levels if f"c{c}" in r]
+        a1.plot(cs, [r[f"c{c}"]["aggregate_tps"] for c in cs], marker="o", label=name)
+        a2.plot(cs, [r[f"c{c}"]["latency_p50_s"] for c in cs], marker="o", label=name)
+    for a, t in ((a1, "aggregate completion tokens/s"), (a2, "request latency p50 (s)")):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("concurrent streaming clients")
+        a.set_title(t)
+        a.grid(alpha=0.3)
+    a1.legend()
+    fig.tight_layout()
+    png = path.with_suffix(".png")
+    fig.savefig(png, dpi=110)
+    return png
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--drafter", action="append", default=None, help="repeatable; default: lookup and none")
-    ap.add_argument("--model", default=None)
+    ap.add_argument("--server", action="append", default=None,
+                    help="ours:DRAFTER (our server with --drafter DRAFTER) or mlx_lm (mlx_lm.server on --mlx-model); "
+                    "repeatable (default: ours:lookup and ours:none)")
+    ap.add_argument("--drafter", action="append", default=[], help="shorthand for --server ours:DRAFTER")
+    ap.add_argument("--model", default=None, help="our servers' --model (default: the embedded SmolLM2)")
+    ap.add_argument("--mlx-model", default=None, help="mlx_lm.server's model directory (the same weights)")
+    ap.add_argument("--server-arg", action="append", default=[], help="one more argument for our servers (repeatable)")
     ap.add_argument("--block-size", type=int, default=None)
-    ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--requests", type=int, default=5, help="requests per client")
+    ap.add_argument("--concurrency", default="1,8", help="concurrent clients per phase, comma-separated (1 = the solo pass)")
+    ap.add_argument("--clients", type=int, default=None, help="shorthand for --concurrency 1,N")
+    ap.add_argument("--requests", type=int, default=5, help="requests per client in each phase")
+    ap.add_argument("--pool", type=int, default=40, help="distinct prompts (each answered alone first)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-batch", type=int, default=None,
-                    help="the server's --max-batch (default: its default; 0: round-robin, no batching)")
+                    help="our server's --max-batch (default: its default; 0: round-robin, no batching)")
     ap.add_argument("--dequantize", action=argparse.BooleanOptionalAction, default=True,
                     help="dense target (default on: the fast exact target on CPU)")
     ap.add_argument("--out", default="benchmarks/results/server.json")
     args = ap.parse_args(argv)
-    drafters = args.drafter or ["lookup", "none"]
-    plist = prompts(args.clients * args.requests)
+    conc = f"1,{args.clients}" if args.clients else args.concurrency
+    try:
+        args.levels = sorted({int(c) for c in conc.split(",")} | {1})
+    except ValueError:
+        ap.error(f"--concurrency: integers, comma-separated, got {conc!r}")
+    if args.levels[0] < 1:
+        ap.error("--concurrency values must be >= 1")
+    servers = (args.server or []) + [f"ours:{d}" for d in args.drafter] or ["ours:lookup", "ours:none"]
+    for sv in servers:
+        if sv != "mlx_lm" and not sv.startswith("ours:"):
+            ap.error(f"--server: ours:DRAFTER or mlx_lm, got {sv!r}")
+    pool = prompts(args.pool)
     report, ok = {}, True
-    for drafter in drafters:
-        proc, url = start_server(drafter, args)
+    for server in servers:
+        proc, url = start_server(server, args)
+        r: dict = {"errors": 0, "mismatches": {}}
         try:
             one_request(url, "Hello!", 4)  # warm-up
-            solo, wall1 = run_phase(url, plist, 1, args.max_tokens)
-            conc, wallc = run_phase(url, plist, args.clients, args.max_tokens)
-            metrics = httpx.get(f"{url}/metrics", params={"format": "json"}).json()
+            solo, wall1 = run_phase(url, pool, 1, args.max_tokens)
+            ref = {p: x["text"] for p, x in zip(pool, solo)}
+            r["c1"] = summarize(solo, wall1)
+            for c in args.levels[1:]:
+                plist = [pool[i % len(pool)] for i in range(c * args.requests)]
+                res, wall = run_phase(url, plist, c, args.max_tokens)
+                r[f"c{c}"] = summarize(res, wall)
+                bad = [i for i, (p, x) in enumerate(zip(plist, res)) if x["text"] != ref[p]]
+                if bad:
+                    r["mismatches"][f"c{c}"] = bad
+                print(f"{server} c={c}: {r[f'c{c}']['aggregate_tps']:.1f} tok/s, {len(bad)} mismatches", flush=True)
+            if server != "mlx_lm":
+                metrics = httpx.get(f"{url}/metrics", params={"format": "json"}).json()
+                r["errors"] = metrics["request_errors_total"]
+                r["server_metrics"] = {k: v for k, v in metrics.items() if k.startswith(("batch_", "busy"))}
+        except RuntimeError as e:  # an HTTP or stream error: counted, the run goes on with the next server
+            r["errors"] += 1
+            r["error"] = str(e)
         finally:
             proc.terminate()
             proc.wait(30)
-        crosstalk = [i for i, (a, b) in enumerate(zip(solo, conc)) if a["text"] != b["text"]]
-        ok &= not crosstalk and metrics["request_errors_total"] == 0
-        report[drafter] = {
-            "c1": summarize(solo, wall1),
-            f"c{args.clients}": summarize(conc, wallc),
-            "mismatches": crosstalk,
-            "errors": metrics["request_errors_total"],
-        }
-    print(f"\n{args.clients} clients x {args.requests} requests, max_tokens {args.max_tokens}, streaming; "
-          f"latency = request start to last byte (s)")
-    print(f"{'drafter':<10} {'conc':>4} {'agg tok/s':>10} {'p50 lat':>8} {'p95 lat':>8} {'p50 ttft':>8} "
+        ok &= not r["mismatches"] and r["errors"] == 0
+        report[server] = r
+    print(f"\nconcurrency {args.levels}, {args.requests} requests per client, pool {args.pool}, max_tokens "
+          f"{args.max_tokens}, streaming, greedy; latency = request start to last byte (s)")
+    print(f"{'server':<14} {'conc':>4} {'agg tok/s':>10} {'p50 lat':>8} {'p95 lat':>8} {'p50 ttft':>8} "
           f"{'tau':>5} {'errors':>6} {'cross-talk':>10}")
     for d, r in report.items():
-        for c in ("c1", f"c{args.clients}"):
-            s = r[c]
-            print(f"{d:<10} {c[1:]:>4} {s['aggregate_tps']:>10.1f} {s['latency_p50_s']:>8.2f} "
+        for c in args.levels:
+            if f"c{c}" not in r:
+                continue
+            s = r[f"c{c}"]
+            print(f"{d:<14} {c:>4} {s['aggregate_tps']:>10.1f} {s['latency_p50_s']:>8.2f} "
                   f"{s['latency_p95_s']:>8.2f} {s['ttft_p50_s']:>8.2f} {s['tau_median']:>5.2f} {r['errors']:>6} "
-                  f"{len(r['mismatches']):>10}")
+                  f"{len(r['mismatches'].get(f'c{c}', [])):>10}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "results": report}, indent=2))
-    print(f"results: {out}")
+    png = plot(report, args.levels, out)
+    print(f"results: {out}" + (f", {png}" if png else ""))
     return 0 if ok else 1
 
 

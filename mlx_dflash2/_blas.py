@@ -26,7 +26,7 @@ import logging
 import os
 import sys
 
-__all__ = ["preload", "status"]
+__all__ = ["preload", "status", "subprocess_env"]
 
 ENV = "MLX_DFLASH2_OPENBLAS"
 _SYSTEM = (
@@ -84,7 +84,8 @@ def preload() -> str | None:
         _state["why"] = "MLX was imported before mlx_dflash2"
         logging.getLogger("mlx_dflash2").warning(
             "MLX was imported before mlx_dflash2, so its CPU backend keeps its slow reference BLAS; "
-            "import mlx_dflash2 first (or set LD_PRELOAD=%s) for the optimized OpenBLAS", cands[0])
+            "import mlx_dflash2 first (or start Python with %s) for the optimized OpenBLAS",
+            " ".join(f"{k}={v}" for k, v in subprocess_env(cands[0]).items()))
         return None
     errors = []
     for lib in cands:
@@ -109,3 +110,19 @@ def preload() -> str | None:
 def status() -> dict:
     """``{"path": loaded OpenBLAS or None, "why": a short reason}`` after :func:`preload`."""
     return dict(_state)
+
+
+def subprocess_env(lib: str | None = None) -> dict:
+    """Environment variables that give another Python process (e.g. ``mlx_lm.server``, started by a
+    benchmark as the baseline) this OpenBLAS from its start: ``LD_PRELOAD`` of ``lib`` (default: the
+    one :func:`preload` loaded) and, for a venv copy, ``LD_LIBRARY_PATH`` with its ``libgfortran``'s
+    folder prepended. Empty when there is none (not Linux, none found)."""
+    lib = lib or preload()
+    if not lib:
+        return {}
+    env = {"LD_PRELOAD": lib}
+    deps = os.path.dirname(os.path.dirname(lib))
+    if glob.glob(os.path.join(deps, "libgfortran.so.*")):
+        old = os.environ.get("LD_LIBRARY_PATH")
+        env["LD_LIBRARY_PATH"] = deps + (os.pathsep + old if old else "")
+    return env

@@ -177,6 +177,21 @@ def test_openblas_too_late_after_mlx_says_so():
     assert "import mlx_dflash2 first" in r.stderr
 
 
+def test_openblas_subprocess_env_works_from_the_start():
+    """What the too-late warning advises (``subprocess_env``: LD_PRELOAD, plus LD_LIBRARY_PATH for the
+    venv copy's libgfortran) gives a process the OpenBLAS even when it imports MLX first; benchmarks start
+    their baselines (mlx_lm.server) with it. LD_PRELOAD alone could not load the venv copy."""
+    from mlx_dflash2 import _blas
+
+    if not _blas._candidates():
+        pytest.skip("no optimized OpenBLAS on this machine")
+    env = {**_no_preload_env(), **_blas.subprocess_env(_blas._candidates()[0])}
+    code = "import mlx.core, mlx_dflash2._blas as b; print(b.status()['why'])"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, cwd="/")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().startswith("already loaded")
+
+
 @pytest.mark.slow  # ~40 s; the CLI's generate path is covered by the other CLI tests
 def test_drafter_cli_init_then_generate(tmp_path):
     out = tmp_path / "drafter"

@@ -41,7 +41,7 @@ from .proposers import Proposal, Proposer
 from .target import TargetAdapter, cache_length, trim_cache
 from .verify import GreedyVerifier, Verifier
 
-__all__ = ["SpecStats", "speculative_generate_step", "GenerationState", "PLAIN_PROPOSER"]
+__all__ = ["SpecStats", "speculative_generate_step", "GenerationState", "PLAIN_PROPOSER", "start_request", "RequestSetup"]
 
 
 @dataclass
@@ -295,6 +295,92 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
+@dataclass
+class RequestSetup:
+    """What :func:`start_request` prepared for one request (see there)."""
+
+    proposer: object
+    verifier: Verifier
+    block_size: int
+    tap_ids: tuple
+    cache: list
+    session: object
+    reused: int
+
+
+def start_request(prompt: list[int], target: TargetAdapter, proposer: Proposer | None = None, *,
+                  verifier: Verifier | None = None, block_size: int | None = None,
+                  stats: SpecStats | None = None, state: GenerationState | None = None,
+                  adaptive: bool = True) -> RequestSetup:
+    """Validate a request and prepare its caches, before its prefill: the one setup of the solo loop
+    (:func:`speculative_generate_step`) and of a batch's join (:meth:`~.batch.SpeculativeBatch.add`).
+
+    Resolves the block size (``1``: plain decoding), checks it against the proposer and the prompt
+    against the context; fills ``stats``' request fields; reuses ``state`` as a prompt cache when it
+    holds caches of the same proposer (the common prefix is kept, at least one prompt token is left to
+    feed; recurrent layers resume from the longest snapshot at or before it, sliding windows keep only
+    what every layer holds), else starts fresh caches and a new proposer session; ``state`` is then
+    filled with them (mutated in place, as the loop goes on filling it).
+
+    Args:
+        prompt: token ids (non-empty; ``int`` list).
+        target, proposer, verifier, block_size, stats, state, adaptive: as
+            :func:`speculative_generate_step`'s.
+
+    Returns:
+        A :class:`RequestSetup`: the effective proposer, verifier and block size, the tap layer ids,
+        the target cache (one entry per layer), the proposer session, and ``reused`` (prompt tokens
+        whose K/V are already in ``cache``; the caller prefills ``prompt[reused:]``).
+
+    Raises:
+        ValueError: empty prompt, prompt at or beyond the context limit, or a bad block size.
+    """
+    if not prompt:
+        raise ValueError("the prompt must contain at least one token")
+    proposer = proposer or PLAIN_PROPOSER
+    verifier = verifier or GreedyVerifier()
+    B = int(block_size if block_size is not None else (proposer.block_size or 1))
+    if B < 1:
+        raise ValueError(f"block size must be >= 1, got {B}")
+    if B == 1:
+        proposer = PLAIN_PROPOSER  # nothing to draft: plain decoding
+    proposer.check_block_size(B)
+    limit = target.max_context
+    if limit is not None and len(prompt) >= limit:
+        raise ValueError(f"prompt of {len(prompt)} tokens does not fit the target's context of {limit} tokens")
+    stats = stats if stats is not None else SpecStats()
+    stats.drafter, stats.block_size, stats.prompt_tokens = proposer.name, B, len(prompt)
+    if not adaptive:
+        stats.drafter = stats.drafter.replace(" (adaptive)", "")
+    stats.draft_confidence = proposer.min_confidence
+    costs = getattr(proposer, "calibration", None) if adaptive else None  # the width policy's table
+    if costs is not None:
+        t1 = costs.verify(1, len(prompt))
+        stats.verify_cost = costs.ratios(len(prompt))
+        stats.drafter_cost = {n: t / t1 for n, t in sorted(costs.drafter_s.items())}
+    reuse = 0
+    snapshots = {}
+    if state is not None and state.cache is not None and state.proposer is proposer and state.tokens:
+        # prompt (prefix) cache: keep the common prefix, at least one prompt token left to feed (recurrent
+        # layers: the longest snapshot at or before it; sliding windows: only what every layer still holds)
+        cache, session = state.cache, state.session
+        reuse = _rewind(cache, state.snapshots, min(_common_prefix(state.tokens, prompt), len(prompt) - 1))
+        if reuse == 0:
+            cache = target.make_cache()
+        session.truncate(reuse)
+        snapshots = {p: v for p, v in state.snapshots.items() if p <= reuse}
+    else:
+        cache = target.make_cache()
+        session = proposer.start(prompt)
+    session.adaptive = adaptive  # read by sessions that have a schedule (FusedProposer)
+    if state is not None:
+        state.cache, state.session, state.proposer, state.reused = cache, session, proposer, reuse
+        state.tokens = prompt[:reuse]
+        state.snapshots = snapshots
+    stats.cached_tokens = reuse
+    return RequestSetup(proposer, verifier, B, tuple(proposer.tap_ids), cache, session, reuse)
+
+
 def speculative_generate_step(
     prompt: Iterable[int],
     target: TargetAdapter,
@@ -345,49 +431,13 @@ def speculative_generate_step(
         raise ValueError("the prompt must contain at least one token")
     if max_tokens == 0:
         return
-    proposer = proposer or PLAIN_PROPOSER
-    verifier = verifier or GreedyVerifier()
-    B = int(block_size if block_size is not None else (proposer.block_size or 1))
-    if B < 1:
-        raise ValueError(f"block size must be >= 1, got {B}")
-    if B == 1:
-        proposer = PLAIN_PROPOSER  # nothing to draft: plain decoding
-    proposer.check_block_size(B)
-    limit = target.max_context
-    if limit is not None and len(prompt) >= limit:
-        raise ValueError(f"prompt of {len(prompt)} tokens does not fit the target's context of {limit} tokens")
     stats = stats if stats is not None else SpecStats()
-    stats.drafter, stats.block_size, stats.prompt_tokens = proposer.name, B, len(prompt)
-    if not adaptive:
-        stats.drafter = stats.drafter.replace(" (adaptive)", "")
-    stats.draft_confidence = proposer.min_confidence
-    costs = getattr(proposer, "calibration", None) if adaptive else None  # the width policy's table
-    if costs is not None:
-        t1 = costs.verify(1, len(prompt))
-        stats.verify_cost = costs.ratios(len(prompt))
-        stats.drafter_cost = {n: t / t1 for n, t in sorted(costs.drafter_s.items())}
-    tap_ids = tuple(proposer.tap_ids)
-    reuse = 0
-    snapshots = {}
-    if state is not None and state.cache is not None and state.proposer is proposer and state.tokens:
-        # prompt (prefix) cache: keep the common prefix, at least one prompt token left to feed (recurrent
-        # layers: the longest snapshot at or before it; sliding windows: only what every layer still holds)
-        cache, session = state.cache, state.session
-        reuse = _rewind(cache, state.snapshots, min(_common_prefix(state.tokens, prompt), len(prompt) - 1))
-        if reuse == 0:
-            cache = target.make_cache()
-        session.truncate(reuse)
-        snapshots = {p: v for p, v in state.snapshots.items() if p <= reuse}
-    else:
-        cache = target.make_cache()
-        session = proposer.start(prompt)
-    session.adaptive = adaptive  # read by sessions that have a schedule (FusedProposer)
-    if state is not None:
-        state.cache, state.session, state.proposer, state.reused = cache, session, proposer, reuse
-        state.tokens = prompt[:reuse]
-        state.snapshots = snapshots
+    setup = start_request(prompt, target, proposer, verifier=verifier, block_size=block_size, stats=stats,
+                          state=state, adaptive=adaptive)
+    proposer, verifier, B, tap_ids = setup.proposer, setup.verifier, setup.block_size, setup.tap_ids
+    cache, session, reuse = setup.cache, setup.session, setup.reused
+    limit = target.max_context
     recurrent = _recurrent_entries(cache) if state is not None else []
-    stats.cached_tokens = reuse
     progress = prompt_progress_callback or (lambda *_: None)
 
     def feats(x):

@@ -7,10 +7,15 @@ advances **N requests by one round with one target forward**.
 
 Data flow of one round (:meth:`SpeculativeBatch.step`)
 ------------------------------------------------------
-1. **join**: :meth:`SpeculativeBatch.add` prefills a request alone, through the single-request loop
-   itself (:func:`~.speculative.speculative_generate_step` run to its first token, then closed), so
-   the prefill and the first token are exactly the solo ones; its per-layer ``KVCache`` rows are then
-   copied into a new row of the batch cache (:class:`RaggedKVCache`). Joins happen between rounds.
+1. **join**: :meth:`SpeculativeBatch.add` sets a request up as the solo loop does
+   (:func:`~.speculative.start_request`: checks, prompt-cache reuse, proposer session) and queues it as
+   a row of the *join cache* (a second :class:`RaggedKVCache`). Each :meth:`~SpeculativeBatch.step`
+   first feeds every queued request its next prompt chunk (up to ``prefill_step_size`` tokens per row)
+   in **one target forward** (rows right-padded, the padding rolled back as rejected drafts are), so
+   many joins cost one batched forward and a long prompt is prefilled a chunk per step, interleaved
+   with the rounds of the requests already decoding. A request whose prompt is complete gets its first
+   token from its own verifier on the logits at its last prompt token (what the solo loop's prefill
+   does) and its K/V rows move to the batch cache (one concatenation for all of that step's joins).
 2. **draft**: each active request's own proposer session proposes ``d_1..d_{n_i}`` after its anchor
    (``n_i <= B_i - 1``, shrunk near its ``max_tokens`` and the context limit), one call per request;
    a sampled request's drafter gets its draft temperature and the next split of its own draft key
@@ -66,11 +71,9 @@ Missing for the full issue 22 (later steps)
   request's proposer is called on its own;
 * hybrid targets (recurrent layers: per-row accept via ``kernels.select_states``; sliding windows):
   refused here;
-* pipelining (queueing round r+1 before r's tokens are handed out, as the solo loop does), chunked
-  prefill interleaved with the decode rounds of others (a join prefills its whole prompt at once, alone,
-  while the batch waits: with 32 streaming clients on a 2-core CPU the batch held 6.6 rows per round on
-  average, benchmarks/README.md;
-  done: prompt-cache reuse for joins, ``add(state=)``; stop strings, the server's through ``remove``);
+* pipelining (queueing round r+1 before r's tokens are handed out, as the solo loop does)
+  (done: batched, chunked prefill of joins interleaved with the rounds; prompt-cache reuse for joins,
+  ``add(state=)``; stop strings, the server's through ``remove``);
 * widths by the drafter's own confidence per row (:class:`WidthSchedule` caps the round's width by
   measured throughput, the same cap for every greedy row; sampled rows keep their widths);
 * the single-request generator as a batch of one (the server wiring is done: continuous batching,
@@ -87,7 +90,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from .proposers import Proposal, Proposer
-from .speculative import GenerationState, SpecStats, speculative_generate_step
+from .speculative import GenerationState, SpecStats, start_request
 from .target import TargetAdapter, TargetCompatibilityError
 from .verify import GreedyVerifier, Verifier
 
@@ -166,6 +169,10 @@ class RaggedKVCache:
         if N != self.rows or N == 0:
             raise ValueError(f"RaggedKVCache: a forward of {N} rows on a cache of {self.rows} rows")
         need = max(self._lengths) + M
+        if self.keys is None:  # every row is empty (joins before their first prefill chunk)
+            cap = -(-need // self.step) * self.step
+            self.keys = mx.zeros((N, keys.shape[1], cap, keys.shape[3]), keys.dtype)
+            self.values = mx.zeros((N, values.shape[1], cap, values.shape[3]), values.dtype)
         self._grow(need)
         idx = (self.offset[:, None] + mx.arange(M, dtype=mx.int32))[:, None, :, None]
         self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(idx, keys.shape), keys, axis=2)
@@ -219,32 +226,58 @@ class RaggedKVCache:
             raise ValueError(f"RaggedKVCache.trim_rows: amounts {n} outside 0..lengths {self._lengths}")
         self._set_lengths([m - x for m, x in zip(self._lengths, n)])
 
-    def add_row(self, keys: mx.array, values: mx.array) -> None:
-        """Append a row holding ``keys`` / ``values`` (``[1, H, L, D]``, positions ``0 .. L - 1``; e.g. a
-        prefilled ``KVCache``'s ``keys[..., :offset, :]``). Copies the buffers (joins are rare).
+    def add_row(self, keys: mx.array | None, values: mx.array | None) -> None:
+        """Append one row: :meth:`add_rows` with a single row."""
+        self.add_rows([(keys, values)])
+
+    def add_rows(self, rows: Sequence[tuple[mx.array | None, mx.array | None]]) -> None:
+        """Append rows, each holding ``keys`` / ``values`` (``[1, H, L, D]``, positions ``0 .. L - 1``; e.g.
+        a prefilled ``KVCache``'s ``keys[..., :offset, :]``), or ``(None, None)`` for an empty row (length
+        0: a request whose prompt is still to be prefilled). One concatenation per call (joins of many
+        rows at once cost one copy of the buffers, not one per row). While no row has K/V the buffers
+        stay unallocated (:meth:`update_and_fetch` allocates them from the first keys it writes).
 
         Raises:
-            ValueError: a shape or dtype that does not match the rows already there.
+            ValueError: a shape or dtype that does not match the other rows (nothing is added then).
         """
-        if keys.ndim != 4 or keys.shape[0] != 1 or values.shape[:3] != keys.shape[:3]:
-            raise ValueError(f"RaggedKVCache.add_row: keys/values must be [1, H, L, D], got "
-                             f"{tuple(keys.shape)} / {tuple(values.shape)}")
-        L = int(keys.shape[2])
-        if self.keys is None:
-            cap = max(-(-L // self.step) * self.step, self.step)
-            pad = [(0, 0), (0, 0), (0, cap - L), (0, 0)]
-            self.keys, self.values = mx.pad(keys, pad), mx.pad(values, pad)
-        else:
-            if (keys.shape[1], keys.shape[3], values.shape[3]) != (self.keys.shape[1], self.keys.shape[3],
-                                                                    self.values.shape[3]) \
-                    or keys.dtype != self.keys.dtype:
-                raise ValueError(f"RaggedKVCache.add_row: row {tuple(keys.shape)} {keys.dtype} does not match "
-                                 f"the batch's {tuple(self.keys.shape)} {self.keys.dtype}")
-            self._grow(L)
-            pad = [(0, 0), (0, 0), (0, self._capacity() - L), (0, 0)]
-            self.keys = mx.concatenate([self.keys, mx.pad(keys, pad)], axis=0)
-            self.values = mx.concatenate([self.values, mx.pad(values, pad)], axis=0)
-        self._set_lengths(self._lengths + [L])
+        rows = list(rows)
+        geo = None if self.keys is None else (self.keys.shape[1], self.keys.shape[3], self.values.shape[3],
+                                               self.keys.dtype)
+        for k, v in rows:
+            if k is None and v is None:
+                continue
+            if k is None or v is None or k.ndim != 4 or k.shape[0] != 1 or v.ndim != 4 or v.shape[:3] != k.shape[:3]:
+                raise ValueError(f"RaggedKVCache.add_row: keys/values must be [1, H, L, D], got "
+                                 f"{None if k is None else tuple(k.shape)} / {None if v is None else tuple(v.shape)}")
+            g = (k.shape[1], k.shape[3], v.shape[3], k.dtype)
+            if geo is not None and g != geo:
+                raise ValueError(f"RaggedKVCache.add_row: row {tuple(k.shape)} {k.dtype} does not match "
+                                 f"the batch's {geo[:3]} {geo[3]}")
+            geo = g
+        lens = [0 if k is None else int(k.shape[2]) for k, _ in rows]
+        if geo is None:  # only empty rows so far: no buffers yet
+            self._set_lengths(self._lengths + lens)
+            return
+        H, Dk, Dv, dtype = geo
+        if self.keys is None:  # the rows already here are empty: zero buffers for them
+            cap = max(-(-max(lens) // self.step) * self.step, self.step)
+            n0 = len(self._lengths)
+            self.keys = mx.zeros((n0, H, cap, Dk), dtype)
+            self.values = mx.zeros((n0, H, cap, Dv), dtype)
+        self._grow(max(lens))
+        cap = self._capacity()
+        ks, vs = [self.keys], [self.values]
+        for (k, v), L in zip(rows, lens):
+            if k is None:
+                ks.append(mx.zeros((1, H, cap, Dk), dtype))
+                vs.append(mx.zeros((1, H, cap, Dv), dtype))
+            else:
+                pad = [(0, 0), (0, 0), (0, cap - L), (0, 0)]
+                ks.append(mx.pad(k, pad))
+                vs.append(mx.pad(v, pad))
+        self.keys = mx.concatenate(ks, axis=0)
+        self.values = mx.concatenate(vs, axis=0)
+        self._set_lengths(self._lengths + lens)
 
     def keep_rows(self, keep: Sequence[int]) -> None:
         """Keep only rows ``keep`` (in that order); the capacity shrinks to what the longest kept row
@@ -255,7 +288,10 @@ class RaggedKVCache:
             self._set_lengths([])
             return
         lengths = [self._lengths[i] for i in keep]
-        cap = -(-max(lengths) // self.step) * self.step
+        if self.keys is None:
+            self._set_lengths(lengths)
+            return
+        cap = max(-(-max(lengths) // self.step) * self.step, self.step)
         idx = mx.array(keep, dtype=mx.int32)
         self.keys, self.values = self.keys[idx, :, :cap], self.values[idx, :, :cap]
         self._set_lengths(lengths)
@@ -322,6 +358,18 @@ class _Request:
                         self.out_lp if self.want_logprobs else None, self.out_draft)
         self.out, self.out_lp, self.out_draft = [], [], []
         return ev
+
+
+@dataclass
+class _Join:
+    """A request being prefilled (a row of the batch's join cache): ``todo`` = prompt tokens not fed yet."""
+
+    req: _Request
+    prompt_len: int
+    todo: list[int]
+    fed: int
+    progress: object
+    tic: float
 
 
 class WidthSchedule:
@@ -447,23 +495,28 @@ class SpeculativeBatch:
         self.prefill_step_size = int(prefill_step_size)
         self.cache = [RaggedKVCache() for _ in kinds]
         self._rows: list[_Request] = []  # row i of the cache is self._rows[i]
+        self._jcache = [RaggedKVCache() for _ in kinds]  # requests being prefilled (joins)
+        self._joining: list[_Join] = []  # row i of the join cache is self._joining[i]
         self._events: list[BatchEvent] = []  # finished at join, cancelled: reported by the next step
         self._states: dict[int, GenerationState] = {}  # final states of finished keep_state requests
         self._next_uid = 0
         #: the last round's geometry: rows, tokens verified (real, padding excluded), block width M,
         #: the schedule's width cap (None: none)
         self.last_round: dict = {"rows": 0, "verified": 0, "width": 0, "cap": None}
+        #: the last step's prefill of joins: rows fed, prompt tokens fed (0, 0: none)
+        self.last_prefill: dict = {"rows": 0, "tokens": 0}
 
     # -- membership -------------------------------------------------------------------------------
     @property
     def active(self) -> int:
-        """Requests in the batch (rows of the cache)."""
-        return len(self._rows)
+        """Requests in the batch: rows of the cache and requests still being prefilled."""
+        return len(self._rows) + len(self._joining)
 
     @property
     def pending(self) -> bool:
-        """Whether the next :meth:`step` has something to report without a round (joins, cancels)."""
-        return bool(self._events) or any(r.out for r in self._rows)
+        """Whether the next :meth:`step` has work or something to report without a round (prefills of
+        joins, finished joins, cancels)."""
+        return bool(self._events) or bool(self._joining) or any(r.out for r in self._rows)
 
     def lengths(self) -> list[int]:
         """Per-row cache lengths (row order = join order of the active requests)."""
@@ -475,7 +528,7 @@ class SpeculativeBatch:
         Raises:
             KeyError: ``uid`` is not active.
         """
-        for r in self._rows:
+        for r in self._rows + [j.req for j in self._joining]:
             if r.uid == uid:
                 return r.stats
         raise KeyError(f"request {uid} is not active")
@@ -485,12 +538,15 @@ class SpeculativeBatch:
             eos_token_ids: Sequence[int] = (), state: GenerationState | None = None, keep_state: bool = False,
             draft_temperature: float = 0.0, draft_key: mx.array | None = None, logprobs: bool = False,
             prompt_progress_callback=None) -> int:
-        """Prefill a request (alone, exactly as the solo loop does) and make it a row of the batch.
+        """Queue a request: validated and set up now (as the solo loop does), prefilled by the next
+        :meth:`step` calls together with the other joins (chunked, interleaved with the rounds of the
+        requests already decoding), then a row of the batch.
 
-        Its first token is reported by the next :meth:`step`. A request that ends at its first token
-        (an EOS, ``max_tokens == 1``, a full context) or with ``max_tokens == 0`` never becomes a row.
-        An adaptive schedule (``FusedProposer``) does not choose this request's rounds: its timings are
-        per request, a batch's rounds are shared.
+        Its first token is reported by the step that finishes its prefill. A request that ends at its
+        first token (an EOS, ``max_tokens == 1``, a full context) never becomes a row; one with
+        ``max_tokens == 0`` is reported by the next step without being prefilled. An adaptive schedule
+        (``FusedProposer``) does not choose this request's rounds: its timings are per request, a
+        batch's rounds are shared.
 
         Args:
             prompt: token ids (non-empty).
@@ -500,68 +556,63 @@ class SpeculativeBatch:
             verifier: its verifier (default :class:`~.verify.GreedyVerifier`): any
                 :class:`~.verify.Verifier`, e.g. a :class:`~.verify.RejectionVerifier` with its own key
                 and logits processors (penalties, logit bias), as :func:`~.api.request_sampling` builds
-                it; the batch calls it once per round, as the solo loop does (its key advances alike).
+                it; the batch calls it once for the first token and once per round, as the solo loop
+                does (its key advances alike).
             eos_token_ids: ids that end the request (emitted, then ``finish_reason == "stop"``).
-            state: a prompt-cache :class:`~.speculative.GenerationState` to start from (the solo loop
-                reuses its common prefix with ``prompt`` and prefills only the rest); the batch takes it
-                over (it must not be used elsewhere afterwards).
+            state: a prompt-cache :class:`~.speculative.GenerationState` to start from (its common prefix
+                with ``prompt`` is reused, only the rest is prefilled); the batch takes it over (it must
+                not be used elsewhere afterwards).
             keep_state: keep the request's final state (its row's K/V, its proposer session, the tokens
                 they hold) when it finishes, for :meth:`take_state` (or return it from :meth:`remove`).
             draft_temperature, draft_key: the request's drafter sampling (as the solo loop's: the key
                 is split once per round that drafts; 0 / None: greedy drafts).
             logprobs: report each token's log-probabilities in :attr:`BatchEvent.logprobs`.
-            prompt_progress_callback: ``f(processed, total)`` during the prefill.
+            prompt_progress_callback: ``f(processed, total)`` during the prefill (from the steps).
 
         Returns:
             The request id.
 
         Raises:
             ValueError: bad ``max_tokens`` (named), an empty prompt, a prompt at or beyond the context
-                limit, a bad block size (from the solo loop); nothing is added then.
+                limit, a bad block size (:func:`~.speculative.start_request`'s checks); nothing is added.
         """
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < -1:
             raise ValueError(f"max_tokens must be an integer >= -1 (-1: unbounded), got {max_tokens!r}")
         prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("the prompt must contain at least one token")
         uid = self._next_uid
-        verifier = verifier or GreedyVerifier()
         if max_tokens == 0:
-            if not prompt:
-                raise ValueError("the prompt must contain at least one token")
             self._next_uid += 1
             self._events.append(BatchEvent(uid, [], "length"))
             return uid
         proposer = proposer if proposer is not None else self.proposer
         B = block_size if block_size is not None else self.block_size
-        state, stats = state if state is not None else GenerationState(), SpecStats()
-        gen = speculative_generate_step(prompt, self.target, proposer, verifier=verifier, block_size=B,
-                                        max_tokens=max_tokens, prefill_step_size=self.prefill_step_size,
-                                        stats=stats, state=state, adaptive=False,
-                                        draft_temperature=draft_temperature, draft_key=draft_key,
-                                        prompt_progress_callback=prompt_progress_callback)
-        try:
-            first, first_lp, _ = next(gen)  # the prefill and the first token, exactly the solo loop's
-        finally:
-            gen.close()  # before its first round: the draft key is not split yet
+        stats = SpecStats()
+        setup = start_request(prompt, self.target, proposer, verifier=verifier, block_size=B, stats=stats,
+                              state=state, adaptive=False)
         self._next_uid += 1
-        req = _Request(uid, max_tokens, frozenset(int(e) for e in eos_token_ids), stats.block_size,
-                       tuple(state.proposer.tap_ids), state.session, verifier, stats, prompt + [first],
-                       proposer=state.proposer, keep_state=keep_state, draft_temperature=draft_temperature,
-                       draft_key=draft_key, want_logprobs=bool(logprobs), n_out=1, out=[first],
-                       out_lp=[first_lp] if logprobs else [], out_draft=[False])
-        req.finish = self._finished(req, first, len(prompt))
-        if req.finish is not None:
-            self._events.append(req.event(req.finish))
-            if keep_state:
-                self._states[uid] = state  # the solo loop left it holding the prompt
-            return uid
-        for layer, c in zip(self.cache, state.cache):
-            layer.add_row(c.keys[..., : c.offset, :], c.values[..., : c.offset, :])
-        self._rows.append(req)
+        req = _Request(uid, max_tokens, frozenset(int(e) for e in eos_token_ids), setup.block_size,
+                       setup.tap_ids, setup.session, setup.verifier, stats, list(prompt),
+                       proposer=setup.proposer, keep_state=keep_state, draft_temperature=draft_temperature,
+                       draft_key=draft_key, want_logprobs=bool(logprobs))
+        n = setup.reused
+        for layer, c in zip(self._jcache, setup.cache):
+            layer.add_row(*((c.keys[..., :n, :], c.values[..., :n, :]) if n else (None, None)))
+        progress = prompt_progress_callback or (lambda *_: None)
+        self._joining.append(_Join(req, len(prompt), prompt[n:], n, progress, time.perf_counter()))
+        progress(0, len(prompt))
         return uid
 
     def cancel(self, uid: int) -> bool:
-        """Drop an active request now (its row and state); the next :meth:`step` reports it as
-        ``"cancelled"`` with any tokens not yet reported. Returns False if ``uid`` is not active."""
+        """Drop an active request now (its row and state, or its unfinished prefill); the next
+        :meth:`step` reports it as ``"cancelled"`` with any tokens not yet reported. Returns False if
+        ``uid`` is not active."""
+        for i, j in enumerate(self._joining):
+            if j.req.uid == uid:
+                self._drop_joins([i])
+                self._events.append(j.req.event("cancelled"))
+                return True
         for i, r in enumerate(self._rows):
             if r.uid == uid:
                 self._drop([i])
@@ -571,9 +622,14 @@ class SpeculativeBatch:
 
     def remove(self, uid: int) -> GenerationState | None:
         """Drop an active request now, without an event (its consumer has stopped it, e.g. at a stop
-        string); returns its final state if it was added with ``keep_state``, else None. Tokens it
-        emitted but were not reported yet are discarded. Does nothing (None) if ``uid`` is not active.
+        string); returns its final state if it was added with ``keep_state``, else None (also for a
+        request still being prefilled). Tokens it emitted but were not reported yet are discarded.
+        Does nothing (None) if ``uid`` is not active.
         """
+        for i, j in enumerate(self._joining):
+            if j.req.uid == uid:
+                self._drop_joins([i])
+                return None
         for i, r in enumerate(self._rows):
             if r.uid == uid:
                 st = self._row_state(i) if r.keep_state else None
@@ -604,6 +660,73 @@ class SpeculativeBatch:
             c.keep_rows(keep)
         self._rows = [self._rows[i] for i in keep]
 
+    def _drop_joins(self, rows: list[int]) -> None:
+        keep = [i for i in range(len(self._joining)) if i not in set(rows)]
+        for c in self._jcache:
+            c.keep_rows(keep)
+        self._joining = [self._joining[i] for i in keep]
+
+    def _prefill(self) -> None:
+        """One prefill chunk of every request being joined, in one target forward: row ``i`` feeds its
+        next ``min(len(todo_i), prefill_step_size)`` prompt tokens (right-padded to the widest; the
+        padding is rolled back as a verify's rejected rows are). A request whose prompt is then complete
+        gets its first token exactly as the solo loop's prefill gives it (its verifier on the logits at
+        its last prompt token, an empty proposal, the prompt as history) and moves to the batch's cache
+        (or finishes there, e.g. at an EOS); the others go on at the next step."""
+        J = self._joining
+        n = [min(len(j.todo), self.prefill_step_size) for j in J]
+        M = max(n)
+        block = mx.array([j.todo[:k] + [0] * (M - k) for j, k in zip(J, n)], dtype=mx.int32)
+        tap_ids = tuple(dict.fromkeys(t for j in J for t in j.req.tap_ids))
+        h, taps = self.target._call(lambda: self.target.inner(block, cache=self._jcache), tap_ids)
+        fin = [i for i, (j, k) in enumerate(zip(J, n)) if k == len(j.todo)]
+        firsts = []
+        if fin:
+            last = h[mx.array(fin, mx.int32), mx.array([n[i] - 1 for i in fin], mx.int32)]  # [F, D]
+            logits = self.target.logits(last)
+            firsts = [J[i].req.verifier.verify(logits[f : f + 1], Proposal.empty(), J[i].req.history)
+                      for f, i in enumerate(fin)]
+        for i, (j, k) in enumerate(zip(J, n)):
+            feats = None
+            if j.req.tap_ids:
+                feats = mx.concatenate([taps[t].out[i, :k] for t in j.req.tap_ids], axis=-1)
+            j.req.session.extend(j.todo[:k], feats)
+        for c in self._jcache:
+            c.trim_rows([M - k for k in n])
+        mx.eval([a for c in self._jcache for a in c.state] + [a for j in J for a in j.req.session.state_arrays()]
+                + [x for v in firsts for x in (v.tokens, v.logprobs)])
+        self.last_prefill = {"rows": len(J), "tokens": sum(n)}
+        for j, k in zip(J, n):
+            j.todo, j.fed = j.todo[k:], j.fed + k
+            j.progress(j.fed, j.prompt_len)
+        if not fin:
+            return
+        moved, gone = [], []
+        for i, v in zip(fin, firsts):
+            r = J[i].req
+            first = int(v.tokens[0].item())
+            r.history.append(first)
+            r.out, r.out_draft, r.n_out = [first], [False], 1
+            if r.want_logprobs:
+                r.out_lp = [v.logprobs[0]]
+            r.stats.generated_tokens = 1
+            r.stats.prefill_s = time.perf_counter() - J[i].tic
+            r.finish = self._finished(r, first, J[i].prompt_len)
+            if r.finish is None:
+                moved.append(i)
+                continue
+            self._events.append(r.event(r.finish))
+            if r.keep_state:
+                self._states[r.uid] = GenerationState(cache=[c.extract(i) for c in self._jcache], session=r.session,
+                                                      tokens=r.history[:-1], proposer=r.proposer)
+            gone.append(i)
+        if moved:
+            for main, c in zip(self.cache, self._jcache):
+                L = c.lengths
+                main.add_rows([(c.keys[i : i + 1, :, : L[i]], c.values[i : i + 1, :, : L[i]]) for i in moved])
+            self._rows.extend(J[i].req for i in moved)
+        self._drop_joins(moved + gone)
+
     def _finished(self, req: _Request, tok: int, pos: int) -> str | None:
         """Why ``req`` stops after emitting ``tok`` whose position is ``pos`` (None: it goes on)."""
         limit = self.target.max_context
@@ -621,6 +744,10 @@ class SpeculativeBatch:
             One :class:`BatchEvent` per request that emitted tokens or finished since the last call
             (joins' first tokens, cancellations, then the round's rows in row order).
         """
+        self.last_prefill = {"rows": 0, "tokens": 0}
+        self.last_round = {"rows": 0, "verified": 0, "width": 0, "cap": None}
+        if self._joining:
+            self._prefill()
         events = self._events
         self._events = []
         if not self._rows:

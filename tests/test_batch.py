@@ -223,16 +223,17 @@ def test_cancel_mid_batch_leaves_the_others_exact(target):
 
 def test_first_token_finishes_and_zero_tokens(target):
     """A request that ends at its prefill token (max_tokens 1, or that token an EOS) or asks for no
-    token never becomes a row; it is reported by the next step."""
+    token never becomes a row of the round; the next step (its prefill) reports it."""
     p = _prompt(6, 14)
     first = _plain(target, p, 1)
     batch = SpeculativeBatch(target)
     u1 = batch.add(p, 1)
     u2 = batch.add(p, 10, eos_token_ids=first)
     u3 = batch.add(p, 0)
-    assert batch.active == 0 and batch.pending
+    assert batch.active == 2 and batch.pending  # two joins to prefill (u3 asks for nothing)
     evs = {e.uid: (e.tokens, e.finish_reason) for e in batch.step()}
     assert evs == {u1: (first, "length"), u2: (first, "stop"), u3: ([], "length")}
+    assert batch.active == 0 and not batch.pending and batch.last_round["rows"] == 0
 
 
 def test_context_limit_per_row():
@@ -316,10 +317,10 @@ def test_drafter_rows_get_their_own_features(target):
         b = batch_rec[k].sessions[0]
         assert out[k] == (toks, "length"), k
         assert b.drafts == s.drafts, k
-        if cases[k][2] is dflash:
-            assert len(b.feats) == len(s.feats)
-            for fb, fs in zip(b.feats, s.feats):
-                assert fb.shape == fs.shape and mx.allclose(fb, fs, atol=1e-4).item(), k
+        if cases[k][2] is dflash:  # the same positions' features in order (the batch's prefill feeds
+            # the whole prompt in one chunk where the solo loop feeds all but the last token, then that one)
+            fb, fs = mx.concatenate(b.feats, axis=0), mx.concatenate(s.feats, axis=0)
+            assert fb.shape == fs.shape and mx.allclose(fb, fs, atol=1e-4).item(), k
     assert any(len(d) for d in solo["lookup"][1].drafts)  # the lookup really drafted
 
 
@@ -545,3 +546,116 @@ def test_scheduled_widths_keep_every_row_exact(target, schedule):
     if schedule == "cycle":
         assert {c for _, c, _ in sch.recorded} >= {1, 2, 3}  # plain steps and cut blocks both ran
         assert all(e >= 1 for _, _, e in sch.recorded)
+
+
+# ---------------------------------------------------------------------------------------------------
+# joins: batched, chunked prefill
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_ragged_cache_empty_rows_then_first_write():
+    """Rows without K/V (joins before their first chunk) take no buffers until the first write, and
+    rows with and without K/V mix in one add_rows (one concatenation)."""
+    c = RaggedKVCache()
+    c.add_rows([(None, None), (None, None)])
+    assert c.lengths == [0, 0] and c.keys is None and c.state == []
+    k = mx.arange(2 * 2 * 3 * 4, dtype=mx.float32).reshape(2, 2, 3, 4)
+    kk, vv = c.update_and_fetch(k, k + 1)
+    assert c.lengths == [3, 3] and kk.shape == (2, 2, 3, 4) and mx.array_equal(kk, k).item()
+    c.add_rows([(k[:1, :, :2], k[:1, :, :2] + 1), (None, None)])
+    assert c.lengths == [3, 3, 2, 0]
+    assert mx.array_equal(c.keys[2, :, :2], k[0, :, :2]).item() and mx.array_equal(c.values[1, :, :3], k[1] + 1).item()
+    with pytest.raises(ValueError, match="does not match"):
+        c.add_rows([(mx.zeros((1, 3, 2, 4)), mx.zeros((1, 3, 2, 4)))])
+    assert c.rows == 4
+    c.keep_rows([3])
+    assert c.lengths == [0] and c.keys.shape[2] == RaggedKVCache.step
+
+
+def test_joins_are_prefilled_together_in_one_forward(target):
+    """Four requests added between two steps are prefilled by one forward of the next step (one
+    prefill chunk, four rows), become rows of the same round, and each gives its solo output."""
+    spec = {k: (_prompt(5 + 3 * i, 40 + i), 9 + i) for i, k in enumerate("abcd")}
+    ref = {k: _plain(target, p, n) for k, (p, n) in spec.items()}
+    batch = SpeculativeBatch(target)
+    uids = {batch.add(p, n): k for k, (p, n) in spec.items()}
+    assert batch.active == 4 and batch.lengths() == []
+    out = {k: [] for k in spec}
+    evs = batch.step()
+    assert batch.last_prefill == {"rows": 4, "tokens": sum(len(p) for p, _ in spec.values())}
+    assert batch.last_round["rows"] == 4 and len(batch.lengths()) == 4
+    while True:
+        for ev in evs:
+            out[uids[ev.uid]] += ev.tokens
+        if not (batch.active or batch.pending):
+            break
+        evs = batch.step()
+    assert out == ref
+
+
+def test_long_prompt_prefills_in_chunks_between_the_rounds_of_others(target):
+    """A prompt longer than the prefill chunk joins while another request decodes: every step feeds one
+    chunk of it and runs a round of the other (the decoding row is never stalled for the whole
+    prompt), its progress is reported per chunk, and both outputs equal their solo ones."""
+    chunk = 4
+    p_long, p_short = _prompt(23, 50), _prompt(5, 51)
+    ref_long, ref_short = _plain(target, p_long, 6), _plain(target, p_short, 12)
+    _, prop = _scripted(target, p_short, 12, [B - 1, 0, 2])
+    batch = SpeculativeBatch(target, prefill_step_size=chunk)
+    u_short = batch.add(p_short, 12, proposer=prop)
+    progress = []
+    out = {u_short: []}
+    while not batch.lengths():  # its own prefill (two chunks)
+        for ev in batch.step():
+            out[ev.uid] += ev.tokens
+    u_long = batch.add(p_long, 6, prompt_progress_callback=lambda d, t: progress.append((d, t)))
+    out[u_long] = []
+    during = 0  # rounds of the short request while the long one was being prefilled
+    while batch.active or batch.pending:
+        joining = any(j.req.uid == u_long for j in batch._joining)
+        evs = batch.step()
+        if joining and batch.last_prefill["rows"]:
+            assert batch.last_prefill["tokens"] <= chunk
+            during += any(e.uid == u_short and e.tokens for e in evs)
+        for ev in evs:
+            out[ev.uid] += ev.tokens
+    assert out == {u_short: ref_short, u_long: ref_long}
+    assert progress[0] == (0, 23) and progress[-1] == (23, 23) and len(progress) == 1 + -(-23 // chunk)
+    assert during >= 2
+
+
+def test_cancel_or_remove_during_prefill_and_cached_state_joins(target):
+    """A request cancelled (or removed) before its prefill finished is reported with no tokens (or
+    dropped silently) and leaves nothing behind; a join from a prompt-cache state reuses its prefix
+    (only the rest is prefilled) and gives the cold output."""
+    p = _prompt(30, 60)
+    ref = _plain(target, p + [7, 8], 8)
+    batch = SpeculativeBatch(target, prefill_step_size=8)
+    u1 = batch.add(p, 5, keep_state=True)
+    u2 = batch.add(_prompt(20, 61), 5)
+    u3 = batch.add(_prompt(20, 62), 5)
+    batch.step()
+    assert batch.cancel(u2) and batch.remove(u3) is None and not batch.cancel(u3)
+    evs = []
+    while batch.active or batch.pending:
+        evs += batch.step()
+    assert {e.uid for e in evs} == {u1, u2}
+    assert [e.tokens for e in evs if e.uid == u2] == [[]] and [e.finish_reason for e in evs if e.uid == u2] == ["cancelled"]
+    assert batch.lengths() == [] and batch._jcache[0].rows == 0
+    state = batch.take_state(u1)
+    assert state is not None and state.tokens[: len(p)] == p
+    state_tokens = list(state.tokens)
+    warm = SpeculativeBatch(target, prefill_step_size=8)
+    u = warm.add(p + [7, 8], 8, state=state)
+    fed, out, cached = [], [], None
+    while warm.active or warm.pending:
+        for ev in warm.step():
+            assert ev.uid == u
+            out += ev.tokens
+            cached = ev.stats.cached_tokens
+        fed.append(warm.last_prefill["tokens"])
+    new = p + [7, 8]
+    common = next((i for i, (a, b) in enumerate(zip(state_tokens, new)) if a != b), min(len(state_tokens), len(new)))
+    reuse = min(common, len(new) - 1)
+    assert reuse >= len(p)
+    assert out == ref and cached == reuse and sum(fed) == len(p) + 2 - reuse

@@ -745,7 +745,6 @@ class Engine:
         if not (batch.active or batch.pending):
             return
         try:
-            rows = batch.active
             events = batch.step()
         except Exception as e:  # noqa: BLE001 - the batch's state is unknown: fail its requests, start afresh
             log.exception("batched round failed")
@@ -756,8 +755,8 @@ class Engine:
             self._batched.clear()
             self._batch = self._new_batch()
             return
-        if rows:
-            r = batch.last_round
+        r = batch.last_round
+        if r["rows"]:
             self.metrics.add(batch_rounds=1, batch_rows=r["rows"], batch_verified=r["verified"])
         with self.metrics.lock:
             self.metrics.batch_size = batch.active

@@ -464,21 +464,27 @@ def test_seeded_sampled_row_is_independent_of_its_neighbours(target):
 # ---------------------------------------------------------------------------------------------------
 
 
-def test_width_schedule_tries_every_cap_then_keeps_the_fastest():
-    """Every cap is measured once per batch-size bucket, then the fastest is kept, with the least
-    recently measured cap re-measured every ``explore_every`` rounds; a batch of one is never capped."""
+def test_width_schedule_climbs_to_the_fastest_cap():
+    """Per batch-size bucket the caps are climbed from the smallest: a neighbour of the best cap is
+    tried, the best kept, its least recently measured neighbour re-measured every ``explore_every``
+    rounds; a cap past a slower one is never tried; a batch of one is never capped."""
     from mlx_dflash2.batch import WidthSchedule
 
-    s = WidthSchedule(caps=(1, 2, 4), explore_every=4, decay=0.5)
+    def run(speed, rounds=12):
+        s = WidthSchedule(caps=(1, 2, 4), explore_every=4, decay=0.5)
+        seen = []
+        for _ in range(rounds):
+            c = s.choose(6, 8)
+            seen.append(c)
+            s.record(6, c, int(speed[c]), 1.0)
+        return s, seen
+
+    s, seen = run({1: 10.0, 2: 30.0, 4: 20.0, 8: 5.0})  # tokens/s per cap (8: the rows' own widest block)
+    assert seen == [1, 2, 4, 1, 2, 2, 2, 4, 2, 2, 2, 1]  # 8 (past the slower 4) is never tried
+    assert run({1: 10.0, 2: 20.0, 4: 40.0, 8: 80.0})[1][:5] == [1, 2, 4, 8, 8]  # a GPU-like target: up to the top
+    # rates are assumed unimodal in the cap: a slower 2 keeps it at 1 (4 and 8 are never tried)
+    assert set(run({1: 30.0, 2: 20.0, 4: 40.0, 8: 80.0})[1]) == {1, 2}
     assert s.choose(1, 8) is None and s.choose(5, 1) is None  # solo, or nothing to cap
-    speed = {1: 10.0, 2: 30.0, 4: 20.0, 8: 5.0}  # tokens/s per cap (8: the rows' own widest block)
-    seen = []
-    for _ in range(12):
-        c = s.choose(6, 8)
-        seen.append(c)
-        s.record(6, c, int(speed[c]), 1.0)
-    assert seen[:4] == [1, 2, 4, 8]  # each arm once
-    assert seen[4:] == [2, 2, 2, 1, 2, 2, 2, 4]  # the fastest, and every 4th round the least recent one
     assert s.choose(2, 8) == 1  # another bucket starts over
     assert WidthSchedule.bucket(2) != WidthSchedule.bucket(3) == WidthSchedule.bucket(4) != WidthSchedule.bucket(5)
     for bad in (dict(caps=()), dict(caps=(0, 2)), dict(explore_every=1), dict(decay=1.0)):

@@ -383,9 +383,9 @@ class WidthSchedule:
     batched step, no proposer call) and learns, per batch size bucket (``N`` = 2, 3-4, 5-8, 9-16, ...),
     the cap with the most emitted tokens per second: an exponential moving average of each round's
     ``emitted / seconds`` per (bucket, cap), found by hill climbing from the smallest cap (a neighbour
-    of the best cap is tried, the best kept, and its least recently measured neighbour re-measured every
-    ``explore_every`` rounds of the bucket: the best cap moves as the rows' acceptance and lengths
-    change), so a cap past a slower one costs no trial round. A batch of one is never capped (the solo
+    of the best cap is tried, the best kept, and its neighbours re-measured after ``explore_every``
+    rounds of the bucket, less often while they keep losing: the best cap moves as the rows' acceptance
+    and lengths change), so a cap past a slower one costs no trial round. A batch of one is never capped (the solo
     behaviour).
 
     The idea of scheduling widths under a per-round budget is vLLM's confidence-scheduled verification
@@ -405,6 +405,8 @@ class WidthSchedule:
         ValueError: empty ``caps``, a cap < 1, ``explore_every`` < 2 or ``decay`` outside [0, 1).
     """
 
+    max_backoff = 5  # a losing neighbour is re-measured at most every explore_every * 2**5 rounds
+
     def __init__(self, caps: Sequence[int] = (1, 2, 4, 8, 16), explore_every: int = 16, decay: float = 0.7):
         caps = sorted({int(c) for c in caps})
         if not caps or caps[0] < 1:
@@ -414,6 +416,7 @@ class WidthSchedule:
         self.caps, self.explore_every, self.decay = caps, int(explore_every), float(decay)
         self.rate: dict = {}  # (bucket, cap) -> EMA of emitted tokens / s
         self.last: dict = {}  # (bucket, cap) -> round number of its last measurement
+        self.strikes: dict = {}  # (bucket, cap) -> re-measurements in a row that lost to the best cap
         self.rounds: dict = {}  # bucket -> rounds run
 
     @staticmethod
@@ -427,8 +430,9 @@ class WidthSchedule:
 
         Hill climbing over the caps in ascending order (each one costlier to try than the last on a
         compute-bound target): start at the smallest, try an untried neighbour of the best cap so far,
-        else keep the best, re-measuring its least recently measured neighbour every ``explore_every``
-        rounds. A cap past a slower one is never tried unless the best moves next to it (a 16-row batch
+        else keep the best, re-measuring a neighbour once ``explore_every`` rounds have passed since its
+        last measurement, doubled for each re-measurement in a row that lost to the best (up to
+        ``2 ** max_backoff``: a trial round can cost several plain ones, e.g. every row's drafter). A cap past a slower one is never tried unless the best moves next to it (a 16-row batch
         on a CPU never pays for a trial at width 16 when width 2 already measured slower than 1)."""
         if n_rows < 2 or max_width <= 1:
             return None
@@ -443,8 +447,9 @@ class WidthSchedule:
             if (b, c) not in self.rate:
                 return c
         r = self.rounds.get(b, 0)
-        if near and r % self.explore_every == self.explore_every - 1:
-            return min(near, key=lambda c: self.last[(b, c)])
+        due = [c for c in near if r - self.last[(b, c)] >= self.explore_every << self.strikes.get((b, c), 0)]
+        if due:
+            return min(due, key=lambda c: self.last[(b, c)])
         return arms[i]
 
     def record(self, n_rows: int, cap: int, emitted: int, seconds: float) -> None:
@@ -455,9 +460,14 @@ class WidthSchedule:
         r = self.rounds.get(b, 0)
         self.rounds[b] = r + 1
         x = emitted / seconds
+        known = [c for (bb, c) in self.rate if bb == b]
+        best = max(known, key=lambda c: self.rate[(b, c)]) if known else None
         old = self.rate.get((b, cap))
         self.rate[(b, cap)] = x if old is None else self.decay * old + (1.0 - self.decay) * x
         self.last[(b, cap)] = r
+        if best is not None and cap != best:  # a re-measurement: back off while it keeps losing
+            lost = self.rate[(b, cap)] < self.rate[(b, best)]
+            self.strikes[(b, cap)] = min(self.strikes.get((b, cap), 0) + 1, self.max_backoff) if lost else 0
 
 
 class SpeculativeBatch:

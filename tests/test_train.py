@@ -363,10 +363,9 @@ def test_target_labels_equal_greedy_data_and_distillation_trains(tiny, tmp_path)
     b = make_batch(kd._batch_rows(0), 0, kd.cfg, kd.pad_id)
     toks, anc = mx.array(b["tokens"]), mx.array(b["anchors"])
     feats, final = target.taps(toks, kd.tap_ids, final=True)
-    teacher = kd.teacher_logits(final, anc)
-    lab = mx.argmax(teacher, axis=-1).reshape(b["labels"].shape)
-    loss, m = dflash_loss(kd.drafter, target, feats, toks, anc, lab, mx.array(b["label_valid"]), kd.weights, 0.5,
-                          teacher_logits=teacher, kd_weight=2.0, selector_fraction=0.5)
+    loss, m = dflash_loss(kd.drafter, target, feats, toks, anc, mx.array(b["labels"]), mx.array(b["label_valid"]),
+                          kd.weights, 0.5, teacher_states=kd.teacher_states(final, anc), kd_weight=2.0,
+                          selector_fraction=0.5, target_labels=True)
     assert loss.item() == pytest.approx(m["main"].item() + 2.0 * m["kd"].item() + 0.5 * m["selector"].item(), rel=1e-5)
     for bad in (dict(labels="gold"), dict(kd_weight=-1.0), dict(selector_fraction=0.0)):
         with pytest.raises(ValueError):

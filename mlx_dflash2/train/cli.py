@@ -104,6 +104,10 @@ FIT_HELP = {
                    "if the next step and the final save would not end in time; a budget that does not fit one step "
                    "is an error that writes nothing (default: no limit)",
     "compile": "run the step as an mx.compile'd function (same losses; slower start, see the docs)",
+    "loss_chunk": "rows (blocks x positions) per chunk of the loss's vocabulary-sized part (logits, distillation, "
+                  "top-K), in forward and backward: same results, peak memory of a few chunks instead of several "
+                  "rows x vocab float32 arrays (0: one shot) (default: auto: chunks of 1 GB of float32 logits when "
+                  "the step's rows x vocab would be larger, one shot otherwise)",
 }
 for _k in ("anchors", "batch_size", "max_len"):  # device-dependent (trainer.device_defaults)
     FIT_HELP[_k] += f" (default: {GPU_DEFAULTS[_k]} on a GPU, {CPU_DEFAULTS[_k]} on MLX's CPU backend)"
@@ -205,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
             f.add_argument(name, choices=["data", "target"], default=default, help=text)
         else:
             typ = type(default) if default is not None else (float if fld.name in ("gamma", "time_budget") else int)
-            f.add_argument(name, type=typ, default=default, help=text)
+            f.add_argument(name, type=typ, default=default, help=text,
+                           metavar="ROWS" if fld.name == "loss_chunk" else None)
     f.add_argument("--no-resume", action="store_true",
                    help="start over: existing checkpoints in --out are ignored, and replaced (with its drafter and "
                    "log) once the first step is done")
@@ -287,6 +292,8 @@ def main(argv=None) -> int:
                     raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, not {getattr(args, flag)}")
             if args.time_budget is not None and not args.time_budget > 0:
                 raise ValueError(f"--time-budget must be > 0 seconds, not {args.time_budget}")
+            if args.loss_chunk is not None and args.loss_chunk < 0:
+                raise ValueError(f"--loss-chunk must be >= 0 rows (0: no chunking), not {args.loss_chunk}")
             target, tok = _target(args)  # resolves --init shipped
             cfg = TrainConfig(**{fl.name: getattr(args, fl.name) for fl in fields(TrainConfig) if fl.name != "extra"})
             tr = Trainer(cfg, target, tok, started=started)

@@ -40,7 +40,21 @@ Options beyond the published recipe (off by default):
 
 The LM head runs in the target's dtype (bf16 on a GPU: near-ties among the
 drafter's logits may then order differently than in float32), the loss in
-float32. Sequences longer than ``max_len`` lose prompt tokens after the first
+float32.
+
+Memory: the loss's vocabulary-sized part (the drafter's and the teacher's
+logits, softmax, cross-entropy, distillation, top-1 hits, the selector's top-K
+candidates and their logits) is one function of rows of block positions
+(``_vocab_terms``). With ``loss_chunk`` (``fit --loss-chunk ROWS``) it runs a
+chunk of rows at a time in forward and backward (a custom vjp recomputes each
+chunk's logits; ``_chunked_vocab_terms`` says how MLX is made to evaluate the
+chunks in turn): the same results, and a peak of a few chunks' ``[rows, V]``
+arrays instead of about six ``[M, B-1, V]`` float32 arrays (Qwen2.5's V of
+151,936 at 8 sequences x 64 anchors x 15 positions: 4.7 GB each). Default
+(auto): chunks of 256 MiB of logits once the step's ``rows x V`` float32
+logits would exceed 1 GiB, one shot below that. The teacher's logits are made
+from its final states chunk by chunk too (``Trainer.teacher_states``), never
+all at once. Sequences longer than ``max_len`` lose prompt tokens after the first
 32 (the chat template's head stays) or, where the prompt is too short for
 that, their end.
 
@@ -58,6 +72,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -70,7 +85,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..drafter import DrafterConfig, DraftModel, dequantize_drafter, init_drafter, load_drafter, save_drafter
 
 __all__ = ["TrainConfig", "Trainer", "TimeBudgetError", "dflash_loss", "make_batch", "default_gamma",
-           "device_defaults", "resolve_device_defaults"]
+           "device_defaults", "resolve_device_defaults", "loss_chunk_rows"]
 
 
 def default_gamma(block_size: int) -> float:
@@ -175,6 +190,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     time_budget: float | None = None
     compile: bool = False
+    loss_chunk: int | None = None  # rows per chunk of the loss's vocabulary part: None auto, 0 one shot
     extra: dict = field(default_factory=dict)
 
 
@@ -243,23 +259,240 @@ def _mask_vocab(logits: mx.array, valid_vocab: int | None) -> mx.array:
     return mx.where(mx.arange(logits.shape[-1]) < valid_vocab, logits, neg)
 
 
+LOSS_CHUNK_BYTES = 1 << 30
+"""``loss_chunk`` auto (``None``): the vocabulary-sized part of :func:`dflash_loss` is chunked once the
+step's ``rows x V`` float32 logits would be larger than this (one shot below it, as before chunking)."""
+
+LOSS_CHUNK_AUTO_BYTES = 1 << 28
+"""``loss_chunk`` auto: the chunk's ``rows x V`` float32 logits, when chunked (441 rows of Qwen2.5's
+151,936-wide head). The loss and its gradient then keep about 6 such arrays alive, and up to about 16
+where the backend's encoding runs ahead of its computation (measured on the CPU, see
+:func:`_chunked_vocab_terms`): ~1.5-4 GiB, against ~6 ``[rows, V]`` float32 arrays in one shot."""
+
+
+def loss_chunk_rows(rows: int, vocab: int, loss_chunk: int | None = None) -> int:
+    """Rows per chunk of the vocabulary-sized part of :func:`dflash_loss`.
+
+    Args:
+        rows: supervised rows of the step (blocks x (B-1)).
+        vocab: width V of the LM head.
+        loss_chunk: ``None`` (auto): all rows while ``rows x V`` float32 logits fit in
+            :data:`LOSS_CHUNK_BYTES`, else chunks of :data:`LOSS_CHUNK_AUTO_BYTES`; ``0``: all rows;
+            ``n > 0``: ``n`` rows.
+
+    Returns:
+        Rows per chunk, in ``[1, rows]`` (``rows``: the single-shot path).
+
+    Raises:
+        ValueError: ``loss_chunk < 0``.
+    """
+    if loss_chunk is None:
+        if rows * vocab * 4 <= LOSS_CHUNK_BYTES:
+            return rows
+        return max(1, min(rows, LOSS_CHUNK_AUTO_BYTES // (4 * vocab)))
+    if loss_chunk < 0:
+        raise ValueError(f"loss_chunk must be >= 0 rows (0: no chunking), not {loss_chunk}")
+    return rows if loss_chunk == 0 else max(1, min(loss_chunk, rows))
+
+
+@dataclass(frozen=True)
+class _VocabSpec:
+    """What the vocabulary-sized part of :func:`dflash_loss` computes, per row of the flattened block
+    positions (row ``i``: block ``i // block``, position ``i % block + 1``).
+
+    Attributes:
+        logits: drafter states ``[r, D]`` float32 -> the drafter's logits ``[r, V]`` float32 (the target's
+            LM head in its dtype, ``unary_logits``' multiplier / softcap, ids ``>= valid_vocab`` at -1e9).
+        teacher: target final-normed states ``[r, D]`` -> the target's logits ``[r, V]`` float32 (masked
+            as :meth:`Trainer.teacher_logits`), or None (no teacher).
+        kd: compute the distillation cross-entropy (needs ``teacher``).
+        top_k: selector candidates K per selected row (0: no candidates).
+        block: rows per block (B-1).
+        stride: the selector's block stride: rows of blocks ``b % stride == 0`` are selected.
+    """
+
+    logits: Callable[[mx.array], mx.array]
+    teacher: Callable[[mx.array], mx.array] | None
+    kd: bool
+    top_k: int
+    block: int
+    stride: int
+
+    def selected(self, start: int, stop: int) -> np.ndarray | None:
+        """Local indices of the selector's rows among rows ``start .. stop-1`` (None: all of them)."""
+        if self.stride == 1:
+            return None
+        rows = np.arange(start, stop)
+        return (rows[(rows // self.block) % self.stride == 0] - start).astype(np.int32)
+
+
+def _vocab_terms(spec: _VocabSpec, h: mx.array, teacher: mx.array | None, labels: mx.array | None, start: int,
+                 cand: mx.array | None = None) -> dict:
+    """The vocabulary-sized terms of rows ``start .. start+r-1``: all rows (the single-shot path) or one
+    chunk of :func:`_chunked_vocab_terms`, whose vjp differentiates this same function. Only the rows'
+    ``[r, V]`` arrays are made here (lazily: terms nobody uses are never computed).
+
+    Args:
+        spec: what to compute.
+        h: ``[r, D]`` float32 drafter states of these rows (differentiable).
+        teacher: ``[r, D]`` target final-normed states at these rows' label positions (for
+            ``spec.teacher``), else None.
+        labels: int ``[r]`` labels; None: the teacher's argmax (``labels="target"``).
+        start: index of the first row (the selector's rows are chosen by block index).
+        cand: int ``[r_s, K]`` candidates of the selected rows (the vjp passes the forward's); None: top-K
+            of the logits.
+
+    Returns:
+        ``ce`` float32 ``[r]``: ``logsumexp(logits) - logits[label]``; ``top1`` uint32 ``[r]``: the
+        drafter's argmax; ``labels`` int32 ``[r]``: the teacher's argmax (only when ``labels`` is None);
+        ``kd`` float32 ``[r]`` (``spec.kd``): ``logsumexp(logits) - sum_v p_teacher(v) logits(v)``;
+        with ``spec.top_k`` and selected rows among these: ``cand`` int ``[r_s, K]`` (no gradient) and
+        ``cand_logits`` float32 ``[r_s, K]``, the selected rows' top-K ids and their logits.
+    """
+    logits = spec.logits(h)
+    t = None if teacher is None else mx.stop_gradient(spec.teacher(teacher))
+    out = {}
+    if labels is None:
+        labels = out["labels"] = mx.argmax(t, axis=-1).astype(mx.int32)
+    lse = mx.logsumexp(logits, axis=-1)
+    out["ce"] = lse - mx.take_along_axis(logits, labels[:, None], axis=-1)[:, 0]
+    out["top1"] = mx.argmax(logits, axis=-1)
+    if spec.kd:
+        out["kd"] = lse - (mx.softmax(t, axis=-1) * logits).sum(-1)  # -sum_v p_target(v) log q(v)
+    sel = spec.selected(start, start + h.shape[0]) if spec.top_k else np.zeros(0)
+    if sel is None or len(sel):
+        ls = logits if sel is None else logits[mx.array(sel)]
+        if cand is None:  # a copy: the slice of argpartition's [r, V] ids would keep all of them alive
+            cand = mx.stop_gradient(mx.contiguous(mx.argpartition(-ls, spec.top_k - 1, axis=-1)[:, : spec.top_k]))
+        out["cand"], out["cand_logits"] = cand, mx.take_along_axis(ls, cand, axis=-1)
+    return out
+
+
+_DIFFERENTIABLE = ("ce", "kd", "cand_logits")
+
+
+def _after(arrays: list, deps: list) -> list:
+    """``arrays`` (None entries kept) made to depend on ``deps`` (:func:`mx.depends`): they, and so
+    everything computed from them, are evaluated only after ``deps``."""
+    if not deps:
+        return arrays
+    real = [a for a in arrays if a is not None]
+    tied = iter(mx.depends(real, deps))
+    return [None if a is None else next(tied) for a in arrays]
+
+
+def _chunked_vocab_terms(spec: _VocabSpec, h: mx.array, teacher: mx.array | None, labels: mx.array | None,
+                         chunk: int) -> dict:
+    """:func:`_vocab_terms` of all rows, ``chunk`` rows at a time in forward and backward, as one
+    ``mx.custom_function`` of ``h`` whose vjp recomputes each chunk's logits and differentiates
+    :func:`_vocab_terms` on that chunk alone (``mx.vjp``): no ``[rows, V]`` array, and no array the
+    backward keeps from the forward, is larger than a chunk's. The LM head and the teacher are frozen:
+    the only cotangent is ``h``'s.
+
+    How MLX evaluates this (0.32.4, measured on its CPU backend; ``tests/test_train_loss_chunk.py``
+    checks the ratio):
+
+    * Chunks that are independent in one lazy graph are *not* evaluated one after another:
+      ``mx.eval`` orders its tape breadth-first (``MLX_BFS_MAX_WIDTH``, default 20), so the chunks'
+      matmuls run side by side and their logits are alive together. Loss + gradients over 1,920 rows
+      (V = 16,384, distillation, target labels, selector) peaked at 754 MiB in one shot and, in chunks
+      of 64 rows without ordering, at 373 MiB.
+    * So each chunk's inputs (``h``'s and the teacher's rows) depend on the previous chunk's results
+      through :func:`mx.depends` (the first backward chunk on the forward's outputs): the tape is then
+      chunk after chunk, and a chunk's ``[r, V]`` arrays are freed once its reductions ran (91 MiB).
+    * What remains is the backend encoding ahead of the computation: an op's output is allocated when
+      the op is encoded (on the CPU up to 10 tasks of 10 ops are in flight; on a GPU, command buffers),
+      so besides the ~6 ``[r, V]`` arrays of the chunk being computed those of the next one or two are
+      alive: about 16 in all. With V = 151,936, hidden 64, distillation, target labels and selector,
+      3,840 rows peaked at 13.2 GiB in one shot, 2.3 GiB in chunks of 256 rows, 3.9 GiB in chunks of
+      441 (:data:`LOSS_CHUNK_AUTO_BYTES`; 7,680 rows: 4.1 GiB) and 11.0 GiB in 3 chunks of 1,766.
+      MLX stops encoding while active memory is above ``mx.set_memory_limit``'s limit (95% of the
+      device on CUDA), which this tape can honour and the one-shot graph cannot (V = 32,768, 1,920
+      rows, a 50 MiB limit: chunks of 64 rows peaked at 81 MiB, one shot at 1,481 MiB).
+    * Evaluating chunk by chunk with ``mx.eval`` would bound it exactly but cannot run inside
+      ``mx.compile``; this graph compiles (tested: a compiled chunked step equals the eager one), and
+      the ordering holds there (the 1,920 rows above, compiled: 991 MiB in one shot, 99 MiB chunked).
+    * ``cand`` is copied out of ``argpartition``'s ``[r, V]`` ids: a slice kept all of them alive.
+
+    Args:
+        spec, teacher, labels: as :func:`_vocab_terms` (all rows).
+        h: ``[R, D]`` float32 drafter states of all rows.
+        chunk: rows per chunk (``1 <= chunk < R``; the last chunk may be shorter).
+
+    Returns:
+        :func:`_vocab_terms`' arrays for all rows (row order; ``cand`` / ``cand_logits`` over all
+        selected rows in row order), equal to the single-shot ones.
+    """
+    R = h.shape[0]
+    bounds = [(a, min(a + chunk, R)) for a in range(0, R, chunk)]
+    # the chunks' first rows among the selector's rows (candidates are concatenated in row order)
+    n_sel = [0 if not spec.top_k else b - a if spec.stride == 1 else len(spec.selected(a, b)) for a, b in bounds]
+    sel_at = [0, *np.cumsum(n_sel).tolist()]
+    keys = ["ce", "top1"] + (["labels"] if labels is None else []) + (["kd"] if spec.kd else [])
+    keys += ["cand", "cand_logits"] if sel_at[-1] else []
+
+    @mx.custom_function
+    def terms(h):
+        parts, prev = [], []
+        for a, b in bounds:
+            hc, tc = _after([h[a:b], None if teacher is None else teacher[a:b]], prev)
+            part = _vocab_terms(spec, hc, tc, None if labels is None else labels[a:b], a)
+            parts.append(part)
+            prev = list(part.values())
+        return tuple(mx.concatenate([p[k] for p in parts if k in p]) for k in keys)
+
+    @terms.vjp
+    def terms_vjp(primals, cotangents, outputs):
+        h = primals if isinstance(primals, mx.array) else primals[0]
+        cot, res = dict(zip(keys, cotangents)), dict(zip(keys, outputs))
+        grads, prev = [], list(outputs)
+        for i, (a, b) in enumerate(bounds):
+            sa, sb = sel_at[i], sel_at[i + 1]
+            ks = [k for k in _DIFFERENTIABLE if k in res and (k != "cand_logits" or sb > sa)]
+            cts = [cot[k][sa:sb] if k == "cand_logits" else cot[k][a:b] for k in ks]
+            hc, tc = _after([h[a:b], None if teacher is None else teacher[a:b]], prev)
+            lab = res["labels"][a:b] if labels is None else labels[a:b]
+            cand = res["cand"][sa:sb] if sb > sa else None
+
+            def f(x, tc=tc, lab=lab, cand=cand, a=a, ks=ks):
+                part = _vocab_terms(spec, x, tc, lab, a, cand)
+                return [part[k] for k in ks]
+
+            _, (g,) = mx.vjp(f, [hc], cts)
+            grads.append(g)
+            prev = [g]
+        return mx.concatenate(grads)
+
+    # the integer outputs carry no gradient (an index array that does is refused by gather's vjp)
+    return {k: v if k in _DIFFERENTIABLE else mx.stop_gradient(v) for k, v in zip(keys, terms(h))}
+
+
 def dflash_loss(drafter: DraftModel, target, features, tokens, anchors, labels, label_valid, weights, alpha,
-                valid_vocab: int | None = None, teacher_logits=None, kd_weight: float = 0.0,
-                selector_fraction: float = 1.0):
-    """DFlash block loss (+ DFlash2 selector loss, + optional distillation).
+                valid_vocab: int | None = None, teacher_states=None, kd_weight: float = 0.0,
+                selector_fraction: float = 1.0, target_labels: bool = False, loss_chunk: int | None = None):
+    """DFlash block loss (+ DFlash2 selector loss, + optional distillation / target labels).
+
+    The part over the vocabulary (the drafter's logits, the teacher's logits and softmax, cross-entropy,
+    distillation, top-1 hits, the selector's top-K candidates and their logits) is one function of
+    rows (:func:`_vocab_terms`), run on all ``M*(B-1)`` rows at once or, for a large ``rows x V``, on
+    chunks of rows in forward and backward (:func:`_chunked_vocab_terms`): peak memory bounded by a
+    few chunks instead of several ``[M, B-1, V]`` float32 arrays, equal results.
 
     Args:
         drafter: the model being trained.
         target: :class:`~mlx_dflash2.target.TargetAdapter` (frozen embedding / LM head).
         features: ``[N, T, k*D]`` target taps (no gradient).
-        tokens: int ``[N, T]``; anchors: int ``[N, A]``; labels: int ``[N, A, B-1]``;
-        label_valid: bool ``[N, A, B-1]``; weights: float ``[B-1]`` position weights;
-        alpha: selector-loss weight (DFlash2 only).
+        tokens: int ``[N, T]``; anchors: int ``[N, A]``; labels: int ``[N, A, B-1]`` (with
+        ``target_labels`` only their shape is used); label_valid: bool ``[N, A, B-1]``;
+        weights: float ``[B-1]`` position weights; alpha: selector-loss weight (DFlash2 only).
         valid_vocab: ids ``>=`` this are excluded from the softmax.
-        teacher_logits: ``[N*A, B-1, V]`` target logits at the label positions
-            (invalid ids already very negative), needed for ``kd_weight > 0``.
+        teacher_states: ``[N*A, B-1, D]`` the target's final-normed states at the label positions
+            (:meth:`Trainer.teacher_states`; the teacher's logits are made from them chunk by chunk),
+            needed for ``kd_weight > 0`` and ``target_labels``.
         kd_weight: weight of the distillation term (see the module doc).
         selector_fraction: fraction of the blocks (strided) in the selector loss.
+        target_labels: the labels are the teacher's argmax (``labels="target"``).
+        loss_chunk: rows per chunk of the vocabulary part (:func:`loss_chunk_rows`: None auto, 0 one shot).
 
     Returns:
         ``(loss, metrics)``: scalar loss; metrics ``main``, ``selector``,
@@ -272,41 +505,54 @@ def dflash_loss(drafter: DraftModel, target, features, tokens, anchors, labels, 
     N, A = anchors.shape
     Bm1 = labels.shape[-1]
     M = N * A
+    if (kd_weight > 0 or target_labels) and teacher_states is None:
+        raise ValueError("kd_weight > 0 and target_labels need teacher_states")
     anchor_tok = mx.take_along_axis(tokens, anchors, axis=1)  # [N, A]
     block = mx.concatenate([anchor_tok[..., None], mx.full((N, A, Bm1), cfg.mask_token_id, dtype=tokens.dtype)], -1)
     emb = mx.stop_gradient(target.embed(block.reshape(M, Bm1 + 1)))
     if cfg.input_embedding_scale != 1.0:
         emb = emb * cfg.input_embedding_scale
     h = drafter.forward_blocks(emb, mx.stop_gradient(features), anchors)[:, 1:]  # [M, B-1, D]
-    logits = drafter.unary_logits(h.astype(target.dtype), target.lm_head).astype(mx.float32)  # [M, B-1, V]
-    logits = _mask_vocab(logits, valid_vocab)
-    lab = labels.reshape(M, Bm1)
+    selector_on = cfg.is_dflash2 and (isinstance(alpha, mx.array) or alpha > 0)  # an array: a compiled step's
+    stride = max(1, int(round(1.0 / selector_fraction)))
+    V = target.vocab_rows
+    spec = _VocabSpec(
+        logits=lambda x: _mask_vocab(drafter.unary_logits(x.astype(target.dtype), target.lm_head).astype(mx.float32),
+                                     valid_vocab),
+        teacher=lambda s: _mask_vocab(target.logits(s), valid_vocab).astype(mx.float32),
+        kd=kd_weight > 0, top_k=min(drafter.candidate_selector.top_k, V) if selector_on else 0, block=Bm1,
+        stride=stride)
+    R = M * Bm1
+    chunk = loss_chunk_rows(R, V, loss_chunk)
+    hf = h.reshape(R, -1)
+    tf = None if teacher_states is None else mx.stop_gradient(teacher_states).reshape(R, -1)
+    lab = None if target_labels else labels.reshape(R)
+    if chunk < R:
+        vt = _chunked_vocab_terms(spec, hf, tf, lab, chunk)
+    else:
+        vt = _vocab_terms(spec, hf, tf, lab, 0)
+    lab = (vt["labels"] if target_labels else lab).reshape(M, Bm1)
     valid = label_valid.reshape(M, Bm1).astype(mx.float32)
-    lse = mx.logsumexp(logits, axis=-1)
-    gold = mx.take_along_axis(logits, lab[..., None], axis=-1)[..., 0]
     w = weights[None, :] * valid
-    main = ((lse - gold) * w).sum() / mx.maximum(w.sum(), 1.0)
-    hit_top1 = (mx.argmax(logits, axis=-1) == lab).astype(mx.float32) * valid
+    main = (vt["ce"].reshape(M, Bm1) * w).sum() / mx.maximum(w.sum(), 1.0)
+    hit_top1 = (vt["top1"].reshape(M, Bm1) == lab).astype(mx.float32) * valid
     metrics = {"main": main, "acc_hits": hit_top1.sum(0), "acc_count": valid.sum(0)}
     loss = main
     if kd_weight > 0:
-        p_t = mx.softmax(mx.stop_gradient(teacher_logits).astype(mx.float32), axis=-1)
-        kd_ce = lse - (p_t * logits).sum(-1)  # -sum_v p_target(v) log q(v)
-        kd = (kd_ce * w).sum() / mx.maximum(w.sum(), 1.0)
+        kd = (vt["kd"].reshape(M, Bm1) * w).sum() / mx.maximum(w.sum(), 1.0)
         metrics["kd"] = kd
         loss = loss + kd_weight * kd
-    if cfg.is_dflash2 and (isinstance(alpha, mx.array) or alpha > 0):  # an array: a compiled step's weight
+    if selector_on:
         sel = drafter.candidate_selector
-        K = min(sel.top_k, logits.shape[-1])
-        stride = max(1, int(round(1.0 / selector_fraction)))
+        K = spec.top_k
         pred = mx.concatenate([anchor_tok.reshape(M, 1), lab[:, :-1]], axis=1)  # gold predecessors
         if stride > 1:
-            logits, h, lab, valid, pred = (x[::stride] for x in (logits, h, lab, valid, pred))
-        cand = mx.stop_gradient(mx.argpartition(-logits, K - 1, axis=-1)[..., :K])  # [M', B-1, K]
+            h, lab, valid, pred = (x[::stride] for x in (h, lab, valid, pred))
+        cand = vt["cand"].reshape(-1, Bm1, K)  # [M', B-1, K]
         Hs = sel.hidden_projection(h)  # [M', B-1, r]
-        Ap = sel.predecessor_codebook[pred]  # [M, B-1, r]
-        Bs = sel.successor_codebook[cand]  # [M, B-1, K, r]
-        s = mx.take_along_axis(logits, cand, axis=-1) + (Bs @ (Ap * Hs)[..., None])[..., 0].astype(mx.float32)
+        Ap = sel.predecessor_codebook[pred]  # [M', B-1, r]
+        Bs = sel.successor_codebook[cand]  # [M', B-1, K, r]
+        s = vt["cand_logits"].reshape(-1, Bm1, K) + (Bs @ (Ap * Hs)[..., None])[..., 0].astype(mx.float32)
         hit = (cand == lab[..., None]).astype(mx.float32)
         has = hit.sum(-1) * valid
         # the same array when no blocks are skipped: two equal reductions among the outputs of a
@@ -370,6 +616,8 @@ class Trainer:
             raise ValueError(f"kd_weight must be >= 0, not {cfg.kd_weight}")
         if not 0 < cfg.selector_fraction <= 1:
             raise ValueError(f"selector_fraction must be in (0, 1], not {cfg.selector_fraction}")
+        if cfg.loss_chunk is not None and cfg.loss_chunk < 0:
+            raise ValueError(f"loss_chunk must be >= 0 rows (0: no chunking), not {cfg.loss_chunk}")
         self.cfg, self.target, self.tokenizer = cfg, target, tokenizer
         self.out = Path(cfg.out)
         self.rows = _read_rows(cfg.data)
@@ -545,17 +793,22 @@ class Trainer:
         os.replace(tmp, f)
 
     # -- training ------------------------------------------------------------
-    def teacher_logits(self, final: mx.array, anchors: mx.array) -> mx.array:
-        """Target logits at the label positions: ``final`` ``[N, T, D]`` (final-normed
-        target states), ``anchors`` ``[N, A]`` -> ``[N*A, B-1, V]`` (position
-        ``anchor + k - 1`` predicts block position k; ids ``>= valid_vocab`` get -1e9,
-        -6e4 in half precision)."""
+    def teacher_states(self, final: mx.array, anchors: mx.array) -> mx.array:
+        """The target's final-normed states at the label positions: ``final`` ``[N, T, D]``,
+        ``anchors`` ``[N, A]`` -> ``[N*A, B-1, D]`` (position ``anchor + k - 1`` predicts block
+        position k). :func:`dflash_loss` makes the teacher's logits from them where it uses them,
+        a chunk of rows at a time."""
         N, T, _ = final.shape
         Bm1 = self.cfg.block_size - 1
         pos = mx.minimum(anchors[..., None] + mx.arange(Bm1)[None, None, :], T - 1).reshape(N, -1)
         rows = mx.take_along_axis(final, pos[..., None], axis=1)  # [N, A*(B-1), D]
-        logits = self.target.logits(rows).reshape(N * anchors.shape[1], Bm1, -1)  # -inf past the target's vocab
-        return mx.stop_gradient(_mask_vocab(logits, self.valid_vocab))
+        return mx.stop_gradient(rows.reshape(N * anchors.shape[1], Bm1, -1))
+
+    def teacher_logits(self, final: mx.array, anchors: mx.array) -> mx.array:
+        """Target logits at the label positions, all at once (inspection; training makes them chunk
+        by chunk inside :func:`dflash_loss`): ``[N*A, B-1, V]`` in the target's dtype, ids
+        ``>= valid_vocab`` at -1e9 (-6e4 in half precision)."""
+        return mx.stop_gradient(_mask_vocab(self.target.logits(self.teacher_states(final, anchors)), self.valid_vocab))
 
     def _update_fn(self):
         """The optimisation step: loss and gradients, clipping, AdamW update.
@@ -577,8 +830,9 @@ class Trainer:
         def step(features, tokens, anchors, labels, label_valid, weights, alpha, teacher):
             def loss_fn(model):
                 return dflash_loss(model, self.target, features, tokens, anchors, labels, label_valid, weights, alpha,
-                                   valid_vocab=self.valid_vocab, teacher_logits=teacher, kd_weight=cfg.kd_weight,
-                                   selector_fraction=cfg.selector_fraction)
+                                   valid_vocab=self.valid_vocab, teacher_states=teacher, kd_weight=cfg.kd_weight,
+                                   selector_fraction=cfg.selector_fraction, target_labels=cfg.labels == "target",
+                                   loss_chunk=cfg.loss_chunk)
 
             (loss, metrics), grads = nn.value_and_grad(self.drafter, loss_fn)(self.drafter)
             grads, norm = optim.clip_grad_norm(grads, cfg.grad_clip)
@@ -597,12 +851,10 @@ class Trainer:
         tokens = mx.array(batch["tokens"])
         anchors = mx.array(batch["anchors"])
         labels = mx.array(batch["labels"])
-        teacher = None
+        teacher = None  # the target's states at the label positions: its logits are made inside the loss
         if cfg.labels == "target" or cfg.kd_weight > 0:
             features, final = self.target.taps(tokens, self.tap_ids, final=True)
-            teacher = self.teacher_logits(final, anchors)
-            if cfg.labels == "target":
-                labels = mx.argmax(teacher, axis=-1).astype(labels.dtype).reshape(labels.shape)
+            teacher = self.teacher_states(final, anchors)
         else:
             features = self.target.taps(tokens, self.tap_ids)
         alpha = self.alpha(self.step)
@@ -611,7 +863,7 @@ class Trainer:
             alpha = mx.array(alpha, dtype=mx.float32)  # an input, so the ramp does not retrace the step
         loss, metrics, norm = self._update_fn()(
             mx.stop_gradient(features), tokens, anchors, labels, mx.array(batch["label_valid"]), self.weights, alpha,
-            teacher if cfg.kd_weight > 0 else None,
+            teacher,
         )
         mx.eval(self.drafter.parameters(), self.opt.state, loss, metrics, norm)
         metrics["loss"] = loss

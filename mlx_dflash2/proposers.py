@@ -230,26 +230,43 @@ class DFlashProposer(Proposer):
 
 
 class _DFlashSession(ProposerSession):
+    """A request's drafter context. Committed features are appended lazily: :meth:`extend` queues them
+    and the next use of the context (a proposal, :meth:`truncate`, :meth:`clone`, :meth:`state_arrays`,
+    :attr:`ctx`) appends everything queued in one :meth:`~.drafter.DraftContext.append` (one projection
+    for many rounds' rows: a batch whose rounds run without drafts, e.g. plain batched steps under load,
+    pays nothing per round for its drafter contexts)."""
+
     def __init__(self, p: DFlashProposer):
         self.p = p
-        self.ctx = DraftContext(p.model, p.context_window)
+        self._ctx = DraftContext(p.model, p.context_window)
+        self._pending: list[mx.array] = []
         self.block_size = p.block_size
+
+    @property
+    def ctx(self) -> DraftContext:
+        """The drafter context, with every queued feature row appended."""
+        if self._pending:
+            f = self._pending[0] if len(self._pending) == 1 else mx.concatenate(self._pending, axis=0)
+            self._pending = []
+            self._ctx.append(self.p.model, f)
+        return self._ctx
 
     def extend(self, tokens, features):
         if features is None:
             raise ValueError("the DFlash drafter needs target tap features for every committed token")
-        self.ctx.append(self.p.model, features)
+        self._pending.append(features)
 
     def state_arrays(self):
         return self.ctx.state_arrays()
 
     def truncate(self, n):
-        self.ctx.trim(self.ctx.offset - n)
+        ctx = self.ctx
+        ctx.trim(ctx.offset - n)
 
     def clone(self):
         new = _DFlashSession(self.p)
         new.block_size = self.block_size
-        new.ctx = self.ctx.clone()
+        new._ctx = self.ctx.clone()
         return new
 
     def propose(self, anchor, n, temperature=0.0, key=None):

@@ -668,3 +668,29 @@ def test_cancel_or_remove_during_prefill_and_cached_state_joins(target):
     reuse = min(common, len(new) - 1)
     assert reuse >= len(p)
     assert out == ref and cached == reuse and sum(fed) == len(p) + 2 - reuse
+
+
+def test_drafter_context_appends_wait_for_the_next_proposal(target):
+    """A DFlash session queues committed features (a batch's plain rounds cost no drafter work per
+    row) and appends them in one go at its next use; its proposals equal those of a session that
+    appended every round."""
+    from mlx_dflash2.drafter.io import init_drafter
+
+    class Tok:
+        eos_token_id = None
+
+        def __len__(self):
+            return VOCAB
+
+    drafter = init_drafter(target, Tok(), num_layers=1, block_size=B, mask_token_id=VOCAB - 1, seed=5)
+    prop = DFlashProposer(drafter, target, VOCAB)
+    p = _prompt(12, 70)
+    res = target.forward(mx.array(p, mx.int32), target.make_cache(), prop.tap_ids)
+    lazy, eager = prop.start(p), prop.start(p)
+    for a, b in ((0, 5), (5, 6), (6, 12)):
+        lazy.extend(p[a:b], res.features[a:b])
+        eager.extend(p[a:b], res.features[a:b])
+        eager.state_arrays()  # forces each append
+    assert lazy._ctx.offset == 0 and eager._ctx.offset == 12  # nothing computed yet
+    assert lazy.propose(p[-1], B - 1).tokens.tolist() == eager.propose(p[-1], B - 1).tokens.tolist()
+    assert lazy.ctx.offset == 12

@@ -100,6 +100,39 @@ def test_gate_passes_a_good_kernel(monkeypatch):
     assert mx.array_equal(op(mx.ones((2, 8)), mode="reference"), mx.full((2, 8), 2.0)) and op.launches == 3
 
 
+@pytest.mark.parametrize("dtype,where", [(mx.float32, "cpu"), (mx.bfloat16, None)])
+def test_float32_gate_on_cuda_measures_against_the_cpu(monkeypatch, dtype, where):
+    """On CUDA, MLX's float32 attention and matmuls round through TF32 (2-3e-4 off float64 on the
+    H200, where the verify_attention kernel was within 7e-7 and its gate failed): a float32 gate's
+    reference runs on the CPU stream; half-precision gates keep the GPU's."""
+    import contextlib
+
+    monkeypatch.setattr(registry, "backend", lambda: "cuda")
+    entered, built = [], []
+
+    @contextlib.contextmanager
+    def spy(dev):
+        entered.append(dev)
+        yield
+
+    monkeypatch.setattr(registry.mx, "stream", spy)
+
+    class Op(_FakeOp):
+        def sample(self, key):
+            return (mx.ones((4, key[0]), dtype=dtype),), {}
+
+        def reference(self, x):
+            built.append(list(entered))
+            return x * 2
+
+    op = Op("good")
+    op(mx.ones((2, 8), dtype=dtype))
+    assert op._gates[(8,)].ok
+    assert built[0] == ([mx.cpu] if where == "cpu" else [])  # the gate's reference
+    assert registry.yardstick_device("cpu", (mx.ones(2),), {}) is None
+    assert registry.yardstick_device("metal", (mx.ones(2),), {}) is None
+
+
 def test_mode_env_is_checked(monkeypatch):
     monkeypatch.setenv(registry.ENV, "fast")
     with pytest.raises(ValueError, match="MLX_DFLASH2_KERNELS must be one of auto, reference, kernel"):

@@ -13,7 +13,7 @@ from mlx_dflash2.drafter import DraftContext, init_drafter, load_drafter, save_d
 from mlx_dflash2.target import TargetAdapter
 from mlx_dflash2.train import TrainConfig, Trainer, read_prompt_file
 from mlx_dflash2.train.data import Decontaminator, load_eval_set
-from mlx_dflash2.train.evaluate import check_against_loop, replay
+from mlx_dflash2.train.evaluate import check_against_loop, draft_tokens, replay
 from mlx_dflash2.train.regen import read_responses
 from mlx_dflash2.train.trainer import dflash_loss, make_batch
 
@@ -236,6 +236,37 @@ def test_replay_equals_real_loop(tiny, tmp_path):
             assert same and loop_tau == pytest.approx(replay_tau)
     st, per = replay(target, tr.drafter, rows, 6, 24, VOCAB, lookup=True)
     assert st.tau >= 1.0 and len(per) == 4
+
+
+def test_replay_drafts_what_the_proposer_drafts_in_rounds_narrower_than_the_trained_block(tiny, tmp_path):
+    """The replay's drafts equal the product proposer's for every round width: the proposer runs the
+    drafter on its trained block (6 here) and keeps the first slots; the replay used to run it on a
+    block of the round's width, a different input (a Qwen2.5 drafter's slot-1 acceptance read 0.08 at
+    B=4 and 0.29 at its trained B=16, session 15)."""
+    from mlx_dflash2.proposers import DFlashProposer
+
+    target, tok = tiny
+    _patterned_data(tmp_path / "data", n=8)
+    drafter = init_drafter(target, tok, num_layers=1, block_size=6, selector_rank=4, seed=3)
+    # a random drafter with sharp attention and varied outputs (init's small weights make every slot alike)
+    from mlx.utils import tree_map_with_path
+
+    key = iter(mx.random.split(mx.random.key(7), 64))
+    drafter.update(tree_map_with_path(
+        lambda path, a: mx.random.normal(a.shape, key=next(key)) * 0.5 if path.endswith("proj.weight") else a,
+        drafter.parameters()))
+    seq = read_responses(tmp_path / "data")[0]
+    toks = list(seq["prompt_ids"]) + list(seq["response_ids"])
+    P = len(seq["prompt_ids"])  # anchor position: context = positions 0..P-1
+    taps = target.taps(mx.array([toks]), tuple(drafter.config.target_layer_ids))
+    kv = drafter.context_kv_all(taps)
+    prop = DFlashProposer(drafter, target, VOCAB, context_window=0)
+    for slots in (1, 2, 3, 5):
+        s = prop.start(toks[:P])
+        s.extend(toks[:P], taps[0, :P])
+        want = s.propose(toks[P], slots).tokens.tolist()
+        got = draft_tokens(target, drafter, mx.array([toks[P]]), mx.array([[P]]), kv, slots)[0].tolist()
+        assert got == want, slots
 
 
 def test_decontamination_and_eval_sets():

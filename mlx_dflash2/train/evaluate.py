@@ -30,13 +30,54 @@ import numpy as np
 from ..lookup import SuffixIndex
 from ..speculative import SpecStats
 
-__all__ = ["replay", "evaluate_sets", "plot_acceptance", "check_against_loop"]
+__all__ = ["replay", "draft_tokens", "evaluate_sets", "plot_acceptance", "check_against_loop"]
 
 
 def _record(stats: SpecStats, n: int, a: int, emitted: int) -> None:
     """One replayed round, counted as the loop counts it: a round cut by a stop after ``emitted``
     tokens counts only its drafts at or before the stop."""
     stats.record_round(min(n, emitted), min(a, emitted), emitted)
+
+
+def draft_tokens(target, drafter, anchor_tok: mx.array, anchors: mx.array, ctx_kv: list, slots: int,
+                 invalid: mx.array | None = None) -> np.ndarray:
+    """Greedy drafts of ``slots`` tokens after each of ``n`` anchors, as the product's proposer makes them.
+
+    The drafter runs on a block of ``max(trained block size, slots + 1)`` positions (the anchor, then
+    mask tokens) and its first ``slots`` slots are kept, exactly as
+    :meth:`~mlx_dflash2.proposers.DFlashProposer` does for a round narrower than the trained block:
+    a block drafter attends over its whole block, so a shorter block of masks is a different input
+    (measured, Qwen2.5-Coder-1.5B drafter ``c1``: acceptance at slot 1 was 0.08 with a 4-position
+    block and 0.29 with its trained 16).
+
+    Args:
+        target: the :class:`~mlx_dflash2.target.TargetAdapter` (embeddings, LM head).
+        drafter: a :class:`~mlx_dflash2.drafter.DraftModel`.
+        anchor_tok: int32 ``[n]`` anchor tokens.
+        anchors: int32 ``[n, 1]`` anchor positions (each block sees context positions below its own).
+        ctx_kv: the drafter's context K/V of the ``n`` sequences (:meth:`~.DraftModel.context_kv_all`).
+        slots: drafted tokens per anchor (``B - 1`` for a verify width ``B``), ``>= 1``.
+        invalid: bool ``[vocab rows]`` ids never proposed (a padded vocabulary), or ``None``.
+
+    Returns:
+        int ``[n, slots]`` drafted tokens (numpy; one host read).
+    """
+    cfg = drafter.config
+    width = max(cfg.block_size, slots + 1)
+    n = anchor_tok.shape[0]
+    block = mx.concatenate([anchor_tok[:, None], mx.full((n, width - 1), cfg.mask_token_id, dtype=mx.int32)], axis=1)
+    emb = target.embed(block)
+    if cfg.input_embedding_scale != 1.0:
+        emb = emb * cfg.input_embedding_scale
+    h = drafter.forward_blocks(emb, None, anchors, ctx_kv=ctx_kv)[:, 1 : slots + 1]
+    unary = drafter.unary_logits(h, target.lm_head)
+    if invalid is not None:
+        unary = mx.where(invalid, mx.array(-mx.inf, unary.dtype), unary)
+    if cfg.is_dflash2:
+        out = drafter.candidate_selector.walk(unary, h, anchor_tok).tokens
+    else:
+        out = mx.argmax(unary, axis=-1)
+    return np.array(out)
 
 
 def replay(
@@ -120,22 +161,8 @@ def replay(
                 idx = mx.array(need)
                 anchors = mx.array(P[need][:, None].astype(np.int32))
                 anchor_tok = mx.array(toks[need, P[need]])
-                block = mx.concatenate(
-                    [anchor_tok[:, None], mx.full((len(need), B - 1), cfg.mask_token_id, dtype=mx.int32)], axis=1
-                )
-                emb = target.embed(block)
-                if cfg.input_embedding_scale != 1.0:
-                    emb = emb * cfg.input_embedding_scale
                 kv = [(k[idx], v[idx]) for k, v in ctx_kv]
-                h = drafter.forward_blocks(emb, None, anchors, ctx_kv=kv)[:, 1:]
-                unary = drafter.unary_logits(h, target.lm_head)
-                if invalid is not None:
-                    unary = mx.where(invalid, mx.array(-mx.inf, unary.dtype), unary)
-                if cfg.is_dflash2:
-                    out = drafter.candidate_selector.walk(unary, h, anchor_tok).tokens
-                else:
-                    out = mx.argmax(unary, axis=-1)
-                out = np.array(out)
+                out = draft_tokens(target, drafter, anchor_tok, anchors, kv, B - 1, invalid)
                 for k, i in enumerate(need):
                     p = out[k, : n_i[i]].tolist()
                     if lookup:

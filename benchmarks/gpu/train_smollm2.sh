@@ -133,10 +133,13 @@ bench)
       --max-tokens 128 --repeats 3 --out "$OUT/generate-gpu.json" ${BENCH_ARGS:-}
   ;;
 quantize)
-  # quantize NAME: the drafter of run NAME with 4-bit linear layers (what the package ships) as run NAME-q4
-  rm -rf "$W/runs/$1-q4/drafter"; mkdir -p "$W/runs/$1-q4"
+  # quantize NAME [TAG [CONVERT FLAGS...]]: the drafter of run NAME with quantized linear layers as run NAME-TAG;
+  # default TAG q4 and 4-bit g64 (what the package ships); e.g. `quantize c3 q4g32 --q-group-size 32` or
+  # `quantize c3 q4fc8 --q-override 'fc$=8' --q-override 'hidden_projection=8'` (the converter's flags)
+  n=$1; tag=${2:-q4}; shift; [ $# -gt 0 ] && shift
+  rm -rf "$W/runs/$n-$tag/drafter"; mkdir -p "$W/runs/$n-$tag"
   # (python -m convert: mlx_dflash2.convert exists only in an installed package, and this checkout is not)
-  $PY -m convert "$W/runs/$1/drafter" "$W/runs/$1-q4/drafter" --from drafter --q-bits 4
+  $PY -m convert "$W/runs/$n/drafter" "$W/runs/$n-$tag/drafter" --from drafter --q-bits 4 --report-error "$@"
   ;;
 bg)
   # bg NAME STAGE ARGS... [--then STAGE ARGS...]...: run stages one after the other, detached from this

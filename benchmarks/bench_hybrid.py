@@ -148,7 +148,11 @@ class Shape:
         if "kernel" in a.modes:
             tk = TargetAdapter(rt.twin(self.model, self.cfg, dtype=a.dtype), self.cfg, probe=False,
                                kernels="reference")
-            r["kernel_routed_modules"] = tk.route_kernels("kernel", force=a.force_route)
+            # random weights: the routes' stack-level probe cannot tell a kernel's rounding from a fault on a
+            # random hybrid (chaotic in 16 bits: TargetAdapter.route_kernels); each kernel still gates itself
+            r["route_probe"] = a.route_probe
+            r["kernel_routed_modules"] = tk.route_kernels("kernel", force=a.force_route, probe=a.route_probe)
+            r["kernel_choice"] = dict(tk.kernel_choice)
             r["kernel_target_mode"] = tk.kernels  # "reference" if the routing's probe undid it
             r["kernel_gdn_mixers_routed"] = sum(
                 1 for m in tk.model.modules() if type(m).__name__.startswith("Stepping"))
@@ -495,6 +499,9 @@ def parse_args(argv=None):
     p.add_argument("--force-route", default="auto", choices=("auto", "on", "off"),
                    help="route the kernels even on the CPU backend (the references run); auto: on for tiny shapes "
                         "on the CPU")
+    p.add_argument("--route-probe", action=argparse.BooleanOptionalAction, default=False,
+                   help="compare the routed target's logits with MLX's before keeping the routes (default off: a "
+                        "random-weight hybrid is chaotic in 16 bits, see TargetAdapter.route_kernels)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--plot", nargs="+", metavar="JSON", help="only merge these result files and plot them (--out)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/hybrid-<cpu|gpu>.json); "

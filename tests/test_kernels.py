@@ -264,6 +264,49 @@ def test_target_routing_that_disagrees_is_undone(monkeypatch, caplog):
     assert any("using the MLX reference path" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("sensitivity, explained", [(0.5, True), (0.01, False)])
+def test_a_refused_16_bit_route_says_how_much_the_model_itself_moves(monkeypatch, caplog, sensitivity, explained):
+    """A 16-bit route whose probe disagrees is put back; the warning adds the unrouted model's own movement
+    between 16-bit and float32 activations when that alone exceeds the tolerance (a random-weight hybrid:
+    the H200's 64-layer one read 0.421 against 0.1), and ``probe=False`` keeps the routes (benchmarks)."""
+    import mlx.nn as nn
+
+    from mlx_dflash2.kernels.qmm import QuantizedMatmul
+    from mlx_dflash2.target import TargetAdapter
+
+    t = _tiny_quantized_target()
+    t.model.set_dtype(mx.bfloat16)
+    assert t.dtype == mx.bfloat16
+    monkeypatch.setattr(QuantizedMatmul, "reference", lambda self, x, w, s, b, gs, bits, config=None:
+                        mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits) * 1.5)
+    monkeypatch.setattr(TargetAdapter, "rounding_sensitivity", lambda self, ref=None: sensitivity)
+    with caplog.at_level(logging.WARNING, logger="mlx_dflash2"):
+        assert t.route_kernels("kernel", force=True) == 0
+    msg = [r.getMessage() for r in caplog.records if "using the MLX reference path" in r.getMessage()]
+    assert len(msg) == 1 and ("cannot tell rounding from a fault" in msg[0]) == explained
+    assert t.kernel_choice["bf16_vs_float32_activations"] == sensitivity
+    assert t.kernels == "reference" and type(t.layers[0].mlp.down_proj) is nn.QuantizedLinear
+    assert t.route_kernels("kernel", force=True, probe=False) > 0 and t.kernels == "kernel"
+    assert t.kernel_choice["probe_difference"] is None
+
+
+def test_rounding_sensitivity_puts_the_parameters_back():
+    """The float32 probe casts the model's floating parameters and restores the very same arrays."""
+    from mlx.utils import tree_flatten
+
+    t = _tiny_quantized_target()
+    assert t.rounding_sensitivity() == 0.0  # a float32 model
+    t.model.set_dtype(mx.bfloat16)
+    before = dict(tree_flatten(t.model.parameters()))
+    ids = mx.array([5, 9, 17, 23], dtype=mx.int32)
+    logits = t.forward(ids, t.make_cache()).logits
+    s = t.rounding_sensitivity()
+    assert 0.0 < s < 1.0
+    after = dict(tree_flatten(t.model.parameters()))
+    assert before.keys() == after.keys() and all(after[k] is before[k] for k in before)
+    assert mx.array_equal(t.forward(ids, t.make_cache()).logits, logits)
+
+
 @pytest.mark.parametrize("kernel_ms, routed", [(18.5, False), (10.6, True)])
 def test_auto_keeps_kernels_only_where_the_one_token_step_pays(monkeypatch, caplog, kernel_ms, routed):
     """kernels="auto" times a one-token step with MLX's ops and routed, and keeps the kernels only if the
@@ -281,7 +324,8 @@ def test_auto_keeps_kernels_only_where_the_one_token_step_pays(monkeypatch, capl
     with caplog.at_level(logging.INFO, logger="mlx_dflash2"):
         n = t.route_kernels("auto", force=True)
     assert (n > 0) == routed and t.kernels == ("auto" if routed else "reference")
-    assert t.kernel_choice == {"step_ms_reference": 10.0, "step_ms_kernel": kernel_ms, "routed": routed}
+    assert {k: t.kernel_choice[k] for k in ("step_ms_reference", "step_ms_kernel", "routed")} == {
+        "step_ms_reference": 10.0, "step_ms_kernel": kernel_ms, "routed": routed}
     assert isinstance(t.layers[0].mlp.down_proj, KernelQuantizedLinear if routed else nn.QuantizedLinear)
     assert any("using MLX's ops" in r.getMessage() for r in caplog.records) == (not routed)
     t2 = _tiny_quantized_target()

@@ -133,6 +133,18 @@ def test_float32_gate_on_cuda_measures_against_the_cpu(monkeypatch, dtype, where
     assert registry.yardstick_device("metal", (mx.ones(2),), {}) is None
 
 
+def test_kernel_sources_reach_mlx_without_comments():
+    """MLX rebuilds and hashes a custom kernel's source at every call and launch, so the text handed to
+    ``mx.fast`` is compacted: no comments, indentation or blank lines; code, preprocessor lines and string
+    literals (a ``//`` inside one stays) unchanged. The compile and emulation checks read the same text."""
+    raw = 'a = 1;  // one\n\n  /* two\n three */ b = 2;\n#define X(v) \\\n   (v + 1) // four\nasm("//x");\n'
+    assert registry.compact_source(raw) == 'a = 1;\nb = 2;\n#define X(v) \\\n(v + 1)\nasm("//x");\n'
+    full = (registry._source_dir() / "qmm.cu").read_text()
+    text = registry.source_text("qmm.cu")
+    assert len(text) < 0.75 * len(full) and "fragment mapping" not in text.lower()
+    assert all("//" not in line or '"' in line for line in text.splitlines())
+
+
 def test_mode_env_is_checked(monkeypatch):
     monkeypatch.setenv(registry.ENV, "fast")
     with pytest.raises(ValueError, match="MLX_DFLASH2_KERNELS must be one of auto, reference, kernel"):

@@ -154,13 +154,14 @@ class QuantizedMatmul(KernelOp):
             tmpl = [("T", x.dtype), ("BITS", bits), ("GS", group_size), ("NT", nt)]
             tmpl += [("WARPS", warps), ("U", u)] if backend == "cuda" else [("S", warps)]
             blocks = -(-N // (8 * nt))
-            geo = self._geo[key] = (M, K, tmpl, (blocks * warps * 32, 1, 1), (warps * 32, 1, 1), [(M, N)],
-                                    int_params(M, N, K), (*shape[:-1], N))
-        M, K, tmpl, grid, tg, out_shapes, params, out_shape = geo
-        y = self.kernel(backend, "qmm")(
-            inputs=[x.reshape(M, K), w, scales, biases, params], template=tmpl, grid=grid, threadgroup=tg,
+            # the kernel indexes rows flat (row r at r * K of x, r * N of y): x and y keep their leading axes,
+            # no reshape nodes around the call (MLX copies a non-contiguous x first: ensure_row_contiguous)
+            geo = self._geo[key] = (tmpl, (blocks * warps * 32, 1, 1), (warps * 32, 1, 1), [(*shape[:-1], N)],
+                                    int_params(M, N, K))
+        tmpl, grid, tg, out_shapes, params = geo
+        return self.kernel(backend, "qmm")(
+            inputs=[x, w, scales, biases, params], template=tmpl, grid=grid, threadgroup=tg,
             output_shapes=out_shapes, output_dtypes=[x.dtype])[0]
-        return y.reshape(out_shape)
 
 
 qmm = QuantizedMatmul()

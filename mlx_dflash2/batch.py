@@ -406,6 +406,13 @@ class WidthSchedule:
     and lengths change), so a cap past a slower one costs no trial round. A batch of one is never capped (the solo
     behaviour).
 
+    **Trial rounds are bounded**: a re-measurement of a losing cap costs what its round costs more than
+    a round of the best cap (on a CPU a drafting round of 32 rows costs ~2.6 plain ones), so it waits
+    until that extra time is at most ``budget`` of the rounds since its last measurement; and a bucket
+    met for the first time (rows joined or left) starts at the best cap of the nearest bucket measured,
+    its neighbours tried no sooner than that bucket's re-measurements of them would be (no fresh trial
+    rounds at every change of the batch size).
+
     The idea of scheduling widths under a per-round budget is vLLM's confidence-scheduled verification
     (vLLM 0.28 with DSpark); this is its throughput-measured form, with no cost model to calibrate.
 
@@ -418,57 +425,92 @@ class WidthSchedule:
         caps: candidate widths (tokens verified per row, anchor included), ascending, >= 1.
         explore_every: rounds of a bucket between two re-measurements of its least recent cap.
         decay: weight of the old average in each update (0..1).
+        budget: the most of a bucket's time its trial rounds may cost beyond rounds of its best cap (> 0).
 
     Raises:
-        ValueError: empty ``caps``, a cap < 1, ``explore_every`` < 2 or ``decay`` outside [0, 1).
+        ValueError: empty ``caps``, a cap < 1, ``explore_every`` < 2, ``decay`` outside [0, 1) or
+            ``budget`` <= 0.
     """
 
-    max_backoff = 5  # a losing neighbour is re-measured at most every explore_every * 2**5 rounds
+    max_backoff = 5  # a losing neighbour is re-measured at most every explore_every * 2**5 rounds (or budget)
 
-    def __init__(self, caps: Sequence[int] = (1, 2, 4, 8, 16), explore_every: int = 16, decay: float = 0.7):
+    def __init__(self, caps: Sequence[int] = (1, 2, 4, 8, 16), explore_every: int = 16, decay: float = 0.7,
+                 budget: float = 0.03):
         caps = sorted({int(c) for c in caps})
         if not caps or caps[0] < 1:
             raise ValueError(f"caps must be widths >= 1, got {caps}")
-        if explore_every < 2 or not 0.0 <= decay < 1.0:
-            raise ValueError("explore_every must be >= 2 and decay in [0, 1)")
-        self.caps, self.explore_every, self.decay = caps, int(explore_every), float(decay)
+        if explore_every < 2 or not 0.0 <= decay < 1.0 or not budget > 0:
+            raise ValueError("explore_every must be >= 2, decay in [0, 1) and budget > 0")
+        self.caps, self.explore_every, self.decay, self.budget = caps, int(explore_every), float(decay), float(budget)
         self.rate: dict = {}  # (bucket, cap) -> EMA of emitted tokens / s
+        self.secs: dict = {}  # (bucket, cap) -> EMA of seconds per round
         self.last: dict = {}  # (bucket, cap) -> round number of its last measurement
         self.strikes: dict = {}  # (bucket, cap) -> re-measurements in a row that lost to the best cap
         self.rounds: dict = {}  # bucket -> rounds run
+        self.seeds: dict = {}  # bucket -> (start cap, {cap: (strikes, seconds / best's)}) from its nearest bucket
 
     @staticmethod
     def bucket(n_rows: int) -> int:
         """The batch-size bucket of ``n_rows`` (1, 2, 3-4, 5-8, ... share a bucket)."""
         return max(1, int(n_rows) - 1).bit_length()
 
+    def _wait(self, strikes: int, cost: float) -> float:
+        """Rounds between two measurements of a cap that lost ``strikes`` times in a row and whose rounds
+        cost ``cost`` times the best cap's."""
+        return max(self.explore_every << strikes, (cost - 1.0) / self.budget)
+
+    def _seed(self, b: int):
+        """The start of bucket ``b`` (first seen): the best cap of the nearest measured bucket and what it
+        measured of the others (strikes, seconds per round relative to its best), or None."""
+        if b not in self.seeds:
+            measured = sorted({bb for bb, _ in self.rate if bb != b}, key=lambda bb: (abs(bb - b), bb))
+            seed = None
+            if measured:
+                nb = measured[0]
+                known = [c for bb, c in self.rate if bb == nb]
+                best = max(known, key=lambda c: self.rate[(nb, c)])
+                seed = (best, {c: (self.strikes.get((nb, c), 0), self.secs[(nb, c)] / self.secs[(nb, best)])
+                               for c in known if c != best})
+            self.seeds[b] = seed
+        return self.seeds[b]
+
     def choose(self, n_rows: int, max_width: int) -> int | None:
         """The width cap of the next round (``None``: no cap) for ``n_rows`` rows whose widest
         block is ``max_width`` tokens.
 
         Hill climbing over the caps in ascending order (each one costlier to try than the last on a
-        compute-bound target): start at the smallest, try an untried neighbour of the best cap so far,
-        else keep the best, re-measuring a neighbour once ``explore_every`` rounds have passed since its
-        last measurement, doubled for each re-measurement in a row that lost to the best (up to
-        ``2 ** max_backoff``: a trial round can cost several plain ones, e.g. every row's drafter). A cap past a slower one is never tried unless the best moves next to it (a 16-row batch
-        on a CPU never pays for a trial at width 16 when width 2 already measured slower than 1)."""
+        compute-bound target): start at the smallest (or at the best cap of the nearest bucket measured),
+        try an untried neighbour of the best cap so far (one the nearest bucket measured: once its
+        re-measurement would be due), else keep the best, re-measuring a neighbour once ``explore_every``
+        rounds have passed since its last measurement, doubled for each re-measurement in a row that lost
+        to the best (up to ``2 ** max_backoff``), and no sooner than its extra cost over a round of the
+        best fits in ``budget`` of the rounds since. A cap past a slower one is never tried unless the best
+        moves next to it (a 16-row batch on a CPU never pays for a trial at width 16 when width 2 already
+        measured slower than 1)."""
         if n_rows < 2 or max_width <= 1:
             return None
         b = self.bucket(n_rows)
         arms = [c for c in self.caps if c < max_width] + [max_width]
         known = [c for c in arms if (b, c) in self.rate]
+        seed = self._seed(b) if not self.rounds.get(b) else self.seeds.get(b)
         if not known:
-            return arms[0]
+            if seed is None:
+                return arms[0]
+            return max([c for c in arms if c <= seed[0]], default=arms[0])
         i = arms.index(max(known, key=lambda c: self.rate[(b, c)]))
         near = [arms[j] for j in (i + 1, i - 1) if 0 <= j < len(arms)]
+        r = self.rounds.get(b, 0)
         for c in near:
             if (b, c) not in self.rate:
-                return c
-        r = self.rounds.get(b, 0)
-        due = [c for c in near if r - self.last[(b, c)] >= self.explore_every << self.strikes.get((b, c), 0)]
+                prior = seed[1].get(c) if seed is not None else None
+                if prior is None or r >= self._wait(*prior):
+                    return c
+        best = arms[i]
+        due = [c for c in near if (b, c) in self.rate and r - self.last[(b, c)]
+               >= self._wait(self.strikes.get((b, c), 0), self.secs[(b, c)] / self.secs[(b, best)])]
         if due:
             return min(due, key=lambda c: self.last[(b, c)])
-        return arms[i]
+        return best
 
     def record(self, n_rows: int, cap: int, emitted: int, seconds: float) -> None:
         """Account one round: ``emitted`` tokens in ``seconds`` under ``cap`` with ``n_rows`` rows."""
@@ -482,9 +524,13 @@ class WidthSchedule:
         best = max(known, key=lambda c: self.rate[(b, c)]) if known else None
         old = self.rate.get((b, cap))
         self.rate[(b, cap)] = x if old is None else self.decay * old + (1.0 - self.decay) * x
+        old = self.secs.get((b, cap))
+        self.secs[(b, cap)] = seconds if old is None else self.decay * old + (1.0 - self.decay) * seconds
         self.last[(b, cap)] = r
         if best is not None and cap != best:  # a re-measurement: back off while it keeps losing
             lost = self.rate[(b, cap)] < self.rate[(b, best)]
+            if (b, cap) not in self.strikes and self.seeds.get(b) and cap in self.seeds[b][1]:
+                self.strikes[(b, cap)] = self.seeds[b][1][cap][0]  # its strikes in the seed bucket go on
             self.strikes[(b, cap)] = min(self.strikes.get((b, cap), 0) + 1, self.max_backoff) if lost else 0
 
 

@@ -508,13 +508,48 @@ def test_width_schedule_climbs_to_the_fastest_cap():
     # rates are assumed unimodal in the cap: a slower 2 keeps it at 1 (4 and 8 are never tried)
     assert set(run({1: 30.0, 2: 20.0, 4: 40.0, 8: 80.0})[1]) == {1, 2}
     assert s.choose(1, 8) is None and s.choose(5, 1) is None  # solo, or nothing to cap
-    assert s.choose(2, 8) == 1  # another bucket starts over
+    assert s.choose(2, 8) == 2  # another bucket starts at the best cap of the nearest one measured
     assert WidthSchedule.bucket(2) != WidthSchedule.bucket(3) == WidthSchedule.bucket(4) != WidthSchedule.bucket(5)
-    for bad in (dict(caps=()), dict(caps=(0, 2)), dict(explore_every=1), dict(decay=1.0)):
+    for bad in (dict(caps=()), dict(caps=(0, 2)), dict(explore_every=1), dict(decay=1.0), dict(budget=0)):
         with pytest.raises(ValueError):
             WidthSchedule(**bad)
     with pytest.raises(ValueError, match="schedule"):
         SpeculativeBatch(_tiny("qwen3", seed=1), schedule="fast")
+
+
+def test_width_schedule_bounds_its_trial_rounds():
+    """A cap whose rounds cost k times the best cap's is re-measured no sooner than its extra cost fits in
+    ``budget`` of the rounds since (a drafting trial of many rows costs several plain rounds), and a
+    bucket met later starts at the nearest measured bucket's best cap, trying its neighbours only when
+    that bucket's re-measurement of them would be due (no fresh trials each time the batch size changes)."""
+    from mlx_dflash2.batch import WidthSchedule
+
+    cost = {1: 1.0, 2: 3.0, 4: 5.0}  # seconds per round
+    toks = {1: 10.0, 2: 15.0, 4: 20.0}  # tokens per round: cap 2 at 5 tok/s, cap 1 at 10
+    s = WidthSchedule(caps=(1, 2, 4), explore_every=4, decay=0.5, budget=0.1)
+    seen = []
+    for _ in range(120):
+        c = s.choose(6, 4)
+        seen.append(c)
+        s.record(6, c, int(toks[c]), cost[c])
+    trials = [i for i, c in enumerate(seen) if c == 2]
+    assert 4 not in seen and trials[0] == 1
+    # (3 - 1) / 0.1 = 20 rounds at least between two trials (explore_every alone: 4, 8, 16, 32...)
+    assert all(b - a >= 20 for a, b in zip(trials, trials[1:])) and len(trials) >= 3
+    # a new bucket (2 rows) starts at cap 1, and waits for its first trial of cap 2
+    seen2 = []
+    for _ in range(200):
+        c = s.choose(2, 4)
+        seen2.append(c)
+        s.record(2, c, int(toks[c] / 3), cost[c])
+    strikes, rel = s.seeds[WidthSchedule.bucket(2)][1][2]
+    assert strikes >= 2 and rel == pytest.approx(3.0)
+    assert seen2[0] == 1 and seen2.index(2) == max(4 << strikes, 20)
+    # with nothing measured anywhere, a bucket starts at the smallest cap and tries its neighbour at once
+    fresh = WidthSchedule(caps=(1, 2, 4))
+    assert fresh.choose(3, 4) == 1
+    fresh.record(3, 1, 3, 1.0)
+    assert fresh.choose(3, 4) == 2
 
 
 def _cycling(caps):

@@ -408,10 +408,12 @@ class WidthSchedule:
 
     **Trial rounds are bounded**: a re-measurement of a losing cap costs what its round costs more than
     a round of the best cap (on a CPU a drafting round of 32 rows costs ~2.6 plain ones), so it waits
-    until that extra time is at most ``budget`` of the rounds since its last measurement; and a bucket
-    met for the first time (rows joined or left) starts at the best cap of the nearest bucket measured,
-    its neighbours tried no sooner than that bucket's re-measurements of them would be (no fresh trial
-    rounds at every change of the batch size).
+    until that extra time is at most ``budget`` of the rounds since its last measurement; a wider cap
+    must measure ``margin`` faster than the one below it to be chosen (a noisy round alone does not
+    widen the rounds); and a bucket met for the first time (rows joined or left) starts at the best cap
+    of the nearest bucket measured, trying the narrower neighbour at once (a cheaper round) and the
+    wider one once its extra cost, as that bucket measured it, fits in the budget (no fresh costly
+    trial rounds at every change of the batch size).
 
     The idea of scheduling widths under a per-round budget is vLLM's confidence-scheduled verification
     (vLLM 0.28 with DSpark); this is its throughput-measured form, with no cost model to calibrate.
@@ -426,6 +428,8 @@ class WidthSchedule:
         explore_every: rounds of a bucket between two re-measurements of its least recent cap.
         decay: weight of the old average in each update (0..1).
         budget: the most of a bucket's time its trial rounds may cost beyond rounds of its best cap (> 0).
+        margin: how much faster (tokens/s) a cap must measure than the cap below it to be preferred
+            (a wider round costs more; noise alone should not widen the batch's rounds).
 
     Raises:
         ValueError: empty ``caps``, a cap < 1, ``explore_every`` < 2, ``decay`` outside [0, 1) or
@@ -435,13 +439,14 @@ class WidthSchedule:
     max_backoff = 5  # a losing neighbour is re-measured at most every explore_every * 2**5 rounds (or budget)
 
     def __init__(self, caps: Sequence[int] = (1, 2, 4, 8, 16), explore_every: int = 16, decay: float = 0.7,
-                 budget: float = 0.03):
+                 budget: float = 0.03, margin: float = 0.05):
         caps = sorted({int(c) for c in caps})
         if not caps or caps[0] < 1:
             raise ValueError(f"caps must be widths >= 1, got {caps}")
-        if explore_every < 2 or not 0.0 <= decay < 1.0 or not budget > 0:
-            raise ValueError("explore_every must be >= 2, decay in [0, 1) and budget > 0")
+        if explore_every < 2 or not 0.0 <= decay < 1.0 or not budget > 0 or not 0.0 <= margin < 1.0:
+            raise ValueError("explore_every must be >= 2, decay in [0, 1), budget > 0 and margin in [0, 1)")
         self.caps, self.explore_every, self.decay, self.budget = caps, int(explore_every), float(decay), float(budget)
+        self.margin = float(margin)
         self.rate: dict = {}  # (bucket, cap) -> EMA of emitted tokens / s
         self.secs: dict = {}  # (bucket, cap) -> EMA of seconds per round
         self.last: dict = {}  # (bucket, cap) -> round number of its last measurement
@@ -468,7 +473,7 @@ class WidthSchedule:
             if measured:
                 nb = measured[0]
                 known = [c for bb, c in self.rate if bb == nb]
-                best = max(known, key=lambda c: self.rate[(nb, c)])
+                best = self._best(nb, known)
                 seed = (best, {c: (self.strikes.get((nb, c), 0), self.secs[(nb, c)] / self.secs[(nb, best)])
                                for c in known if c != best})
             self.seeds[b] = seed
@@ -497,13 +502,15 @@ class WidthSchedule:
             if seed is None:
                 return arms[0]
             return max([c for c in arms if c <= seed[0]], default=arms[0])
-        i = arms.index(max(known, key=lambda c: self.rate[(b, c)]))
-        near = [arms[j] for j in (i + 1, i - 1) if 0 <= j < len(arms)]
+        i = arms.index(self._best(b, known))
+        near = [arms[j] for j in (i - 1, i + 1) if 0 <= j < len(arms)]
         r = self.rounds.get(b, 0)
         for c in near:
             if (b, c) not in self.rate:
                 prior = seed[1].get(c) if seed is not None else None
-                if prior is None or r >= self._wait(*prior):
+                # untried here: at once, or, where the seed bucket found its rounds costlier than its
+                # best's, once that extra cost fits in the budget
+                if prior is None or r >= (prior[1] - 1.0) / self.budget:
                     return c
         best = arms[i]
         due = [c for c in near if (b, c) in self.rate and r - self.last[(b, c)]
@@ -511,6 +518,16 @@ class WidthSchedule:
         if due:
             return min(due, key=lambda c: self.last[(b, c)])
         return best
+
+    def _score(self, b: int, c: int) -> float:
+        """The rate of cap ``c`` in bucket ``b`` as compared: handicapped by ``margin`` per cap below it
+        (a wider cap must measure that much faster than a narrower one to be chosen: a wider round
+        costs more, and a noisy measurement alone should not move the batch to it)."""
+        return self.rate[(b, c)] * (1.0 - self.margin) ** self.caps.index(c) if c in self.caps \
+            else self.rate[(b, c)] * (1.0 - self.margin) ** len(self.caps)
+
+    def _best(self, b: int, known) -> int:
+        return max(known, key=lambda c: (self._score(b, c), -c))
 
     def record(self, n_rows: int, cap: int, emitted: int, seconds: float) -> None:
         """Account one round: ``emitted`` tokens in ``seconds`` under ``cap`` with ``n_rows`` rows."""
@@ -521,16 +538,14 @@ class WidthSchedule:
         self.rounds[b] = r + 1
         x = emitted / seconds
         known = [c for (bb, c) in self.rate if bb == b]
-        best = max(known, key=lambda c: self.rate[(b, c)]) if known else None
+        best = self._best(b, known) if known else None
         old = self.rate.get((b, cap))
         self.rate[(b, cap)] = x if old is None else self.decay * old + (1.0 - self.decay) * x
         old = self.secs.get((b, cap))
         self.secs[(b, cap)] = seconds if old is None else self.decay * old + (1.0 - self.decay) * seconds
         self.last[(b, cap)] = r
         if best is not None and cap != best:  # a re-measurement: back off while it keeps losing
-            lost = self.rate[(b, cap)] < self.rate[(b, best)]
-            if (b, cap) not in self.strikes and self.seeds.get(b) and cap in self.seeds[b][1]:
-                self.strikes[(b, cap)] = self.seeds[b][1][cap][0]  # its strikes in the seed bucket go on
+            lost = self._score(b, cap) < self._score(b, best)
             self.strikes[(b, cap)] = min(self.strikes.get((b, cap), 0) + 1, self.max_backoff) if lost else 0
 
 

@@ -510,7 +510,7 @@ def test_width_schedule_climbs_to_the_fastest_cap():
     assert s.choose(1, 8) is None and s.choose(5, 1) is None  # solo, or nothing to cap
     assert s.choose(2, 8) == 2  # another bucket starts at the best cap of the nearest one measured
     assert WidthSchedule.bucket(2) != WidthSchedule.bucket(3) == WidthSchedule.bucket(4) != WidthSchedule.bucket(5)
-    for bad in (dict(caps=()), dict(caps=(0, 2)), dict(explore_every=1), dict(decay=1.0), dict(budget=0)):
+    for bad in (dict(caps=()), dict(caps=(0, 2)), dict(explore_every=1), dict(decay=1.0), dict(budget=0), dict(margin=1.0)):
         with pytest.raises(ValueError):
             WidthSchedule(**bad)
     with pytest.raises(ValueError, match="schedule"):
@@ -542,9 +542,23 @@ def test_width_schedule_bounds_its_trial_rounds():
         c = s.choose(2, 4)
         seen2.append(c)
         s.record(2, c, int(toks[c] / 3), cost[c])
-    strikes, rel = s.seeds[WidthSchedule.bucket(2)][1][2]
-    assert strikes >= 2 and rel == pytest.approx(3.0)
-    assert seen2[0] == 1 and seen2.index(2) == max(4 << strikes, 20)
+    assert s.seeds[WidthSchedule.bucket(2)][1][2][1] == pytest.approx(3.0)  # cap 2's rounds: 3x cap 1's
+    assert seen2[0] == 1 and seen2.index(2) == 20  # (3 - 1) / 0.1 rounds of the new bucket first
+    # a bucket seeded at a wider cap tries the narrower (cheaper) neighbour at once; a wider cap that
+    # measures less than ``margin`` faster than the narrower one is not chosen (noise does not widen)
+    w = WidthSchedule(caps=(1, 2, 4), explore_every=4, decay=0.5)
+    for c, rate in ((1, 10.0), (2, 12.0), (4, 5.0)):
+        w.record(6, c, int(rate), 1.0)
+    assert w.choose(6, 4) == 2 and w.choose(2, 4) == 2
+    w.record(2, 2, 4, 1.0)
+    assert w.choose(2, 4) == 1
+    w.record(2, 1, 4, 1.0)  # level: the narrower wins
+    w.record(2, 2, 4, 1.0)
+    assert w.choose(2, 4) == 1
+    narrow = WidthSchedule(caps=(1, 2), margin=0.1)
+    narrow.record(3, 1, 100, 1.0)
+    narrow.record(3, 2, 108, 1.0)  # 8 % faster: within the margin
+    assert narrow.choose(3, 2) == 1
     # with nothing measured anywhere, a bucket starts at the smallest cap and tries its neighbour at once
     fresh = WidthSchedule(caps=(1, 2, 4))
     assert fresh.choose(3, 4) == 1

@@ -17,9 +17,20 @@ Data flow of one round (:meth:`SpeculativeBatch.step`)
    token from its own verifier on the logits at its last prompt token (what the solo loop's prefill
    does) and its K/V rows move to the batch cache (one concatenation for all of that step's joins).
 2. **draft**: each active request's own proposer session proposes ``d_1..d_{n_i}`` after its anchor
-   (``n_i <= B_i - 1``, shrunk near its ``max_tokens`` and the context limit), one call per request;
-   a sampled request's drafter gets its draft temperature and the next split of its own draft key
-   (split once per round that drafts, as in the solo loop).
+   (``n_i <= B_i - 1``, shrunk near its ``max_tokens``, the context limit and the
+   :class:`WidthSchedule`'s cap); a sampled request's drafter gets its draft temperature and the next
+   split of its own draft key (split once per round that drafts, as in the solo loop). A session
+   answers :meth:`~.proposers.ProposerSession.begin` with its proposal (lookup, scripted, plain) or
+   with the DFlash drafter forward it needs (a :class:`~.proposers.DraftCall`: a DFlash session, or a
+   fused session without a long lookup match); **the calls of every request with the same drafter run as
+   one drafter forward** (:meth:`~.proposers.DFlashProposer.propose_many`: their queued context rows
+   appended in one projection, the blocks ``[anchor_i, mask...]`` through
+   :meth:`~.drafter.model.DraftModel.forward_rows`, each at its own positions over its own context
+   K/V, right-aligned and padded, the padding masked; one LM head, the greedy selector walks batched, a
+   sampled request's walk alone with its key, every dynamic draft length read with one host
+   synchronisation), and each session finishes its own proposal from its row (the fused lookup rule).
+   Each row's proposal equals its solo proposal (float32: the same tokens, up to near-ties of the
+   wider matmuls).
 3. **verify**: one target forward over a padded ``[N, M]`` block, ``M = max_i(n_i + 1)``: row ``i`` is
    ``[anchor_i, d_1..d_{n_i}, pad...]``. Each row's new K/V are written at that row's own offset
    (its committed length) and RoPE runs at each row's own positions; the mask lets query ``q`` of row
@@ -33,7 +44,11 @@ Data flow of one round (:meth:`SpeculativeBatch.step`)
    them, are read together).
 5. **commit / rollback**: row ``i`` keeps ``[anchor, d_1..d_{a_i}]`` (its length goes up by
    ``a_i + 1``; the rest of the block, rejected drafts and padding, is dropped by a per-row length
-   decrement, no copy); its proposer session gets those positions' tap features. Tokens are emitted
+   decrement, no copy); its proposer session gets those positions' tap features (a DFlash session
+   queues them: its drafter context is appended at its next proposal, or, once ``flush_after`` rounds
+   are queued, together with every other due row in one projection, so plain rounds under load cost
+   no drafter work per row; the joins' prompts are appended in one projection at their prefill).
+   Tokens are emitted
    up to the first EOS / ``max_tokens`` / the context limit; finished requests leave the batch (their
    row is dropped) before the next round.
 
@@ -44,9 +59,9 @@ Invariants (checked after every round)
   aligned, as in the request's solo cache, so a row's keys sit at the same indices as they would
   alone); what lies at or past ``len_i`` is garbage that no mask lets through.
 * All layers agree on the lengths; the proposer session of a request holds the same committed
-  positions as its row.
+  positions as its row (a DFlash session's appended context plus its queued features).
 * No request reads another's tokens, cache rows, proposer state or verifier state: the only shared
-  computation is the target forward, whose attention is masked per row.
+  computations are the target forward and the drafter forward, whose attention is masked per row.
 
 Lossless: each request's greedy output equals its solo output (float32 on the reference path, as
 for the single-request loop; the batch's wider matmuls can differ from a solo forward only in the
@@ -67,15 +82,18 @@ length decrement.
 
 Missing for the full issue 22 (later steps)
 -------------------------------------------
-* one drafter forward for all rows (each with its own context features and anchor): today each
-  request's proposer is called on its own;
+* one drafter forward for all rows (done: :meth:`~.proposers.DFlashProposer.propose_many`; drafter
+  contexts stay per request and are gathered, padded, for each drafting round: a batch-owned ragged
+  drafter cache would save that copy);
 * hybrid targets (recurrent layers: per-row accept via ``kernels.select_states``; sliding windows):
   refused here;
 * pipelining (queueing round r+1 before r's tokens are handed out, as the solo loop does)
   (done: batched, chunked prefill of joins interleaved with the rounds; prompt-cache reuse for joins,
   ``add(state=)``; stop strings, the server's through ``remove``);
-* widths by the drafter's own confidence per row (:class:`WidthSchedule` caps the round's width by
-  measured throughput, the same cap for every greedy row; sampled rows keep their widths);
+* widths by the drafter's own confidence per row within a per-round budget (:class:`WidthSchedule`
+  caps the round's width by measured throughput, the same cap for every greedy row, with bounded trial
+  rounds; inside the cap a drafter with a dynamic draft length cuts each row's draft at its own
+  confidence; sampled rows keep their widths);
 * the single-request generator as a batch of one (the server wiring is done: continuous batching,
   FIFO under ``--max-batch``, cancellation, ``/metrics``).
 """
@@ -89,7 +107,7 @@ from typing import Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from .proposers import Proposal, Proposer
+from .proposers import DraftCall, Proposal, Proposer
 from .speculative import GenerationState, SpecStats, start_request
 from .target import TargetAdapter, TargetCompatibilityError
 from .verify import GreedyVerifier, Verifier
@@ -388,6 +406,15 @@ class WidthSchedule:
     and lengths change), so a cap past a slower one costs no trial round. A batch of one is never capped (the solo
     behaviour).
 
+    **Trial rounds are bounded**: a re-measurement of a losing cap costs what its round costs more than
+    a round of the best cap (on a CPU a drafting round of 32 rows costs ~2.6 plain ones), so it waits
+    until that extra time is at most ``budget`` of the rounds since its last measurement; a wider cap
+    must measure ``margin`` faster than the one below it to be chosen (a noisy round alone does not
+    widen the rounds); and a bucket met for the first time (rows joined or left) starts at the best cap
+    of the nearest bucket measured, trying the narrower neighbour at once (a cheaper round) and the
+    wider one once its extra cost, as that bucket measured it, fits in the budget (no fresh costly
+    trial rounds at every change of the batch size).
+
     The idea of scheduling widths under a per-round budget is vLLM's confidence-scheduled verification
     (vLLM 0.28 with DSpark); this is its throughput-measured form, with no cost model to calibrate.
 
@@ -400,57 +427,107 @@ class WidthSchedule:
         caps: candidate widths (tokens verified per row, anchor included), ascending, >= 1.
         explore_every: rounds of a bucket between two re-measurements of its least recent cap.
         decay: weight of the old average in each update (0..1).
+        budget: the most of a bucket's time its trial rounds may cost beyond rounds of its best cap (> 0).
+        margin: how much faster (tokens/s) a cap must measure than the cap below it to be preferred
+            (a wider round costs more; noise alone should not widen the batch's rounds).
 
     Raises:
-        ValueError: empty ``caps``, a cap < 1, ``explore_every`` < 2 or ``decay`` outside [0, 1).
+        ValueError: empty ``caps``, a cap < 1, ``explore_every`` < 2, ``decay`` outside [0, 1) or
+            ``budget`` <= 0.
     """
 
-    max_backoff = 5  # a losing neighbour is re-measured at most every explore_every * 2**5 rounds
+    max_backoff = 5  # a losing neighbour is re-measured at most every explore_every * 2**5 rounds (or budget)
 
-    def __init__(self, caps: Sequence[int] = (1, 2, 4, 8, 16), explore_every: int = 16, decay: float = 0.7):
+    def __init__(self, caps: Sequence[int] = (1, 2, 4, 8, 16), explore_every: int = 16, decay: float = 0.7,
+                 budget: float = 0.03, margin: float = 0.05):
         caps = sorted({int(c) for c in caps})
         if not caps or caps[0] < 1:
             raise ValueError(f"caps must be widths >= 1, got {caps}")
-        if explore_every < 2 or not 0.0 <= decay < 1.0:
-            raise ValueError("explore_every must be >= 2 and decay in [0, 1)")
-        self.caps, self.explore_every, self.decay = caps, int(explore_every), float(decay)
+        if explore_every < 2 or not 0.0 <= decay < 1.0 or not budget > 0 or not 0.0 <= margin < 1.0:
+            raise ValueError("explore_every must be >= 2, decay in [0, 1), budget > 0 and margin in [0, 1)")
+        self.caps, self.explore_every, self.decay, self.budget = caps, int(explore_every), float(decay), float(budget)
+        self.margin = float(margin)
         self.rate: dict = {}  # (bucket, cap) -> EMA of emitted tokens / s
+        self.secs: dict = {}  # (bucket, cap) -> EMA of seconds per round
         self.last: dict = {}  # (bucket, cap) -> round number of its last measurement
         self.strikes: dict = {}  # (bucket, cap) -> re-measurements in a row that lost to the best cap
         self.rounds: dict = {}  # bucket -> rounds run
+        self.seeds: dict = {}  # bucket -> (start cap, {cap: (strikes, seconds / best's)}) from its nearest bucket
 
     @staticmethod
     def bucket(n_rows: int) -> int:
         """The batch-size bucket of ``n_rows`` (1, 2, 3-4, 5-8, ... share a bucket)."""
         return max(1, int(n_rows) - 1).bit_length()
 
+    def _wait(self, strikes: int, cost: float) -> float:
+        """Rounds between two measurements of a cap that lost ``strikes`` times in a row and whose rounds
+        cost ``cost`` times the best cap's."""
+        return max(self.explore_every << strikes, (cost - 1.0) / self.budget)
+
+    def _seed(self, b: int):
+        """The start of bucket ``b`` (first seen): the best cap of the nearest measured bucket and what it
+        measured of the others (strikes, seconds per round relative to its best), or None."""
+        if b not in self.seeds:
+            measured = sorted({bb for bb, _ in self.rate if bb != b}, key=lambda bb: (abs(bb - b), bb))
+            seed = None
+            if measured:
+                nb = measured[0]
+                known = [c for bb, c in self.rate if bb == nb]
+                best = self._best(nb, known)
+                seed = (best, {c: (self.strikes.get((nb, c), 0), self.secs[(nb, c)] / self.secs[(nb, best)])
+                               for c in known if c != best})
+            self.seeds[b] = seed
+        return self.seeds[b]
+
     def choose(self, n_rows: int, max_width: int) -> int | None:
         """The width cap of the next round (``None``: no cap) for ``n_rows`` rows whose widest
         block is ``max_width`` tokens.
 
         Hill climbing over the caps in ascending order (each one costlier to try than the last on a
-        compute-bound target): start at the smallest, try an untried neighbour of the best cap so far,
-        else keep the best, re-measuring a neighbour once ``explore_every`` rounds have passed since its
-        last measurement, doubled for each re-measurement in a row that lost to the best (up to
-        ``2 ** max_backoff``: a trial round can cost several plain ones, e.g. every row's drafter). A cap past a slower one is never tried unless the best moves next to it (a 16-row batch
-        on a CPU never pays for a trial at width 16 when width 2 already measured slower than 1)."""
+        compute-bound target): start at the smallest (or at the best cap of the nearest bucket measured),
+        try an untried neighbour of the best cap so far (one the nearest bucket measured: once its
+        re-measurement would be due), else keep the best, re-measuring a neighbour once ``explore_every``
+        rounds have passed since its last measurement, doubled for each re-measurement in a row that lost
+        to the best (up to ``2 ** max_backoff``), and no sooner than its extra cost over a round of the
+        best fits in ``budget`` of the rounds since. A cap past a slower one is never tried unless the best
+        moves next to it (a 16-row batch on a CPU never pays for a trial at width 16 when width 2 already
+        measured slower than 1)."""
         if n_rows < 2 or max_width <= 1:
             return None
         b = self.bucket(n_rows)
         arms = [c for c in self.caps if c < max_width] + [max_width]
         known = [c for c in arms if (b, c) in self.rate]
+        seed = self._seed(b) if not self.rounds.get(b) else self.seeds.get(b)
         if not known:
-            return arms[0]
-        i = arms.index(max(known, key=lambda c: self.rate[(b, c)]))
-        near = [arms[j] for j in (i + 1, i - 1) if 0 <= j < len(arms)]
+            if seed is None:
+                return arms[0]
+            return max([c for c in arms if c <= seed[0]], default=arms[0])
+        i = arms.index(self._best(b, known))
+        near = [arms[j] for j in (i - 1, i + 1) if 0 <= j < len(arms)]
+        r = self.rounds.get(b, 0)
         for c in near:
             if (b, c) not in self.rate:
-                return c
-        r = self.rounds.get(b, 0)
-        due = [c for c in near if r - self.last[(b, c)] >= self.explore_every << self.strikes.get((b, c), 0)]
+                prior = seed[1].get(c) if seed is not None else None
+                # untried here: at once, or, where the seed bucket found its rounds costlier than its
+                # best's, once that extra cost fits in the budget
+                if prior is None or r >= (prior[1] - 1.0) / self.budget:
+                    return c
+        best = arms[i]
+        due = [c for c in near if (b, c) in self.rate and r - self.last[(b, c)]
+               >= self._wait(self.strikes.get((b, c), 0), self.secs[(b, c)] / self.secs[(b, best)])]
         if due:
             return min(due, key=lambda c: self.last[(b, c)])
-        return arms[i]
+        return best
+
+    def _score(self, b: int, c: int) -> float:
+        """The rate of cap ``c`` in bucket ``b`` as compared: handicapped by ``margin`` per cap below it
+        (a wider cap must measure that much faster than a narrower one to be chosen: a wider round
+        costs more, and a noisy measurement alone should not move the batch to it)."""
+        return self.rate[(b, c)] * (1.0 - self.margin) ** self.caps.index(c) if c in self.caps \
+            else self.rate[(b, c)] * (1.0 - self.margin) ** len(self.caps)
+
+    def _best(self, b: int, known) -> int:
+        return max(known, key=lambda c: (self._score(b, c), -c))
 
     def record(self, n_rows: int, cap: int, emitted: int, seconds: float) -> None:
         """Account one round: ``emitted`` tokens in ``seconds`` under ``cap`` with ``n_rows`` rows."""
@@ -461,12 +538,14 @@ class WidthSchedule:
         self.rounds[b] = r + 1
         x = emitted / seconds
         known = [c for (bb, c) in self.rate if bb == b]
-        best = max(known, key=lambda c: self.rate[(b, c)]) if known else None
+        best = self._best(b, known) if known else None
         old = self.rate.get((b, cap))
         self.rate[(b, cap)] = x if old is None else self.decay * old + (1.0 - self.decay) * x
+        old = self.secs.get((b, cap))
+        self.secs[(b, cap)] = seconds if old is None else self.decay * old + (1.0 - self.decay) * seconds
         self.last[(b, cap)] = r
         if best is not None and cap != best:  # a re-measurement: back off while it keeps losing
-            lost = self.rate[(b, cap)] < self.rate[(b, best)]
+            lost = self._score(b, cap) < self._score(b, best)
             self.strikes[(b, cap)] = min(self.strikes.get((b, cap), 0) + 1, self.max_backoff) if lost else 0
 
 
@@ -528,6 +607,10 @@ class SpeculativeBatch:
         self.last_round: dict = {"rows": 0, "verified": 0, "width": 0, "cap": None}
         #: the last step's prefill of joins: rows fed, prompt tokens fed (0, 0: none)
         self.last_prefill: dict = {"rows": 0, "tokens": 0}
+        #: ``None`` (default), or a dict: each step then synchronises at the borders of its phases and adds
+        #: their seconds to it (``prefill``, ``propose``, ``verify``: target forward and accept, ``commit``:
+        #: per-row rollback, session updates, emission), for profiling (``benchmarks/profile_batch.py``)
+        self.timings: dict | None = None
 
     # -- membership -------------------------------------------------------------------------------
     @property
@@ -716,6 +799,7 @@ class SpeculativeBatch:
             j.req.session.extend(j.todo[:k], feats)
         for c in self._jcache:
             c.trim_rows([M - k for k in n])
+        self._flush([j.req.session for j in J])  # the joins' drafter contexts: one projection per drafter
         mx.eval([a for c in self._jcache for a in c.state] + [a for j in J for a in j.req.session.state_arrays()]
                 + [x for v in firsts for x in (v.tokens, v.logprobs)])
         self.last_prefill = {"rows": len(J), "tokens": sum(n)}
@@ -750,6 +834,30 @@ class SpeculativeBatch:
             self._rows.extend(J[i].req for i in moved)
         self._drop_joins(moved + gone)
 
+    @staticmethod
+    def _flush(sessions) -> list:
+        """Run the queued drafter-context appends of ``sessions`` (those with a DFlash drafter) together:
+        one :meth:`~.proposers.DFlashProposer.flush` per drafter. Returns the drafter sessions."""
+        groups: dict = {}
+        for s in sessions:
+            d = s.drafter_session
+            if d is not None and d.queued:
+                groups.setdefault(id(d.p), (d.p, []))[1].append(d)
+        for p, ds in groups.values():
+            p.flush(ds)
+        return [d for _, ds in groups.values() for d in ds]
+
+    def _mark(self, phase: str, t0: float, arrays=()) -> float:
+        """With :attr:`timings` on: evaluate ``arrays``, wait for the device, add the seconds since ``t0``
+        to ``phase``; returns the time now."""
+        if self.timings is None:
+            return t0
+        mx.eval(list(arrays))
+        mx.synchronize()
+        t = time.perf_counter()
+        self.timings[phase] = self.timings.get(phase, 0.0) + (t - t0)
+        return t
+
     def _finished(self, req: _Request, tok: int, pos: int) -> str | None:
         """Why ``req`` stops after emitting ``tok`` whose position is ``pos`` (None: it goes on)."""
         limit = self.target.max_context
@@ -770,7 +878,9 @@ class SpeculativeBatch:
         self.last_prefill = {"rows": 0, "tokens": 0}
         self.last_round = {"rows": 0, "verified": 0, "width": 0, "cap": None}
         if self._joining:
+            t0 = time.perf_counter() if self.timings is not None else 0.0
             self._prefill()
+            self._mark("prefill", t0)
         events = self._events
         self._events = []
         if not self._rows:
@@ -780,12 +890,14 @@ class SpeculativeBatch:
         rows = self._rows
         lengths = self.lengths()
 
-        # 1. proposals, one per request (greedy rows cut to the schedule's width cap)
+        # 1. proposals, one per request (greedy rows cut to the schedule's width cap); the drafter
+        # forwards of every request that drafts with the same DFlash drafter run as one
         cap = None
         if self.schedule is not None:
             cap = self.schedule.choose(len(rows), max(r.block_size for r in rows))
-        props = []
-        for r, P in zip(rows, lengths):
+        props: list[Proposal | None] = []
+        calls: dict = {}  # id(drafter) -> (drafter, [(row, DraftCall)])
+        for i, (r, P) in enumerate(zip(rows, lengths)):
             n = r.block_size - 1
             if cap is not None and isinstance(r.verifier, GreedyVerifier):
                 n = min(n, cap - 1)
@@ -798,8 +910,15 @@ class SpeculativeBatch:
                 sub = None
                 if r.draft_key is not None:  # the solo loop's order: one split per round that drafts
                     r.draft_key, sub = mx.random.split(r.draft_key)
-                prop = r.session.propose(r.history[-1], n, r.draft_temperature, sub)
+                prop = r.session.begin(r.history[-1], n, r.draft_temperature, sub)
+                if isinstance(prop, DraftCall):
+                    calls.setdefault(id(prop.proposer), (prop.proposer, []))[1].append((i, prop))
+                    prop = None
             props.append(prop)
+        for drafter, items in calls.values():
+            for (i, call), dp in zip(items, drafter.propose_many([c for _, c in items])):
+                props[i] = call.done(dp)
+        t_verify = self._mark("propose", tic, [p.tokens for p in props]) if self.timings is not None else 0.0
         widths = [p.n + 1 for p in props]
         M = max(widths)
         self.last_round = {"rows": len(rows), "verified": sum(widths), "width": M, "cap": cap}
@@ -834,9 +953,11 @@ class SpeculativeBatch:
                 + [vr.logprobs for r, vr in zip(rows, results) if r.want_logprobs])
         best_ids = best.tolist() if best is not None else []
         draft_ids = iter(d.tolist() for d in drafts)
+        t_commit = self._mark("verify", t_verify) if self.timings is not None else 0.0
 
         # 4. per-request commit / rollback, emission
         trims, done, total = [], [], 0
+        tapped: dict = {}  # tap ids -> [N, M, k*D] features of the round
         for i, (r, p, vr, w) in enumerate(zip(rows, props, results, widths)):
             if vr is None:
                 toks, a = best_ids[starts[i] : starts[i] + w], 0
@@ -852,7 +973,9 @@ class SpeculativeBatch:
             r.session.verified(a + 1)
             feats = None
             if r.tap_ids:
-                feats = mx.concatenate([taps[t].out[i, : a + 1] for t in r.tap_ids], axis=-1)
+                if r.tap_ids not in tapped:  # every row's features of these taps: one concatenation
+                    tapped[r.tap_ids] = mx.concatenate([taps[t].out for t in r.tap_ids], axis=-1)
+                feats = tapped[r.tap_ids][i, : a + 1]
             r.session.extend([r.history[-1]] + toks[:a], feats)
             P = lengths[i]
             emitted = 0
@@ -877,6 +1000,14 @@ class SpeculativeBatch:
                 done.append(i)
         for c in self.cache:
             c.trim_rows(trims)
+        # drafter contexts that queued many rounds (e.g. plain rounds under load) are appended together,
+        # so a queue never holds on to many rounds' target features
+        due = [r.session for i, r in enumerate(rows) if i not in done and r.session.drafter_session is not None
+               and r.session.drafter_session.queued >= r.session.drafter_session.p.flush_after]
+        if due:
+            mx.async_eval([a for d in self._flush(due) for a in d.state_arrays()])
+        if self.timings is not None:
+            self._mark("commit", t_commit)
         after = self.lengths()
         for i, r in enumerate(rows):
             if i not in done and after[i] != len(r.history) - 1:

@@ -28,6 +28,7 @@ logger = logging.getLogger("mlx_dflash2")
 
 __all__ = [
     "Proposal",
+    "DraftCall",
     "Proposer",
     "ProposerSession",
     "DFlashProposer",
@@ -104,6 +105,27 @@ class Proposal:
         return self.tokens[:, None], mx.ones((self.n, 1), dtype=mx.float32)
 
 
+@dataclass
+class DraftCall:
+    """A drafter forward one request's proposal needs (:meth:`ProposerSession.begin`): ``session``'s
+    proposal of ``n`` tokens after ``anchor`` (draft temperature, random key), then ``finish`` of that
+    proposal (the asking session's own use of it, e.g. the fused lookup rule; default: itself)."""
+
+    session: "_DFlashSession"
+    anchor: int
+    n: int
+    temperature: float = 0.0
+    key: mx.array | None = None
+    finish: object = None
+
+    @property
+    def proposer(self) -> "DFlashProposer":
+        return self.session.p
+
+    def done(self, prop: Proposal) -> Proposal:
+        return prop if self.finish is None else self.finish(prop)
+
+
 class ProposerSession:
     """Per-request proposer state (base class: proposes nothing).
 
@@ -119,6 +141,21 @@ class ProposerSession:
     def propose(self, anchor: int, n: int, temperature: float = 0.0, key: mx.array | None = None) -> Proposal:
         """Propose up to ``n`` tokens to follow ``anchor`` (not yet committed)."""
         return Proposal.empty()
+
+    def begin(self, anchor: int, n: int, temperature: float = 0.0,
+              key: mx.array | None = None) -> "Proposal | DraftCall":
+        """:meth:`propose` in two halves, for a batch that runs the drafter forwards of many requests
+        as one (:meth:`DFlashProposer.propose_many`): either the proposal itself, or a
+        :class:`DraftCall` (the drafter forward this proposal needs; ``call.finish`` of the drafter's
+        proposal is then this session's proposal, exactly what :meth:`propose` returns). Default: the
+        proposal (:meth:`propose`)."""
+        return self.propose(anchor, n, temperature, key)
+
+    @property
+    def drafter_session(self) -> "_DFlashSession | None":
+        """The DFlash session whose queued context appends a batch may run together with other
+        requests' (:meth:`DFlashProposer.flush`), or ``None``."""
+        return None
 
     def verified(self, tokens: int) -> None:
         """The round proposed last has been verified and will emit ``tokens``
@@ -218,6 +255,117 @@ class DFlashProposer(Proposer):
     def start(self, prompt: list[int]) -> "_DFlashSession":
         return _DFlashSession(self)
 
+    #: a session whose queued feature appends reach this many (rounds without a proposal) has them
+    #: appended by the batch's next :meth:`flush` (bounds what the queue holds on to)
+    flush_after = 16
+
+    def flush(self, sessions: list["_DFlashSession"]) -> None:
+        """Append every queued context row of ``sessions`` (each with this proposer) in one projection
+        (:meth:`~.drafter.model.DraftModel.context_kv` over the rows of all of them, padded, each at its
+        own positions): what each session's own append (:attr:`_DFlashSession.ctx`) computes, for the
+        price of one call instead of one per request."""
+        todo = [d for d in dict.fromkeys(sessions) if d._pending]
+        if len(todo) <= 1:
+            for d in todo:
+                d.ctx  # noqa: B018 - appends its queue
+            return
+        feats, S, m = [], [], []
+        for d in todo:
+            f = d._pending[0] if len(d._pending) == 1 else mx.concatenate(d._pending, axis=0)
+            d._pending = []
+            S.append(int(f.shape[0]))
+            m.append(d._ctx.computed_rows(S[-1]))
+            feats.append(f[S[-1] - m[-1] :])
+        M = max(m)
+        x = mx.stack([f if k == M else mx.pad(f, [(0, M - k), (0, 0)]) for f, k in zip(feats, m)])
+        offs = mx.array([d._ctx.offset + k - j for d, k, j in zip(todo, S, m)], dtype=mx.int32)
+        kvs = self.model.context_kv(x, offs)  # per layer ([N, KV, M, hd], ...)
+        for i, (d, k, j) in enumerate(zip(todo, S, m)):
+            d._ctx.append_kv([(kk[i : i + 1, :, :j], vv[i : i + 1, :, :j]) for kk, vv in kvs], k)
+
+    def propose_many(self, calls: list["DraftCall"]) -> list[Proposal]:
+        """The proposals of ``calls`` (sessions of this proposer), each exactly what its session's
+        :meth:`~_DFlashSession.propose` returns (float32: the same tokens, up to exact near-ties of the
+        wider matmuls), with **one** drafter forward for all of them: their queued context rows appended
+        in one projection (:meth:`flush`), the blocks ``[anchor_i, mask...]`` of every request through
+        :meth:`~.drafter.model.DraftModel.forward_rows` (each at its own positions over its own context,
+        the others masked), the LM head on every request's slots at once, the greedy selector walks
+        batched (a sampled request walks alone with its own key), and the dynamic draft length of
+        every request read with one host synchronisation. Calls of different block lengths (a request
+        asking for more than ``B - 1`` drafts) run one forward per length. One call: its session's own
+        :meth:`~_DFlashSession.propose` (the solo path)."""
+        out: list[Proposal | None] = [None] * len(calls)
+        groups: dict[int, list[int]] = {}
+        for i, c in enumerate(calls):
+            if c.n <= 0:
+                out[i] = Proposal.empty()
+            else:
+                groups.setdefault(max(c.session.block_size, c.n + 1), []).append(i)
+        for B, idx in groups.items():
+            if len(idx) == 1:
+                c = calls[idx[0]]
+                out[idx[0]] = c.session.propose(c.anchor, c.n, c.temperature, c.key)
+                continue
+            for i, p in zip(idx, self._propose_rows([calls[i] for i in idx], B)):
+                out[i] = p
+        return out
+
+    def _propose_rows(self, calls: list["DraftCall"], B: int) -> list[Proposal]:
+        model, cfg = self.model, self.model.config
+        self.flush([c.session for c in calls])
+        ctxs = [c.session.ctx for c in calls]
+        ns = [c.n for c in calls]
+        n_max = max(ns)
+        blocks = mx.array([[c.anchor] + [cfg.mask_token_id] * (B - 1) for c in calls], dtype=mx.int32)
+        emb = self.target.embed(blocks)
+        if cfg.input_embedding_scale != 1.0:
+            emb = emb * cfg.input_embedding_scale
+        h = model.forward_rows(emb, ctxs)[:, 1 : n_max + 1]  # [N, n_max, D]
+        unary = model.unary_logits(h, self.target.lm_head)  # [N, n_max, V]
+        if self._invalid is not None:
+            unary = mx.where(self._invalid, mx.array(-mx.inf, unary.dtype), unary)
+        anchors = mx.array([c.anchor for c in calls], dtype=mx.int32)
+        greedy = [i for i, c in enumerate(calls) if not c.temperature > 0]
+        props: list[Proposal | None] = [None] * len(calls)
+        if cfg.is_dflash2:
+            if greedy:
+                g = mx.array(greedy, dtype=mx.int32) if len(greedy) < len(calls) else None
+                u, hh, a = (unary, h, anchors) if g is None else (unary[g], h[g], anchors[g])
+                toks = model.candidate_selector.walk(u, hh, a, 0.0, None, model.kernel_mode).tokens
+                for j, i in enumerate(greedy):
+                    props[i] = Proposal(toks[j, : ns[i]], source="drafter")
+            for i, c in enumerate(calls):
+                if props[i] is None:
+                    o = model.candidate_selector.walk(unary[i, : ns[i]], h[i, : ns[i]], anchors[i], c.temperature,
+                                                      c.key, model.kernel_mode)
+                    props[i] = Proposal(o.tokens, o.cand_ids if o.q is not None else None, o.q, "drafter")
+        else:
+            best = mx.argmax(unary, axis=-1).astype(mx.int32) if greedy else None
+            for i, c in enumerate(calls):
+                if not c.temperature > 0:
+                    props[i] = Proposal(best[i, : ns[i]], source="drafter")
+                    continue
+                K = 16
+                u = unary[i, : ns[i]]
+                cand = mx.argpartition(-u, K - 1, axis=-1)[:, :K].astype(mx.int32)
+                logits = mx.take_along_axis(u, cand, axis=-1).astype(mx.float32) / c.temperature
+                q = mx.softmax(logits, axis=-1)
+                idx = mx.random.categorical(logits, key=c.key)
+                props[i] = Proposal(mx.take_along_axis(cand, idx[:, None], axis=-1)[:, 0], cand, q, "drafter")
+        cut = [i for i in range(len(calls)) if self.min_confidence > 0 and ns[i] > 1]
+        if cut:  # every request's dynamic draft length, one host synchronisation (as _cut, row by row)
+            u = unary.astype(mx.float32)
+            lse = mx.logsumexp(u, axis=-1)  # [N, n_max]
+            keeps = mx.stack([confident_length(
+                mx.take_along_axis(u[i, : ns[i]], props[i].tokens[:, None], axis=-1)[:, 0] - lse[i, : ns[i]],
+                self.min_confidence) for i in cut]).tolist()
+            for i, keep in zip(cut, keeps):
+                p = props[i]
+                if keep < p.n:
+                    props[i] = (Proposal(p.tokens[:keep], source=p.source) if p.q is None
+                                else Proposal(p.tokens[:keep], p.cand_ids[:keep], p.q[:keep], p.source))
+        return props
+
     def check_block_size(self, block_size):
         if block_size <= self.block_size:
             return None
@@ -255,6 +403,20 @@ class _DFlashSession(ProposerSession):
         if features is None:
             raise ValueError("the DFlash drafter needs target tap features for every committed token")
         self._pending.append(features)
+
+    @property
+    def drafter_session(self):
+        return self
+
+    @property
+    def queued(self) -> int:
+        """Feature appends queued (rounds committed since the context was last used)."""
+        return len(self._pending)
+
+    def begin(self, anchor, n, temperature=0.0, key=None):
+        if n <= 0:
+            return Proposal.empty()
+        return DraftCall(self, anchor, n, temperature, key)
 
     def state_arrays(self):
         return self.ctx.state_arrays()
@@ -678,9 +840,15 @@ class _FusedSession(ProposerSession):
     def extend(self, tokens, features):
         self.d.extend(tokens, features)
         self.l.extend(tokens, features)
-        # evaluate the drafter's context append now: after rounds without a drafter forward nothing
-        # else would, and the next drafter round would pay (and be timed) for all of them at once
-        mx.async_eval(self.d.state_arrays())
+        if self.adaptive and self.p.schedule is not None:
+            # the adaptive schedule times each round: evaluate the drafter's context append now, or the
+            # next drafter round would pay (and be timed) for every round since the last one. Without
+            # it (a batch's rows) the appends wait for the next proposal, or a batch's flush of them.
+            mx.async_eval(self.d.state_arrays())
+
+    @property
+    def drafter_session(self):
+        return self.d
 
     def state_arrays(self):
         return self.d.state_arrays()
@@ -732,6 +900,24 @@ class _FusedSession(ProposerSession):
         dp = self.d.propose(anchor, n, temperature, key)
         if scheduled:
             self._width = ("drafter", dp.n)
+        return self._fuse(dp, m, lt)
+
+    def begin(self, anchor, n, temperature=0.0, key=None):
+        if self.p.schedule is not None and self.adaptive:  # the schedule times its rounds one by one
+            return self.propose(anchor, n, temperature, key)
+        # propose()'s unscheduled path, its drafter forward left to the caller
+        m, lt = self.l.match(anchor, n)
+        self._width = None
+        if m >= self.p.long_match and lt:
+            return self._lookup(lt[:n], "lookup", False)
+        call = self.d.begin(anchor, n, temperature, key)
+        if not isinstance(call, DraftCall):
+            return self._fuse(call, m, lt)
+        call.finish = lambda dp: self._fuse(dp, m, lt)
+        return call
+
+    def _fuse(self, dp: Proposal, m: int, lt: list[int]) -> Proposal:
+        """The drafter's proposal ``dp`` fused with the lookup's ``lt`` (a match of ``m`` tokens)."""
         if m < self.p.short_match or not lt or dp.n == 0 or dp.q is not None:
             # A sampled draft keeps its own tokens: taking the lookup's tokens *because* the sampled
             # ones agree with them would make the proposal differ from the q the verifier is given

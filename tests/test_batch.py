@@ -16,7 +16,7 @@ from mlx_lm.models.cache import KVCache
 from scripted import ScriptedProposer
 
 from mlx_dflash2.batch import RaggedKVCache, SpeculativeBatch
-from mlx_dflash2.proposers import DFlashProposer, LookupProposer, Proposer, ProposerSession
+from mlx_dflash2.proposers import DFlashProposer, DraftCall, LookupProposer, Proposer, ProposerSession
 from mlx_dflash2.speculative import SpecStats, speculative_generate_step
 from mlx_dflash2.target import TargetAdapter, TargetCompatibilityError
 
@@ -282,6 +282,26 @@ class _RecSession(ProposerSession):
     def verified(self, tokens):
         self.s.verified(tokens)
 
+    def begin(self, anchor, n, temperature=0.0, key=None):
+        """The inner session's begin (a batch's drafter forwards stay batched), its proposal recorded."""
+        res = self.s.begin(anchor, n, temperature, key)
+        if not isinstance(res, DraftCall):
+            self.drafts.append(res.tokens.tolist())
+            return res
+        inner = res.finish
+
+        def finish(dp):
+            out = inner(dp) if inner is not None else dp
+            self.drafts.append(out.tokens.tolist())
+            return out
+
+        res.finish = finish
+        return res
+
+    @property
+    def drafter_session(self):
+        return self.s.drafter_session
+
 
 def test_drafter_rows_get_their_own_features(target):
     """A DFlash drafter (fresh, taps on) and a lookup proposer in one batch: each request's drafts and
@@ -488,13 +508,62 @@ def test_width_schedule_climbs_to_the_fastest_cap():
     # rates are assumed unimodal in the cap: a slower 2 keeps it at 1 (4 and 8 are never tried)
     assert set(run({1: 30.0, 2: 20.0, 4: 40.0, 8: 80.0})[1]) == {1, 2}
     assert s.choose(1, 8) is None and s.choose(5, 1) is None  # solo, or nothing to cap
-    assert s.choose(2, 8) == 1  # another bucket starts over
+    assert s.choose(2, 8) == 2  # another bucket starts at the best cap of the nearest one measured
     assert WidthSchedule.bucket(2) != WidthSchedule.bucket(3) == WidthSchedule.bucket(4) != WidthSchedule.bucket(5)
-    for bad in (dict(caps=()), dict(caps=(0, 2)), dict(explore_every=1), dict(decay=1.0)):
+    for bad in (dict(caps=()), dict(caps=(0, 2)), dict(explore_every=1), dict(decay=1.0), dict(budget=0), dict(margin=1.0)):
         with pytest.raises(ValueError):
             WidthSchedule(**bad)
     with pytest.raises(ValueError, match="schedule"):
         SpeculativeBatch(_tiny("qwen3", seed=1), schedule="fast")
+
+
+def test_width_schedule_bounds_its_trial_rounds():
+    """A cap whose rounds cost k times the best cap's is re-measured no sooner than its extra cost fits in
+    ``budget`` of the rounds since (a drafting trial of many rows costs several plain rounds), and a
+    bucket met later starts at the nearest measured bucket's best cap, trying its neighbours only when
+    that bucket's re-measurement of them would be due (no fresh trials each time the batch size changes)."""
+    from mlx_dflash2.batch import WidthSchedule
+
+    cost = {1: 1.0, 2: 3.0, 4: 5.0}  # seconds per round
+    toks = {1: 10.0, 2: 15.0, 4: 20.0}  # tokens per round: cap 2 at 5 tok/s, cap 1 at 10
+    s = WidthSchedule(caps=(1, 2, 4), explore_every=4, decay=0.5, budget=0.1)
+    seen = []
+    for _ in range(120):
+        c = s.choose(6, 4)
+        seen.append(c)
+        s.record(6, c, int(toks[c]), cost[c])
+    trials = [i for i, c in enumerate(seen) if c == 2]
+    assert 4 not in seen and trials[0] == 1
+    # (3 - 1) / 0.1 = 20 rounds at least between two trials (explore_every alone: 4, 8, 16, 32...)
+    assert all(b - a >= 20 for a, b in zip(trials, trials[1:])) and len(trials) >= 3
+    # a new bucket (2 rows) starts at cap 1, and waits for its first trial of cap 2
+    seen2 = []
+    for _ in range(200):
+        c = s.choose(2, 4)
+        seen2.append(c)
+        s.record(2, c, int(toks[c] / 3), cost[c])
+    assert s.seeds[WidthSchedule.bucket(2)][1][2][1] == pytest.approx(3.0)  # cap 2's rounds: 3x cap 1's
+    assert seen2[0] == 1 and seen2.index(2) == 20  # (3 - 1) / 0.1 rounds of the new bucket first
+    # a bucket seeded at a wider cap tries the narrower (cheaper) neighbour at once; a wider cap that
+    # measures less than ``margin`` faster than the narrower one is not chosen (noise does not widen)
+    w = WidthSchedule(caps=(1, 2, 4), explore_every=4, decay=0.5)
+    for c, rate in ((1, 10.0), (2, 12.0), (4, 5.0)):
+        w.record(6, c, int(rate), 1.0)
+    assert w.choose(6, 4) == 2 and w.choose(2, 4) == 2
+    w.record(2, 2, 4, 1.0)
+    assert w.choose(2, 4) == 1
+    w.record(2, 1, 4, 1.0)  # level: the narrower wins
+    w.record(2, 2, 4, 1.0)
+    assert w.choose(2, 4) == 1
+    narrow = WidthSchedule(caps=(1, 2), margin=0.1)
+    narrow.record(3, 1, 100, 1.0)
+    narrow.record(3, 2, 108, 1.0)  # 8 % faster: within the margin
+    assert narrow.choose(3, 2) == 1
+    # with nothing measured anywhere, a bucket starts at the smallest cap and tries its neighbour at once
+    fresh = WidthSchedule(caps=(1, 2, 4))
+    assert fresh.choose(3, 4) == 1
+    fresh.record(3, 1, 3, 1.0)
+    assert fresh.choose(3, 4) == 2
 
 
 def _cycling(caps):
@@ -694,3 +763,157 @@ def test_drafter_context_appends_wait_for_the_next_proposal(target):
     assert lazy._ctx.offset == 0 and eager._ctx.offset == 12  # nothing computed yet
     assert lazy.propose(p[-1], B - 1).tokens.tolist() == eager.propose(p[-1], B - 1).tokens.tolist()
     assert lazy.ctx.offset == 12
+
+
+# ---------------------------------------------------------------------------------------------------
+# one drafter forward for every drafting row; drafter contexts appended lazily, together
+# ---------------------------------------------------------------------------------------------------
+
+
+def _drafter(target, seed, arch="DFlash2DraftModel", layers=2, sliding=None):
+    """A fresh drafter; ``sliding``: its first layer a causal sliding-window layer of that window."""
+    from mlx_dflash2.drafter.io import init_drafter
+
+    class Tok:
+        eos_token_id = None
+
+        def __len__(self):
+            return VOCAB
+
+    d = init_drafter(target, Tok(), architecture=arch, num_layers=layers, block_size=B, mask_token_id=VOCAB - 1,
+                     seed=seed)
+    if sliding:
+        d.config.layer_types = ["sliding_attention"] + ["full_attention"] * (layers - 1)
+        d.config.sliding_window = sliding
+        d.layers[0].self_attn.window, d.layers[0].self_attn.causal = sliding, True
+    return d
+
+
+def test_one_drafter_forward_for_every_drafting_row(target, monkeypatch):
+    """Rows of different context lengths drafting with the same drafter (DFlash2 with a sliding-window
+    layer, a context window and a dynamic draft length; a fused drafter+lookup row; a DFlash v1 drafter;
+    a sampled DFlash2 row with its own key), beside lookup, scripted and plain rows, joining at different
+    rounds and leaving at different lengths: every round runs one drafter forward per drafter for all of
+    its drafting rows (no per-row forward), and each row's proposals equal its proposals alone, round by
+    round, and its output its solo output."""
+    from mlx_dflash2.api import request_sampling
+    from mlx_dflash2.drafter.model import DraftModel
+    from mlx_dflash2.proposers import FusedProposer
+    from mlx_dflash2.sampling import SamplingParams
+
+    d2 = DFlashProposer(_drafter(target, 4, sliding=3), target, VOCAB, min_confidence=0.763, context_window=7)
+    v1 = DFlashProposer(_drafter(target, 5, arch="DFlashDraftModel", layers=1), target, VOCAB)
+    fused = FusedProposer(d2, LookupProposer(block_size=B))
+    rep = _prompt(5, 80) * 3
+    ref_s, scripted = _scripted(target, _prompt(6, 81), 12, [1, 3])
+    spec = {  # key: (prompt, max_tokens, proposer, sampling or None, join round)
+        "long": (_prompt(17, 82), 14, d2, None, 0),
+        "short": (_prompt(2, 83), 9, d2, None, 0),
+        "fused": (rep, 16, fused, None, 1),
+        "mid": (_prompt(8, 84), 12, d2, None, 2),
+        "v1a": (_prompt(5, 85), 13, v1, None, 0),
+        "v1b": (_prompt(11, 86), 7, v1, None, 1),
+        "sampled": (_prompt(7, 87), 11, d2, SamplingParams(temp=1.0, seed=9), 1),
+        "lookup": (rep[:12], 10, LookupProposer(block_size=B), None, 0),
+        "scripted": (_prompt(6, 81), 12, scripted, None, 0),
+        "plain": (_prompt(4, 88), 8, None, None, 2),
+    }
+    solo = {}
+    for k, (p, n, prop, params, _) in spec.items():
+        if k == "scripted":
+            continue
+        rec = _Recording(prop) if prop is not None else None
+        solo[k] = ([t for t, _, _ in _solo_run(target, p, n, rec, params or SamplingParams())],
+                   rec.sessions[0].drafts if rec is not None else None)
+    calls = {"forward_rows": [], "call": 0, "propose_many": []}
+    orig_rows, orig_call, orig_many = DraftModel.forward_rows, DraftModel.__call__, DFlashProposer.propose_many
+
+    def forward_rows(self, emb, ctxs):
+        calls["forward_rows"].append(int(emb.shape[0]))
+        return orig_rows(self, emb, ctxs)
+
+    def call(self, *a, **kw):
+        calls["call"] += 1
+        return orig_call(self, *a, **kw)
+
+    def propose_many(self, cs):
+        calls["propose_many"].append((id(self), len(cs)))
+        return orig_many(self, cs)
+
+    monkeypatch.setattr(DraftModel, "forward_rows", forward_rows)
+    monkeypatch.setattr(DraftModel, "__call__", call)
+    monkeypatch.setattr(DFlashProposer, "propose_many", propose_many)
+    recs = {k: _Recording(prop) if prop is not None and k != "scripted" else prop
+            for k, (_, _, prop, _, _) in spec.items()}
+    joins = {}
+    for k, (p, n, _, params, rnd) in spec.items():
+        kw = dict(prompt=p, max_tokens=n, proposer=recs[k])
+        if params is not None:
+            rs = request_sampling(params)
+            kw.update(verifier=rs.verifier, draft_temperature=rs.draft_temperature, draft_key=rs.draft_key)
+        joins.setdefault(rnd, []).append((k, kw))
+    batch = SpeculativeBatch(target)
+    uid_of, out, per_step = {}, {k: [] for k in spec}, []
+    for rnd in range(100):
+        for k, kw in joins.pop(rnd, []):
+            uid_of[batch.add(**kw)] = k
+        before = (len(calls["forward_rows"]), calls["call"], len(calls["propose_many"]))
+        for ev in batch.step():
+            out[uid_of[ev.uid]] += ev.tokens
+        per_step.append((calls["forward_rows"][before[0]:], calls["call"] - before[1],
+                         calls["propose_many"][before[2]:]))
+        if not joins and not batch.active and not batch.pending:
+            break
+    for k in spec:
+        want = ref_s[:12] if k == "scripted" else solo[k][0]
+        assert out[k] == want, k
+        if solo.get(k) and solo[k][1] is not None:
+            assert recs[k].sessions[0].drafts == solo[k][1], k
+    for rows, n_call, many in per_step:
+        assert len(many) == len({d for d, _ in many})  # one propose_many per drafter per round
+        # a drafter's rows go through one forward; a row drafting alone takes the solo path
+        assert sorted(rows) == sorted(m for _, m in many if m > 1) and n_call == sum(1 for _, m in many if m == 1)
+    assert max(r for rows, _, _ in per_step for r in rows) >= 4  # d2's rows really drafted together
+
+
+def test_plain_rounds_leave_drafter_contexts_alone_until_a_flush(target, monkeypatch):
+    """Rows of a fused drafter (the server's default) in plain batched rounds (width cap 1) queue their
+    committed features instead of appending them to their drafter contexts every round; the joins'
+    prompts are appended in one projection for all rows, and a row's queue is appended (all due rows
+    together, one projection) once it holds ``flush_after`` rounds. Outputs stay exact."""
+    from mlx_dflash2.drafter.model import DraftModel
+    from mlx_dflash2.proposers import AdaptiveSchedule, FusedProposer
+
+    d = DFlashProposer(_drafter(target, 6), target, VOCAB)
+    fused = FusedProposer(d, LookupProposer(block_size=B), schedule=AdaptiveSchedule())
+    monkeypatch.setattr(DFlashProposer, "flush_after", 4)
+    n_kv = []
+    orig = DraftModel.context_kv
+
+    def context_kv(self, features, offset):
+        n_kv.append(int(features.shape[0]))
+        return orig(self, features, offset)
+
+    monkeypatch.setattr(DraftModel, "context_kv", context_kv)
+    prompts = [_prompt(9, 90), _prompt(4, 91), _prompt(13, 92)]
+    batch = SpeculativeBatch(target, schedule=_cycling([1]))
+    for p in prompts:
+        batch.add(p, 12, proposer=fused)
+    out = {i: [] for i in range(3)}
+
+    def step():
+        for ev in batch.step():
+            out[ev.uid] += ev.tokens
+
+    step()  # the joins' prefill and a first plain round
+    sessions = [r.session.d for r in batch._rows]
+    assert n_kv == [3] and [s._ctx.offset for s in sessions] == [9, 4, 13]  # one projection for three rows
+    assert [s.queued for s in sessions] == [1, 1, 1]
+    step(), step()
+    assert n_kv == [3] and [s._ctx.offset for s in sessions] == [9, 4, 13] and sessions[0].queued == 3
+    step()  # the fourth queued round: every row's queue appended, together
+    assert n_kv == [3, 3] and [s._ctx.offset for s in sessions] == [len(p) + 4 for p in prompts]
+    assert all(s.queued == 0 for s in sessions)
+    while batch.active or batch.pending:
+        step()
+    assert [out[i] for i in range(3)] == [_plain(target, p, 12) for p in prompts]

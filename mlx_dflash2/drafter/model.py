@@ -100,6 +100,40 @@ class DraftAttention(nn.Module):
         o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(n, B, -1))
 
+    def rows(self, x: mx.array, ctx_k: mx.array | None, ctx_v: mx.array | None, offsets: mx.array,
+             mask: mx.array | None) -> mx.array:
+        """Blocks of ``N`` requests at once (a batched round): row ``i`` of ``x`` ``[N, B, D]`` sits at
+        positions ``offsets[i] ..`` and attends to its own context, the rows ``ctx_k/ctx_v[i]``
+        (``[N, KV, S, hd]``, right-aligned: row ``i``'s last context row at index ``S - 1``, the rows
+        before its own context padding), as :meth:`__call__` does for one request; ``mask``
+        (:meth:`rows_mask`) hides each row's padding (``None``: no padding and no in-block mask)."""
+        n, B, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(n, B, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
+        q = self.rope(q, offset=offsets)
+        k, v = self.kv(x, offsets)
+        if ctx_k is not None:
+            k = mx.concatenate([ctx_k, k], axis=2)
+            v = mx.concatenate([ctx_v, v], axis=2)
+        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(n, B, -1))
+
+    def rows_mask(self, B: int, S: int, held: list[int]) -> mx.array | None:
+        """The mask of :meth:`rows`: bool ``[N, 1, B, S + B]``, row ``i`` seeing its last ``held[i]``
+        context rows (right-aligned in ``S``) and its block as :meth:`__call__` lets one request see them
+        (causal / sliding-window layers); ``None`` where nothing is hidden."""
+        if all(h == S for h in held) and not (self.causal or self.window is not None):
+            return None
+        qi = mx.arange(B)[:, None]
+        kj = mx.arange(S + B)[None, :] - S  # key position relative to the anchor (as __call__'s, same S)
+        keep = mx.ones((B, S + B), dtype=mx.bool_)
+        if self.causal:
+            keep = keep & (kj <= qi)
+        if self.window is not None:
+            keep = keep & (qi - kj < self.window)
+        first = mx.array([S - h for h in held], dtype=mx.int32)  # first held context index per row
+        pad = mx.arange(S + B)[None, :] >= first[:, None]  # [N, S + B]
+        return (keep[None] & pad[:, None, :])[:, None]
+
     def blocks(self, x: mx.array, ctx_k: mx.array, ctx_v: mx.array, anchors: mx.array) -> mx.array:
         """Packed-blocks attention (training and replay evaluation).
 
@@ -394,6 +428,45 @@ class DraftModel(nn.Module):
             x = layer(x, lambda attn, v: attn(v, ck, cv, P), self.kernel_mode)
         return self.norm(x)
 
+    def forward_rows(self, block_embeddings: mx.array, contexts: list["DraftContext"]) -> mx.array:
+        """Drafter forward over the blocks of ``N`` requests at once (a batched round).
+
+        Args:
+            block_embeddings: ``[N, B, D]``: row ``i`` the embeddings of ``[anchor_i, mask, ..., mask]``
+                (times the input scale), one block length ``B`` for all.
+            contexts: the requests' :class:`DraftContext` (every queued row appended); block ``i`` sits at
+                positions ``contexts[i].offset ..`` and attends to that context only (what
+                :meth:`__call__` gives it alone: the same keys, the others' masked out).
+
+        Returns:
+            Final-normed hidden states ``[N, B, D]``.
+        """
+        x = block_embeddings
+        B = int(x.shape[1])
+        offsets = mx.array([c.offset for c in contexts], dtype=mx.int32)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            kvs = [c.layer_kv(i) for c in contexts]
+            if attn.window is not None:  # as __call__: a sliding layer sees its last window - 1 rows
+                w = attn.window - 1
+                kvs = [(k, v) if k is None or k.shape[2] <= w else (k[:, :, -w:], v[:, :, -w:]) for k, v in kvs]
+            held = [0 if k is None else int(k.shape[2]) for k, _ in kvs]
+            S = max(held)
+            ck = cv = None
+            if S > 0:
+                ref = next(k for k, _ in kvs if k is not None)
+                _, KV, _, hd = ref.shape
+                zk = mx.zeros((1, KV, S, hd), ref.dtype)
+
+                def pad(a, h):
+                    return zk if a is None else (a if h == S else mx.concatenate([zk[:, :, : S - h], a], axis=2))
+
+                ck = mx.concatenate([pad(k, h) for (k, _), h in zip(kvs, held)], axis=0)
+                cv = mx.concatenate([pad(v, h) for (_, v), h in zip(kvs, held)], axis=0)
+            mask = attn.rows_mask(B, S, held)
+            x = layer(x, lambda a, v, ck=ck, cv=cv, mask=mask: a.rows(v, ck, cv, offsets, mask), self.kernel_mode)
+        return self.norm(x)
+
     def context_kv_all(self, features: mx.array) -> list[tuple[mx.array, mx.array]]:
         """Per-layer context K/V of whole sequences: features ``[N, T, k*D]`` ->
         ``[(k [N, KV, T, hd], v)]`` (positions ``0..T-1``)."""
@@ -590,9 +663,19 @@ class DraftContext:
         S = int(features.shape[0])
         if S == 0:
             return
+        m = self.computed_rows(S)
+        self.append_kv(model.context_kv(features[None, S - m :], self.offset + S - m), S)
+
+    def computed_rows(self, S: int) -> int:
+        """How many of ``S`` new rows :meth:`append` computes K/V for (the last ones: the rest would be
+        evicted at once by the window)."""
         keeps = [c.keep for c in self.caches]
-        m = S if None in keeps else min(S, max(keeps))
-        kvs = model.context_kv(features[None, S - m :], self.offset + S - m)
+        return S if None in keeps else min(S, max(keeps))
+
+    def append_kv(self, kvs: list[tuple[mx.array, mx.array]], S: int) -> None:
+        """Add ``S`` positions whose last :meth:`computed_rows` rows have per-layer K/V ``kvs``
+        (``[1, KV, m, hd]`` each, keys RoPE'd at their positions): :meth:`append`'s second half, for a
+        caller that projects several contexts' rows at once (:meth:`~..proposers.DFlashProposer.flush`)."""
         for cache, (k, v) in zip(self.caches, kvs):
             cache.append(k, v, S)
         self.offset += S

@@ -1,0 +1,114 @@
+"""Where a batched round's time goes: ``SpeculativeBatch.step`` phase by phase, drafter on vs off.
+
+In process (no server): ``N`` chat requests (the prompts of ``bench_server.py``, through the chat
+template) join one :class:`~mlx_dflash2.batch.SpeculativeBatch` (``schedule="auto"``, what the server
+runs) and decode ``--max-tokens`` tokens each, once with the model's proposer (``--drafter``, default
+``auto``: the shipped drafter fused with lookup) and once without (plain batched decoding), interleaved,
+``--repeats`` times. Reported per ``N`` and configuration (medians over the repeats): aggregate tokens/s
+(all tokens / wall time of the whole batch, joins included), milliseconds per step in each phase of
+:attr:`SpeculativeBatch.timings` (``prefill``, ``propose``, ``verify``, ``commit``; each phase
+synchronised, so the sum can exceed an unprofiled step), the rounds run at each width cap and the tau
+of the batch (tokens per row per round).
+
+    scripts/run python benchmarks/profile_batch.py --concurrency 8,16,32 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]  # this checkout
+import mlx_dflash2  # noqa: F401,E402  (before MLX: loads the optimized OpenBLAS)
+
+from bench_server import prompts  # noqa: E402
+
+from mlx_dflash2.batch import SpeculativeBatch  # noqa: E402
+from mlx_dflash2.loading import load  # noqa: E402
+
+
+def run(model, tok, n: int, max_tokens: int, drafter: bool, profile: bool) -> dict:
+    ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in prompts(n)]
+    batch = SpeculativeBatch(model.target, schedule="auto")
+    if profile and hasattr(batch, "timings"):
+        batch.timings = {}
+    for p in ids:
+        batch.add(p, max_tokens, proposer=model.proposer if drafter else None,
+                  block_size=model.block_size if drafter else 1, eos_token_ids=list(tok.eos_token_ids))
+    t0 = time.perf_counter()
+    tokens = steps = rounds = row_rounds = 0
+    caps: dict = {}
+    by_cap: dict = {}
+    while batch.active or batch.pending:
+        t = time.perf_counter()
+        evs = batch.step()
+        dt = time.perf_counter() - t
+        steps += 1
+        emitted = sum(len(e.tokens) for e in evs)
+        tokens += emitted
+        r = batch.last_round
+        if r["rows"]:
+            rounds += 1
+            row_rounds += r["rows"]
+            caps[str(r["cap"])] = caps.get(str(r["cap"]), 0) + 1
+            if r["rows"] == n and not batch.last_prefill["rows"]:  # full-batch rounds without joins
+                by_cap.setdefault(str(r["cap"]), []).append((dt, emitted / n))
+    wall = time.perf_counter() - t0
+    out = {"tok_s": tokens / wall, "wall_s": wall, "steps": steps, "rounds": rounds, "caps": caps,
+           "tau": (tokens - n) / max(row_rounds, 1),
+           # per cap: median ms of a full round (every row, no join) and mean tokens per row of those rounds
+           "round_ms": {c: (1e3 * statistics.median(d for d, _ in v), sum(e for _, e in v) / len(v))
+                        for c, v in by_cap.items()}}
+    if getattr(batch, "timings", None) is not None:
+        out["ms_per_step"] = {k: 1e3 * v / steps for k, v in batch.timings.items()}
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="target (default: the embedded SmolLM2)")
+    ap.add_argument("--drafter", default="auto")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--concurrency", default="8,16,32")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-profile", action="store_true", help="no phase timings (no extra synchronisation)")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    model, tok = load(args.model, args.drafter, dtype=args.dtype)
+    levels = [int(x) for x in args.concurrency.split(",")]
+    run(model, tok, 2, 8, True, False)  # warm-up (kernels, calibration)
+    res: dict = {}
+    for n in levels:
+        for rep in range(args.repeats):
+            for drafter in (True, False):
+                r = run(model, tok, n, args.max_tokens, drafter, not args.no_profile)
+                res.setdefault((n, drafter), []).append(r)
+                print(f"N={n:3d} {'drafter' if drafter else 'none   '} rep {rep}: {r['tok_s']:6.1f} tok/s "
+                      f"tau {r['tau']:.2f} caps {r['caps']} rounds "
+                      + " ".join(f"[{c}: {ms:.0f} ms {e:.2f} tok/row]" for c, (ms, e) in r["round_ms"].items()) + " "
+                      + " ".join(f"{k} {v:.1f}" for k, v in r.get("ms_per_step", {}).items()), flush=True)
+    print("\nmedians (ms per step by phase)")
+    table = []
+    for (n, drafter), rs in res.items():
+        row = {"n": n, "drafter": drafter, "tok_s": statistics.median(r["tok_s"] for r in rs),
+               "tau": statistics.median(r["tau"] for r in rs)}
+        for k in rs[0].get("ms_per_step", {}):
+            row[k] = statistics.median(r["ms_per_step"].get(k, 0.0) for r in rs)
+        table.append(row)
+        print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+    for n in levels:
+        on = next(r for r in table if r["n"] == n and r["drafter"])
+        off = next(r for r in table if r["n"] == n and not r["drafter"])
+        print(f"N={n}: drafter / none = {on['tok_s'] / off['tok_s']:.2f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "runs": {f"{n}-{d}": rs for (n, d), rs in res.items()},
+                                              "medians": table}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -410,7 +410,8 @@ class WidthSchedule:
     a round of the best cap (on a CPU a drafting round of 32 rows costs ~2.6 plain ones), so it waits
     until that extra time is at most ``budget`` of the rounds since its last measurement; a wider cap
     must measure ``margin`` faster than the one below it to be chosen (a noisy round alone does not
-    widen the rounds); and a bucket met for the first time (rows joined or left) starts at the best cap
+    widen the rounds), and a cap narrower than the best (a cheaper round) is re-measured after a quarter
+    of the wait (one stalled round measured at it does not hold the batch at a wider cap); and a bucket met for the first time (rows joined or left) starts at the best cap
     of the nearest bucket measured, trying the narrower neighbour at once (a cheaper round) and the
     wider one once its extra cost, as that bucket measured it, fits in the budget (no fresh costly
     trial rounds at every change of the batch size).
@@ -459,9 +460,13 @@ class WidthSchedule:
         """The batch-size bucket of ``n_rows`` (1, 2, 3-4, 5-8, ... share a bucket)."""
         return max(1, int(n_rows) - 1).bit_length()
 
-    def _wait(self, strikes: int, cost: float) -> float:
+    def _wait(self, strikes: int, cost: float, narrower: bool = False) -> float:
         """Rounds between two measurements of a cap that lost ``strikes`` times in a row and whose rounds
-        cost ``cost`` times the best cap's."""
+        cost ``cost`` times the best cap's. A cap narrower than the best is taken as no costlier (its
+        measured cost can be one stalled round) and re-measured after a quarter of the wait, so one slow
+        round measured at a narrow cap does not leave the batch at a wider one for long."""
+        if narrower:
+            return max(2, (self.explore_every << strikes) // 4)
         return max(self.explore_every << strikes, (cost - 1.0) / self.budget)
 
     def _seed(self, b: int):
@@ -510,11 +515,11 @@ class WidthSchedule:
                 prior = seed[1].get(c) if seed is not None else None
                 # untried here: at once, or, where the seed bucket found its rounds costlier than its
                 # best's, once that extra cost fits in the budget
-                if prior is None or r >= (prior[1] - 1.0) / self.budget:
+                if prior is None or c < arms[i] or r >= (prior[1] - 1.0) / self.budget:
                     return c
         best = arms[i]
         due = [c for c in near if (b, c) in self.rate and r - self.last[(b, c)]
-               >= self._wait(self.strikes.get((b, c), 0), self.secs[(b, c)] / self.secs[(b, best)])]
+               >= self._wait(self.strikes.get((b, c), 0), self.secs[(b, c)] / self.secs[(b, best)], c < best)]
         if due:
             return min(due, key=lambda c: self.last[(b, c)])
         return best

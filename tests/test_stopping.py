@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import STORY, chat_ids, plain_reference
+from conftest import REF_TOKENS, STORY, chat_ids, plain_reference
 from mlx_dflash2.api import IncrementalDetokenizer, _StopText, stream_generate
 from mlx_dflash2.loading import SpeculativeModel
 from mlx_dflash2.speculative import GenerationState
@@ -25,7 +25,7 @@ B = 8
 def story(smol_f32):
     target, tok = smol_f32
     ids = chat_ids(tok, STORY)
-    ref, _ = plain_reference(target, ids, 64)
+    ref, _ = plain_reference(target, ids, REF_TOKENS)
     return ids, ref
 
 

@@ -95,8 +95,9 @@ def test_fresh_dflash2_f32_identical(smol_f32, refs, fresh_dflash2, name, B):
     assert state.session.d.ctx.offset == len(ids) + len(out) - 1
 
 
-# B = 16 (137 tokens per prompt) on two prompts by default, on all four in `make test-all`
-@pytest.mark.parametrize("name,B", [pytest.param(n, B, marks=pytest.mark.slow if B == 16 and n in ("chat", "math") else ())
+# B = 2, 4, 8 on all four prompts; B = 16 (137 tokens per prompt) on the code prompt by default, on all four in
+# `make test-all`
+@pytest.mark.parametrize("name,B", [pytest.param(n, B, marks=pytest.mark.slow if B == 16 and n != "code" else ())
                                     for n in list(PROMPTS) + ["story"] for B in BLOCKS])
 def test_scripted_rejection_at_every_offset_f32(smol_f32, refs, name, B):
     """First rejection at every block offset 0..B-2, plus full acceptance (offset B-1)."""

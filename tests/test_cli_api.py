@@ -50,20 +50,38 @@ def test_cli_stdin_prompt_and_raw_mode():
     assert "5" in r.stdout
 
 
-@pytest.mark.parametrize(
-    "args,msg",
-    [
-        (["--drafter", "/nonexistent/drafter"], "not found"),
-        (["--top-p", "1.5"], "top_p"),
-        (["--temp", "-1"], "temp"),
-        (["--model", "/nonexistent/model"], "not found"),
-        (["--max-tokens", "0"], "max-tokens"),
-        (["--block-size", "0"], "block size must be >= 1"),
-        (["--chat-template-args", "notjson"], "--chat-template-args: not valid JSON"),
-        (["--chat-template-args", "[1]"], "--chat-template-args: must be a JSON object"),
-    ],
-)
-def test_cli_errors_are_clean(args, msg):
+CLI_ERRORS = [
+    (["--drafter", "/nonexistent/drafter"], "not found"),
+    (["--top-p", "1.5"], "top_p"),
+    (["--temp", "-1"], "temp"),
+    (["--model", "/nonexistent/model"], "not found"),
+    (["--max-tokens", "0"], "max-tokens"),
+    (["--block-size", "0"], "block size must be >= 1"),
+    (["--chat-template-args", "notjson"], "--chat-template-args: not valid JSON"),
+    (["--chat-template-args", "[1]"], "--chat-template-args: must be a JSON object"),
+]
+
+
+@pytest.mark.parametrize("args,msg", CLI_ERRORS)
+def test_cli_errors_are_clean(args, msg, capsys):
+    """Every bad flag / missing path: exit status 2 and its message, no traceback; through the CLI's main()
+    in this process (the console entry point's own process: test_cli_errors_exit_2_from_their_own_process)."""
+    from mlx_dflash2.generate import main
+
+    try:
+        rc = main(["--prompt", "hi", *args])
+    except SystemExit as e:  # argparse's own errors
+        rc = e.code
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert msg in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("case", [3, 7], ids=["load-time", "argparse-time"])
+def test_cli_errors_exit_2_from_their_own_process(case):
+    """`python -m mlx_dflash2.generate` itself: a load-time and an argparse-time error exit with status 2 and
+    a clean message (the other cases of CLI_ERRORS take the same two paths: test_cli_errors_are_clean)."""
+    args, msg = CLI_ERRORS[case]
     r = cli("--prompt", "hi", *args)
     assert r.returncode == 2
     assert msg in r.stderr and "Traceback" not in r.stderr

@@ -49,6 +49,24 @@ def smol_f32():
     return target, tokenizer
 
 
+@pytest.fixture
+def quick_calibration(tmp_path, monkeypatch):
+    """A test's own calibration cache and a short measurement (contexts of 8 and 16 tokens, one pass), for
+    tests of what uses a calibration of the real model rather than of the measurement (which
+    tests/test_calibrate.py tests). Returns the list of the widths of each measurement made."""
+    from mlx_dflash2 import calibrate as C
+
+    monkeypatch.setenv(C.CACHE_ENV, str(tmp_path / "calibration.json"))
+    real, calls = C.measure_verify_costs, []
+
+    def quick(target, widths, **kw):
+        calls.append(list(widths))
+        return real(target, widths, **{**kw, "context": 8, "long_context": 16, "repeats": 1, "max_repeats": 1})
+
+    monkeypatch.setattr(C, "measure_verify_costs", quick)
+    return calls
+
+
 PADDED_ROWS = 49152 + 256  # embedding / LM-head rows of the padded target: 256 past the SmolLM2 tokenizer
 
 

@@ -373,9 +373,10 @@ def test_hub_id_resolves_offline_from_cache(tmp_path, smol_q, monkeypatch):
         load_target("someorg/not-cached")
 
 
-def test_auto_is_the_shipped_drafter_under_the_adaptive_schedule(smol_f32):
-    """`auto` (the default) = the shipped drafter fused with lookup, adaptive; `shipped` drafts every round;
-    other targets get lookup; the adaptive schedule needs lookup."""
+def test_auto_is_the_shipped_drafter_under_the_adaptive_schedule(smol_f32, quick_calibration):
+    """`auto` (the default) = the shipped drafter fused with lookup, adaptive (with its calibration: a short
+    one here, tests/test_calibrate.py measures); `shipped` drafts every round; other targets get lookup; the
+    adaptive schedule needs lookup."""
     from mlx_dflash2.loading import make_proposer, shipped_drafter_path
     from mlx_dflash2.proposers import AdaptiveSchedule, DFlashProposer, FusedProposer, LookupProposer
 
@@ -385,6 +386,7 @@ def test_auto_is_the_shipped_drafter_under_the_adaptive_schedule(smol_f32):
     auto = make_proposer("auto", target, tok, "smollm2-135m-instruct")
     assert isinstance(auto, FusedProposer) and isinstance(auto.schedule, AdaptiveSchedule)
     assert auto.name.endswith("(adaptive)")
+    assert auto.calibration is not None and len(quick_calibration) == 1
     pinned = make_proposer("shipped", target, tok, "smollm2-135m-instruct")
     assert isinstance(pinned, FusedProposer) and pinned.schedule is None
     assert make_proposer("shipped", target, tok, "smollm2-135m-instruct", adaptive=True).schedule is not None

@@ -250,8 +250,8 @@ def test_drafter_init_flags_are_those_of_train_fit(tmp_path, padded_dir, capsys)
     assert not any(f in help_text.split() for f in ("--arch", "--layers", "--taps"))
 
 
-def test_python_api(smol_q):
-    target, tok = smol_q
+def test_python_api(smol_f32):
+    target, tok = smol_f32
     model = SpeculativeModel(target, LookupProposer(block_size=4), 4, "smollm2", target.config)
     prompt = tok.apply_chat_template([{"role": "user", "content": "Name three colors."}], add_generation_prompt=True,
                                      tokenize=False)

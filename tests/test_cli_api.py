@@ -23,8 +23,16 @@ def cli(*args, stdin=None, module="mlx_dflash2.generate"):
     )
 
 
-def test_cli_generates_with_stats():
-    r = cli("--prompt", "What is the capital of France?", "--max-tokens", "12", "--drafter", "lookup", "--verbose")
+@pytest.fixture(scope="module")
+def lookup_cli_run():
+    """One `--drafter lookup --verbose --compare` run of the CLI on the embedded model (each run loads it),
+    read by the test of its statistics and by the test of its comparison line."""
+    return cli("--prompt", "What is the capital of France?", "--max-tokens", "12", "--drafter", "lookup", "--verbose",
+               "--compare")
+
+
+def test_cli_generates_with_stats(lookup_cli_run):
+    r = lookup_cli_run
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "acceptance length tau" in r.stdout and "tokens-per-sec" in r.stdout
@@ -150,8 +158,8 @@ def test_stats_summary_says_what_each_count_means():
     assert "Rounds by draft source: drafter 1, lookup 1, none 1  (drafter: the drafter proposed" in text
 
 
-def test_cli_compare_prints_the_speedup_over_plain():
-    r = cli("--prompt", "Count from one to ten.", "--max-tokens", "12", "--drafter", "lookup", "--compare")
+def test_cli_compare_prints_the_speedup_over_plain(lookup_cli_run):
+    r = lookup_cli_run
     assert r.returncode == 0, r.stderr
     line = [x for x in r.stdout.splitlines() if x.startswith("Plain decoding (no drafter, same settings)")]
     assert len(line) == 1 and "speedup" in line[0] and "output identical" in line[0], r.stdout

@@ -124,7 +124,7 @@ def test_cli_missing_drafter_path_is_reported_before_loading(capsys):
     assert "--drafter: drafter checkpoint directory not found: /nonexistent/drafter" in err
 
 
-def test_load_notes_a_block_past_the_trained_one_before_generating(caplog):
+def test_load_notes_a_block_past_the_trained_one_before_generating(caplog, shared_embedded_load):
     """load(block_size > the drafter's trained block) logs the note at load time, not mid-answer."""
     from mlx_dflash2 import load
 
@@ -518,9 +518,10 @@ def test_runtime_does_not_import_the_converter():
     assert not bad, bad
 
 
-def test_readme_python_snippet_prints_the_answer_once(capsys):
+def test_readme_python_snippet_prints_the_answer_once(capsys, shared_embedded_load):
     """The README's Python API snippet (its generate() part, 8 tokens): the answer is printed once (it was
-    printed by verbose=True and again by a print() around the call)."""
+    printed by verbose=True and again by a print() around the call). Its load() builds the default drafter
+    around the session's dense target (test_load_default loads one)."""
     import re
     from pathlib import Path
 

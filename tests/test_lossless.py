@@ -78,8 +78,9 @@ def test_plain_loop_equals_mlx_lm(smol_q):
     assert run(target, ids, None, 1, 24) == ref
 
 
-# every prompt at the extreme block sizes, the middle ones on one prompt each; the rest in `make test-all`
-FRESH_CASES = [pytest.param(n, B, marks=() if B in (2, 16) or (n, B) in (("math", 4), ("chat", 8)) else pytest.mark.slow)
+# every block size and every prompt, B = 16 on two prompts; the rest in `make test-all`
+FRESH_DEFAULT = {("chat", 2), ("math", 4), ("chat", 8), ("code", 16), ("math", 16)}
+FRESH_CASES = [pytest.param(n, B, marks=() if (n, B) in FRESH_DEFAULT else pytest.mark.slow)
                for n in PROMPTS for B in BLOCKS]
 
 
@@ -239,7 +240,9 @@ def shipped(smol_f32):
     return make_proposer("shipped", target, tok, "smollm2-135m-instruct")
 
 
-@pytest.mark.parametrize("name,B", [pytest.param(n, B, marks=() if B == 16 or n == "code" else pytest.mark.slow)
+# both block sizes on the code prompt, B = 16 on the math prompt too; the rest in `make test-all`
+@pytest.mark.parametrize("name,B", [pytest.param(n, B, marks=() if n == "code" or (n, B) == ("math", 16)
+                                                 else pytest.mark.slow)
                                     for n in PROMPTS for B in (4, 16)])
 def test_shipped_trained_drafter_f32_identical(smol_f32, refs, shipped, name, B):
     """The trained DFlash2 drafter shipped in the package (4-bit, fused with lookup): float32 greedy

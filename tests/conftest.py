@@ -37,6 +37,7 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 def smol_q():
     """The embedded SmolLM2-135M-Instruct, natively quantized (Q4_1/Q8_0), float32 scales."""
     target, tokenizer, _ = load_target(None, dtype=mx.float32)
+    _memo_targets.append(target)
     return target, tokenizer
 
 
@@ -44,7 +45,47 @@ def smol_q():
 def smol_f32():
     """The same weights dequantized to a dense float32 target (exact losslessness tests)."""
     target, tokenizer, _ = load_target(None, dtype=mx.float32, dequantize=True)
+    _memo_targets.append(target)
     return target, tokenizer
+
+
+@pytest.fixture
+def quick_calibration(tmp_path, monkeypatch):
+    """A test's own calibration cache and a short measurement (contexts of 8 and 16 tokens, one pass), for
+    tests of what uses a calibration of the real model rather than of the measurement (which
+    tests/test_calibrate.py tests). Returns the list of the widths of each measurement made."""
+    from mlx_dflash2 import calibrate as C
+
+    monkeypatch.setenv(C.CACHE_ENV, str(tmp_path / "calibration.json"))
+    real, calls = C.measure_verify_costs, []
+
+    def quick(target, widths, **kw):
+        calls.append(list(widths))
+        return real(target, widths, **{**kw, "context": 8, "long_context": 16, "repeats": 1, "max_repeats": 1})
+
+    monkeypatch.setattr(C, "measure_verify_costs", quick)
+    return calls
+
+
+@pytest.fixture
+def shared_embedded_load(monkeypatch, smol_f32):
+    """``load_target`` of the embedded model as dense float32 (what ``load()`` does by default on the CPU)
+    answered with the session's ``smol_f32`` (the identical load, never mutated), for tests of what ``load()``
+    builds around the target rather than of loading it (test_cli_api.py::test_load_default loads it). Any other
+    request loads for real."""
+    from mlx_dflash2 import assets, loading
+
+    real = loading.load_target
+    target, tok = smol_f32
+
+    def load_target(path_or_hf_repo=None, *, dtype="auto", dequantize=False, kernels=None):
+        want = loading._default_dtype() if dtype == "auto" else getattr(mx, dtype) if isinstance(dtype, str) else dtype
+        dense = dequantize is True or (dequantize is None and mx.default_device() == mx.cpu)
+        if path_or_hf_repo is None and want == mx.float32 and dense and kernels in (None, "auto", target.kernels):
+            return target, tok, assets.DEFAULT_MODEL
+        return real(path_or_hf_repo, dtype=dtype, dequantize=dequantize, kernels=kernels)
+
+    monkeypatch.setattr(loading, "load_target", load_target)
 
 
 PADDED_ROWS = 49152 + 256  # embedding / LM-head rows of the padded target: 256 past the SmolLM2 tokenizer
@@ -61,12 +102,33 @@ def padded_dir(tmp_path_factory, smol_f32):
     return tiny_mlx_lm_dir(root / "qwen2-padded", "qwen2", smol_f32[1], num_layers=2, vocab_rows=PADDED_ROWS)
 
 
-def plain_reference(target, prompt_ids: list[int], n: int) -> tuple[list[int], list[mx.array]]:
-    """mlx-lm's own greedy generation on the same weights: the independent reference."""
+REF_TOKENS = 64  # length of the session's references of the standard prompts (CHAT, CODE, MATH, STORY)
+
+# The session targets (smol_q, smol_f32: never mutated, alive for the whole session) and their greedy references,
+# {(id(target), prompt ids): (tokens, logprobs)}: the longest run made so far per prompt.
+_memo_targets: list = []
+_reference_memo: dict = {}
+
+
+def plain_reference(target, prompt_ids: list[int], n: int, at_least: int = 0) -> tuple[list[int], list[mx.array]]:
+    """mlx-lm's own greedy generation on the same weights: the independent reference (its first ``n`` tokens).
+
+    Greedy decoding is prefix-stable (the first ``n`` tokens of a longer run are those of a run of ``n``), so
+    for the session targets the longest run made so far for a prompt is kept and its prefix returned (as new
+    lists; the logprob arrays are immutable): tests in different modules that decode the same prompt share one
+    run. A run that has to be made is made ``at_least`` tokens long (e.g. :data:`REF_TOKENS` for the standard
+    prompts, so that later, longer asks reuse it)."""
     from mlx_lm.generate import generate_step
 
-    toks, lps = [], []
-    for t, lp in generate_step(mx.array(prompt_ids), target.model, max_tokens=n):
-        toks.append(int(t))
-        lps.append(lp)
-    return toks, lps
+    shared = any(target is t for t in _memo_targets)
+    key = (id(target), tuple(int(i) for i in prompt_ids))
+    have = _reference_memo.get(key) if shared else None
+    if have is None or len(have[0]) < n:
+        toks, lps = [], []
+        for t, lp in generate_step(mx.array(prompt_ids), target.model, max_tokens=max(n, at_least)):
+            toks.append(int(t))
+            lps.append(lp)
+        have = (toks, lps)
+        if shared:
+            _reference_memo[key] = have
+    return list(have[0][:n]), list(have[1][:n])

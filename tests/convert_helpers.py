@@ -265,8 +265,11 @@ def write_gguf(path: Path, cfg: dict, weights: dict, types: dict | None = None, 
 # ---------------------------------------------------------------------------
 
 
-def greedy_agreement(source_model, converted_model, tokenizer, prompts, n_tokens: int = 48):
+def greedy_agreement(source_model, converted_model, tokenizer, prompts, n_tokens: int = 48, reference=None):
     """Greedy-decode each prompt with the source, then teacher-force both models on it.
+
+    ``reference(ids, n)``: the source's greedy tokens for ``ids`` when already known (e.g. the session's
+    memoized ``conftest.plain_reference`` of the same source); default: decoded here with mlx-lm.
 
     Returns:
         a list of dicts per generated position: ``match`` (same argmax), ``margin``
@@ -278,9 +281,10 @@ def greedy_agreement(source_model, converted_model, tokenizer, prompts, n_tokens
     rows = []
     for name, text in prompts.items():
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        gen = []
-        for t, _ in generate_step(mx.array(ids), source_model, max_tokens=n_tokens):
-            gen.append(int(t))
+        if reference is not None:
+            gen = list(reference(ids, n_tokens))
+        else:
+            gen = [int(t) for t, _ in generate_step(mx.array(ids), source_model, max_tokens=n_tokens)]
         seq = mx.array([ids + gen[:-1]])
         a = source_model(seq)[0, len(ids) - 1 :].astype(mx.float32)
         b = converted_model(seq)[0, len(ids) - 1 :].astype(mx.float32)

@@ -23,8 +23,16 @@ def cli(*args, stdin=None, module="mlx_dflash2.generate"):
     )
 
 
-def test_cli_generates_with_stats():
-    r = cli("--prompt", "What is the capital of France?", "--max-tokens", "12", "--drafter", "lookup", "--verbose")
+@pytest.fixture(scope="module")
+def lookup_cli_run():
+    """One `--drafter lookup --verbose --compare` run of the CLI on the embedded model (each run loads it),
+    read by the test of its statistics and by the test of its comparison line."""
+    return cli("--prompt", "What is the capital of France?", "--max-tokens", "12", "--drafter", "lookup", "--verbose",
+               "--compare")
+
+
+def test_cli_generates_with_stats(lookup_cli_run):
+    r = lookup_cli_run
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "acceptance length tau" in r.stdout and "tokens-per-sec" in r.stdout
@@ -50,20 +58,38 @@ def test_cli_stdin_prompt_and_raw_mode():
     assert "5" in r.stdout
 
 
-@pytest.mark.parametrize(
-    "args,msg",
-    [
-        (["--drafter", "/nonexistent/drafter"], "not found"),
-        (["--top-p", "1.5"], "top_p"),
-        (["--temp", "-1"], "temp"),
-        (["--model", "/nonexistent/model"], "not found"),
-        (["--max-tokens", "0"], "max-tokens"),
-        (["--block-size", "0"], "block size must be >= 1"),
-        (["--chat-template-args", "notjson"], "--chat-template-args: not valid JSON"),
-        (["--chat-template-args", "[1]"], "--chat-template-args: must be a JSON object"),
-    ],
-)
-def test_cli_errors_are_clean(args, msg):
+CLI_ERRORS = [
+    (["--drafter", "/nonexistent/drafter"], "not found"),
+    (["--top-p", "1.5"], "top_p"),
+    (["--temp", "-1"], "temp"),
+    (["--model", "/nonexistent/model"], "not found"),
+    (["--max-tokens", "0"], "max-tokens"),
+    (["--block-size", "0"], "block size must be >= 1"),
+    (["--chat-template-args", "notjson"], "--chat-template-args: not valid JSON"),
+    (["--chat-template-args", "[1]"], "--chat-template-args: must be a JSON object"),
+]
+
+
+@pytest.mark.parametrize("args,msg", CLI_ERRORS)
+def test_cli_errors_are_clean(args, msg, capsys):
+    """Every bad flag / missing path: exit status 2 and its message, no traceback; through the CLI's main()
+    in this process (the console entry point's own process: test_cli_errors_exit_2_from_their_own_process)."""
+    from mlx_dflash2.generate import main
+
+    try:
+        rc = main(["--prompt", "hi", *args])
+    except SystemExit as e:  # argparse's own errors
+        rc = e.code
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert msg in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("case", [3, 7], ids=["load-time", "argparse-time"])
+def test_cli_errors_exit_2_from_their_own_process(case):
+    """`python -m mlx_dflash2.generate` itself: a load-time and an argparse-time error exit with status 2 and
+    a clean message (the other cases of CLI_ERRORS take the same two paths: test_cli_errors_are_clean)."""
+    args, msg = CLI_ERRORS[case]
     r = cli("--prompt", "hi", *args)
     assert r.returncode == 2
     assert msg in r.stderr and "Traceback" not in r.stderr
@@ -98,7 +124,7 @@ def test_cli_missing_drafter_path_is_reported_before_loading(capsys):
     assert "--drafter: drafter checkpoint directory not found: /nonexistent/drafter" in err
 
 
-def test_load_notes_a_block_past_the_trained_one_before_generating(caplog):
+def test_load_notes_a_block_past_the_trained_one_before_generating(caplog, shared_embedded_load):
     """load(block_size > the drafter's trained block) logs the note at load time, not mid-answer."""
     from mlx_dflash2 import load
 
@@ -132,8 +158,8 @@ def test_stats_summary_says_what_each_count_means():
     assert "Rounds by draft source: drafter 1, lookup 1, none 1  (drafter: the drafter proposed" in text
 
 
-def test_cli_compare_prints_the_speedup_over_plain():
-    r = cli("--prompt", "Count from one to ten.", "--max-tokens", "12", "--drafter", "lookup", "--compare")
+def test_cli_compare_prints_the_speedup_over_plain(lookup_cli_run):
+    r = lookup_cli_run
     assert r.returncode == 0, r.stderr
     line = [x for x in r.stdout.splitlines() if x.startswith("Plain decoding (no drafter, same settings)")]
     assert len(line) == 1 and "speedup" in line[0] and "output identical" in line[0], r.stdout
@@ -232,8 +258,8 @@ def test_drafter_init_flags_are_those_of_train_fit(tmp_path, padded_dir, capsys)
     assert not any(f in help_text.split() for f in ("--arch", "--layers", "--taps"))
 
 
-def test_python_api(smol_q):
-    target, tok = smol_q
+def test_python_api(smol_f32):
+    target, tok = smol_f32
     model = SpeculativeModel(target, LookupProposer(block_size=4), 4, "smollm2", target.config)
     prompt = tok.apply_chat_template([{"role": "user", "content": "Name three colors."}], add_generation_prompt=True,
                                      tokenize=False)
@@ -355,9 +381,10 @@ def test_hub_id_resolves_offline_from_cache(tmp_path, smol_q, monkeypatch):
         load_target("someorg/not-cached")
 
 
-def test_auto_is_the_shipped_drafter_under_the_adaptive_schedule(smol_f32):
-    """`auto` (the default) = the shipped drafter fused with lookup, adaptive; `shipped` drafts every round;
-    other targets get lookup; the adaptive schedule needs lookup."""
+def test_auto_is_the_shipped_drafter_under_the_adaptive_schedule(smol_f32, quick_calibration):
+    """`auto` (the default) = the shipped drafter fused with lookup, adaptive (with its calibration: a short
+    one here, tests/test_calibrate.py measures); `shipped` drafts every round; other targets get lookup; the
+    adaptive schedule needs lookup."""
     from mlx_dflash2.loading import make_proposer, shipped_drafter_path
     from mlx_dflash2.proposers import AdaptiveSchedule, DFlashProposer, FusedProposer, LookupProposer
 
@@ -367,6 +394,7 @@ def test_auto_is_the_shipped_drafter_under_the_adaptive_schedule(smol_f32):
     auto = make_proposer("auto", target, tok, "smollm2-135m-instruct")
     assert isinstance(auto, FusedProposer) and isinstance(auto.schedule, AdaptiveSchedule)
     assert auto.name.endswith("(adaptive)")
+    assert auto.calibration is not None and len(quick_calibration) == 1
     pinned = make_proposer("shipped", target, tok, "smollm2-135m-instruct")
     assert isinstance(pinned, FusedProposer) and pinned.schedule is None
     assert make_proposer("shipped", target, tok, "smollm2-135m-instruct", adaptive=True).schedule is not None
@@ -490,9 +518,10 @@ def test_runtime_does_not_import_the_converter():
     assert not bad, bad
 
 
-def test_readme_python_snippet_prints_the_answer_once(capsys):
+def test_readme_python_snippet_prints_the_answer_once(capsys, shared_embedded_load):
     """The README's Python API snippet (its generate() part, 8 tokens): the answer is printed once (it was
-    printed by verbose=True and again by a print() around the call)."""
+    printed by verbose=True and again by a print() around the call). Its load() builds the default drafter
+    around the session's dense target (test_load_default loads one)."""
     import re
     from pathlib import Path
 

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import PROMPTS, STORY
+from conftest import PROMPTS, REF_TOKENS, STORY, plain_reference
 from convert_helpers import greedy_agreement, load_dir_tensors, random_weights, tiny_config, write_gguf, write_hf
 from mlx_dflash2.assets import embedded_model_path
 from mlx_dflash2.convert import CorruptCheckpointError, UnsupportedFormatError, convert
@@ -295,11 +295,9 @@ def test_unsupported_arch(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def smol_source():
-    from mlx_dflash2.loading import load_target
-
-    target, tok, _ = load_target(None, dtype=mx.float32, dequantize=True)
-    return target, tok
+def smol_source(smol_f32):
+    """The dense float32 source: the session's ``smol_f32`` (the same load; it is only read here)."""
+    return smol_f32
 
 
 def _agreement(tmp_path, smol_source, **kw):
@@ -312,7 +310,8 @@ def _agreement(tmp_path, smol_source, **kw):
     mlx_lm.load(str(tmp_path / "out"))  # loads in mlx-lm
     conv, tok2, _ = load_target(str(tmp_path / "out"), dtype=mx.float32, dequantize=True)  # and in ours
     assert tok2.encode("In 2024, 12345") == tok.encode("In 2024, 12345")
-    rows = greedy_agreement(src.model, conv.model, tok, dict(PROMPTS, story=STORY), n_tokens=32)
+    rows = greedy_agreement(src.model, conv.model, tok, dict(PROMPTS, story=STORY), n_tokens=32,
+                            reference=lambda ids, n: plain_reference(src, ids, n, at_least=REF_TOKENS)[0])
     return res, rows
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from conftest import PROMPTS, STORY, chat_ids, plain_reference
+from conftest import PROMPTS, REF_TOKENS, STORY, chat_ids, plain_reference
 from mlx_dflash2.drafter import init_drafter
 from mlx_dflash2.proposers import DFlashProposer, FusedProposer, LookupProposer
 from mlx_dflash2.speculative import GenerationState, SpecStats, speculative_generate_step
@@ -31,25 +31,28 @@ def run(target, prompt, proposer, B, n, stats=None, state=None):
     ]
 
 
+LONG_REF = 140  # tokens of the long references (the adaptive-schedule test, the scripted B = 16 cells)
+
+
 class _Refs:
-    """mlx-lm's plain greedy continuations of the test prompts, made on first use and only as long as
-    asked (``refs[name]``: 48 tokens, enough for most tests; ``refs.long(name)``: 140)."""
+    """mlx-lm's plain greedy continuations of the test prompts, made on first use (``refs[name]``: 48 tokens,
+    enough for most tests; ``refs.long(name)``: 140). A run is made :data:`conftest.REF_TOKENS` or
+    :data:`LONG_REF` tokens long and kept for the session (``conftest.plain_reference``), so the growing
+    asks of the scripted cells (4, 11, 37 tokens) and other modules' asks of the same prompts share it."""
 
     def __init__(self, target, tok):
-        self.target, self.tok, self._cache = target, tok, {}
+        self.target, self.tok = target, tok
 
     def get(self, name, n):
-        have = self._cache.get(name)
-        if have is None or len(have[1]) < n:
-            ids = chat_ids(self.tok, {**PROMPTS, "story": STORY}[name])
-            have = self._cache[name] = (ids, plain_reference(self.target, ids, n)[0])
-        return have
+        ids = chat_ids(self.tok, {**PROMPTS, "story": STORY}[name])
+        size = REF_TOKENS if n <= REF_TOKENS else max(n, LONG_REF)
+        return ids, plain_reference(self.target, ids, size)[0]
 
     def __getitem__(self, name):
         return self.get(name, 48)
 
     def long(self, name):
-        return self.get(name, 140)
+        return self.get(name, LONG_REF)
 
 
 @pytest.fixture(scope="module")
@@ -63,16 +66,21 @@ def fresh_dflash2(smol_f32):
     return init_drafter(target, tok, num_layers=2, block_size=16, seed=3)
 
 
+N_QUANT = 40  # tokens of the packed target's reference of the code prompt (about 3x dearer per token than dense)
+
+
 def test_plain_loop_equals_mlx_lm(smol_q):
-    """Our loop without a drafter (pipelined plain path) == mlx-lm generate_step, quantized target."""
+    """Our loop without a drafter (pipelined plain path) == mlx-lm generate_step, quantized target (on the code
+    prompt, whose reference test_quantized_diverges_only_at_near_ties shares)."""
     target, tok = smol_q
-    ids = chat_ids(tok, PROMPTS["chat"])
-    ref, _ = plain_reference(target, ids, 24)
+    ids = chat_ids(tok, PROMPTS["code"])
+    ref, _ = plain_reference(target, ids, 24, at_least=N_QUANT)
     assert run(target, ids, None, 1, 24) == ref
 
 
-# every prompt at the extreme block sizes, the middle ones on one prompt each; the rest in `make test-all`
-FRESH_CASES = [pytest.param(n, B, marks=() if B in (2, 16) or (n, B) in (("math", 4), ("chat", 8)) else pytest.mark.slow)
+# every block size and every prompt, B = 16 on two prompts; the rest in `make test-all`
+FRESH_DEFAULT = {("chat", 2), ("math", 4), ("chat", 8), ("code", 16), ("math", 16)}
+FRESH_CASES = [pytest.param(n, B, marks=() if (n, B) in FRESH_DEFAULT else pytest.mark.slow)
                for n in PROMPTS for B in BLOCKS]
 
 
@@ -92,8 +100,9 @@ def test_fresh_dflash2_f32_identical(smol_f32, refs, fresh_dflash2, name, B):
     assert state.session.d.ctx.offset == len(ids) + len(out) - 1
 
 
-# B = 16 (137 tokens per prompt) on two prompts by default, on all four in `make test-all`
-@pytest.mark.parametrize("name,B", [pytest.param(n, B, marks=pytest.mark.slow if B == 16 and n in ("chat", "math") else ())
+# B = 2, 4, 8 on all four prompts; B = 16 (137 tokens per prompt) on the code prompt by default, on all four in
+# `make test-all`
+@pytest.mark.parametrize("name,B", [pytest.param(n, B, marks=pytest.mark.slow if B == 16 and n != "code" else ())
                                     for n in list(PROMPTS) + ["story"] for B in BLOCKS])
 def test_scripted_rejection_at_every_offset_f32(smol_f32, refs, name, B):
     """First rejection at every block offset 0..B-2, plus full acceptance (offset B-1)."""
@@ -119,7 +128,7 @@ def test_quantized_diverges_only_at_near_ties(smol_q, B):
     """Q4_1 target: speculative == plain except possibly at a near-tie of plain's top-2 logits."""
     target, tok = smol_q
     ids = chat_ids(tok, PROMPTS["code"])
-    n = 40
+    n = N_QUANT
     ref, lps = plain_reference(target, ids, n)
     schedule = list(range(B))
     prop = ScriptedProposer(len(ids), ref, schedule, B, target.vocab_rows)
@@ -231,7 +240,9 @@ def shipped(smol_f32):
     return make_proposer("shipped", target, tok, "smollm2-135m-instruct")
 
 
-@pytest.mark.parametrize("name,B", [pytest.param(n, B, marks=() if B == 16 or n == "code" else pytest.mark.slow)
+# both block sizes on the code prompt, B = 16 on the math prompt too; the rest in `make test-all`
+@pytest.mark.parametrize("name,B", [pytest.param(n, B, marks=() if n == "code" or (n, B) == ("math", 16)
+                                                 else pytest.mark.slow)
                                     for n in PROMPTS for B in (4, 16)])
 def test_shipped_trained_drafter_f32_identical(smol_f32, refs, shipped, name, B):
     """The trained DFlash2 drafter shipped in the package (4-bit, fused with lookup): float32 greedy

@@ -250,6 +250,24 @@ def test_seeded_sampling_stays_reproducible_under_the_adaptive_schedule(smol_f32
     assert "(adaptive)" in greedy[-1].stats.drafter
 
 
+APPLE = "Repeat the word apple 30 times."
+
+
+@pytest.fixture(scope="module")
+def apple_greedy(spec_model):
+    """The greedy output (32 tokens) of APPLE without processors, made on first use and shared by the
+    penalty cells that compare their repeats with it."""
+    memo = []
+
+    def get():
+        if not memo:
+            model, tok = spec_model
+            memo.append(_tokens(model, tok, chat_ids(tok, APPLE), max_tokens=32))
+        return list(memo[0])
+
+    return get
+
+
 @pytest.mark.parametrize(
     "kw",
     [
@@ -260,13 +278,13 @@ def test_seeded_sampling_stays_reproducible_under_the_adaptive_schedule(smol_f32
     ],
     ids=["repetition", "frequency", "presence", "logit_bias"],
 )
-def test_processors_greedy_equal_plain(spec_model, kw):
+def test_processors_greedy_equal_plain(spec_model, apple_greedy, kw):
     """Greedy with a penalty / logit bias: speculative == mlx-lm plain decoding with the same processors."""
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_logits_processors
 
     model, tok = spec_model
-    ids = chat_ids(tok, "Repeat the word apple 30 times.")
+    ids = chat_ids(tok, APPLE)
     names = {"repetition_penalty": "repetition_penalty", "frequency_penalty": "frequency_penalty",
              "presence_penalty": "presence_penalty", "logit_bias": "logit_bias"}
     mk = {k: v for k, v in kw.items() if k in names or k.endswith("context_size")}
@@ -275,7 +293,7 @@ def test_processors_greedy_equal_plain(spec_model, kw):
     out = _tokens(model, tok, ids, max_tokens=32, **kw)
     assert out == ref[: len(out)]
     if next(iter(kw)) in ("repetition_penalty", "frequency_penalty"):
-        plain = _tokens(model, tok, ids, max_tokens=32)
+        plain = apple_greedy()
         repeats = lambda t: len(t) - len(set(t))  # noqa: E731
         assert repeats(out) < repeats(plain)
 

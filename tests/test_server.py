@@ -878,22 +878,36 @@ def thinking(srv, smol_f32):
     s.stop()
 
 
-def test_reasoning_content_same_with_and_without_drafter(thinking):
+@pytest.fixture(scope="module")
+def thinking_answers(thinking):
+    """The thinking server's answers to its request, with the drafter (``None``) and without (block size 1),
+    each non-streamed and streamed with the usage chunk: ``{B: (completion, stream_chat(...))}``, read by the
+    reasoning_content test and by the reasoning_tokens test."""
+    s, c, kw, raw, start, end = thinking
+    out = {}
+    for B in (None, 1):
+        extra = {"num_draft_tokens": B} if B else {}
+        out[B] = (c.chat.completions.create(extra_body=extra, **kw),
+                  stream_chat(c, extra_body=extra, stream_options={"include_usage": True}, **kw))
+    return out
+
+
+def test_reasoning_content_same_with_and_without_drafter(thinking, thinking_answers):
     s, c, kw, raw, start, end = thinking
     seen = []
     for B in (None, 1):  # with the drafter, and without (block size 1)
-        extra = {"num_draft_tokens": B} if B else {}
-        full = c.chat.completions.create(extra_body=extra, **kw).choices[0].message
+        completion, streamed = thinking_answers[B]
+        full = completion.choices[0].message
         reasoning = full.model_extra["reasoning_content"]
         assert start not in full.content and reasoning and reasoning in raw
         assert raw == full.content[: raw.index(start)] + start + reasoning + end + full.content[raw.index(start):]
-        content, sreasoning, *_ = stream_chat(c, extra_body=extra, **kw)
+        content, sreasoning, *_ = streamed
         assert (content, sreasoning) == (full.content, reasoning)
         seen.append((full.content, reasoning))
     assert seen[0] == seen[1]
 
 
-def test_usage_reports_reasoning_tokens(thinking, smol_f32):
+def test_usage_reports_reasoning_tokens(thinking, thinking_answers, smol_f32):
     """usage.completion_tokens_details.reasoning_tokens (OpenAI's field) counts the emitted tokens of the
     thinking block, from the one completing the start marker through the one completing the end marker:
     the same streamed or not, with or without the drafter, and 0 for text completions and other requests."""
@@ -911,11 +925,11 @@ def test_usage_reports_reasoning_tokens(thinking, smol_f32):
     expected = last - first + 1
     assert 3 < expected < len(ids)
     for B in (None, 1):
-        extra = {"num_draft_tokens": B} if B else {}
-        u = c.chat.completions.create(extra_body=extra, **kw).usage
+        completion, streamed = thinking_answers[B]
+        u = completion.usage
         assert u.completion_tokens == len(ids)
         assert u.completion_tokens_details.reasoning_tokens == expected
-        *_, su, _ = stream_chat(c, extra_body=extra, stream_options={"include_usage": True}, **kw)
+        *_, su, _ = streamed
         assert su.completion_tokens_details.reasoning_tokens == expected
     cut = c.chat.completions.create(**{**kw, "max_tokens": first + 3}).usage  # stopped inside the block
     assert cut.completion_tokens_details.reasoning_tokens == 3 <= cut.completion_tokens

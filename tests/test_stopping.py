@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import STORY, chat_ids, plain_reference
+from conftest import REF_TOKENS, STORY, chat_ids, plain_reference
 from mlx_dflash2.api import IncrementalDetokenizer, _StopText, stream_generate
 from mlx_dflash2.loading import SpeculativeModel
 from mlx_dflash2.speculative import GenerationState
@@ -25,7 +25,7 @@ B = 8
 def story(smol_f32):
     target, tok = smol_f32
     ids = chat_ids(tok, STORY)
-    ref, _ = plain_reference(target, ids, 64)
+    ref, _ = plain_reference(target, ids, REF_TOKENS)
     return ids, ref
 
 
@@ -121,10 +121,13 @@ def test_stop_string_at_every_block_offset(smol_f32, story, offset):
     assert word not in text
 
 
-@pytest.mark.parametrize("max_tokens", range(1, 41))
+# 1 (the prefill's token only), then every offset of the first round (2..B+1) and of a later one (B+2..2B+1);
+# every later round is the same full block (1..40 in `make test-all`)
+@pytest.mark.parametrize("max_tokens", [pytest.param(m, marks=() if m <= 2 * B + 1 else pytest.mark.slow)
+                                        for m in range(1, 41)])
 def test_max_tokens_exact(smol_f32, story, max_tokens):
-    """max_tokens 1..40 emits exactly that many tokens, with a full-acceptance drafter
-    (the worst case for overshoot)."""
+    """max_tokens 1..2B+1 emits exactly that many tokens, with a full-acceptance drafter
+    (the worst case for overshoot): a stop at every offset of a first and of a later round."""
     target, tok = smol_f32
     ids, ref = story
     prop = ScriptedProposer(len(ids), ref, [B - 1], B, target.vocab_rows)

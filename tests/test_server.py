@@ -1073,3 +1073,14 @@ def test_hybrid_and_window_targets_served_with_prompt_cache(tmp_path, kind):
         assert m["request_errors_total"] == 0
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("port", ["99999", "-1"])
+def test_a_port_out_of_range_is_refused_before_loading(capsys, port):
+    """``--port 99999`` was an OverflowError traceback after the model had loaded (a fresh user's run,
+    session 15): now argparse refuses it at once, with the range."""
+    from mlx_dflash2.server.cli import setup_arg_parser
+
+    with pytest.raises(SystemExit) as e:
+        setup_arg_parser().parse_args(["--port", port])
+    assert e.value.code == 2 and "0..65535" in capsys.readouterr().err

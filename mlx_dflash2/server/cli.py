@@ -43,6 +43,13 @@ def _non_negative(text: str) -> int:
     return v
 
 
+def _port(text: str) -> int:
+    v = int(text)
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 0..65535, got {v}")
+    return v
+
+
 def _json_object(text: str) -> dict:
     try:
         v = json.loads(text)
@@ -72,7 +79,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", "--num-draft-tokens", type=_positive, default=None,
                    help="block size B (verify width; 1 = no drafting); default the drafter's")
     p.add_argument("--host", default="127.0.0.1", help="host to listen on (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
+    p.add_argument("--port", type=_port, default=8080, help="port, 0..65535 (default: 8080)")
     p.add_argument("--allowed-origins", type=lambda x: x.split(","), default=["*"],
                    help="comma-separated CORS origins (default: *)")
     p.add_argument("--temp", type=float, default=0.0, help="default sampling temperature (0 = greedy)")

@@ -68,21 +68,23 @@ def quick_calibration(tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def shared_embedded_load(monkeypatch, smol_f32):
-    """``load_target`` of the embedded model as dense float32 (what ``load()`` does by default on the CPU)
-    answered with the session's ``smol_f32`` (the identical load, never mutated), for tests of what ``load()``
-    builds around the target rather than of loading it (test_cli_api.py::test_load_default loads it). Any other
-    request loads for real."""
+def shared_embedded_load(monkeypatch, request):
+    """``load_target`` of the embedded model in float32, dense (what ``load()`` does by default on the CPU) or
+    packed (``dequantize=False``), answered with the session's ``smol_f32`` / ``smol_q`` (the identical loads,
+    never mutated), for tests of what ``load()`` and the CLI build around the target rather than of loading it
+    (test_cli_api.py::test_load_default and the CLI's subprocess tests load it). Any other request loads for
+    real."""
     from mlx_dflash2 import assets, loading
 
     real = loading.load_target
-    target, tok = smol_f32
 
     def load_target(path_or_hf_repo=None, *, dtype="auto", dequantize=False, kernels=None):
         want = loading._default_dtype() if dtype == "auto" else getattr(mx, dtype) if isinstance(dtype, str) else dtype
         dense = dequantize is True or (dequantize is None and mx.default_device() == mx.cpu)
-        if path_or_hf_repo is None and want == mx.float32 and dense and kernels in (None, "auto", target.kernels):
-            return target, tok, assets.DEFAULT_MODEL
+        if path_or_hf_repo is None and want == mx.float32:
+            target, tok = request.getfixturevalue("smol_f32" if dense else "smol_q")
+            if kernels in (None, "auto", target.kernels):
+                return target, tok, assets.DEFAULT_MODEL
         return real(path_or_hf_repo, dtype=dtype, dequantize=dequantize, kernels=kernels)
 
     monkeypatch.setattr(loading, "load_target", load_target)

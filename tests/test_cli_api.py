@@ -39,23 +39,38 @@ def test_cli_generates_with_stats(lookup_cli_run):
     assert "Traceback" not in r.stderr and "RuntimeWarning" not in r.stderr
 
 
-def test_cli_adaptive_flags_end_to_end():
+def _main(argv, capsys):
+    """The CLI's main() in this process: (exit status, stdout, stderr)."""
+    from mlx_dflash2.generate import main
+
+    rc = main(argv)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_cli_adaptive_flags_end_to_end(capsys, shared_embedded_load):
     """--adaptive puts a pinned drafter under the schedule, --no-adaptive takes the default's off (the
-    verbose summary names the proposer); both outputs are the same."""
-    prompt = ("--prompt", "Write a Python function that returns the square of x.", "--max-tokens", "24", "--verbose")
-    a = cli(*prompt, "--drafter", "shipped", "--adaptive")
-    b = cli(*prompt, "--no-adaptive")
-    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
-    assert "Drafter: DFlash2DraftModel+lookup (adaptive)" in a.stdout
-    assert "Drafter: DFlash2DraftModel+lookup," in b.stdout
-    text = [r.stdout.split("\n==========")[0] for r in (a, b)]
+    verbose summary names the proposer); both outputs are the same. Through main() in this process, on the
+    session's dense target (the CLI's own process and load: the other CLI tests)."""
+    prompt = ["--prompt", "Write a Python function that returns the square of x.", "--max-tokens", "24", "--verbose"]
+    a = _main([*prompt, "--drafter", "shipped", "--adaptive"], capsys)
+    b = _main([*prompt, "--no-adaptive"], capsys)
+    assert a[0] == 0 and b[0] == 0, a[2] + b[2]
+    assert "Drafter: DFlash2DraftModel+lookup (adaptive)" in a[1]
+    assert "Drafter: DFlash2DraftModel+lookup," in b[1]
+    text = [r[1].split("\n==========")[0] for r in (a, b)]
     assert text[0] == text[1] and text[0].strip()
 
 
-def test_cli_stdin_prompt_and_raw_mode():
-    r = cli("--prompt", "-", "--max-tokens", "5", "--drafter", "none", "--ignore-chat-template", stdin="1, 2, 3, 4,")
-    assert r.returncode == 0, r.stderr
-    assert "5" in r.stdout
+def test_cli_stdin_prompt_and_raw_mode(capsys, monkeypatch, shared_embedded_load):
+    """`--prompt -` reads stdin; --ignore-chat-template decodes it raw (main() in this process, on the
+    session's dense target)."""
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("1, 2, 3, 4,"))
+    rc, out, err = _main(["--prompt", "-", "--max-tokens", "5", "--drafter", "none", "--ignore-chat-template"], capsys)
+    assert rc == 0, err
+    assert "5" in out
 
 
 CLI_ERRORS = [
@@ -284,8 +299,9 @@ def test_load_default():
     assert mx.default_device() == mx.cpu and "quantization" not in model.target.config
 
 
-def test_auto_dequantize_rule(smol_q):
-    """Dense on CPU only for a quantized target within the limit; --no-dequantize keeps the packed weights."""
+def test_auto_dequantize_rule(smol_q, shared_embedded_load):
+    """Dense on CPU only for a quantized target within the limit; --no-dequantize keeps the packed weights
+    (load() asks for the packed target: the session's smol_q answers that request)."""
     from mlx_dflash2 import loading
 
     model = smol_q[0].model
@@ -434,7 +450,7 @@ def test_a_copy_of_the_embedded_gguf_gets_the_shipped_drafter(tmp_path, monkeypa
     assert shipped_drafter_path(str(other)) is None
 
 
-def test_shipped_drafter_dequantized_and_counted(smol_f32):
+def test_shipped_drafter_dequantized_and_counted(smol_f32, capsys, shared_embedded_load):
     """--dequantize expands the shipped 4-bit drafter too (same proposals: dequantization is exact);
     its parameter count is that of the float drafter, quantized or not."""
     from mlx_dflash2.drafter import is_quantized, load_drafter
@@ -448,9 +464,12 @@ def test_shipped_drafter_dequantized_and_counted(smol_f32):
     assert param_count(q.model) == param_count(d.model) == 19_667_072
     raw = load_drafter(shipped_drafter_path("smollm2-135m-instruct"), target, tok)
     assert param_count(raw) == 19_667_072
-    r = subprocess.run([sys.executable, "-m", "mlx_dflash2.drafter", "info", "shipped"], capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0 and "parameters: 19.67M" in r.stdout, r.stderr
+    from mlx_dflash2.drafter.cli import main
+
+    capsys.readouterr()
+    rc = main(["info", "shipped"])  # `mlx_dflash2.drafter info shipped`, against the session's packed target
+    out = capsys.readouterr()
+    assert rc == 0 and "parameters: 19.67M" in out.out, out.err
 
 
 def test_unresolvable_hub_id_is_one_clear_line(monkeypatch):

@@ -538,6 +538,19 @@ def _stream_completion(url, body, leave_after=None):
     return text, finish, usage["completion_tokens"]
 
 
+_solo_answers: dict = {}
+
+
+def _solo(url, body):
+    """The solo server's (``rr_srv``) streamed answer to ``body``, asked once per session: greedy and seeded
+    answers are deterministic (warm == cold is tested), so the batching tests that compare with the same
+    solo answers share them."""
+    key = (url, json.dumps(body, sort_keys=True))
+    if key not in _solo_answers:
+        _solo_answers[key] = _stream_completion(url, body)
+    return _solo_answers[key]
+
+
 BATCH_REQS = [
     {"prompt": "The capital of France is", "max_tokens": 12},
     {"prompt": "Once upon a time, in a small village,", "max_tokens": 16},
@@ -558,10 +571,10 @@ def test_batched_concurrent_greedy_requests_equal_solo(srv, rr_srv, http):
     """Concurrent greedy requests (different prompts, max_tokens, a stop string) go through one batched
     round and each gets exactly its solo output (text, finish reason, usage), the solo reference being
     the round-robin path; a bad request sent meanwhile is still a 400, and /metrics shows the batch."""
-    text = _stream_completion(rr_srv.url, BATCH_REQS[1])[0]
+    text = _solo(rr_srv.url, BATCH_REQS[1])[0]
     stop = text[len(text) // 2: len(text) // 2 + 3]
     bodies = BATCH_REQS + [{**BATCH_REQS[1], "stop": [stop]}]
-    solo = [_stream_completion(rr_srv.url, b) for b in bodies]
+    solo = [_solo(rr_srv.url, b) for b in bodies]
     assert solo[-1][:2] == (text[: text.index(stop)], "stop")
     assert [_stream_completion(srv.url, b) for b in bodies] == solo  # one at a time: a batch of one
     before = metrics(http)
@@ -586,7 +599,7 @@ def test_batched_limit_waits_in_order(smol_f32, rr_srv):
     target, tokenizer = smol_f32
     s = make_server(target, tokenizer, engine_kw={"max_batch": 2})
     try:
-        solo = [_stream_completion(rr_srv.url, b) for b in BATCH_REQS]
+        solo = [_solo(rr_srv.url, b) for b in BATCH_REQS]
         assert _run_together(s.url, BATCH_REQS) == solo
         m = httpx.get(f"{s.url}/metrics", params={"format": "json"}).json()
         assert 1 < m["batch_size_mean"] <= 2 and m["requests_active"] == 0
@@ -598,7 +611,7 @@ def test_sampled_request_alongside_batched_ones(srv, rr_srv):
     """A seeded sampled request served next to greedy ones: every output equals its solo one."""
     sampled = {"prompt": "Tell me a story about a cat.", "max_tokens": 10, "temperature": 0.9, "seed": 5}
     bodies = BATCH_REQS[:3] + [sampled]
-    solo = [_stream_completion(rr_srv.url, b) for b in bodies]
+    solo = [_solo(rr_srv.url, b) for b in bodies]
     assert _run_together(srv.url, bodies) == solo
 
 
@@ -652,7 +665,7 @@ def test_every_request_kind_batched_equals_solo(srv, rr_srv, http):
 def test_batched_disconnect_mid_batch_leaves_others_exact(srv, rr_srv, http):
     """A client that leaves while its request is a row of the batch: its row is freed at the next round,
     the others' outputs are unchanged."""
-    solo = [_stream_completion(rr_srv.url, b) for b in BATCH_REQS[:3]]
+    solo = [_solo(rr_srv.url, b) for b in BATCH_REQS[:3]]
     before = metrics(http)
     leaver = {"prompt": "Write a very long essay about the history of Rome.", "max_tokens": 200}
     got = _run_together(srv.url, BATCH_REQS[:3],

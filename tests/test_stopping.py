@@ -43,20 +43,38 @@ def _model(target, prop):
     return SpeculativeModel(target, prop, B, "test", target.config)
 
 
-@pytest.mark.parametrize("offset", range(B))
-def test_eos_at_every_block_offset(smol_f32, story, offset):
+@pytest.fixture(scope="module")
+def eos_run(smol_f32, story):
+    """``eos_run(offset)``: the story decoded with its token j (the first new one past the first block) declared
+    EOS and a scripted drafter that puts j at ``offset`` of its round: ``(j, schedule, responses, cache length
+    after)``. Made once per offset (deterministic) and read by the two tests below."""
     target, tok = smol_f32
     ids, ref = story
-    j = _first_occurrences(ref, B + 2, 60)[0]
-    sched = _shift_schedule(j, offset)
-    prop = ScriptedProposer(len(ids), ref, sched, B, target.vocab_rows)
-    saved = tok.eos_token_ids
-    tok.eos_token_ids = {ref[j]}
-    state = GenerationState()
-    try:
-        resps = list(stream_generate(_model(target, prop), tok, ids, max_tokens=60, state=state))
-    finally:
-        tok.eos_token_ids = saved
+    runs = {}
+
+    def get(offset):
+        if offset not in runs:
+            j = _first_occurrences(ref, B + 2, 60)[0]
+            sched = _shift_schedule(j, offset)
+            prop = ScriptedProposer(len(ids), ref, sched, B, target.vocab_rows)
+            saved = tok.eos_token_ids
+            tok.eos_token_ids = {ref[j]}
+            state = GenerationState()
+            try:
+                resps = list(stream_generate(_model(target, prop), tok, ids, max_tokens=60, state=state))
+            finally:
+                tok.eos_token_ids = saved
+            runs[offset] = (j, sched, resps, cache_length(state.cache))
+        return runs[offset]
+
+    return get
+
+
+@pytest.mark.parametrize("offset", range(B))
+def test_eos_at_every_block_offset(smol_f32, story, eos_run, offset):
+    target, tok = smol_f32
+    ids, ref = story
+    j, sched, resps, cached = eos_run(offset)
     toks = [r.token for r in resps]
     assert toks == ref[: j + 1]
     assert resps[-1].finish_reason == "stop"
@@ -65,28 +83,19 @@ def test_eos_at_every_block_offset(smol_f32, story, offset):
     text = "".join(r.text for r in resps)
     assert text == tok.decode(ref[:j])
     # nothing after the EOS in the cache: prompt + emitted[:-1]
-    assert cache_length(state.cache) == len(ids) + j
+    assert cached == len(ids) + j
     stats = resps[-1].stats
     assert stats.generated_tokens == j + 1
     assert stats.round_tokens == j  # the first token came from prefill
 
 
 @pytest.mark.parametrize("offset", range(B))
-def test_draft_counters_end_at_the_stop(smol_f32, story, offset):
+def test_draft_counters_end_at_the_stop(story, eos_run, offset):
     """An EOS at every offset of an all-accepted block: drafted/accepted count only the drafts at or before
     it, and the per-position statistics agree (the drafts verified after it were counted: 14 drafted for 10
     emitted drafts, all accepted, read an acceptance rate of 0.714)."""
-    target, tok = smol_f32
     ids, ref = story
-    j = _first_occurrences(ref, B + 2, 60)[0]
-    sched = _shift_schedule(j, offset)  # a rejection in round 1 (unless it accepts all), then full blocks
-    prop = ScriptedProposer(len(ids), ref, sched, B, target.vocab_rows)
-    saved = tok.eos_token_ids
-    tok.eos_token_ids = {ref[j]}
-    try:
-        resps = list(stream_generate(_model(target, prop), tok, ids, max_tokens=60))
-    finally:
-        tok.eos_token_ids = saved
+    j, sched, resps, _ = eos_run(offset)  # sched: a rejection in round 1 (unless it accepts all), then full blocks
     assert [r.token for r in resps] == ref[: j + 1]
     stats = resps[-1].stats
     accepted = sum(r.from_draft for r in resps)

@@ -36,13 +36,7 @@ import mlx.core as mx  # noqa: E402
 
 import random_targets as rt  # noqa: E402
 from mlx_dflash2 import kernels as K  # noqa: E402
-from mlx_dflash2.target import TargetAdapter  # noqa: E402
-
-
-def rel(ref: list, other: list) -> float:
-    """The probe's measure: max |difference| over the probe's logits, over the reference's max |logit| (>= 1)."""
-    scale = max(max(mx.abs(r).max().item() for r in ref), 1.0)
-    return max(mx.abs(r - o).max().item() for r, o in zip(ref, other)) / scale
+from mlx_dflash2.target import TargetAdapter, _relative_difference as rel  # noqa: E402
 
 
 def probe_shape(name: str) -> dict:

@@ -23,9 +23,11 @@
 #              memory; one part per call: it wants most of a call, T_HYBRID=540 with RUN_BUDGET=570 alone)
 #   probe      benchmarks/gpu/probe_routes.py --shape $PROBE_SHAPES -> probe.json (issue 20: which route moves the
 #              routed target's logits, and how much the model itself moves between bf16 and float32 activations)
+#   trace      benchmarks/gpu/trace_chain.py --trace --forward -> trace.json (issue 19: a routed matmul's per-call
+#              cost split into host build, encode + GPU and GPU kernel time; MLX's custom-kernel path itself)
 # Env: OUT (the device tool sets it), PAYLOAD (~/payload), GGUF, PY (python3), MLX_PTX_CACHE_DIR (default ~/ptx: it stays for
 # the machine's lease, so only the first MLX process compiles), RUN_BUDGET (default 570), T_SELFTEST (180),
-# T_CHECK (150), T_KERNELS (180), T_SCALING (420), T_EXACTNESS (240), T_SETS (300), T_HYBRID (400), T_PROBE (300), PROBE_SHAPES (hybrid-27b,dense-27b), KERNEL_SHAPES
+# T_CHECK (150), T_KERNELS (180), T_SCALING (420), T_EXACTNESS (240), T_SETS (300), T_HYBRID (400), T_PROBE (300), T_TRACE (240), PROBE_SHAPES (hybrid-27b,dense-27b), KERNEL_SHAPES
 # (qwen3-8b), SCALING_SHAPES (qwen3-8b,dense-27b), HYBRID_SHAPES (hybrid-27b,dense-27b), HYBRID_CONTEXTS
 # (1024,8192,32768), ARGS_<PART> (more arguments for that part's script).
 # SMOKE=1: every part at toy size on any machine (CPU included) to check this driver.
@@ -45,9 +47,9 @@ RUNLOG="$OUT/run.log"
 say() { echo "[run.sh $(date +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*" | tee -a "$RUNLOG"; }
 smi() { command -v nvidia-smi >/dev/null && say "nvidia-smi: $(nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem,temperature.gpu,driver_version --format=csv,noheader 2>&1 | head -1)"; }
 
-[ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu/run.sh PART...   (selftest check kernels scaling exactness sets hybrid probe)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu/run.sh PART...   (selftest check kernels scaling exactness sets hybrid probe trace)" >&2; exit 2; }
 for p in "$@"; do
-  case $p in selftest|check|kernels|scaling|exactness|sets|hybrid|probe) ;; *) echo "unknown part: $p" >&2; exit 2;; esac
+  case $p in selftest|check|kernels|scaling|exactness|sets|hybrid|probe|trace) ;; *) echo "unknown part: $p" >&2; exit 2;; esac
 done
 $PY -c "import gguf" 2>/dev/null || $PY -m pip install -q --no-index --no-deps "$PAYLOAD"/gguf-*.whl 2>&1 | tail -2
 if [ ! -f "$GGUF" ]; then  # elsewhere (a CPU smoke run): the embedded model's GGUF, if installed
@@ -71,7 +73,7 @@ for p in "$@"; do
   def=$(eval echo "\${T_$P:-}")
   case $p in selftest) def=${def:-180};; check) def=${def:-150};; kernels) def=${def:-180};;
              scaling) def=${def:-420};; exactness) def=${def:-240};; sets) def=${def:-300};; hybrid) def=${def:-400};;
-             probe) def=${def:-300};; esac
+             probe) def=${def:-300};; trace) def=${def:-240};; esac
   left=$(( RUN_BUDGET - ($(date +%s) - T0) - 5 ))
   t=$(( def < left ? def : left ))
   if [ "$t" -lt 20 ]; then say "part $p: skipped (${left} s left of RUN_BUDGET)"; status=1; continue; fi
@@ -87,6 +89,7 @@ for p in "$@"; do
     exactness) cmd=($PY benchmarks/gpu/exactness.py --gguf "$GGUF" $TINY --budget "$b" --out "$OUT/exactness.json") ;;
     sets)      cmd=($PY benchmarks/gpu/smollm2_sets.py --model "$GGUF" $TINY --budget "$b" --out "$OUT/sets.json") ;;
     hybrid)    cmd=($PY benchmarks/bench_hybrid.py --shapes "$HSHAPES" --contexts "$HCTX" --budget "$b" --out "$OUT/hybrid.json") ;;
+    trace)     cmd=($PY benchmarks/gpu/trace_chain.py --trace --forward $TINY --out "$OUT/trace.json") ;;
     probe)     cmd=($PY benchmarks/gpu/probe_routes.py $(printf -- '--shape %s ' ${PSHAPES//,/ }) --out "$OUT/probe.json") ;;
   esac
   [ "$SMOKE" = 1 ] && [ "$p" = kernels ] && cmd=("${cmd[@]}" --rows 1,16 --kv 1024 --repeats 2)

@@ -286,6 +286,12 @@ BAD = [
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"n": 2}, "n"),
     ({"seed": -1}, "seed"),
+    ({"seed": 2**64}, "seed"),
+    ({"repetition_context_size": 0}, "repetition_context_size"),
+    ({"frequency_context_size": 0}, "frequency_context_size"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"top_p": float("nan")}, "top_p"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"),
     ({"logit_bias": {"abc": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 1000}}, "logit_bias"),
     ({"logit_bias": {"99999999": 1}}, "logit_bias"),
@@ -300,13 +306,28 @@ BAD = [
 def test_bad_payloads_get_400_then_server_works(http, patch, param):
     body = {"model": MODEL_ID, "messages": chat_msgs("Hi"), "max_tokens": 2, **patch}
     for stream in (False, True):
-        r = http.post("/v1/chat/completions", json={**body, "stream": patch.get("stream", stream)})
+        r = http.post("/v1/chat/completions", content=json.dumps({**body, "stream": patch.get("stream", stream)}),
+                      headers={"content-type": "application/json"})  # json.dumps writes Infinity / NaN as JS does
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["type"] == "invalid_request_error" and err["param"] == param, err
         assert err["message"] and "Value error," not in err["message"]
     ok = http.post("/v1/chat/completions", json={"messages": chat_msgs("Hi"), "max_tokens": 1})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 1
+
+
+def test_bad_payload_messages_name_what_to_send(http):
+    """A fresh user's run: a JSON body sent as text/plain was "not a JSON object", Infinity was reported as
+    the internal name ``temp``, the seed's bound printed as a rounded float; each now says what to send."""
+    body = {"messages": chat_msgs("Hi"), "max_tokens": 2}
+    r = http.post("/v1/chat/completions", content=json.dumps(body), headers={"content-type": "text/plain"})
+    assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"], r.text
+    r = http.post("/v1/chat/completions", content=json.dumps({**body, "temperature": float("inf")}),
+                  headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "finite" in r.json()["error"]["message"] and "temp:" not in r.text
+    r = http.post("/v1/chat/completions", json={**body, "seed": 2**64})
+    assert "18446744073709551615" in r.json()["error"]["message"]
+    assert http.post("/v1/chat/completions", json={**body, "seed": 2**64 - 1}).status_code == 200
 
 
 def test_unknown_model_is_404_model_not_found(http, client):

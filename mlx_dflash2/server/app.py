@@ -166,7 +166,12 @@ def create_app(engine: Engine, settings: Optional[ServerSettings] = None) -> Fas
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        return error_response(_validation_error(exc))
+        err = _validation_error(exc)
+        ctype = request.headers.get("content-type", "")
+        if err.param is None and "json" not in ctype.lower():  # the body was not parsed as JSON at all
+            err = bad_request(f"the request body must be a JSON object sent with 'Content-Type: application/json' "
+                              f"(got {ctype or 'no Content-Type'!r})")
+        return error_response(err)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):

@@ -88,7 +88,8 @@ Penalty = Optional[StrictFloat]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # non-finite numbers (JSON's Infinity / NaN, which Python's parser accepts) are refused by name
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class TextPart(_Request):
@@ -128,15 +129,15 @@ class _GenerationFields(_Request):
     top_k: Optional[StrictInt] = Field(None, ge=0, description="top-k sampling (0: off)")
     min_p: Optional[StrictFloat] = Field(None, ge=0, le=1, description="min-p sampling (0: off)")
     repetition_penalty: Penalty = Field(None, ge=0, description="multiplicative penalty (0 or 1: off)")
-    repetition_context_size: Optional[StrictInt] = Field(None, ge=0, le=1_000_000)
+    repetition_context_size: Optional[StrictInt] = Field(None, ge=1, le=1_000_000)
     presence_penalty: Penalty = Field(None, ge=-2, le=2)
-    presence_context_size: Optional[StrictInt] = Field(None, ge=0, le=1_000_000)
+    presence_context_size: Optional[StrictInt] = Field(None, ge=1, le=1_000_000)
     frequency_penalty: Penalty = Field(None, ge=-2, le=2)
-    frequency_context_size: Optional[StrictInt] = Field(None, ge=0, le=1_000_000)
+    frequency_context_size: Optional[StrictInt] = Field(None, ge=1, le=1_000_000)
     logit_bias: Optional[Dict[StrictStr, StrictFloat]] = Field(
         None, description='token id (as a string) -> bias in [-100, 100], e.g. {"1234": -100}'
     )
-    seed: Optional[StrictInt] = Field(None, ge=0, le=2**64 - 1)
+    seed: Optional[StrictInt] = Field(None, description="random seed, an integer in [0, 2**64 - 1]")
     stop: Optional[Union[StrictStr, List[StrictStr]]] = Field(
         None, description="stop string(s); generation ends at the first, which is not returned"
     )
@@ -144,6 +145,14 @@ class _GenerationFields(_Request):
     num_draft_tokens: Optional[StrictInt] = Field(
         None, ge=1, le=64, description="block size B for this request (1: no drafting; default --block-size)"
     )
+
+    @field_validator("seed")
+    @classmethod
+    def _check_seed(cls, v):
+        # a Field(le=2**64 - 1) prints its bound as a rounded float (18446744073709552000)
+        if v is not None and not 0 <= v <= 2**64 - 1:
+            raise ValueError(f"must be an integer in [0, 18446744073709551615] (2**64 - 1), got {v}")
+        return v
 
     @field_validator("logit_bias")
     @classmethod

@@ -378,7 +378,8 @@ class TargetAdapter:
     def route_kernels(self, mode: str | None = None, force: bool = False, probe: bool = True) -> int:
         """Run this target's layers through the kernel registry (this model object only).
 
-        Swaps every affine ``QuantizedLinear`` for a :class:`~.kernels.KernelQuantizedLinear`, the
+        Swaps every affine ``QuantizedLinear`` for a :class:`~.kernels.KernelQuantizedLinear`, the SwiGLU
+        MLPs for a :class:`~.kernels.KernelMLP` (gate and up in one launch), the
         attention of the dense families for a :class:`~.kernels.KernelAttention`, a tied quantized
         LM head for ``kernels.qmm`` and the GatedDeltaNet mixers of hybrid targets for their stepping
         versions (:func:`~.kernels.route_gated_delta`: a verify block keeps every step's state, so a
@@ -419,7 +420,8 @@ class TargetAdapter:
         t_ref = self.time_step() if mode == "auto" else None
         emb = self.inner.embed_tokens
         dense = self.config.get("model_type") in DENSE_MODEL_TYPES  # KernelAttention knows their attention
-        swaps = (K.route_quantized_linears(self.model, mode) + (K.route_attention(self.layers, mode) if dense else [])
+        swaps = K.route_quantized_linears(self.model, mode)
+        swaps += (K.route_mlps(self.layers, mode) + (K.route_attention(self.layers, mode) if dense else [])
                  + K.route_gated_delta(self.model, mode))  # hybrid: every step's state kept in a verify block
         head = self.lm.lm_head if hasattr(self.lm, "lm_head") else emb.as_linear
         if not hasattr(self.lm, "lm_head") and isinstance(emb, nn.QuantizedEmbedding) and getattr(emb, "mode", "affine") == "affine":

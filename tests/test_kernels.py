@@ -42,6 +42,65 @@ def test_quantized_linear_routing_is_the_same_layer():
     assert nn.QuantizedLinear.__call__ is not KernelQuantizedLinear.__call__  # no class was touched
 
 
+def test_mlp_routing_fuses_gate_and_up_without_changing_the_model():
+    """route_mlps: one qmm over [W_gate; W_up] per SwiGLU MLP, the gate and up layers rebound to row views of
+    the fused arrays (no second copy in the parameter tree), the same output, undone by undo_routes."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import qwen3
+
+    from mlx_dflash2.kernels.qmm import KernelMLP, route_mlps, undo_routes
+
+    args = qwen3.ModelArgs(model_type="qwen3", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
+                           vocab_size=300, rope_theta=1e4, max_position_embeddings=512, tie_word_embeddings=True)
+    model = qwen3.Model(args)
+    nn.quantize(model, group_size=64, bits=4)
+    mx.eval(model.parameters())
+    ids = mx.array([[1, 5, 9, 13, 200, 7]])
+    before = model(ids)
+    params_before = tree_flatten(model.parameters())
+    swaps = route_quantized_linears(model)
+    swaps += route_mlps(model.model.layers)
+    assert all(isinstance(layer.mlp, KernelMLP) for layer in model.model.layers)
+    after = model(ids)
+    assert mx.allclose(after, before, atol=1e-5, rtol=1e-5), float(mx.abs(after - before).max())
+    params_after = tree_flatten(model.parameters())
+    assert len(params_after) == len(params_before)  # the fused arrays are not listed beside the views
+    mlp = model.model.layers[0].mlp
+    n = mlp.hidden
+    for k in ("weight", "scales", "biases"):
+        assert mx.array_equal(mlp.gate_up[k][:n], mlp.inner.gate_proj[k])
+        assert mx.array_equal(mlp.gate_up[k][n:], mlp.inner.up_proj[k])
+    undo_routes(swaps)
+    assert isinstance(model.model.layers[0].mlp, qwen3.MLP)
+    assert isinstance(model.model.layers[0].mlp.gate_proj, nn.QuantizedLinear)
+    assert mx.array_equal(model(ids), before)
+
+
+def test_routed_linear_binds_each_call_signature_once():
+    """KernelQuantizedLinear decides kernel or reference once per (shape, dtype, device) and reuses it."""
+    import mlx.nn as nn
+
+    lin = nn.QuantizedLinear(128, 64, bias=True, group_size=64, bits=4)
+    mx.eval(lin.parameters())
+    k = KernelQuantizedLinear(lin, mode="reference")
+    for rows in (1, 3, 1, 3, 1):
+        x = mx.random.normal((rows, 128))
+        assert mx.array_equal(k(x), lin(x))
+    assert len(k._bound) == 2
+
+
+def test_backend_lookup_is_cached_not_grown_per_call():
+    """registry.backend() is asked on every op call: its cache was keyed by MLX Device objects, which hash by
+    identity, so it never hit and grew by one entry per call (a leak over a long server run)."""
+    registry.backend()
+    n = len(registry._backend_of)
+    for _ in range(100):
+        registry.backend()
+    assert len(registry._backend_of) == n
+
+
 class _FakeOp(registry.KernelOp):
     """A kernel that fails to build, disagrees, or is not row-invariant, as configured."""
 
@@ -237,12 +296,12 @@ def _tiny_quantized_target(model_type="qwen3"):
     return TargetAdapter(model, cfg, vocab_size=500)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "llama"])
+@pytest.mark.parametrize("model_type", ["qwen3", "llama", "qwen2"])  # qwen2: q, k, v with additive biases
 def test_target_routing_keeps_the_model(model_type):
     """The target's layers routed through the registry (forced on the CPU, where the ops are their
     references) compute exactly what mlx-lm's modules compute, and speculative decoding on the routed
     target still equals plain decoding."""
-    from mlx_dflash2.kernels import KernelAttention, KernelQuantizedLinear
+    from mlx_dflash2.kernels import KernelAttention, KernelMLP, KernelQuantizedLinear
     from mlx_dflash2.proposers import LookupProposer
     from mlx_dflash2.speculative import speculative_generate_step
 
@@ -253,8 +312,9 @@ def test_target_routing_keeps_the_model(model_type):
     plain = [tok for tok, _, _ in speculative_generate_step(prompt, t, None, max_tokens=20)]
     assert t.route_kernels("auto") == 0  # the CPU backend: nothing to route
     n = t.route_kernels("kernel", force=True)
-    assert n == 3 * 7 + 3 and t.kernels == "kernel"
-    assert isinstance(t.layers[0].self_attn, KernelAttention)
+    assert n == 3 * 7 + 3 + 3 and t.kernels == "kernel"  # linears, MLPs (gate and up fused), attention
+    assert isinstance(t.layers[0].self_attn, KernelAttention) and isinstance(t.layers[0].mlp, KernelMLP)
+    assert t.layers[0].self_attn.qkv is not None  # q, k, v in one call
     assert isinstance(t.layers[0].mlp.down_proj, KernelQuantizedLinear)
     assert mx.array_equal(t.forward(ids, t.make_cache()).logits, before)
     spec = [tok for tok, _, _ in speculative_generate_step(prompt, t, LookupProposer(block_size=6), max_tokens=20)]

@@ -19,7 +19,8 @@ Chains: the q projection (4096 x 4096, 4-bit g64, bf16) with MLX's ``quantized_m
 kernel as the registry launches it, and the kernel with its parameter array made on the GPU (MLX puts a
 host-made array in managed memory); a trivial one-thread-per-element ``cuda_kernel`` (``y = x + 1``) next
 to ``x + 1``: the cost of MLX's custom-kernel path itself. Then the one-token forward of the random 8B
-shape, unrouted and routed (``--forward``).
+shape, unrouted and routed as the target adapter routes it (``--forward``: quantized linears, gate and up
+fused, q, k and v fused, the verify attention).
 
     python benchmarks/gpu/trace_chain.py --out $OUT/trace.json [--trace] [--forward]
 
@@ -236,13 +237,15 @@ def main(argv=None):
         from random_targets import build_target, twin
         from mlx_lm.models.cache import make_prompt_cache
 
-        from mlx_dflash2.kernels.qmm import route_quantized_linears
+        from mlx_dflash2.kernels import route_attention, route_mlps, route_quantized_linears
 
         name = "tiny" if a.tiny else "qwen3-8b"
         model, cfg = build_target(name)
         routed = twin(model, cfg)
-        if be == "cuda":
+        if be == "cuda":  # as TargetAdapter.route_kernels routes a dense target (without its probes)
             route_quantized_linears(routed, mode="kernel")
+            route_mlps(routed.model.layers, mode="kernel")
+            route_attention(routed.model.layers, mode="kernel")
         ctx = 64 if a.tiny else 1024
         for kind, m in (("mlx", model), ("kernel", routed)):
             for M in (1, 16):

@@ -19,7 +19,7 @@ from .dynamic_conv import dynamic_conv
 from .gated_delta_steps import gated_delta_steps, select_states
 from .gdn import route_gated_delta
 from .greedy_accept import greedy_accept
-from .qmm import KernelQuantizedLinear, qmm, route_quantized_linears, undo_routes
+from .qmm import KernelMLP, KernelQuantizedLinear, qmm, route_mlps, route_quantized_linears, undo_routes
 from .registry import ENV, MODES, KernelError, KernelOp, backend, check_mode, default_mode
 from .selector_walk import selector_walk
 
@@ -28,5 +28,5 @@ OPS = {op.name: op for op in (qmm, verify_attention, dynamic_conv, selector_walk
 
 __all__ = ["route_gated_delta", "OPS", "qmm", "verify_attention", "dynamic_conv", "selector_walk", "greedy_accept", "gated_delta_steps",
            "select_states", "KernelOp",
-           "KernelError", "KernelQuantizedLinear", "KernelAttention", "route_quantized_linears", "route_attention", "undo_routes",
+           "KernelError", "KernelQuantizedLinear", "KernelMLP", "KernelAttention", "route_quantized_linears", "route_mlps", "route_attention", "undo_routes",
            "backend", "check_mode", "default_mode", "MODES", "ENV"]

@@ -155,13 +155,25 @@ class KernelAttention(nn.Module):
     """An mlx-lm attention module of a supported family whose attention core goes through
     :data:`verify_attention` when the new rows are at most 16 and the cache is a plain ``KVCache``
     (prefill chunks and other caches keep mlx-lm's ``scaled_dot_product_attention``). The module's
-    own projections, norms and RoPE are reused (not copied).
+    own projections, norms and RoPE are reused (not copied); routed q, k and v projections
+    (:func:`~.qmm.route_quantized_linears` first) are fused into one ``qmm`` call over their
+    concatenated rows (:func:`~.qmm.fuse_linears`; one launch instead of three per layer).
     """
 
     def __init__(self, attn: nn.Module, mode: str | None = None):
+        from .qmm import fusable, fuse_linears
+
         super().__init__()
         self.inner = attn
         self.kernel_mode = mode
+        parts = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
+        qkv, splits = None, None
+        if fusable(parts):  # q, k and v in one qmm call (their layers rebound to row views of the fused arrays)
+            nq, nk = (int(p["weight"].shape[0]) for p in parts[:2])
+            qkv, splits = fuse_linears(parts, mode), (nq, nq + nk)
+        # plain attributes, outside the module tree (the fused arrays are the views' buffers: not listed twice)
+        object.__setattr__(self, "qkv", qkv)
+        object.__setattr__(self, "splits", splits)
 
     def __call__(self, x, mask=None, cache=None):
         from mlx_lm.models.base import scaled_dot_product_attention
@@ -169,7 +181,11 @@ class KernelAttention(nn.Module):
 
         a = self.inner
         B, L, _ = x.shape
-        q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
+        if self.qkv is not None:
+            y, (i, j) = self.qkv(x), self.splits
+            q, k, v = y[..., :i], y[..., i:j], y[..., j:]
+        else:
+            q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
         q = q.reshape(B, L, a.n_heads, -1)
         k = k.reshape(B, L, a.n_kv_heads, -1)
         if hasattr(a, "q_norm"):

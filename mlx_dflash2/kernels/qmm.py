@@ -24,8 +24,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .registry import KernelOp, KernelSpec, int_params
+from .registry import backend as backend_of_default
 
-__all__ = ["QuantizedMatmul", "qmm", "KernelQuantizedLinear", "route_quantized_linears", "undo_routes", "qmm_config"]
+__all__ = ["QuantizedMatmul", "qmm", "KernelQuantizedLinear", "KernelMLP", "route_quantized_linears", "route_mlps", "undo_routes",
+           "qmm_config", "MLP_CLASSES", "fuse_linears", "fusable"]
 
 MAX_ROWS = 16
 BITS = (4, 8)
@@ -143,25 +145,62 @@ class QuantizedMatmul(KernelOp):
         return (x.shape, x.dtype, w.shape, w.dtype, scales.dtype, None if biases is None else biases.dtype,
                 group_size, bits)
 
-    def launch(self, backend, x, w, scales, biases, group_size, bits, config=None):
-        shape, N = x.shape, w.shape[0]
-        key = (backend, shape, N, group_size, bits, x.dtype, config)
+    def _geometry(self, backend, shape, N, group_size, bits, dtype, config=None):
+        """``(template, grid, threadgroup, output shapes, params)`` of a call signature (worked out once)."""
+        key = (backend, shape, N, group_size, bits, dtype, config)
         geo = self._geo.get(key)
-        if geo is None:  # the launch geometry of a call signature, worked out once
+        if geo is None:
             K = shape[-1]
             M = math.prod(shape[:-1])
-            nt, warps, u = config or qmm_config(backend, N, K, group_size, x.dtype)
-            tmpl = [("T", x.dtype), ("BITS", bits), ("GS", group_size), ("NT", nt)]
+            nt, warps, u = config or qmm_config(backend, N, K, group_size, dtype)
+            tmpl = [("T", dtype), ("BITS", bits), ("GS", group_size), ("NT", nt)]
             tmpl += [("WARPS", warps), ("U", u)] if backend == "cuda" else [("S", warps)]
             blocks = -(-N // (8 * nt))
             # the kernel indexes rows flat (row r at r * K of x, r * N of y): x and y keep their leading axes,
             # no reshape nodes around the call (MLX copies a non-contiguous x first: ensure_row_contiguous)
             geo = self._geo[key] = (tmpl, (blocks * warps * 32, 1, 1), (warps * 32, 1, 1), [(*shape[:-1], N)],
                                     int_params(M, N, K))
-        tmpl, grid, tg, out_shapes, params = geo
+        return geo
+
+    def launch(self, backend, x, w, scales, biases, group_size, bits, config=None):
+        tmpl, grid, tg, out_shapes, params = self._geometry(backend, x.shape, w.shape[0], group_size, bits, x.dtype,
+                                                            config)
         return self.kernel(backend, "qmm")(
             inputs=[x, w, scales, biases, params], template=tmpl, grid=grid, threadgroup=tg,
             output_shapes=out_shapes, output_dtypes=[x.dtype])[0]
+
+    def bind(self, x, w, scales, biases, group_size, bits, mode=None):
+        """A function of the activations alone for calls shaped like ``x`` (shape, dtype) on these weights.
+
+        The decision (kernel or reference: the op's gate, mode and backend, as :meth:`dispatch` makes it)
+        and the launch geometry are taken once, here; the function then goes straight to the kernel.
+        Why: a forward builds its graph on the host, one call per quantized layer per step, and on
+        MLX's CUDA backend that host work, not the GPU, bounded the routed forward (session 16,
+        ``benchmarks/gpu/trace_chain.py``: the kernel's GPU time per call at or below MLX's ``qmv``, the
+        graph build 6.8-11.9 us per call against 1.8 us). Used by :class:`KernelQuantizedLinear`, which
+        keeps one per call signature.
+
+        Raises:
+            KernelError: mode ``"kernel"`` and the kernel failed to build or disagreed.
+        """
+        be = backend_of_default()
+        args = (x, w, scales, biases, group_size, bits)
+        fk = self.fast_key(args, {})
+        key = (be, mode, fk)
+        on = self._fast.get(key)
+        if on is None:
+            on = self._fast[key] = self.active(*args, mode=mode)  # raises in mode "kernel"
+        if not on:
+            ref = self.reference
+            return lambda x: ref(x, w, scales, biases, group_size, bits)
+        tmpl, grid, tg, out_shapes, params = self._geometry(be, x.shape, w.shape[0], group_size, bits, x.dtype)
+        kern, dtypes = self.kernel(be, "qmm"), [x.dtype]
+
+        def run(x):
+            return kern(inputs=[x, w, scales, biases, params], template=tmpl, grid=grid, threadgroup=tg,
+                        output_shapes=out_shapes, output_dtypes=dtypes)[0]
+
+        return run
 
 
 qmm = QuantizedMatmul()
@@ -172,11 +211,16 @@ class KernelQuantizedLinear(nn.Module):
 
     Holds the original layer's arrays (shared, not copied). Used by :func:`route_quantized_linears`
     on a target the package owns; the reference path is exactly ``nn.QuantizedLinear.__call__``.
+    Each call signature (activation shape, dtype, default device type) is bound once
+    (:meth:`QuantizedMatmul.bind`): later calls go straight to the kernel, so the host's graph build
+    stays close to ``nn.QuantizedLinear``'s.
 
     Args:
         layer: the quantized linear layer.
         mode: kernel mode (``None``: the process default, ``MLX_DFLASH2_KERNELS``).
     """
+
+    MAX_BOUND = 64  # call signatures kept (1..16 rows, a few dtypes); more are served unbound
 
     def __init__(self, layer: nn.QuantizedLinear, mode: str | None = None):
         super().__init__()
@@ -187,14 +231,143 @@ class KernelQuantizedLinear(nn.Module):
             self.bias = layer.bias
         self.group_size, self.bits = layer.group_size, layer.bits
         self.kernel_mode = mode
+        object.__setattr__(self, "_bound", {})  # not a module member: outside parameters() and children()
+        object.__setattr__(self, "original", layer)
         self.freeze()
 
+    def set_arrays(self, weight, scales, biases, bias=None) -> None:
+        """Rebind the weights (e.g. to views of a fused array) in this module and in the original layer."""
+        for m in (self, self.original):
+            m.weight, m.scales = weight, scales
+            if biases is not None:
+                m.biases = biases
+            if bias is not None:
+                m.bias = bias
+        self._bound.clear()
+
     def __call__(self, x):
-        y = qmm(x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits,
-                mode=self.kernel_mode)
+        key = (x.shape, x.dtype, mx.default_device().type)
+        f = self._bound.get(key)
+        if f is None:
+            f = qmm.bind(x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits,
+                         mode=self.kernel_mode)
+            if len(self._bound) < self.MAX_BOUND:
+                self._bound[key] = f
+        y = f(x)
         if "bias" in self:
             y = y + self["bias"]
         return y
+
+
+# mlx-lm MLP classes whose __call__ is down_proj(swiglu(gate_proj(x), up_proj(x))) (checked by the target's probe)
+MLP_CLASSES = ("mlx_lm.models.llama.MLP", "mlx_lm.models.mistral.MLP", "mlx_lm.models.qwen2.MLP",
+               "mlx_lm.models.qwen3.MLP", "mlx_lm.models.qwen3_next.Qwen3NextMLP")
+
+
+class KernelMLP(nn.Module):
+    """A SwiGLU MLP of a supported mlx-lm family with its gate and up projections fused into one ``qmm``
+    call over their concatenated rows: ``down(silu(g) * u)`` with ``[g | u] = x @ [W_gate; W_up]^T``.
+
+    One launch instead of two per layer (a routed forward is bound by the host's per-call work on
+    MLX's CUDA backend, and the GPU runs one wide matmul better than two). Memory is unchanged: the
+    gate and up layers are rebound to row views of the fused arrays. A row's result is the same
+    computation as before for each output column (the kernel is row-count invariant; its launch
+    geometry now follows the fused width, for the plain step and the verify alike).
+
+    Args:
+        mlp: the mlx-lm MLP module (its ``gate_proj`` and ``up_proj`` already
+            :class:`KernelQuantizedLinear`, affine, same bits and group size, no bias).
+        mode: kernel mode.
+    """
+
+    def __init__(self, mlp: nn.Module, mode: str | None = None):
+        super().__init__()
+        self.inner = mlp
+        self.hidden = int(mlp.gate_proj["weight"].shape[0])
+        object.__setattr__(self, "gate_up", fuse_linears([mlp.gate_proj, mlp.up_proj], mode))  # not listed twice
+
+    def __getattr__(self, key):  # the wrapped MLP's members (gate_proj, up_proj, down_proj) read through
+        try:
+            return super().__getattr__(key)
+        except AttributeError:
+            inner = dict.get(self, "inner")
+            if inner is None:
+                raise
+            return getattr(inner, key)
+
+    def __call__(self, x):
+        from mlx_lm.models.activations import swiglu
+
+        y = self.gate_up(x)
+        n = self.hidden
+        return self.inner.down_proj(swiglu(y[..., :n], y[..., n:]))
+
+
+class _Arrays(nn.Module):
+    """The arrays of a quantized linear layer (what :class:`KernelQuantizedLinear` reads)."""
+
+    def __init__(self, weight, scales, biases, group_size, bits, bias=None):
+        super().__init__()
+        self.weight, self.scales, self.biases = weight, scales, biases
+        if bias is not None:
+            self.bias = bias
+        self.group_size, self.bits = group_size, bits
+
+
+def fusable(linears) -> bool:
+    """Whether these routed linears can share one ``qmm`` call: affine with biases (MLX's ``quantize``),
+    the same bits, group size, input width and dtypes, and all or none with an additive bias."""
+    if not linears or not all(isinstance(m, KernelQuantizedLinear) and "biases" in m for m in linears):
+        return False
+    a = linears[0]
+    sig = lambda m: (m.bits, m.group_size, m["weight"].shape[1], m["scales"].dtype, "bias" in m,  # noqa: E731
+                     m["bias"].dtype if "bias" in m else None)
+    return all(sig(m) == sig(a) for m in linears)
+
+
+def fuse_linears(linears, mode: str | None = None) -> "KernelQuantizedLinear":
+    """One :class:`KernelQuantizedLinear` over the concatenated rows of ``linears`` (same input), each of
+    them rebound to its row view of the fused arrays (no second copy of the weights stays alive).
+
+    Returns:
+        The fused layer: its output's last axis is the parts' outputs side by side, in order.
+    """
+    keys = ("weight", "scales", "biases") + (("bias",) if "bias" in linears[0] else ())
+    fused = {k: mx.concatenate([m[k] for m in linears], axis=0) for k in keys}
+    mx.eval(list(fused.values()))
+    start = 0
+    for m in linears:
+        n = int(m["weight"].shape[0])
+        views = {k: v[start:start + n] for k, v in fused.items()}
+        m.set_arrays(views["weight"], views["scales"], views["biases"], views.get("bias"))
+        start += n
+    a = linears[0]
+    return KernelQuantizedLinear(_Arrays(fused["weight"], fused["scales"], fused["biases"], a.group_size, a.bits,
+                                         fused.get("bias")), mode)
+
+
+def _fusable_mlp(mlp) -> bool:
+    if f"{type(mlp).__module__}.{type(mlp).__name__}" not in MLP_CLASSES:
+        return False
+    return fusable([getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)])
+
+
+def route_mlps(layers, mode: str | None = None) -> list[tuple]:
+    """Wrap the ``mlp`` of every decoder layer in ``layers`` whose class is in :data:`MLP_CLASSES` and whose
+    gate and up projections are routed quantized linears (:func:`route_quantized_linears` first) with
+    :class:`KernelMLP` (this model instance only).
+
+    Returns:
+        The swaps ``[(layer, "mlp", original)]`` (:func:`undo_routes` restores them; the gate and up
+        layers keep their row views of the fused arrays: the same values).
+    """
+    swaps = []
+    for layer in layers:
+        mlp = getattr(layer, "mlp", None)
+        if mlp is not None and _fusable_mlp(mlp):
+            swaps.append((layer, "mlp", mlp))
+            layer.mlp = KernelMLP(mlp, mode)
+    return swaps
 
 
 def route_quantized_linears(model: nn.Module, mode: str | None = None) -> list[tuple]:

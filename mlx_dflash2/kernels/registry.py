@@ -56,7 +56,9 @@ _backend_of: dict = {}
 def backend() -> str:
     """``"metal"``, ``"cuda"`` or ``"cpu"``: where kernels of the default device would run (cached
     per default device: it is asked on every op call)."""
-    key = mx.default_device()  # hashable
+    # keyed by the device *type*: MLX's Device objects hash by identity (a new one per default_device() call),
+    # so a Device key never hit this cache and grew it by one entry per op call
+    key = mx.default_device().type
     be = _backend_of.get(key)
     if be is None:
         be = "cpu"

@@ -266,8 +266,8 @@ def test_launches_match_their_specs(monkeypatch, op, be):
         cases = [args]
         if op.name == "selector_walk":  # one block, as the proposer calls it
             cases.append((args[0][:1], args[1][:1], args[2][:1], args[3], args[4], args[5][:1]))
-        if op.name == "greedy_accept":  # the plain step: one row, no draft
-            cases.append((args[0][:1], args[1][:0]))
+        if op.name == "greedy_accept":  # the plain step (one row, no draft) is MLX's argmax alone
+            assert not op.supports(args[0][:1], args[1][:0])
         if op.name in ("qmm", "verify_attention"):  # the plain step: one row
             cases.append((args[0][:1],) + args[1:] if op.name == "qmm" else (args[0][:, :, :1],) + args[1:])
         for case in cases:
@@ -323,3 +323,16 @@ def test_drafter_round_routes_the_fused_ops(monkeypatch):
     m.kernel_mode = "reference"
     m(emb, ctx)
     assert calls["dynamic_conv"] == n_conv
+
+
+def test_plain_step_accept_is_one_argmax_and_no_host_array():
+    """No drafts (the plain loop's step): the accept is MLX's argmax alone and its ``num_accepted`` one
+    evaluated scalar reused every step (a host array made per step stalls MLX's CUDA pipeline)."""
+    from mlx_dflash2.kernels.greedy_accept import greedy_accept as ga
+
+    logits = mx.random.normal((1, 50))
+    empty = mx.zeros((0,), dtype=mx.int32)
+    assert not ga.supports(logits, empty)
+    a1, t1 = ga(logits, empty, mode="kernel")
+    a2, _ = ga(mx.random.normal((1, 50)), empty, mode="kernel")
+    assert a1 is a2 and int(a1) == 0 and int(t1[0]) == int(mx.argmax(logits[0]))

@@ -22,6 +22,19 @@ DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 _NAMES = {mx.bfloat16: "bfloat16", mx.float16: "float16", mx.float32: "float32"}
 
 
+_zero: list = []
+
+
+def _no_accept() -> mx.array:
+    """The int32 scalar 0, made and evaluated once: a plain step (no drafts) must not create a host array per
+    step (on MLX's CUDA backend one made while the GPU runs a queued step stalls the pipeline)."""
+    if not _zero:
+        z = mx.array(0, dtype=mx.int32)
+        mx.eval(z)
+        _zero.append(z)
+    return _zero[0]
+
+
 def greedy_accept_reference(logits: mx.array, draft: mx.array) -> tuple[mx.array, mx.array]:
     """Greedy acceptance in MLX ops.
 
@@ -35,7 +48,7 @@ def greedy_accept_reference(logits: mx.array, draft: mx.array) -> tuple[mx.array
     """
     target = mx.argmax(logits, axis=-1).astype(mx.int32)
     if draft.shape[0] == 0:
-        return mx.array(0, dtype=mx.int32), target
+        return _no_accept(), target
     match = (draft.astype(mx.int32) == target[:-1]).astype(mx.int32)
     return mx.cumprod(match).sum(), target
 
@@ -51,12 +64,17 @@ class GreedyAccept(KernelOp):
         return greedy_accept_reference(logits, draft)
 
     def supports(self, logits, draft):
-        return (logits.ndim == 2 and logits.dtype in DTYPES and draft.ndim == 1
+        # no drafts (the plain step): MLX's argmax alone, one op (the kernel path is two launches and a pad)
+        return (draft.ndim == 1 and draft.shape[0] > 0 and logits.ndim == 2 and logits.dtype in DTYPES and draft.ndim == 1
                 and mx.issubdtype(draft.dtype, mx.integer) and draft.shape[0] == logits.shape[0] - 1
                 and 1 <= logits.shape[1] < 2**31 and logits.size >= 8)  # Metal: device pointers (device_input)
 
     def shape_key(self, logits, draft):
         return (_NAMES[logits.dtype],)
+
+    def fast_key(self, args, kw):
+        logits, draft = args
+        return (logits.shape, logits.dtype, draft.shape, draft.dtype)
 
     def sample(self, key):
         """Nine rows over a vocabulary not a multiple of :data:`TPB`: planted maxima (the first of two

@@ -15,7 +15,7 @@ from pathlib import Path
 from .api import GenerationResponse, _consume, generate, stream_generate
 from .sampling import SamplingParams
 from .drafter.model import DEFAULT_CONTEXT_WINDOW
-from .loading import (ADAPTIVE_HELP, CALIBRATE_HELP, DRAFT_CONFIDENCE_HELP, DRAFTER_HELP, DRAFTER_WINDOW_HELP,
+from .loading import (ADAPTIVE_HELP, DRAFTER_KEYWORDS, CALIBRATE_HELP, DRAFT_CONFIDENCE_HELP, DRAFTER_HELP, DRAFTER_WINDOW_HELP,
                       KERNELS_HELP, check_block_size, draft_confidence_arg, drafter_window_arg, load)
 
 __all__ = ["main", "generate", "stream_generate", "GenerationResponse"]
@@ -103,7 +103,7 @@ def _check_args(args) -> None:
     SamplingParams(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                    repetition_penalty=args.repetition_penalty, seed=args.seed).validate()
     d = args.drafter
-    if d not in ("auto", "shipped", "lookup", "none", "init") and not Path(d).expanduser().is_dir():
+    if d not in DRAFTER_KEYWORDS and not Path(d).expanduser().is_dir():
         raise ValueError(f"--drafter: drafter checkpoint directory not found: {d} (or one of auto, shipped, "
                          "lookup, none, init)")
 

@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from . import assets
-from .drafter.io import dequantize_drafter, init_drafter, load_drafter
+from .drafter.io import dequantize_drafter, init_drafter, load_drafter, read_drafter_checkpoint
 from .drafter.model import DEFAULT_CONTEXT_WINDOW, DraftModel
 from .proposers import (AdaptiveSchedule, DFlashProposer, FusedProposer, LookupProposer, Proposer, WidthPolicy,
                         check_confidence, check_drafter_window)
@@ -391,6 +391,9 @@ def _check_adaptive(adaptive, lookup: bool) -> None:
         raise ValueError("the adaptive schedule chooses between the drafter and lookup: it needs lookup on")
 
 
+DRAFTER_KEYWORDS = ("auto", "shipped", "none", "lookup", "init")  # drafter specs that are not checkpoint paths
+
+
 def make_proposer(
     drafter,
     target: TargetAdapter,
@@ -541,6 +544,8 @@ def load(
     from .kernels import check_mode
 
     kernels = check_mode(kernels)
+    if isinstance(drafter, (str, Path)) and str(drafter) not in DRAFTER_KEYWORDS:
+        read_drafter_checkpoint(drafter)  # a bad drafter path or config fails before the target loads
     target, tokenizer, name = load_target(path_or_hf_repo, dtype=dtype, dequantize=dequantize, kernels=kernels)
     dequantize = drafter_dequantize(dequantize, target)
     proposer = make_proposer(drafter, target, tokenizer, name, lookup=lookup, dequantize=dequantize,

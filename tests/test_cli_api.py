@@ -552,3 +552,26 @@ def test_readme_python_snippet_prints_the_answer_once(capsys, shared_embedded_lo
     out = capsys.readouterr().out
     text = scope["text"]
     assert text.strip() and out.count(text.strip()) == 1, out
+
+
+def test_a_bad_drafter_config_fails_before_the_target_loads(tmp_path, monkeypatch):
+    """A fresh user's run: a drafter whose config.json is invalid failed only after the target's (slow) load;
+    what needs no weights is now checked first."""
+    import json
+
+    import mlx_dflash2.loading as L
+    from mlx_dflash2.drafter.config import DrafterConfigError
+
+    d = tmp_path / "drafter"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["NotADrafter"]}))
+    (d / "model.safetensors").write_bytes(b"")
+
+    def no_target(*a, **k):
+        raise AssertionError("the target was loaded before the drafter's config was checked")
+
+    monkeypatch.setattr(L, "load_target", no_target)
+    with pytest.raises(DrafterConfigError, match="architectures"):
+        L.load(None, drafter=str(d))
+    with pytest.raises(FileNotFoundError):
+        L.load(None, drafter=str(tmp_path / "missing"))

@@ -216,6 +216,37 @@ def _remap(name: str) -> str:
     return name
 
 
+def read_drafter_checkpoint(path: str | Path, target_name: str | None = None):
+    """What can be checked of a drafter checkpoint without its target: the directory, ``config.json``
+    (parsed and validated), a format this runtime reads, and weight files present. ``load`` calls it
+    before loading the target, so a bad drafter fails in a second, not after the target's load.
+
+    Returns:
+        ``(raw config dict, DrafterConfig, sorted *.safetensors paths)``.
+
+    Raises:
+        FileNotFoundError: no such directory / no config / no weights.
+        DrafterConfigError: an invalid config (names the field).
+        DrafterLoadError: malformed JSON, or another quantization method (named).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"drafter checkpoint directory not found: {path}")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{path} has no config.json; not a drafter checkpoint")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise DrafterLoadError(f"{cfg_file}: invalid JSON ({e})") from e
+    _refuse_packed(path, raw, target_name)
+    cfg = DrafterConfig.from_dict(raw)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors weights")
+    return raw, cfg, files
+
+
 def load_drafter(path: str | Path, target, tokenizer, dtype: mx.Dtype | None = None,
                  target_name: str | None = None) -> DraftModel:
     """Load a drafter checkpoint directory and validate it against the target.
@@ -237,21 +268,8 @@ def load_drafter(path: str | Path, target, tokenizer, dtype: mx.Dtype | None = N
             tensors missing / unexpected / of the wrong shape (names them).
     """
     path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"drafter checkpoint directory not found: {path}")
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise FileNotFoundError(f"{path} has no config.json; not a drafter checkpoint")
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise DrafterLoadError(f"{cfg_file}: invalid JSON ({e})") from e
-    _refuse_packed(path, raw, target_name)
-    cfg = DrafterConfig.from_dict(raw)
+    raw, cfg, files = read_drafter_checkpoint(path, target_name)
     validate_for_target(cfg, target, tokenizer)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path} has no *.safetensors weights")
     weights = {}
     for f in files:
         try:

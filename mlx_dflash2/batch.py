@@ -68,8 +68,12 @@ for the single-request loop; the batch's wider matmuls can differ from a solo fo
 last bits, i.e. at exact near-ties), and so does a seeded sampled request's: its random streams (the
 verify key and the draft key, from :func:`~.api.request_sampling`) are its own and are consumed in
 the solo loop's order (one verify split per round, including the prefill's first token; one draft
-split per round that drafts), and the batch's rounds are the solo loop's non-adaptive rounds (what a
-seeded solo run uses). Tests: ``tests/test_batch.py``.
+split per round that drafts), its widths are its own (never capped by the :class:`WidthSchedule`),
+and the batch's rounds are the solo loop's non-adaptive rounds (what a seeded solo run uses). Those
+last bits move nothing else: a sampled draft's top-K candidates come in token-id order
+(:meth:`~.drafter.model.CandidateSelector.candidates`, :func:`~.proposers.sample_top_k`), not in the
+order ``argpartition`` leaves them (which moved with the last bits of any score in the row and gave a
+seeded request other draws beside other requests: issue 22). Tests: ``tests/test_batch.py``.
 
 Why not mlx-lm's ``BatchKVCache``: it keeps rows right-aligned (left padding) with one shared write
 index, so ``trim`` cuts every row by the same amount. A per-row rollback through its public API

@@ -638,6 +638,47 @@ def test_scheduled_widths_keep_every_row_exact(target, schedule):
         assert all(e >= 1 for _, _, e in sch.recorded)
 
 
+@pytest.mark.parametrize("schedule", ["full", "cycle"])
+def test_seeded_sampled_request_on_the_embedded_model_is_what_it_gets_alone(smol_f32, schedule):
+    """Issue 22 as a fresh user met it in the server: the embedded SmolLM2 (dense float32, as ``load()``
+    gives it on a CPU) with its shipped drafter (fused with lookup, dynamic draft length: the server's
+    defaults), the request {"Give three tips for studying.", temperature 0.7, seed 3} alone and beside a
+    seeded sampled request and a greedy one, every round batched (``full``) or the greedy row's width cut to
+    fixed caps (``cycle``: 1, a plain step, up to the whole block; what the ``auto`` schedule does, without
+    its clock). Its tokens equal its tokens alone. (Before the fix they differed from the third token on:
+    its drafter forward, batched with the others' rows, left argpartition's top-K candidates in another
+    order, and its sampled draft draws by a candidate's position.)"""
+    from conftest import chat_ids
+
+    from mlx_dflash2.api import request_sampling
+    from mlx_dflash2.loading import drafter_dequantize, make_proposer
+    from mlx_dflash2.sampling import SamplingParams
+
+    target, tok = smol_f32
+    proposer = make_proposer("shipped", target, tok, "smollm2-135m-instruct",
+                             dequantize=drafter_dequantize(None, target))
+    reqs = [(chat_ids(tok, "Give three tips for studying."), 20, SamplingParams(temp=0.7, seed=3)),
+            (chat_ids(tok, "Write a haiku about the sea."), 16, SamplingParams(temp=0.9, top_p=0.95, seed=11)),
+            (chat_ids(tok, "What is the capital of France? Describe it."), 16, SamplingParams())]
+
+    def run(n_requests, sch):
+        batch = SpeculativeBatch(target, proposer, schedule=sch)
+        uids = []
+        for prompt, n, params in reqs[:n_requests]:
+            rs = request_sampling(params)
+            uids.append(batch.add(prompt, n, verifier=rs.verifier, draft_temperature=rs.draft_temperature,
+                                  draft_key=rs.draft_key, eos_token_ids=list(tok.eos_token_ids)))
+        out = {u: [] for u in uids}
+        while batch.active or batch.pending:
+            for ev in batch.step():
+                out[ev.uid] += ev.tokens
+        return out[uids[0]]
+
+    alone = run(1, "full")
+    assert len(alone) == 20
+    assert run(3, "full" if schedule == "full" else _cycling([1, 2, 4, 16])) == alone
+
+
 # ---------------------------------------------------------------------------------------------------
 # joins: batched, chunked prefill
 # ---------------------------------------------------------------------------------------------------

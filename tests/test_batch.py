@@ -929,6 +929,92 @@ def test_one_drafter_forward_for_every_drafting_row(target, monkeypatch):
     assert max(r for rows, _, _ in per_step for r in rows) >= 4  # d2's rows really drafted together
 
 
+def test_a_batch_of_one_runs_the_solo_loops_adaptive_rounds(target, monkeypatch):
+    """Issue 22, "with one request, behave as today": a lone row added with ``adaptive`` has its rounds
+    chosen by its proposer's adaptive schedule (drafter, lookup or a plain step, by measured tokens/s) as
+    the solo loop has them: the same decisions, rounds, statistics and tokens, on a clock on which a
+    drafter forward costs ten rounds (so the schedule soon runs plain steps). The request is sampled (a
+    tiny random target's greedy text repeats itself, and lookup rounds would hide the schedule), seeded
+    so that it repeats: the fake clock makes the schedule's choices repeat too. While a second row is in
+    the batch neither schedule is asked (a batch's rounds are shared: the rows draft together); without
+    ``adaptive`` (what a seeded sampled request gets from the server) a lone row drafts every round."""
+    from mlx_dflash2.api import request_sampling
+    from mlx_dflash2.drafter.model import DraftModel
+    from mlx_dflash2.proposers import AdaptiveSchedule, FusedProposer
+    from mlx_dflash2.sampling import SamplingParams
+
+    clock = [0.0]
+
+    def tick():
+        clock[0] += 1.0
+        return clock[0]
+
+    orig_call = DraftModel.__call__
+
+    def costly(self, *a, **kw):  # a drafter forward of one request: ten rounds' worth on the fake clock
+        clock[0] += 10.0
+        return orig_call(self, *a, **kw)
+
+    monkeypatch.setattr(DraftModel, "__call__", costly)
+    drafter = _drafter(target, 6)
+    asked = []  # per schedule: the contexts of the decisions asked of it
+
+    def fused():
+        sch = AdaptiveSchedule(clock=tick)
+        choose = sch.choose
+        asked.append([])
+        sch.choose = lambda ctx, log=asked[-1]: log.append(ctx) or choose(ctx)
+        return FusedProposer(DFlashProposer(drafter, target, VOCAB), LookupProposer(block_size=B), schedule=sch)
+
+    def sampling():
+        rs = request_sampling(SamplingParams(temp=1.0, seed=90))
+        return dict(verifier=rs.verifier, draft_temperature=rs.draft_temperature, draft_key=rs.draft_key)
+
+    def drain(batch, uids):
+        out, stats, rows = {u: [] for u in uids}, {}, []
+        while batch.active or batch.pending:
+            before = [len(a) for a in asked]
+            for ev in batch.step():
+                out[ev.uid] += ev.tokens
+                stats[ev.uid] = ev.stats
+            rows.append((batch.last_round["rows"], [len(a) - b for a, b in zip(asked, before)]))
+        return out, stats, rows
+
+    p, n = _prompt(7, 90), 40
+    runs = {}
+    for adaptive in (True, False):
+        st = SpecStats()
+        runs[adaptive] = ([t for t, _, _ in speculative_generate_step(p, target, fused(), max_tokens=n, stats=st,
+                                                                       adaptive=adaptive, **sampling())], st)
+    solo, st = runs[True]
+    assert st.verify_widths.get(1, 0) >= 20 and st.drafted  # it drafted, then stepped plainly
+
+    batch = SpeculativeBatch(target, schedule="auto")
+    uid = batch.add(p, n, proposer=fused(), adaptive=True, **sampling())
+    out, stats, _ = drain(batch, [uid])
+    assert out[uid] == solo
+    for f in ("rounds", "drafted", "accepted", "accept_hist", "position_accepted", "verify_widths", "drafter"):
+        assert getattr(stats[uid], f) == getattr(st, f), f
+    assert asked[2] == asked[0]  # the same decisions, in the same contexts
+
+    # not adaptive: a lone row drafts every round, as the solo loop with adaptive=False
+    batch = SpeculativeBatch(target)
+    uid = batch.add(p, n, proposer=fused(), **sampling())
+    out, stats, _ = drain(batch, [uid])
+    assert asked[-1] == [] and out[uid] == runs[False][0]
+    assert stats[uid].verify_widths == runs[False][1].verify_widths
+    assert stats[uid].verify_widths.get(1, 0) <= 1  # a plain step only where max_tokens leaves no draft
+
+    # two rows (that one and a greedy one): neither schedule is asked until one row is left
+    q = _prompt(5, 91)
+    batch = SpeculativeBatch(target, schedule="full")
+    a = batch.add(p, n, proposer=fused(), adaptive=True, **sampling())
+    b = batch.add(q, 12, proposer=fused(), adaptive=True)
+    out, _, rows = drain(batch, [a, b])
+    assert len(out[a]) == n and out[b] == _plain(target, q, 12)
+    assert all(sum(k) == 0 for r, k in rows if r == 2) and any(sum(k) for r, k in rows if r == 1)
+
+
 def test_plain_rounds_leave_drafter_contexts_alone_until_a_flush(target, monkeypatch):
     """Rows of a fused drafter (the server's default) in plain batched rounds (width cap 1) queue their
     committed features instead of appending them to their drafter contexts every round; the joins'

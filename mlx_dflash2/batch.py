@@ -68,8 +68,12 @@ for the single-request loop; the batch's wider matmuls can differ from a solo fo
 last bits, i.e. at exact near-ties), and so does a seeded sampled request's: its random streams (the
 verify key and the draft key, from :func:`~.api.request_sampling`) are its own and are consumed in
 the solo loop's order (one verify split per round, including the prefill's first token; one draft
-split per round that drafts), and the batch's rounds are the solo loop's non-adaptive rounds (what a
-seeded solo run uses). Tests: ``tests/test_batch.py``.
+split per round that drafts), its widths are its own (never capped by the :class:`WidthSchedule`),
+and the batch's rounds are the solo loop's non-adaptive rounds (what a seeded solo run uses). Those
+last bits move nothing else: a sampled draft's top-K candidates come in token-id order
+(:meth:`~.drafter.model.CandidateSelector.candidates`, :func:`~.proposers.sample_top_k`), not in the
+order ``argpartition`` leaves them (which moved with the last bits of any score in the row and gave a
+seeded request other draws beside other requests: issue 22). Tests: ``tests/test_batch.py``.
 
 Why not mlx-lm's ``BatchKVCache``: it keeps rows right-aligned (left padding) with one shared write
 index, so ``trim`` cuts every row by the same amount. A per-row rollback through its public API
@@ -95,7 +99,9 @@ Missing for the full issue 22 (later steps)
   rounds; inside the cap a drafter with a dynamic draft length cuts each row's draft at its own
   confidence; sampled rows keep their widths);
 * the single-request generator as a batch of one (the server wiring is done: continuous batching,
-  FIFO under ``--max-batch``, cancellation, ``/metrics``).
+  FIFO under ``--max-batch``, cancellation, ``/metrics``; a lone row added with ``adaptive`` already
+  runs the solo loop's adaptive rounds, :meth:`SpeculativeBatch.add`; the CLI and
+  :func:`~.api.stream_generate` still run :mod:`~.speculative`'s loop).
 """
 
 from __future__ import annotations
@@ -364,6 +370,7 @@ class _Request:
     draft_temperature: float = 0.0
     draft_key: mx.array | None = None  # split once per round that drafts, as the solo loop does
     want_logprobs: bool = False
+    adaptive: bool = False  # the proposer's adaptive schedule chooses its rounds while it is the only row
     n_out: int = 0
     out: list[int] = field(default_factory=list)  # emitted, not yet reported
     out_lp: list = field(default_factory=list)  # their logprobs (want_logprobs only)
@@ -404,7 +411,7 @@ class WidthSchedule:
     of the best cap is tried, the best kept, and its neighbours re-measured after ``explore_every``
     rounds of the bucket, less often while they keep losing: the best cap moves as the rows' acceptance
     and lengths change), so a cap past a slower one costs no trial round. A batch of one is never capped (the solo
-    behaviour).
+    behaviour: its proposer's adaptive schedule, where the request allows it, chooses its rounds instead).
 
     **Trial rounds are bounded**: a re-measurement of a losing cap costs what its round costs more than
     a round of the best cap (on a CPU a drafting round of 32 rows costs ~2.6 plain ones), so it waits
@@ -648,16 +655,19 @@ class SpeculativeBatch:
             block_size: int | None = None, verifier: Verifier | None = None,
             eos_token_ids: Sequence[int] = (), state: GenerationState | None = None, keep_state: bool = False,
             draft_temperature: float = 0.0, draft_key: mx.array | None = None, logprobs: bool = False,
-            prompt_progress_callback=None) -> int:
+            adaptive: bool = False, prompt_progress_callback=None) -> int:
         """Queue a request: validated and set up now (as the solo loop does), prefilled by the next
         :meth:`step` calls together with the other joins (chunked, interleaved with the rounds of the
         requests already decoding), then a row of the batch.
 
         Its first token is reported by the step that finishes its prefill. A request that ends at its
         first token (an EOS, ``max_tokens == 1``, a full context) never becomes a row; one with
-        ``max_tokens == 0`` is reported by the next step without being prefilled. An adaptive schedule
-        (``FusedProposer``) does not choose this request's rounds: its timings are per request, a
-        batch's rounds are shared.
+        ``max_tokens == 0`` is reported by the next step without being prefilled. A proposer's adaptive
+        schedule (:class:`~.proposers.AdaptiveSchedule` of a ``FusedProposer``: drafter, lookup or plain
+        round by measured tokens/s) chooses this request's rounds only with ``adaptive`` and only while it
+        is the batch's one row: its timings are per request, a batch's rounds are shared (rows drafting
+        together, the :class:`WidthSchedule`'s cap). A batch of one then runs the solo loop's adaptive
+        rounds.
 
         Args:
             prompt: token ids (non-empty).
@@ -678,6 +688,10 @@ class SpeculativeBatch:
             draft_temperature, draft_key: the request's drafter sampling (as the solo loop's: the key
                 is split once per round that drafts; 0 / None: greedy drafts).
             logprobs: report each token's log-probabilities in :attr:`BatchEvent.logprobs`.
+            adaptive: let the proposer's adaptive schedule choose this request's rounds while it is the
+                batch's only row (the solo loop's ``adaptive``; what
+                :func:`~.api.request_sampling` allows: not for a seeded sampled request, whose tokens
+                must not depend on timings). False (default): it drafts every round, as in a batch.
             prompt_progress_callback: ``f(processed, total)`` during the prefill (from the steps).
 
         Returns:
@@ -701,12 +715,13 @@ class SpeculativeBatch:
         B = block_size if block_size is not None else self.block_size
         stats = SpecStats()
         setup = start_request(prompt, self.target, proposer, verifier=verifier, block_size=B, stats=stats,
-                              state=state, adaptive=False)
+                              state=state, adaptive=bool(adaptive))
+        setup.session.adaptive = False  # set round by round (step): while it is the only row
         self._next_uid += 1
         req = _Request(uid, max_tokens, frozenset(int(e) for e in eos_token_ids), setup.block_size,
                        setup.tap_ids, setup.session, setup.verifier, stats, list(prompt),
                        proposer=setup.proposer, keep_state=keep_state, draft_temperature=draft_temperature,
-                       draft_key=draft_key, want_logprobs=bool(logprobs))
+                       draft_key=draft_key, want_logprobs=bool(logprobs), adaptive=bool(adaptive))
         n = setup.reused
         for layer, c in zip(self._jcache, setup.cache):
             layer.add_row(*((c.keys[..., :n, :], c.values[..., :n, :]) if n else (None, None)))
@@ -900,6 +915,8 @@ class SpeculativeBatch:
         cap = None
         if self.schedule is not None:
             cap = self.schedule.choose(len(rows), max(r.block_size for r in rows))
+        for r in rows:  # a lone row's rounds are the solo loop's (its adaptive schedule, where allowed)
+            r.session.adaptive = r.adaptive and len(rows) == 1
         props: list[Proposal | None] = []
         calls: dict = {}  # id(drafter) -> (drafter, [(row, DraftCall)])
         for i, (r, P) in enumerate(zip(rows, lengths)):

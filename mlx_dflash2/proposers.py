@@ -38,6 +38,7 @@ __all__ = [
     "WidthPolicy",
     "confident_length",
     "check_confidence",
+    "sample_top_k",
 ]
 
 
@@ -103,6 +104,26 @@ class Proposal:
         if self.q is not None:
             return self.cand_ids, self.q
         return self.tokens[:, None], mx.ones((self.n, 1), dtype=mx.float32)
+
+
+#: candidates per slot of a DFlash v1 sampled draft (:func:`sample_top_k`)
+V1_TOP_K = 16
+
+
+def sample_top_k(unary: mx.array, temperature: float, key: mx.array | None, k: int = V1_TOP_K) -> Proposal:
+    """A DFlash v1 sampled draft: per slot, a sample of the top-``k`` truncated softmax of ``unary``
+    ``[n, V]`` at ``temperature`` (a valid ``q``, spec §6.3), drawn with ``key`` (the global random state
+    if ``None``).
+
+    The candidates are in ascending id order, as the DFlash2 selector's
+    (:meth:`~.drafter.model.CandidateSelector.candidates`): the draws are indexed by a candidate's
+    position, and ``argpartition``'s own order moves with the last bits of scores anywhere in the row,
+    so a seeded request's draft would depend on whether its drafter forward ran alone or batched."""
+    cand = mx.sort(mx.argpartition(-unary, k - 1, axis=-1)[:, :k], axis=-1).astype(mx.int32)
+    logits = mx.take_along_axis(unary, cand, axis=-1).astype(mx.float32) / temperature
+    q = mx.softmax(logits, axis=-1)
+    idx = mx.random.categorical(logits, key=key)
+    return Proposal(mx.take_along_axis(cand, idx[:, None], axis=-1)[:, 0], cand, q, "drafter")
 
 
 @dataclass
@@ -345,13 +366,7 @@ class DFlashProposer(Proposer):
                 if not c.temperature > 0:
                     props[i] = Proposal(best[i, : ns[i]], source="drafter")
                     continue
-                K = 16
-                u = unary[i, : ns[i]]
-                cand = mx.argpartition(-u, K - 1, axis=-1)[:, :K].astype(mx.int32)
-                logits = mx.take_along_axis(u, cand, axis=-1).astype(mx.float32) / c.temperature
-                q = mx.softmax(logits, axis=-1)
-                idx = mx.random.categorical(logits, key=c.key)
-                props[i] = Proposal(mx.take_along_axis(cand, idx[:, None], axis=-1)[:, 0], cand, q, "drafter")
+                props[i] = sample_top_k(unary[i, : ns[i]], c.temperature, c.key)
         cut = [i for i in range(len(calls)) if self.min_confidence > 0 and ns[i] > 1]
         if cut:  # every request's dynamic draft length, one host synchronisation (as _cut, row by row)
             u = unary.astype(mx.float32)
@@ -450,13 +465,7 @@ class _DFlashSession(ProposerSession):
                                                 model.kernel_mode)
             prop = Proposal(out.tokens, out.cand_ids if out.q is not None else None, out.q, "drafter")
         elif temperature > 0:
-            # v1 sampled draft: per-slot sample from the top-K truncated softmax (a valid q, spec §6.3)
-            K = 16
-            cand = mx.argpartition(-unary, K - 1, axis=-1)[:, :K].astype(mx.int32)
-            logits = mx.take_along_axis(unary, cand, axis=-1).astype(mx.float32) / temperature
-            q = mx.softmax(logits, axis=-1)
-            idx = mx.random.categorical(logits, key=key)
-            prop = Proposal(mx.take_along_axis(cand, idx[:, None], axis=-1)[:, 0], cand, q, "drafter")
+            prop = sample_top_k(unary, temperature, key)
         else:
             prop = Proposal(mx.argmax(unary, axis=-1).astype(mx.int32), source="drafter")
         if p.min_confidence > 0 and n > 1:

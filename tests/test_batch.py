@@ -638,6 +638,47 @@ def test_scheduled_widths_keep_every_row_exact(target, schedule):
         assert all(e >= 1 for _, _, e in sch.recorded)
 
 
+@pytest.mark.parametrize("schedule", ["full", "cycle"])
+def test_seeded_sampled_request_on_the_embedded_model_is_what_it_gets_alone(smol_f32, schedule):
+    """Issue 22 as a fresh user met it in the server: the embedded SmolLM2 (dense float32, as ``load()``
+    gives it on a CPU) with its shipped drafter (fused with lookup, dynamic draft length: the server's
+    defaults), the request {"Give three tips for studying.", temperature 0.7, seed 3} alone and beside a
+    seeded sampled request and a greedy one, every round batched (``full``) or the greedy row's width cut to
+    fixed caps (``cycle``: 1, a plain step, up to the whole block; what the ``auto`` schedule does, without
+    its clock). Its tokens equal its tokens alone. (Before the fix they differed from the third token on:
+    its drafter forward, batched with the others' rows, left argpartition's top-K candidates in another
+    order, and its sampled draft draws by a candidate's position.)"""
+    from conftest import chat_ids
+
+    from mlx_dflash2.api import request_sampling
+    from mlx_dflash2.loading import drafter_dequantize, make_proposer
+    from mlx_dflash2.sampling import SamplingParams
+
+    target, tok = smol_f32
+    proposer = make_proposer("shipped", target, tok, "smollm2-135m-instruct",
+                             dequantize=drafter_dequantize(None, target))
+    reqs = [(chat_ids(tok, "Give three tips for studying."), 20, SamplingParams(temp=0.7, seed=3)),
+            (chat_ids(tok, "Write a haiku about the sea."), 16, SamplingParams(temp=0.9, top_p=0.95, seed=11)),
+            (chat_ids(tok, "What is the capital of France? Describe it."), 16, SamplingParams())]
+
+    def run(n_requests, sch):
+        batch = SpeculativeBatch(target, proposer, schedule=sch)
+        uids = []
+        for prompt, n, params in reqs[:n_requests]:
+            rs = request_sampling(params)
+            uids.append(batch.add(prompt, n, verifier=rs.verifier, draft_temperature=rs.draft_temperature,
+                                  draft_key=rs.draft_key, eos_token_ids=list(tok.eos_token_ids)))
+        out = {u: [] for u in uids}
+        while batch.active or batch.pending:
+            for ev in batch.step():
+                out[ev.uid] += ev.tokens
+        return out[uids[0]]
+
+    alone = run(1, "full")
+    assert len(alone) == 20
+    assert run(3, "full" if schedule == "full" else _cycling([1, 2, 4, 16])) == alone
+
+
 # ---------------------------------------------------------------------------------------------------
 # joins: batched, chunked prefill
 # ---------------------------------------------------------------------------------------------------
@@ -886,6 +927,92 @@ def test_one_drafter_forward_for_every_drafting_row(target, monkeypatch):
         # a drafter's rows go through one forward; a row drafting alone takes the solo path
         assert sorted(rows) == sorted(m for _, m in many if m > 1) and n_call == sum(1 for _, m in many if m == 1)
     assert max(r for rows, _, _ in per_step for r in rows) >= 4  # d2's rows really drafted together
+
+
+def test_a_batch_of_one_runs_the_solo_loops_adaptive_rounds(target, monkeypatch):
+    """Issue 22, "with one request, behave as today": a lone row added with ``adaptive`` has its rounds
+    chosen by its proposer's adaptive schedule (drafter, lookup or a plain step, by measured tokens/s) as
+    the solo loop has them: the same decisions, rounds, statistics and tokens, on a clock on which a
+    drafter forward costs ten rounds (so the schedule soon runs plain steps). The request is sampled (a
+    tiny random target's greedy text repeats itself, and lookup rounds would hide the schedule), seeded
+    so that it repeats: the fake clock makes the schedule's choices repeat too. While a second row is in
+    the batch neither schedule is asked (a batch's rounds are shared: the rows draft together); without
+    ``adaptive`` (what a seeded sampled request gets from the server) a lone row drafts every round."""
+    from mlx_dflash2.api import request_sampling
+    from mlx_dflash2.drafter.model import DraftModel
+    from mlx_dflash2.proposers import AdaptiveSchedule, FusedProposer
+    from mlx_dflash2.sampling import SamplingParams
+
+    clock = [0.0]
+
+    def tick():
+        clock[0] += 1.0
+        return clock[0]
+
+    orig_call = DraftModel.__call__
+
+    def costly(self, *a, **kw):  # a drafter forward of one request: ten rounds' worth on the fake clock
+        clock[0] += 10.0
+        return orig_call(self, *a, **kw)
+
+    monkeypatch.setattr(DraftModel, "__call__", costly)
+    drafter = _drafter(target, 6)
+    asked = []  # per schedule: the contexts of the decisions asked of it
+
+    def fused():
+        sch = AdaptiveSchedule(clock=tick)
+        choose = sch.choose
+        asked.append([])
+        sch.choose = lambda ctx, log=asked[-1]: log.append(ctx) or choose(ctx)
+        return FusedProposer(DFlashProposer(drafter, target, VOCAB), LookupProposer(block_size=B), schedule=sch)
+
+    def sampling():
+        rs = request_sampling(SamplingParams(temp=1.0, seed=90))
+        return dict(verifier=rs.verifier, draft_temperature=rs.draft_temperature, draft_key=rs.draft_key)
+
+    def drain(batch, uids):
+        out, stats, rows = {u: [] for u in uids}, {}, []
+        while batch.active or batch.pending:
+            before = [len(a) for a in asked]
+            for ev in batch.step():
+                out[ev.uid] += ev.tokens
+                stats[ev.uid] = ev.stats
+            rows.append((batch.last_round["rows"], [len(a) - b for a, b in zip(asked, before)]))
+        return out, stats, rows
+
+    p, n = _prompt(7, 90), 40
+    runs = {}
+    for adaptive in (True, False):
+        st = SpecStats()
+        runs[adaptive] = ([t for t, _, _ in speculative_generate_step(p, target, fused(), max_tokens=n, stats=st,
+                                                                       adaptive=adaptive, **sampling())], st)
+    solo, st = runs[True]
+    assert st.verify_widths.get(1, 0) >= 20 and st.drafted  # it drafted, then stepped plainly
+
+    batch = SpeculativeBatch(target, schedule="auto")
+    uid = batch.add(p, n, proposer=fused(), adaptive=True, **sampling())
+    out, stats, _ = drain(batch, [uid])
+    assert out[uid] == solo
+    for f in ("rounds", "drafted", "accepted", "accept_hist", "position_accepted", "verify_widths", "drafter"):
+        assert getattr(stats[uid], f) == getattr(st, f), f
+    assert asked[2] == asked[0]  # the same decisions, in the same contexts
+
+    # not adaptive: a lone row drafts every round, as the solo loop with adaptive=False
+    batch = SpeculativeBatch(target)
+    uid = batch.add(p, n, proposer=fused(), **sampling())
+    out, stats, _ = drain(batch, [uid])
+    assert asked[-1] == [] and out[uid] == runs[False][0]
+    assert stats[uid].verify_widths == runs[False][1].verify_widths
+    assert stats[uid].verify_widths.get(1, 0) <= 1  # a plain step only where max_tokens leaves no draft
+
+    # two rows (that one and a greedy one): neither schedule is asked until one row is left
+    q = _prompt(5, 91)
+    batch = SpeculativeBatch(target, schedule="full")
+    a = batch.add(p, n, proposer=fused(), adaptive=True, **sampling())
+    b = batch.add(q, 12, proposer=fused(), adaptive=True)
+    out, _, rows = drain(batch, [a, b])
+    assert len(out[a]) == n and out[b] == _plain(target, q, 12)
+    assert all(sum(k) == 0 for r, k in rows if r == 2) and any(sum(k) for r, k in rows if r == 1)
 
 
 def test_plain_rounds_leave_drafter_contexts_alone_until_a_flush(target, monkeypatch):

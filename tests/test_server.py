@@ -638,11 +638,16 @@ def test_sampled_request_alongside_batched_ones(srv, rr_srv):
 
 def _completion_json(url, body):
     """A non-streaming /v1/completions request: (text, finish_reason, completion_tokens, logprobs)."""
+    return _completion_spec(url, body)[:4]
+
+
+def _completion_spec(url, body):
+    """:func:`_completion_json`'s answer and the response's ``speculative`` statistics."""
     r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text
     d = r.json()
     c = d["choices"][0]
-    return c["text"], c["finish_reason"], d["usage"]["completion_tokens"], c.get("logprobs")
+    return c["text"], c["finish_reason"], d["usage"]["completion_tokens"], c.get("logprobs"), d["speculative"]
 
 
 def test_every_request_kind_batched_equals_solo(srv, rr_srv, http):
@@ -681,6 +686,44 @@ def test_every_request_kind_batched_equals_solo(srv, rr_srv, http):
     # every request was batched: each of its rounds was a row of a batched round (a round-robin
     # request's rounds would count as target forwards without a row)
     assert rows == forwards, (rows, forwards)
+
+
+def test_a_lone_request_runs_the_adaptive_schedule_a_seeded_one_drafts_every_round(smol_f32, srv, monkeypatch):
+    """Issue 22, "with one request, behave as today": a request alone in the server (a batch of one) has its
+    rounds chosen by the drafter's adaptive schedule, as the CLI's solo loop has them (here the shipped
+    drafter on a clock where its forward costs ten rounds: the schedule soon runs plain steps), and gets
+    the greedy answer; a seeded sampled request alone drafts every round (its tokens must not depend on
+    timings)."""
+    from mlx_dflash2.drafter.model import DraftModel
+
+    target, tokenizer = smol_f32
+    p = make_proposer("shipped", target, tokenizer, MODEL_ID, adaptive=True, calibrate=False)
+    clock = [0.0]
+
+    def tick():
+        clock[0] += 1.0
+        return clock[0]
+
+    orig_call = DraftModel.__call__
+
+    def costly(self, *a, **kw):
+        clock[0] += 10.0
+        return orig_call(self, *a, **kw)
+
+    monkeypatch.setattr(DraftModel, "__call__", costly)
+    p.schedule.clock = tick
+    s = make_server(target, tokenizer, p)
+    try:
+        greedy = {"prompt": "Once upon a time, in a small village,", "max_tokens": 24}
+        text, _, n, _, spec = _completion_spec(s.url, greedy)
+        assert n == 24 and text == _completion_json(srv.url, greedy)[0]  # the greedy answer (srv: lookup)
+        assert spec["drafter"].endswith("(adaptive)") and spec["rounds_by_source"].get("none", 0) >= 10, spec
+        seeded = {**greedy, "temperature": 0.8, "seed": 4}
+        _, _, n, _, spec = _completion_spec(s.url, seeded)
+        assert n == 24 and "adaptive" not in spec["drafter"], spec
+        assert spec["rounds_by_source"].get("none", 0) <= 1 and spec["drafted_tokens"] > 0, spec
+    finally:
+        s.stop()
 
 
 def test_batched_disconnect_mid_batch_leaves_others_exact(srv, rr_srv, http):

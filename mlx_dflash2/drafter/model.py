@@ -314,10 +314,17 @@ class CandidateSelector(nn.Module):
 
     def candidates(self, unary: mx.array, hidden: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """The lattice's inputs, computed in MLX for every walk: ``(cand int32 [M, T, K], u float32
-        [M, T, K], H float32 [M, T, r])``, the top-K candidates of each slot (``argpartition``), their
-        unary scores and the hidden projection of ``hidden`` ``[M, T, D]``."""
+        [M, T, K], H float32 [M, T, r])``, the top-K candidates of each slot (``argpartition``) in
+        ascending id order, their unary scores and the hidden projection of ``hidden`` ``[M, T, D]``.
+
+        The ascending order is part of the contract: a sampled walk's random draws are indexed by a
+        candidate's position in its slot, and the order ``argpartition`` leaves its top K in is
+        arbitrary, moved by the last bits of unrelated scores among the whole vocabulary (a batched
+        drafter forward, a prompt-cache hit: issue 22). Sorted, a seeded walk's realisation depends on
+        the candidate set and its scores only, as a solo and a batched forward of the same row agree
+        up to near-ties."""
         K = min(self.top_k, unary.shape[-1])
-        cand = mx.argpartition(-unary, K - 1, axis=-1)[..., :K].astype(mx.int32)
+        cand = mx.sort(mx.argpartition(-unary, K - 1, axis=-1)[..., :K], axis=-1).astype(mx.int32)
         u = mx.take_along_axis(unary, cand, axis=-1).astype(mx.float32)
         H = self.hidden_projection(hidden).astype(mx.float32)  # [M, T, r]
         return cand, u, H

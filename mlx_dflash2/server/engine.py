@@ -14,7 +14,9 @@ Batched rounds: on a dense target every request (greedy or sampled, with
 logprobs, penalties or logit bias: :meth:`Engine._batch_sampling`) skips
 ``stream_generate``; only hybrid / sliding-window targets (or ``--max-batch 0``)
 use the round-robin path. Each keeps its own verifier and random keys
-(:func:`~mlx_dflash2.api.request_sampling`, as ``stream_generate`` builds them). They
+(:func:`~mlx_dflash2.api.request_sampling`, as ``stream_generate`` builds them), and
+while it is the batch's only row its rounds are ``stream_generate``'s (the
+drafter's adaptive schedule where the request allows it: not a seeded sampled one). They
 wait in FIFO order for a row of one :class:`~mlx_dflash2.batch.SpeculativeBatch`
 (at most :attr:`EngineConfig.max_batch` rows), join it between rounds
 (``add``: the prefill, from the prompt cache's state), and each worker turn
@@ -606,7 +608,7 @@ class Engine:
             job.join = dict(prompt=ids, max_tokens=max_tokens, proposer=proposer,
                             block_size=B if m.proposer is not None else 1, verifier=rs.verifier,
                             draft_temperature=rs.draft_temperature, draft_key=rs.draft_key,
-                            logprobs=job.logprobs,
+                            logprobs=job.logprobs, adaptive=rs.adaptive,
                             eos_token_ids=list(self.tokenizer.eos_token_ids), state=job.state,
                             keep_state=job.cache_state, prompt_progress_callback=progress)
             job.state = None  # the batch owns it from the join on

@@ -158,6 +158,9 @@ def main(argv=None) -> int:
     except (NotImplementedError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback from inside a loader or the loop
+        print("\ninterrupted", file=sys.stderr)
+        return 130
     return 0
 
 

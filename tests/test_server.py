@@ -1161,3 +1161,16 @@ def test_a_port_out_of_range_is_refused_before_loading(capsys, port):
     with pytest.raises(SystemExit) as e:
         setup_arg_parser().parse_args(["--port", port])
     assert e.value.code == 2 and "0..65535" in capsys.readouterr().err
+
+
+def test_ctrl_c_while_loading_is_one_line(monkeypatch, capsys):
+    """A fresh user's run: Ctrl-C during the model's load printed a KeyboardInterrupt traceback from inside a
+    loader; now one line and exit status 130."""
+    from mlx_dflash2.server import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_app", interrupted)
+    assert cli.main([]) == 130
+    assert "interrupted while loading" in capsys.readouterr().err

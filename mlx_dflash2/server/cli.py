@@ -193,6 +193,9 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while the model loads: one line, not a traceback from inside a loader
+        print("interrupted while loading the model", file=sys.stderr)
+        return 130
     p = engine.model.proposer
     logging.getLogger("mlx_dflash2.server").info(
         "serving %s (drafter %s, block size %d) on http://%s:%d/v1",

@@ -44,6 +44,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_kernels import make_layers  # noqa: E402
+from bench_kernels import timed as med_ms  # noqa: E402  (median ms after two warm-ups)
 
 from mlx_dflash2.kernels import backend, qmm  # noqa: E402
 from mlx_dflash2.kernels import registry  # noqa: E402
@@ -51,16 +52,6 @@ from mlx_dflash2.kernels import registry  # noqa: E402
 
 def log(msg):
     print(f"[trace {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def med_ms(fn, repeats):
-    fn(), fn()
-    ts = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(ts)
 
 
 def measure(chain, x0, repeats, pipe_n=20):

@@ -184,13 +184,7 @@ class QuantizedMatmul(KernelOp):
             KernelError: mode ``"kernel"`` and the kernel failed to build or disagreed.
         """
         be = backend_of_default()
-        args = (x, w, scales, biases, group_size, bits)
-        fk = self.fast_key(args, {})
-        key = (be, mode, fk)
-        on = self._fast.get(key)
-        if on is None:
-            on = self._fast[key] = self.active(*args, mode=mode)  # raises in mode "kernel"
-        if not on:
+        if not self.decide(be, (x, w, scales, biases, group_size, bits), {}, mode):
             ref = self.reference
             return lambda x: ref(x, w, scales, biases, group_size, bits)
         tmpl, grid, tg, out_shapes, params = self._geometry(be, x.shape, w.shape[0], group_size, bits, x.dtype)
@@ -276,7 +270,8 @@ class KernelMLP(nn.Module):
 
     Args:
         mlp: the mlx-lm MLP module (its ``gate_proj`` and ``up_proj`` already
-            :class:`KernelQuantizedLinear`, affine, same bits and group size, no bias).
+            :class:`KernelQuantizedLinear`, affine, same bits and group size, both or neither with a bias:
+            :func:`fusable`).
         mode: kernel mode.
     """
 

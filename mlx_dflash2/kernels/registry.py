@@ -299,18 +299,25 @@ class KernelOp:
         forward, and the host builds the graph on the round's critical path."""
         return None
 
+    def decide(self, be: str, args: tuple, kw: dict, mode: str | None = None) -> bool:
+        """Whether this call runs the kernel (:meth:`active`), cached per :meth:`fast_key` where the op has one.
+
+        Raises:
+            KernelError: mode ``"kernel"`` and the kernel failed to build or disagreed.
+        """
+        fk = self.fast_key(args, kw)
+        if fk is None:
+            return self.active(*args, mode=mode, **kw)
+        key = (be, mode, fk)  # mode None: the environment's, read when a signature is first met
+        on = self._fast.get(key)
+        if on is None:
+            on = self._fast[key] = self.active(*args, mode=mode, **kw)  # raises in mode "kernel"
+        return on
+
     def dispatch(self, *args, mode: str | None = None, **kw):
         """Run the kernel where :meth:`active`, else the reference."""
         be = backend()
-        fk = self.fast_key(args, kw)
-        if fk is None:
-            on = self.active(*args, mode=mode, **kw)
-        else:
-            key = (be, mode, fk)  # mode None: the environment's, read when a signature is first met
-            on = self._fast.get(key)
-            if on is None:
-                on = self._fast[key] = self.active(*args, mode=mode, **kw)  # raises in mode "kernel"
-        if on:
+        if self.decide(be, args, kw, mode):
             return self.launch(be, *args, **kw)
         return self.reference(*args, **kw)
 

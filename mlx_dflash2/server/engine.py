@@ -376,7 +376,8 @@ class EngineConfig:
 
 
 _PARAMS = [("repetition_context_size", "repetition_context_size"), ("presence_context_size", "presence_context_size"),
-           ("frequency_context_size", "frequency_context_size"), ("temp", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("min_p", "min_p"),
+           ("frequency_context_size", "frequency_context_size"), ("temp", "temperature"), ("top_p", "top_p"),
+           ("top_k", "top_k"), ("min_p", "min_p"),
            ("repetition_penalty", "repetition_penalty"), ("presence_penalty", "presence_penalty"),
            ("frequency_penalty", "frequency_penalty"), ("logit_bias", "logit_bias"), ("max_tokens", "max_tokens")]
 

@@ -28,7 +28,7 @@
 # Env: OUT (the device tool sets it), PAYLOAD (~/payload), GGUF, PY (python3), MLX_PTX_CACHE_DIR (default ~/ptx: it stays for
 # the machine's lease, so only the first MLX process compiles), RUN_BUDGET (default 570), T_SELFTEST (180),
 # T_CHECK (150), T_KERNELS (180), T_SCALING (420), T_EXACTNESS (240), T_SETS (300), T_HYBRID (400), T_PROBE (300), T_TRACE (240), PROBE_SHAPES (hybrid-27b,dense-27b), KERNEL_SHAPES
-# (qwen3-8b), SCALING_SHAPES (qwen3-8b,dense-27b), HYBRID_SHAPES (hybrid-27b,dense-27b), HYBRID_CONTEXTS
+# (qwen3-8b), KERNEL_SWEEP (--sweep: the qmm geometry sweep; empty: none), SCALING_SHAPES (qwen3-8b,dense-27b), HYBRID_SHAPES (hybrid-27b,dense-27b), HYBRID_CONTEXTS
 # (1024,8192,32768), ARGS_<PART> (more arguments for that part's script).
 # SMOKE=1: every part at toy size on any machine (CPU included) to check this driver.
 set -u
@@ -84,7 +84,7 @@ for p in "$@"; do
   case $p in
     selftest)  cmd=($PY -m mlx_dflash2.selftest) ;;
     check)     cmd=($PY -c "import mlx_dflash2, mlx.core as mx, sys, pytest; mx.set_default_device(mx.cpu); sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_kernels.py', 'tests/test_kernels_drafter.py'] + sys.argv[1:]))") ;;
-    kernels)   cmd=($PY benchmarks/bench_kernels.py --shapes "$KSHAPES" --sweep --out "$OUT/kernels.json") ;;
+    kernels)   cmd=($PY benchmarks/bench_kernels.py --shapes "$KSHAPES" ${KERNEL_SWEEP---sweep} --out "$OUT/kernels.json") ;;
     scaling)   cmd=($PY benchmarks/bench_scaling.py --shapes "$SSHAPES" $TINY --budget "$b" --out "$OUT") ;;
     exactness) cmd=($PY benchmarks/gpu/exactness.py --gguf "$GGUF" $TINY --budget "$b" --out "$OUT/exactness.json") ;;
     sets)      cmd=($PY benchmarks/gpu/smollm2_sets.py --model "$GGUF" $TINY --budget "$b" --out "$OUT/sets.json") ;;

@@ -49,12 +49,12 @@ class VerifyAttention(KernelOp):
     row_invariant = True
     tolerance = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 2e-2}
 
-    def reference(self, q, keys, values, length, scale):
+    def reference(self, q, keys, values, length, scale, config=None):
         k, v = keys[..., :length, :], values[..., :length, :]
         mask = "causal" if q.shape[2] > 1 else None
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
-    def supports(self, q, keys, values, length, scale):
+    def supports(self, q, keys, values, length, scale, config=None):
         if q.ndim != 4 or keys.ndim != 4 or q.shape[0] != 1 or keys.shape[0] != 1 or q.dtype not in DTYPES:
             return False
         H, Lq, D = q.shape[1], q.shape[2], q.shape[3]
@@ -63,7 +63,7 @@ class VerifyAttention(KernelOp):
                 and values.dtype == q.dtype and values.shape == keys.shape and keys.shape[3] == D
                 and Lq <= length <= keys.shape[2])
 
-    def shape_key(self, q, keys, values, length, scale):
+    def shape_key(self, q, keys, values, length, scale, config=None):
         return (str(q.dtype), int(q.shape[1]), int(keys.shape[1]), int(q.shape[3]))
 
     def sample(self, key):
@@ -119,12 +119,15 @@ class VerifyAttention(KernelOp):
                 **io2),
         }
 
-    def launch(self, backend, q, keys, values, length, scale):
+    def launch(self, backend, q, keys, values, length, scale, config=None):
+        """``config``: ``(TILES, ROWS, WARPS)`` in place of the module's (benchmarks' geometry sweep only:
+        the chunk size moves the sums' order, so a row's bits differ from the default geometry's)."""
         _, H, Lq, D = q.shape
         Hk = keys.shape[1]
         R = (H // Hk) * Lq
-        n_chunks = -(-length // (TILE * TILES))
-        n_rg = -(-R // ROWS)
+        tiles, rows, warps = config or (TILES, ROWS, WARPS)
+        n_chunks = -(-length // (TILE * tiles))
+        n_rg = -(-R // rows)
         params = int_params(H, Hk, Lq, n_rg)  # made once per signature; the length travels as a view's shape
         sc = self._scales.get(scale)
         if sc is None:
@@ -133,8 +136,8 @@ class VerifyAttention(KernelOp):
         rows_total = Hk * R
         part_o, part_ml = self.kernel(backend, "partial")(
             inputs=[mx.contiguous(q), keys[:, :, :length], values[:, :, :length], params, sc],
-            template=[("T", q.dtype), ("D", D), ("TILE", TILE), ("TILES", TILES), ("ROWS", ROWS), ("WARPS", WARPS)],
-            grid=(n_chunks * n_rg * WARPS * 32, Hk, 1), threadgroup=(WARPS * 32, 1, 1),
+            template=[("T", q.dtype), ("D", D), ("TILE", TILE), ("TILES", tiles), ("ROWS", rows), ("WARPS", warps)],
+            grid=(n_chunks * n_rg * warps * 32, Hk, 1), threadgroup=(warps * 32, 1, 1),
             output_shapes=[(rows_total * n_chunks * D,), (rows_total * n_chunks * 2,)],
             output_dtypes=[mx.float32, mx.float32])
         return self.kernel(backend, "combine")(

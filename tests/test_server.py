@@ -1174,3 +1174,66 @@ def test_ctrl_c_while_loading_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(cli, "build_app", interrupted)
     assert cli.main([]) == 130
     assert "interrupted while loading" in capsys.readouterr().err
+
+
+def test_a_second_ctrl_c_ends_requests_in_flight_with_an_error_not_a_cancelled_handler(smol_f32, caplog):
+    """A fresh user's run (session 16): a second Ctrl-C while requests streamed made uvicorn force-quit by
+    cancelling the handlers mid-response: streams cut without ``[DONE]``, a waiting non-streamed request got
+    uvicorn's plain-text 500 and the log CancelledError tracebacks. Now (``AppServer``) every request in flight
+    ends with a 503 ``server_shutdown`` error: a stream with an error event and ``[DONE]``, a plain request
+    with a JSON body; nothing is logged as an exception."""
+    import logging
+
+    from mlx_dflash2.server.app import AppServer
+
+    target, tokenizer = smol_f32
+    p = make_proposer("lookup", target, tokenizer, MODEL_ID)
+    model = SpeculativeModel(target, p, p.block_size, MODEL_ID, target.config)
+    engine = Engine(model, tokenizer, EngineConfig(max_context=MAX_CONTEXT, prefill_step_size=64, max_batch=0))
+    app = create_app(engine, ServerSettings(model_id=MODEL_ID, max_tokens=400))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = AppServer(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    caplog.set_level(logging.ERROR)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    body = {"model": MODEL_ID, "messages": chat_msgs("Write a long story about a lighthouse."), "max_tokens": 400,
+            "temperature": 0, "stream": True}
+    lines, plain, first = [], {}, threading.Event()
+
+    def streamer():
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                if '"content"' in line:
+                    first.set()
+
+    def waiter():  # round-robin engine (max_batch 0, decode_concurrency 1): waits behind the stream
+        try:
+            r = httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": False}, timeout=60)
+            plain.update(status=r.status_code, body=r.text)
+        except httpx.HTTPError as e:
+            plain.update(status=repr(e))
+
+    ts = [threading.Thread(target=streamer), threading.Thread(target=waiter)]
+    for t in ts:
+        t.start()
+    assert first.wait(60)
+    deadline = time.time() + 30
+    while len(engine._jobs) < 2 and time.time() < deadline:  # the waiting request is in too
+        time.sleep(0.02)
+    server.should_exit = True   # the first Ctrl-C: graceful, waits for the requests in flight
+    time.sleep(0.5)
+    server.force_exit = True    # the second: uvicorn's force quit
+    for t in ts:
+        t.join(30)
+    thread.join(30)
+    assert not thread.is_alive()
+    events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert lines[-1] == "data: [DONE]" and events[-1]["error"]["code"] == "server_shutdown", lines[-3:]
+    assert plain["status"] == 503 and json.loads(plain["body"])["error"]["code"] == "server_shutdown", plain
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]

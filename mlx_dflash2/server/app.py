@@ -21,6 +21,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
@@ -120,6 +121,37 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     return bad_request(f"Invalid value for '{param}': {msg}", param)
 
 
+class AppServer(uvicorn.Server):
+    """uvicorn's server for an app of :func:`create_app`, with a clean force quit.
+
+    The first Ctrl-C is uvicorn's graceful shutdown (requests in flight finish). On the second, uvicorn
+    force-quits by cancelling the request handlers mid-response: a stream cut without ``[DONE]``, a
+    waiting request answered with a plain-text 500, CancelledError tracebacks in the log. Here every
+    request still in flight is first ended with a 503 ``server_shutdown`` error
+    (:meth:`~.engine.Engine.abort_all`: a stream gets an error event and ``[DONE]``, a plain request a
+    JSON body) and its handler is given up to ``drain_s`` seconds to send it; then the app's lifespan
+    shutdown runs (the engine stops), which uvicorn skips on a force quit.
+
+    Args:
+        config: a ``uvicorn.Config`` whose app was made by :func:`create_app`.
+        drain_s: seconds to wait for the handlers after a force quit.
+    """
+
+    def __init__(self, config: "uvicorn.Config", drain_s: float = 3.0):
+        super().__init__(config)
+        self.drain_s = drain_s
+
+    async def shutdown(self, sockets=None) -> None:
+        await super().shutdown(sockets=sockets)
+        if self.force_exit:  # uvicorn skipped waiting for the requests in flight: end them with an error
+            state = self.config.app.state
+            state.engine.abort_all()
+            await state.handlers_done(self.drain_s)
+            lifespan = getattr(self, "lifespan", None)  # uvicorn skips the app's shutdown on a force quit: its
+            if lifespan is not None:                    # task would be cancelled with a traceback in the log
+                await lifespan.shutdown()
+
+
 def create_app(engine: Engine, settings: Optional[ServerSettings] = None) -> FastAPI:
     """Build the FastAPI app serving ``engine`` (started/stopped with the app).
 
@@ -151,6 +183,15 @@ def create_app(engine: Engine, settings: Optional[ServerSettings] = None) -> Fas
     )
     app.state.engine = engine
     app.state.settings = settings
+    busy = [0]  # request handlers and streams running (AppServer waits for them on a force quit)
+
+    async def handlers_done(timeout: float) -> bool:
+        end = time.monotonic() + timeout
+        while busy[0] and time.monotonic() < end:
+            await asyncio.sleep(0.02)
+        return not busy[0]
+
+    app.state.handlers_done = handlers_done
     app.add_middleware(
         CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"], allow_headers=["*"]
     )
@@ -316,6 +357,7 @@ def create_app(engine: Engine, settings: Optional[ServerSettings] = None) -> Fas
         model_name = settings.model_id
         loop = asyncio.get_running_loop()
         job.loop, job.queue = loop, asyncio.Queue()
+        busy[0] += 1
         engine.submit(job)
         asm = Assembler(chat, top_n)
         done = False
@@ -399,12 +441,14 @@ def create_app(engine: Engine, settings: Optional[ServerSettings] = None) -> Fas
                 "speculative": spec_dict(ev.stats),
             })
         finally:
+            busy[0] -= 1
             if not done:
                 job.cancel()
 
     async def sse(job: Job, asm: Assembler, first, rid, now, model_name, chat, include_usage):
         obj = "chat.completion.chunk" if chat else "text_completion"
         finished = False
+        busy[0] += 1
 
         def chunk(choice: Optional[dict], **extra) -> str:
             body = {"id": rid, "object": obj, "created": now, "model": model_name,
@@ -468,6 +512,7 @@ def create_app(engine: Engine, settings: Optional[ServerSettings] = None) -> Fas
                     yield "data: [DONE]\n\n"
                     return
         finally:
+            busy[0] -= 1
             if not finished:
                 job.cancel()  # client gone: the worker frees the request's caches
 

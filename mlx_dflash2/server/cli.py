@@ -201,5 +201,7 @@ def main(argv=None) -> int:
         "serving %s (drafter %s, block size %d) on http://%s:%d/v1",
         engine.model.name, p.name if p else "none", args.block_size or engine.model.block_size, args.host, args.port,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+    from .app import AppServer
+
+    AppServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower())).run()
     return 0

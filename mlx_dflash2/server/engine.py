@@ -48,6 +48,7 @@ import queue
 import threading
 import time
 import uuid
+import weakref
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -424,6 +425,9 @@ class Engine:
         self._thread: Optional[threading.Thread] = None
         self._call_lock = threading.Lock()
         self._calls: list = []
+        # submitted jobs by id, for abort_all (any thread; Job is an unhashable dataclass)
+        self._jobs: "weakref.WeakValueDictionary[str, Job]" = weakref.WeakValueDictionary()
+        self._jobs_lock = threading.Lock()
         # batched rounds (every request on a dense target); None: every request goes round-robin
         self._batch: Optional[SpeculativeBatch] = None
         if self.config.max_batch > 0:
@@ -466,7 +470,25 @@ class Engine:
     def submit(self, job: Job) -> None:
         """Queue a job (any thread)."""
         self.metrics.request(job.kind)
+        with self._jobs_lock:
+            self._jobs[job.id] = job
         self._inbox.put(job)
+
+    def abort_all(self, message: str = "the server is shutting down") -> int:
+        """End every submitted request that is not over with a 503 ``server_shutdown`` error (any thread).
+
+        Each handler gets a :class:`Failed` event at once (its stream ends with an error event and ``[DONE]``,
+        a plain request answers 503) and the job is cancelled, so the worker drops it at its next step. What
+        :class:`~.app.AppServer` does on uvicorn's force quit (a second Ctrl-C) instead of letting uvicorn
+        cancel the handlers mid-response. Returns the number of requests ended.
+        """
+        with self._jobs_lock:
+            jobs = [j for j in self._jobs.values() if not j.cancelled]
+        err = APIError(503, message, code="server_shutdown")
+        for job in jobs:
+            job.post(Failed(err))
+            job.cancel()
+        return len(jobs)
 
     def call(self, fn, timeout: float = 60.0):
         """Run ``fn()`` on the worker thread between steps and return its result

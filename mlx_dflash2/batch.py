@@ -1,21 +1,38 @@
-"""Batched speculative rounds for dense targets (issue 22, first building blocks).
+"""Batched speculative rounds for dense and hybrid GatedDeltaNet targets (issue 22).
 
 Every request kind shares a batch: greedy and sampled (each with its own verifier, logits processors
 and random keys), with or without logprobs. The server's engine (:mod:`~.server.engine`) runs its
-requests on dense targets through it (continuous batching); the CLI and :func:`~.api.stream_generate` still use :mod:`~.speculative`'s loop. This module
-advances **N requests by one round with one target forward**.
+requests on dense and hybrid targets through it (continuous batching); the CLI and
+:func:`~.api.stream_generate` still use :mod:`~.speculative`'s loop. This module advances **N requests
+by one round with one target forward**.
+
+Layers: every full-attention layer's rows live in one :class:`RaggedKVCache` (per-row lengths), every
+GatedDeltaNet layer's (hybrid targets: ``qwen3_next``, ``qwen3_5``) in one
+:class:`~.caches.RaggedRecurrentCache`: the conv window ``[N, K - 1, C]`` and the recurrent state
+``[N, Hv, Dv, Dk]`` of each row, which mlx-lm's own mixer advances for all rows in the same forward. A
+recurrent state cannot be cut back like K/V, so the steps below keep each row's exact: a prompt chunk
+is masked at each row's own length (mlx-lm's ``lengths`` path), and a verify is rolled back row by row
+to the row's own accepted length (the kept step selected, or a masked replay from the pre-verify
+snapshot). Sliding-window targets (``WindowKVCache`` layers: Gemma 3/4, Mistral-style windows) are
+refused (:class:`~.target.TargetCompatibilityError`; the server runs them round-robin).
 
 Data flow of one round (:meth:`SpeculativeBatch.step`)
 ------------------------------------------------------
 1. **join**: :meth:`SpeculativeBatch.add` sets a request up as the solo loop does
    (:func:`~.speculative.start_request`: checks, prompt-cache reuse, proposer session) and queues it as
-   a row of the *join cache* (a second :class:`RaggedKVCache`). Each :meth:`~SpeculativeBatch.step`
-   first feeds every queued request its next prompt chunk (up to ``prefill_step_size`` tokens per row)
-   in **one target forward** (rows right-padded, the padding rolled back as rejected drafts are), so
-   many joins cost one batched forward and a long prompt is prefilled a chunk per step, interleaved
-   with the rounds of the requests already decoding. A request whose prompt is complete gets its first
-   token from its own verifier on the logits at its last prompt token (what the solo loop's prefill
-   does) and its K/V rows move to the batch cache (one concatenation for all of that step's joins).
+   a row of the *join cache* (a second set of ragged caches; a reused prefix comes with its K/V and,
+   hybrid, its recurrent arrays at the reused length: the solo loop's snapshots). Each
+   :meth:`~SpeculativeBatch.step` first feeds every queued request its next prompt chunk (up to
+   ``prefill_step_size`` tokens per row) in **one target forward** (rows right-padded: the padding's K/V
+   rolled back as rejected drafts are; the GatedDeltaNet layers mask it, so each row's recurrent state
+   and conv window end at its own last real token), so many joins cost one batched forward and a long
+   prompt is prefilled a chunk per step, interleaved with the rounds of the requests already decoding.
+   On a hybrid target the chunks of a ``keep_state`` request end at multiples of
+   :data:`~.speculative.SNAPSHOT_INTERVAL`, where its recurrent arrays are kept (the solo loop's
+   prompt-cache snapshots, handed over with its final state). A request whose prompt is complete gets
+   its first token from its own verifier on the logits at its last prompt token (what the solo loop's
+   prefill does) and its rows move to the batch cache (one concatenation per layer for all of that
+   step's joins).
 2. **draft**: each active request's own proposer session proposes ``d_1..d_{n_i}`` after its anchor
    (``n_i <= B_i - 1``, shrunk near its ``max_tokens``, the context limit and the
    :class:`WidthSchedule`'s cap); a sampled request's drafter gets its draft temperature and the next
@@ -35,7 +52,11 @@ Data flow of one round (:meth:`SpeculativeBatch.step`)
    ``[anchor_i, d_1..d_{n_i}, pad...]``. Each row's new K/V are written at that row's own offset
    (its committed length) and RoPE runs at each row's own positions; the mask lets query ``q`` of row
    ``i`` see exactly keys ``0 .. len_i + q`` of row ``i``. Padding sits after a row's real tokens, so
-   causality alone keeps it (and every other row) out of the real queries' view.
+   causality alone keeps it (and every other row) out of the real queries' view. Each GatedDeltaNet
+   layer advances every row by ``M`` (padding included: it comes after the real tokens, so the real
+   rows' outputs do not see it) and keeps what the rollback needs: the state before the forward and the
+   mixer's inputs (:func:`~.caches.install_recording`), and on a routed target every step's state and
+   the conv input (the stepping mixer, :func:`~.kernels.gdn.route_gated_delta`).
 4. **accept**: each request's own verifier (greedy by default: :class:`~.verify.GreedyVerifier`, the
    same op as the solo loop; :class:`~.verify.RejectionVerifier` for a sampled request, whose key
    splits once per round exactly as in the solo loop; either with the request's penalties / logit
@@ -43,14 +64,18 @@ Data flow of one round (:meth:`SpeculativeBatch.step`)
    whole batch (every row's accepted length and tokens, and the logprobs of the rows that asked for
    them, are read together).
 5. **commit / rollback**: row ``i`` keeps ``[anchor, d_1..d_{a_i}]`` (its length goes up by
-   ``a_i + 1``; the rest of the block, rejected drafts and padding, is dropped by a per-row length
-   decrement, no copy); its proposer session gets those positions' tap features (a DFlash session
-   queues them: its drafter context is appended at its next proposal, or, once ``flush_after`` rounds
-   are queued, together with every other due row in one projection, so plain rounds under load cost
-   no drafter work per row; the joins' prompts are appended in one projection at their prefill).
-   Tokens are emitted
-   up to the first EOS / ``max_tokens`` / the context limit; finished requests leave the batch (their
-   row is dropped) before the next round.
+   ``a_i + 1``; fewer when the request stops inside the round: exactly its emitted tokens but the last;
+   the rest of the block, rejected drafts and padding, is dropped by a per-row length decrement, no
+   copy, in the attention layers; each GatedDeltaNet layer takes every row to its state after its own
+   ``a_i + 1`` tokens: ``states[i, a_i]`` and its conv window selected
+   (:func:`~.kernels.gated_delta_steps.select_states`) when the steps were kept, else the row's kept
+   inputs replayed from the pre-verify snapshot through the layer's own mixer, masked at ``a_i + 1``
+   (the reference path: MLX's ops, what the CPU runs)); its proposer session gets those positions' tap
+   features (a DFlash session queues them: its drafter context is appended at its next proposal, or,
+   once ``flush_after`` rounds are queued, together with every other due row in one projection, so
+   plain rounds under load cost no drafter work per row; the joins' prompts are appended in one
+   projection at their prefill). Tokens are emitted up to the first EOS / ``max_tokens`` / the context
+   limit; finished requests leave the batch (their row is dropped) before the next round.
 
 Invariants (checked after every round)
 --------------------------------------
@@ -58,6 +83,10 @@ Invariants (checked after every round)
   emitted tokens but the last (the anchor, not yet fed), at positions ``0 .. len_i - 1`` (left
   aligned, as in the request's solo cache, so a row's keys sit at the same indices as they would
   alone); what lies at or past ``len_i`` is garbage that no mask lets through.
+* Row ``i`` of every :class:`~.caches.RaggedRecurrentCache` holds the recurrent state and conv window
+  after exactly those ``len_i`` tokens (the solo loop's at the same position, within float rounding:
+  ``tests/test_batch_hybrid.py`` checks 1e-5 after every step, joins mid-prefill included); it depends
+  on row ``i``'s tokens only.
 * All layers agree on the lengths; the proposer session of a request holds the same committed
   positions as its row (a DFlash session's appended context plus its queued features).
 * No request reads another's tokens, cache rows, proposer state or verifier state: the only shared
@@ -89,8 +118,10 @@ Missing for the full issue 22 (later steps)
 * one drafter forward for all rows (done: :meth:`~.proposers.DFlashProposer.propose_many`; drafter
   contexts stay per request and are gathered, padded, for each drafting round: a batch-owned ragged
   drafter cache would save that copy);
-* hybrid targets (recurrent layers: per-row accept via ``kernels.select_states``; sliding windows):
-  refused here;
+* sliding-window targets (Gemma 3/4, Mistral-style windows): refused here (a ragged window cache with
+  per-row eviction is still to be written; the server runs them round-robin). (Hybrid GatedDeltaNet
+  targets: done, :class:`~.caches.RaggedRecurrentCache`; their rollback replays on the reference path,
+  one more mixer forward of the block per GatedDeltaNet layer, where the routed GPU path selects);
 * pipelining (queueing round r+1 before r's tokens are handed out, as the solo loop does)
   (done: batched, chunked prefill of joins interleaved with the rounds; prompt-cache reuse for joins,
   ``add(state=)``; stop strings, the server's through ``remove``);
@@ -113,12 +144,14 @@ from typing import Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from . import speculative
+from .caches import RaggedRecurrentCache, RecurrentCache
 from .proposers import DraftCall, Proposal, Proposer
 from .speculative import GenerationState, SpecStats, start_request
 from .target import TargetAdapter, TargetCompatibilityError
 from .verify import GreedyVerifier, Verifier
 
-__all__ = ["RaggedKVCache", "BatchEvent", "SpeculativeBatch", "WidthSchedule"]
+__all__ = ["RaggedKVCache", "RaggedRecurrentCache", "BatchEvent", "SpeculativeBatch", "WidthSchedule"]
 
 
 class RaggedKVCache:
@@ -320,6 +353,14 @@ class RaggedKVCache:
         self.keys, self.values = self.keys[idx, :, :cap], self.values[idx, :, :cap]
         self._set_lengths(lengths)
 
+    def row(self, i: int) -> tuple[mx.array | None, mx.array | None]:
+        """Row ``i`` as :meth:`add_rows` takes it: ``(keys [1, H, L, Dk], values [1, H, L, Dv])`` of its
+        ``L = lengths[i]`` positions (lazy slices), or ``(None, None)`` while the cache holds no K/V."""
+        if self.keys is None:
+            return None, None
+        n = self._lengths[i]
+        return self.keys[i : i + 1, :, :n], self.values[i : i + 1, :, :n]
+
     def extract(self, i: int) -> KVCache:
         """Row ``i`` as an mlx-lm ``KVCache`` (a copy: e.g. a finished request's prompt cache)."""
         c = KVCache()
@@ -371,6 +412,7 @@ class _Request:
     draft_key: mx.array | None = None  # split once per round that drafts, as the solo loop does
     want_logprobs: bool = False
     adaptive: bool = False  # the proposer's adaptive schedule chooses its rounds while it is the only row
+    snapshots: dict = field(default_factory=dict)  # hybrid targets: prompt position -> recurrent arrays
     n_out: int = 0
     out: list[int] = field(default_factory=list)  # emitted, not yet reported
     out_lp: list = field(default_factory=list)  # their logprobs (want_logprobs only)
@@ -562,7 +604,8 @@ class WidthSchedule:
 
 
 class SpeculativeBatch:
-    """A batch of speculative requests (greedy or sampled) on one dense target, advanced one round at a time.
+    """A batch of speculative requests (greedy or sampled) on one dense or hybrid GatedDeltaNet target,
+    advanced one round at a time.
 
     Usage::
 
@@ -574,7 +617,8 @@ class SpeculativeBatch:
 
     Args:
         target: a :class:`~.target.TargetAdapter` whose every layer is full attention (dense llama,
-            mistral, qwen2, qwen3 without a sliding window).
+            mistral, qwen2, qwen3 without a sliding window) or GatedDeltaNet (the recurrent layers of
+            ``qwen3_next`` / ``qwen3_5`` hybrids, beside their full-attention layers).
         proposer: the default proposer of :meth:`add` (``None``: plain decoding).
         block_size: the default verify width ``B`` (default: the proposer's).
         prefill_step_size: prompt chunk length of a join's prefill (tokens).
@@ -584,17 +628,19 @@ class SpeculativeBatch:
             :class:`WidthSchedule`.
 
     Raises:
-        TargetCompatibilityError: a target with sliding-window or recurrent layers.
+        TargetCompatibilityError: a target with sliding-window layers (or any cache kind other than
+            full attention and GatedDeltaNet).
         ValueError: an unknown ``schedule``.
     """
 
     def __init__(self, target: TargetAdapter, proposer: Proposer | None = None, *, block_size: int | None = None,
                  prefill_step_size: int = 2048, schedule: "str | WidthSchedule" = "full"):
         kinds = target.make_cache()
-        if not all(type(c) is KVCache for c in kinds):
-            names = sorted({type(c).__name__ for c in kinds if type(c) is not KVCache})
+        bad = sorted({type(c).__name__ for c in kinds if type(c) is not KVCache and not isinstance(c, RecurrentCache)})
+        if bad:
             raise TargetCompatibilityError(
-                f"batched rounds support full-attention targets only; this target has {', '.join(names)} layers")
+                "batched rounds support full-attention and GatedDeltaNet (recurrent) layers only; this target has "
+                f"{', '.join(bad)} layers")
         if isinstance(schedule, WidthSchedule):
             self.schedule = schedule
         elif schedule == "auto":
@@ -607,9 +653,10 @@ class SpeculativeBatch:
         self.proposer = proposer
         self.block_size = block_size
         self.prefill_step_size = int(prefill_step_size)
-        self.cache = [RaggedKVCache() for _ in kinds]
+        self._recurrent = [i for i, c in enumerate(kinds) if isinstance(c, RecurrentCache)]  # GatedDeltaNet layers
+        self.cache = self._make_caches(kinds)
         self._rows: list[_Request] = []  # row i of the cache is self._rows[i]
-        self._jcache = [RaggedKVCache() for _ in kinds]  # requests being prefilled (joins)
+        self._jcache = self._make_caches(kinds)  # requests being prefilled (joins)
         self._joining: list[_Join] = []  # row i of the join cache is self._joining[i]
         self._events: list[BatchEvent] = []  # finished at join, cancelled: reported by the next step
         self._states: dict[int, GenerationState] = {}  # final states of finished keep_state requests
@@ -623,6 +670,19 @@ class SpeculativeBatch:
         #: their seconds to it (``prefill``, ``propose``, ``verify``: target forward and accept, ``commit``:
         #: per-row rollback, session updates, emission), for profiling (``benchmarks/profile_batch.py``)
         self.timings: dict | None = None
+
+    @staticmethod
+    def _make_caches(kinds: list) -> list:
+        """The batch's cache entries for a solo cache's kinds: :class:`RaggedKVCache` per attention layer,
+        :class:`~.caches.RaggedRecurrentCache` per GatedDeltaNet layer."""
+        return [RaggedRecurrentCache(c.max_record) if isinstance(c, RecurrentCache) else RaggedKVCache()
+                for c in kinds]
+
+    @staticmethod
+    def _row_lengths(cache: list) -> list[int]:
+        """Per-row positions of a list of batch cache entries (every layer holds the same)."""
+        c = cache[0]
+        return c.positions if isinstance(c, RaggedRecurrentCache) else c.lengths
 
     # -- membership -------------------------------------------------------------------------------
     @property
@@ -638,7 +698,7 @@ class SpeculativeBatch:
 
     def lengths(self) -> list[int]:
         """Per-row cache lengths (row order = join order of the active requests)."""
-        return self.cache[0].lengths
+        return self._row_lengths(self.cache)
 
     def stats(self, uid: int) -> SpecStats:
         """The statistics of an active request.
@@ -681,10 +741,14 @@ class SpeculativeBatch:
                 does (its key advances alike).
             eos_token_ids: ids that end the request (emitted, then ``finish_reason == "stop"``).
             state: a prompt-cache :class:`~.speculative.GenerationState` to start from (its common prefix
-                with ``prompt`` is reused, only the rest is prefilled); the batch takes it over (it must
-                not be used elsewhere afterwards).
-            keep_state: keep the request's final state (its row's K/V, its proposer session, the tokens
-                they hold) when it finishes, for :meth:`take_state` (or return it from :meth:`remove`).
+                with ``prompt`` is reused, only the rest is prefilled; a hybrid target's recurrent layers
+                resume from the longest snapshot at or before it, as in the solo loop); the batch takes it
+                over (it must not be used elsewhere afterwards). A batch's and a solo loop's states serve
+                either.
+            keep_state: keep the request's final state (its row's K/V and recurrent arrays, its proposer
+                session, the tokens they hold; a hybrid target's prompt snapshots, taken every
+                :data:`~.speculative.SNAPSHOT_INTERVAL` prompt tokens) when it finishes, for
+                :meth:`take_state` (or return it from :meth:`remove`).
             draft_temperature, draft_key: the request's drafter sampling (as the solo loop's: the key
                 is split once per round that drafts; 0 / None: greedy drafts).
             logprobs: report each token's log-probabilities in :attr:`BatchEvent.logprobs`.
@@ -721,10 +785,14 @@ class SpeculativeBatch:
         req = _Request(uid, max_tokens, frozenset(int(e) for e in eos_token_ids), setup.block_size,
                        setup.tap_ids, setup.session, setup.verifier, stats, list(prompt),
                        proposer=setup.proposer, keep_state=keep_state, draft_temperature=draft_temperature,
-                       draft_key=draft_key, want_logprobs=bool(logprobs), adaptive=bool(adaptive))
+                       draft_key=draft_key, want_logprobs=bool(logprobs), adaptive=bool(adaptive),
+                       snapshots=dict(state.snapshots) if state is not None and keep_state else {})
         n = setup.reused
         for layer, c in zip(self._jcache, setup.cache):
-            layer.add_row(*((c.keys[..., :n, :], c.values[..., :n, :]) if n else (None, None)))
+            if isinstance(layer, RaggedRecurrentCache):  # the state after the reused prefix (or a fresh row)
+                layer.add_rows([(c.cache[0], c.cache[1], n) if n else (None, None, 0)])
+            else:
+                layer.add_row(*((c.keys[..., :n, :], c.values[..., :n, :]) if n else (None, None)))
         progress = prompt_progress_callback or (lambda *_: None)
         self._joining.append(_Join(req, len(prompt), prompt[n:], n, progress, time.perf_counter()))
         progress(0, len(prompt))
@@ -770,15 +838,12 @@ class SpeculativeBatch:
         return self._states.pop(uid, None)
 
     def _row_state(self, i: int) -> GenerationState:
-        """Row ``i`` as a standalone state (a copy of its K/V; the session is handed over)."""
+        """Row ``i`` as a standalone state (a copy of its K/V and recurrent arrays; the session and the
+        prompt snapshots are handed over). The row holds exactly its tokens but the last (a request stopped
+        inside a round too: its commit kept only what it emitted)."""
         r = self._rows[i]
-        cache = [c.extract(i) for c in self.cache]
-        n = min(cache[0].offset, len(r.history) - 1)  # a request stopped inside a round holds fewer tokens
-        if n < cache[0].offset:
-            for c in cache:
-                c.trim(c.offset - n)
-            r.session.truncate(n)
-        return GenerationState(cache=cache, session=r.session, tokens=r.history[:n], proposer=r.proposer)
+        return GenerationState(cache=[c.extract(i) for c in self.cache], session=r.session,
+                               tokens=r.history[:-1], proposer=r.proposer, snapshots=r.snapshots)
 
     def _drop(self, rows: list[int]) -> None:
         keep = [i for i in range(len(self._rows)) if i not in set(rows)]
@@ -795,15 +860,24 @@ class SpeculativeBatch:
     def _prefill(self) -> None:
         """One prefill chunk of every request being joined, in one target forward: row ``i`` feeds its
         next ``min(len(todo_i), prefill_step_size)`` prompt tokens (right-padded to the widest; the
-        padding is rolled back as a verify's rejected rows are). A request whose prompt is then complete
+        padding's K/V are rolled back as a verify's rejected rows are, and the GatedDeltaNet layers of a
+        hybrid target mask it: each row's recurrent state and conv window end at its own last real token).
+        On a hybrid target a ``keep_state`` request's chunks end at multiples of
+        :data:`~.speculative.SNAPSHOT_INTERVAL`, where its recurrent arrays are kept for a later prompt
+        cache (the solo loop's snapshots). A request whose prompt is then complete
         gets its first token exactly as the solo loop's prefill gives it (its verifier on the logits at
         its last prompt token, an empty proposal, the prompt as history) and moves to the batch's cache
         (or finishes there, e.g. at an EOS); the others go on at the next step."""
         J = self._joining
         n = [min(len(j.todo), self.prefill_step_size) for j in J]
+        every = speculative.SNAPSHOT_INTERVAL
+        if self._recurrent:  # snapshot positions end the chunks of requests whose state is kept
+            n = [min(k, every - j.fed % every) if j.req.keep_state else k for j, k in zip(J, n)]
         M = max(n)
         block = mx.array([j.todo[:k] + [0] * (M - k) for j, k in zip(J, n)], dtype=mx.int32)
         tap_ids = tuple(dict.fromkeys(t for j in J for t in j.req.tap_ids))
+        for li in self._recurrent:  # each row's recurrence stops at its own last real token
+            self._jcache[li].prepare(n)
         h, taps = self.target._call(lambda: self.target.inner(block, cache=self._jcache), tap_ids)
         fin = [i for i, (j, k) in enumerate(zip(J, n)) if k == len(j.todo)]
         firsts = []
@@ -818,10 +892,19 @@ class SpeculativeBatch:
                 feats = mx.concatenate([taps[t].out[i, :k] for t in j.req.tap_ids], axis=-1)
             j.req.session.extend(j.todo[:k], feats)
         for c in self._jcache:
-            c.trim_rows([M - k for k in n])
+            if isinstance(c, RaggedKVCache):  # the padding's K/V (the recurrent layers masked it)
+                c.trim_rows([M - k for k in n])
+        snaps = []
+        for i, (j, k) in enumerate(zip(J, n)):
+            if self._recurrent and j.req.keep_state and (j.fed + k) % every == 0:
+                snap = [(li, self._jcache[li].extract(i).cache) for li in self._recurrent]
+                j.req.snapshots[j.fed + k] = snap
+                for p in sorted(j.req.snapshots)[:-speculative.MAX_SNAPSHOTS]:
+                    del j.req.snapshots[p]
+                snaps += [a for _, arrays in snap for a in arrays]
         self._flush([j.req.session for j in J])  # the joins' drafter contexts: one projection per drafter
         mx.eval([a for c in self._jcache for a in c.state] + [a for j in J for a in j.req.session.state_arrays()]
-                + [x for v in firsts for x in (v.tokens, v.logprobs)])
+                + [x for v in firsts for x in (v.tokens, v.logprobs)] + snaps)
         self.last_prefill = {"rows": len(J), "tokens": sum(n)}
         for j, k in zip(J, n):
             j.todo, j.fed = j.todo[k:], j.fed + k
@@ -845,12 +928,12 @@ class SpeculativeBatch:
             self._events.append(r.event(r.finish))
             if r.keep_state:
                 self._states[r.uid] = GenerationState(cache=[c.extract(i) for c in self._jcache], session=r.session,
-                                                      tokens=r.history[:-1], proposer=r.proposer)
+                                                      tokens=r.history[:-1], proposer=r.proposer,
+                                                      snapshots=r.snapshots)
             gone.append(i)
         if moved:
             for main, c in zip(self.cache, self._jcache):
-                L = c.lengths
-                main.add_rows([(c.keys[i : i + 1, :, : L[i]], c.values[i : i + 1, :, : L[i]]) for i in moved])
+                main.add_rows([c.row(i) for i in moved])
             self._rows.extend(J[i].req for i in moved)
         self._drop_joins(moved + gone)
 
@@ -991,7 +1074,6 @@ class SpeculativeBatch:
             else:
                 a = int(vr.num_accepted.item())
                 toks = vr.tokens[: a + 1].tolist()
-            trims.append(M - (a + 1))
             r.session.verified(a + 1)
             feats = None
             if r.tap_ids:
@@ -1014,8 +1096,11 @@ class SpeculativeBatch:
                     break
             r.stats.generated_tokens = r.n_out
             total += emitted
+            trims.append(M - emitted)  # the row keeps [anchor, d_1..d_{emitted - 1}]: its tokens but the last
             if emitted < len(toks):  # stopped inside the round: only the drafts up to the stop count
                 r.stats.record_round(min(p.n, emitted), min(a, emitted), emitted, p.source, verified=p.n + 1)
+                if r.keep_state:  # its state holds exactly the emitted tokens but the last (the cache: trims)
+                    r.session.truncate(P + emitted)
             else:
                 r.stats.record_round(p.n, a, a + 1, p.source)
             if r.finish is not None:
@@ -1032,9 +1117,11 @@ class SpeculativeBatch:
             self._mark("commit", t_commit)
         after = self.lengths()
         for i, r in enumerate(rows):
-            if i not in done and after[i] != len(r.history) - 1:
+            if after[i] != len(r.history) - 1:
                 raise RuntimeError(f"batch invariant broken: row {i} holds {after[i]} positions, "
                                    f"its request {len(r.history) - 1}")
+        if self._recurrent and any(self._row_lengths([c]) != after for c in self.cache):
+            raise RuntimeError("batch invariant broken: the layers' caches disagree on the rows' lengths")
 
         dt = time.perf_counter() - tic
         if cap is not None:

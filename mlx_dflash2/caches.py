@@ -33,7 +33,9 @@ recorded replay and the masks are batch-agnostic, but left padding / per-row
 lengths are refused). A batch of sequences of different lengths
 (:class:`~mlx_dflash2.batch.SpeculativeBatch`) holds each GatedDeltaNet layer's rows
 in one :class:`RaggedRecurrentCache`: masked forwards for right-padded prompt chunks,
-per-row rollback of a verify block (the kept step's state selected, or a masked replay).
+per-row rollback of a verify block (the kept step's state selected, or a masked replay);
+its window layers in a windowed :class:`~mlx_dflash2.batch.RaggedKVCache` (the window's
+masks, per-row front eviction and rollback slack).
 """
 
 from __future__ import annotations
@@ -745,6 +747,14 @@ class WindowKVCache(_BaseCache):
     def size(self) -> int:
         """Rows held (positions ``[start, offset)``)."""
         return self.offset - self.start
+
+    def held(self) -> tuple[Optional[mx.array], Optional[mx.array]]:
+        """The K/V of the positions held, ``[start, offset)`` in order: ``([B, H, offset - start, Dk],
+        [B, H, offset - start, Dv])`` (views of the buffers), or ``(None, None)`` while empty."""
+        if self.keys is None:
+            return None, None
+        n = self.offset - self.start
+        return self.keys[..., self._lo : self._lo + n, :], self.values[..., self._lo : self._lo + n, :]
 
     def empty(self) -> bool:
         return self.keys is None

@@ -7,6 +7,11 @@ beside each other) and leaving mid-way: every request's tokens equal its solo ou
 every row's recurrent state and conv window (and every join's, mid-prefill) equal plain decoding's at the
 row's own position (1e-5): no padding and no other row reaches a row's state. Both rollbacks: the reference
 path (masked replay from the pre-verify snapshot) and the stepping route (the kept step selected per row).
+
+Sliding-window targets (tiny Gemma 3 / Gemma 4 with windows of 8 tokens, a Mistral-style window on every
+layer of a dense target) in the same scenarios, with buffers that grow by a few positions so that every
+row's front is evicted, row by row, many times: every output equals its solo one; the prompt cache warm ==
+cold, a prefix reused only while every window layer still holds it.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from tiny_models import tiny_hybrid_dir
 
 import mlx_dflash2.speculative as spec
 from mlx_dflash2.batch import RaggedKVCache, SpeculativeBatch
-from mlx_dflash2.caches import RaggedRecurrentCache, RecurrentCache
+from mlx_dflash2.caches import RaggedRecurrentCache, RecurrentCache, WindowKVCache
 from mlx_dflash2.loading import load_target, make_proposer
 from mlx_dflash2.speculative import GenerationState, SpecStats, speculative_generate_step
 
@@ -156,8 +161,9 @@ def test_ragged_recurrent_cache_rows_match_solo_caches(checkpoints):
         caches[rec[0]].add_rows([(mx.zeros((1, 2, 3)), mx.zeros((1, 1, 1, 1)), 1)])
 
 
-def _hybrid_batch_run(target, tok, prefill_step_size=4):
-    """The equivalence scenario on one target: returns (outputs, references, batch)."""
+def _batch_run(target, tok, prefill_step_size=4, watch=None):
+    """The equivalence scenario on one target (after every step: the recurrent states checked, and
+    ``watch(batch)``): returns (outputs, references, the scenario, the add() arguments)."""
     V = target.vocab_rows
     spec_ = {  # key: (prompt, max_tokens, schedule or None (plain), block, join round)
         "every": (_prompt(3, 3), 16, list(range(B)), B, 0),  # first rejection at every offset, then it leaves
@@ -172,7 +178,8 @@ def _hybrid_batch_run(target, tok, prefill_step_size=4):
         refs[k] = _plain(target, p, n + bs + 1)
         prop = ScriptedProposer(len(p), refs[k], sch, bs, V) if sch is not None else None
         adds[k] = dict(prompt=p, max_tokens=n, proposer=prop, block_size=bs)
-    plains = {k: plain_states(target, spec_[k][0] + refs[k]) for k in spec_}
+    recurrent = "recurrent" in target.layer_kinds
+    plains = {k: plain_states(target, spec_[k][0] + refs[k]) for k in spec_} if recurrent else None
     batch = SpeculativeBatch(target, prefill_step_size=prefill_step_size)
     joins = {}
     for k, (_, _, _, _, rnd) in spec_.items():
@@ -187,10 +194,13 @@ def _hybrid_batch_run(target, tok, prefill_step_size=4):
             k = uid_key[ev.uid]
             assert out[k][1] is None, k
             out[k] = (out[k][0] + ev.tokens, ev.finish_reason)
-        _check_states(batch, plains, uid_key)
+        if recurrent:
+            _check_states(batch, plains, uid_key)
+        if watch is not None:
+            watch(batch)
         if not joins and not batch.active and not batch.pending:
-            break
-    return out, refs, spec_, adds
+            return out, refs, spec_, adds
+    raise AssertionError("the batch did not finish")
 
 
 @pytest.mark.parametrize("route", ["reference", "stepping"])
@@ -204,7 +214,7 @@ def test_hybrid_batch_equals_solo_states_every_round(checkpoints, kind, route):
     target, tok, _ = load_target(str(checkpoints[kind]), dtype=mx.float32)
     if route == "stepping":
         assert target.route_kernels("kernel", force=True) > 0
-    out, refs, spec_, adds = _hybrid_batch_run(target, tok)
+    out, refs, spec_, adds = _batch_run(target, tok)
     for k, (p, n, _, _, _) in spec_.items():
         if k == "cancelled":
             toks, reason = out[k]
@@ -362,3 +372,178 @@ def test_hybrid_prompt_cache_warm_equals_cold(targets, monkeypatch):
     list(speculative_generate_step(first, target, prop, max_tokens=12, state=st, adaptive=False))
     warm, stats, _ = run(second, 10, state=st)
     assert warm == solo_warm and stats.cached_tokens == 32
+
+
+# ---------------------------------------------------------------------------------------------------
+# sliding-window targets (Gemma 3 / 4; a Mistral-style window on every layer)
+# ---------------------------------------------------------------------------------------------------
+
+WINDOW_KINDS = ("gemma3_text", "gemma4_text")
+
+
+@pytest.fixture(scope="module")
+def window_checkpoints(tmp_path_factory):
+    """kind -> a tiny checkpoint directory with sliding layers of 8 tokens."""
+    root = tmp_path_factory.mktemp("window-batch")
+    return {k: tiny_hybrid_dir(root / k, k, window=8) for k in WINDOW_KINDS}
+
+
+def _window_target(path, slack=8):
+    """A window target whose window caches keep ``slack`` rows of rollback (the default 64 would need
+    hundreds of tokens before a row's front is evicted)."""
+    target, tok, _ = load_target(str(path), dtype=mx.float32)
+    target.rollback = slack
+    return target, tok
+
+
+@pytest.mark.parametrize("kind", WINDOW_KINDS)
+def test_window_batch_equals_solo_with_evictions(window_checkpoints, kind, monkeypatch):
+    """Sliding-window layers (window 8) in batched rounds: the scenario above (every block offset,
+    whole blocks, plain rows, chunked joins longer than the window, a cancel), with buffers growing by 8
+    positions so that every row's front is evicted many times, each by its own amount: every output equals
+    its solo one; every window layer holds at most window - 1 + slack rows past a growth step, and its rows'
+    starts moved."""
+    monkeypatch.setattr(RaggedKVCache, "step", 8)
+    target, tok = _window_target(window_checkpoints[kind])
+    seen = {"evicted": 0, "held": 0}
+
+    def watch(batch):
+        for c in batch.cache:
+            if c.max_size is not None and c.rows:
+                held = [n - s for n, s in zip(c.lengths, c.starts)]
+                seen["held"] = max(seen["held"], max(held))
+                seen["evicted"] = max(seen["evicted"], max(c.starts))
+
+    out, refs, spec_, _ = _batch_run(target, tok, watch=watch)
+    for k, (p, n, _, _, _) in spec_.items():
+        if k == "cancelled":
+            toks, reason = out[k]
+            assert reason == "cancelled" and toks == refs[k][: len(toks)] and len(toks) > 1
+        else:
+            assert out[k] == (refs[k][:n], "length"), k
+    assert seen["evicted"] >= 10 and seen["held"] <= 8 - 1 + 8 + 2 * 8, seen
+
+
+def test_ragged_window_cache_masks_and_rollback(window_checkpoints, monkeypatch):
+    """The window cache alone: rows of different lengths, padded verify blocks and per-row trims, with
+    evictions: each row's logits equal a solo forward's (mlx_dflash2's WindowKVCache), its extract is a
+    WindowKVCache that goes on exactly, and a rollback past the rows a window still holds raises."""
+    monkeypatch.setattr(RaggedKVCache, "step", 8)
+    target, _ = _window_target(window_checkpoints["gemma3_text"])
+    kinds = target.make_cache()
+    prompts = [_prompt(5, 1), _prompt(19, 2), _prompt(2, 3)]
+    solo = []
+    for p in prompts:
+        c = target.make_cache()
+        target.forward(mx.array(p, mx.int32), c)
+        solo.append(c)
+    caches = SpeculativeBatch._make_caches(kinds)
+    for li, c in enumerate(caches):
+        if isinstance(kinds[li], WindowKVCache):
+            c.add_rows([(*s[li].held(), s[li].start) for s in solo])
+        else:
+            c.add_rows([(s[li].keys[..., : s[li].offset, :], s[li].values[..., : s[li].offset, :]) for s in solo])
+    rng = [3, 1, 4, 1, 5, 2, 6, 5, 3, 5, 2, 4, 1, 6, 3]
+    for r in range(12):
+        widths = [1 + (rng[(r + i) % len(rng)] % 5) for i in range(3)]
+        keep = [1 + (rng[(r * 2 + i) % len(rng)] % w) for i, w in enumerate(widths)]
+        M = max(widths)
+        blocks = [[(97 * r + 13 * i + j) % 4000 + 100 for j in range(w)] for i, w in enumerate(widths)]
+        x = mx.array([b + [0] * (M - len(b)) for b in blocks], mx.int32)
+        h, _ = target._call(lambda: target.inner(x, cache=caches), ())
+        logits = target.logits(h)
+        for i, (b, w, k) in enumerate(zip(blocks, widths, keep)):
+            ref = target.forward(mx.array(b, mx.int32), solo[i]).logits
+            assert mx.allclose(logits[i, :w], ref, atol=1e-4).item(), (r, i)
+            spec.trim_cache(solo[i], w - k)
+        for c in caches:
+            c.trim_rows([M - k for k in keep])
+    win = next(c for c in caches if c.max_size is not None)
+    assert min(win.starts) > 0 and win.lengths == [s[0].offset for s in solo]
+    ex = win.extract(1)
+    assert isinstance(ex, WindowKVCache) and ex.offset == win.lengths[1] and ex.start == win.starts[1]
+    row = [c.extract(1) for c in caches]  # a single sequence's caches that go on exactly
+    for t in ([4321], [77, 78, 79]):
+        a = target.forward(mx.array(t, mx.int32), row).logits
+        b = target.forward(mx.array(t, mx.int32), solo[1]).logits
+        assert mx.allclose(a, b, atol=1e-4).item()
+    x = win.lengths[1] - win.starts[1] - (8 - 1) + 1  # its next query would need a position evicted
+    with pytest.raises(ValueError, match="window still holds"):
+        win.trim_rows([0, x, 0])
+    win.trim_rows([0, x - 1, 0])  # what it still holds: exact
+
+
+def test_mistral_style_window_on_every_layer_in_a_batch(monkeypatch):
+    """A dense target whose config sets a window on every layer (Mistral-style; mlx-lm's class ignores it,
+    the adapter's window caches honour it): batched rows equal their solo (windowed) outputs past the
+    window, with evictions."""
+    import importlib
+
+    from mlx_dflash2.target import TargetAdapter
+
+    cfg = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+           "vocab_size": 512, "rope_theta": 10000.0, "max_position_embeddings": 2048, "tie_word_embeddings": True,
+           "sliding_window": 6}
+    mod = importlib.import_module("mlx_lm.models.llama")
+    mx.random.seed(3)
+    model = mod.Model(mod.ModelArgs.from_dict(cfg))
+    mx.eval(model.parameters())
+    target = TargetAdapter(model, cfg, rollback=8)
+    assert set(target.layer_kinds) == {"window"}
+    monkeypatch.setattr(RaggedKVCache, "step", 8)  # fronts evicted every few tokens
+    prompts = [[(7 * i + 3 * s) % 500 + 1 for i in range(n)] for s, n in ((1, 9), (2, 3), (3, 14))]
+    solo = [[t for t, _, _ in speculative_generate_step(p, target, None, max_tokens=m)]
+            for p, m in zip(prompts, (30, 22, 26))]
+    assert solo[0] != _plain(target, prompts[0], 30)  # the window changes the output (mlx-lm's class ignores it)
+    batch = SpeculativeBatch(target, prefill_step_size=4)
+    uids = [batch.add(p, m) for p, m in zip(prompts, (30, 22, 26))]
+    out = {u: [] for u in uids}
+    while batch.active or batch.pending:
+        for ev in batch.step():
+            out[ev.uid] += ev.tokens
+    assert [out[u] for u in uids] == solo
+
+
+@pytest.mark.parametrize("evicting", [False, True])
+def test_window_prompt_cache_warm_equals_cold(window_checkpoints, evicting, monkeypatch):
+    """A window target's batch row kept as a prompt cache: a later join reuses what every window layer still
+    holds (else it prefills cold), warm == cold, and a continuation of the whole request reuses all of it.
+    ``evicting``: 8 rows of rollback slack and buffers growing by 8 (the rows' fronts evicted), so some
+    prefixes are no longer held."""
+    target, tok = _window_target(window_checkpoints["gemma3_text"], slack=8 if evicting else 64)
+    if evicting:
+        monkeypatch.setattr(RaggedKVCache, "step", 8)
+    prop = make_proposer("init", target, tok, "t", adaptive=False)
+    first = [(53 * i + 7) % 4000 + 100 for i in range(40)]
+
+    def run(prompt, n, state=None, keep=False):
+        batch = SpeculativeBatch(target, prop, prefill_step_size=16)
+        u = batch.add(prompt, n, state=state, keep_state=keep)
+        batch.add(_prompt(11, 15), 6)
+        out, stats = [], None
+        while batch.active or batch.pending:
+            for ev in batch.step():
+                if ev.uid == u:
+                    out += ev.tokens
+                    stats = ev.stats
+        return out, stats, batch.take_state(u)
+
+    cold_first, _, _ = run(first, 12)
+    held = first + cold_first[:-1]  # what the kept state holds
+    reused = []
+    for shared in (len(held) - 3, 30, 5):
+        _, _, st = run(first, 12, keep=True)
+        second = held[:shared] + [(shared * 13 + j) % 4000 + 100 for j in range(9)]
+        warm, stats, _ = run(second, 16, state=st)
+        assert warm == run(second, 16)[0], shared
+        assert stats.cached_tokens in (0, shared), (shared, stats.cached_tokens)
+        reused.append(stats.cached_tokens)
+    if evicting:  # 3 positions back: still held; 30 or 5: evicted
+        assert reused == [len(held) - 3, 0, 0], reused
+    else:  # nothing evicted (64 rows of rollback slack): every prefix reusable
+        assert reused == [len(held) - 3, 30, 5], reused
+    _, _, st = run(first, 12, keep=True)
+    nxt = first + cold_first + [200, 201, 202]
+    warm, stats, _ = run(nxt, 8, state=st)
+    assert warm == run(nxt, 8)[0] and stats.cached_tokens == len(first) + len(cold_first) - 1

@@ -1152,16 +1152,18 @@ def test_hybrid_and_window_targets_served_with_prompt_cache(tmp_path, kind):
         s.stop()
 
 
-def test_hybrid_target_requests_share_batched_rounds(tmp_path):
-    """A hybrid GatedDeltaNet target (tiny Qwen3.5) is served with batched rounds: concurrent requests
-    (greedy ones of different lengths, a stop string, a seeded sampled one) share rounds (/metrics: more
-    than one row per round) and each equals its solo output (the same model behind ``--max-batch 0``)."""
+@pytest.mark.parametrize("kind", ["qwen3_5", "gemma3"])
+def test_hybrid_target_requests_share_batched_rounds(tmp_path, kind):
+    """A hybrid GatedDeltaNet target (tiny Qwen3.5) and a sliding-window one (tiny Gemma 3, windows of 8
+    tokens) are served with batched rounds: concurrent requests (greedy ones of different lengths, a stop
+    string, a seeded sampled one) share rounds (/metrics: more than one row per round) and each equals its
+    solo output (the same model behind ``--max-batch 0``)."""
     import mlx.core as mx
     from tiny_models import tiny_hybrid_dir
 
     from mlx_dflash2.loading import load_target
 
-    target, tok, _ = load_target(str(tiny_hybrid_dir(tmp_path / "qwen3_5", "qwen3_5")), dtype=mx.float32)
+    target, tok, _ = load_target(str(tiny_hybrid_dir(tmp_path / kind, kind)), dtype=mx.float32)
     proposer = make_proposer("init", target, tok, MODEL_ID)
     model = SpeculativeModel(target, proposer, 4, MODEL_ID, target.config)
 
@@ -1186,7 +1188,7 @@ def test_hybrid_target_requests_share_batched_rounds(tmp_path):
     assert solo[-1][1] == "stop" and solo[-1][0] == text[: text.index(stop)]
     s = serve(8)
     try:
-        assert s.engine._batch is not None  # hybrid targets batch (they went round-robin before)
+        assert s.engine._batch is not None  # hybrid and window targets batch (they went round-robin before)
         assert _run_together(s.url, bodies) == solo
         m = httpx.get(f"{s.url}/metrics", params={"format": "json"}).json()
         assert m["batch_rounds_total"] > 0 and m["batch_rows_total"] / m["batch_rounds_total"] > 1.5, m

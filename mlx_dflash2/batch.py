@@ -1,21 +1,40 @@
-"""Batched speculative rounds for dense targets (issue 22, first building blocks).
+"""Batched speculative rounds for every target family: dense, hybrid GatedDeltaNet, sliding-window (issue 22).
 
 Every request kind shares a batch: greedy and sampled (each with its own verifier, logits processors
 and random keys), with or without logprobs. The server's engine (:mod:`~.server.engine`) runs its
-requests on dense targets through it (continuous batching); the CLI and :func:`~.api.stream_generate` still use :mod:`~.speculative`'s loop. This module
-advances **N requests by one round with one target forward**.
+requests through it (continuous batching); the CLI and
+:func:`~.api.stream_generate` still use :mod:`~.speculative`'s loop. This module advances **N requests
+by one round with one target forward**.
+
+Layers: every attention layer's rows live in one :class:`RaggedKVCache` (per-row lengths; a
+sliding-window layer's with its window: each row's front evicted past the window and a rollback slack,
+row by row, so its memory stays bounded as in the solo loop's ``WindowKVCache``), every GatedDeltaNet
+layer's (hybrid targets: ``qwen3_next``, ``qwen3_5``) in one
+:class:`~.caches.RaggedRecurrentCache`: the conv window ``[N, K - 1, C]`` and the recurrent state
+``[N, Hv, Dv, Dk]`` of each row, which mlx-lm's own mixer advances for all rows in the same forward. A
+recurrent state cannot be cut back like K/V, so the steps below keep each row's exact: a prompt chunk
+is masked at each row's own length (mlx-lm's ``lengths`` path), and a verify is rolled back row by row
+to the row's own accepted length (the kept step selected, or a masked replay from the pre-verify
+snapshot). Any other cache kind is refused (:class:`~.target.TargetCompatibilityError`; the server then
+runs its requests round-robin).
 
 Data flow of one round (:meth:`SpeculativeBatch.step`)
 ------------------------------------------------------
 1. **join**: :meth:`SpeculativeBatch.add` sets a request up as the solo loop does
    (:func:`~.speculative.start_request`: checks, prompt-cache reuse, proposer session) and queues it as
-   a row of the *join cache* (a second :class:`RaggedKVCache`). Each :meth:`~SpeculativeBatch.step`
-   first feeds every queued request its next prompt chunk (up to ``prefill_step_size`` tokens per row)
-   in **one target forward** (rows right-padded, the padding rolled back as rejected drafts are), so
-   many joins cost one batched forward and a long prompt is prefilled a chunk per step, interleaved
-   with the rounds of the requests already decoding. A request whose prompt is complete gets its first
-   token from its own verifier on the logits at its last prompt token (what the solo loop's prefill
-   does) and its K/V rows move to the batch cache (one concatenation for all of that step's joins).
+   a row of the *join cache* (a second set of ragged caches; a reused prefix comes with its K/V and,
+   hybrid, its recurrent arrays at the reused length: the solo loop's snapshots). Each
+   :meth:`~SpeculativeBatch.step` first feeds every queued request its next prompt chunk (up to
+   ``prefill_step_size`` tokens per row) in **one target forward** (rows right-padded: the padding's K/V
+   rolled back as rejected drafts are; the GatedDeltaNet layers mask it, so each row's recurrent state
+   and conv window end at its own last real token), so many joins cost one batched forward and a long
+   prompt is prefilled a chunk per step, interleaved with the rounds of the requests already decoding.
+   On a hybrid target the chunks of a ``keep_state`` request end at multiples of
+   :data:`~.speculative.SNAPSHOT_INTERVAL`, where its recurrent arrays are kept (the solo loop's
+   prompt-cache snapshots, handed over with its final state). A request whose prompt is complete gets
+   its first token from its own verifier on the logits at its last prompt token (what the solo loop's
+   prefill does) and its rows move to the batch cache (one concatenation per layer for all of that
+   step's joins).
 2. **draft**: each active request's own proposer session proposes ``d_1..d_{n_i}`` after its anchor
    (``n_i <= B_i - 1``, shrunk near its ``max_tokens``, the context limit and the
    :class:`WidthSchedule`'s cap); a sampled request's drafter gets its draft temperature and the next
@@ -35,7 +54,11 @@ Data flow of one round (:meth:`SpeculativeBatch.step`)
    ``[anchor_i, d_1..d_{n_i}, pad...]``. Each row's new K/V are written at that row's own offset
    (its committed length) and RoPE runs at each row's own positions; the mask lets query ``q`` of row
    ``i`` see exactly keys ``0 .. len_i + q`` of row ``i``. Padding sits after a row's real tokens, so
-   causality alone keeps it (and every other row) out of the real queries' view.
+   causality alone keeps it (and every other row) out of the real queries' view. Each GatedDeltaNet
+   layer advances every row by ``M`` (padding included: it comes after the real tokens, so the real
+   rows' outputs do not see it) and keeps what the rollback needs: the state before the forward and the
+   mixer's inputs (:func:`~.caches.install_recording`), and on a routed target every step's state and
+   the conv input (the stepping mixer, :func:`~.kernels.gdn.route_gated_delta`).
 4. **accept**: each request's own verifier (greedy by default: :class:`~.verify.GreedyVerifier`, the
    same op as the solo loop; :class:`~.verify.RejectionVerifier` for a sampled request, whose key
    splits once per round exactly as in the solo loop; either with the request's penalties / logit
@@ -43,14 +66,18 @@ Data flow of one round (:meth:`SpeculativeBatch.step`)
    whole batch (every row's accepted length and tokens, and the logprobs of the rows that asked for
    them, are read together).
 5. **commit / rollback**: row ``i`` keeps ``[anchor, d_1..d_{a_i}]`` (its length goes up by
-   ``a_i + 1``; the rest of the block, rejected drafts and padding, is dropped by a per-row length
-   decrement, no copy); its proposer session gets those positions' tap features (a DFlash session
-   queues them: its drafter context is appended at its next proposal, or, once ``flush_after`` rounds
-   are queued, together with every other due row in one projection, so plain rounds under load cost
-   no drafter work per row; the joins' prompts are appended in one projection at their prefill).
-   Tokens are emitted
-   up to the first EOS / ``max_tokens`` / the context limit; finished requests leave the batch (their
-   row is dropped) before the next round.
+   ``a_i + 1``; fewer when the request stops inside the round: exactly its emitted tokens but the last;
+   the rest of the block, rejected drafts and padding, is dropped by a per-row length decrement, no
+   copy, in the attention layers; each GatedDeltaNet layer takes every row to its state after its own
+   ``a_i + 1`` tokens: ``states[i, a_i]`` and its conv window selected
+   (:func:`~.kernels.gated_delta_steps.select_states`) when the steps were kept, else the row's kept
+   inputs replayed from the pre-verify snapshot through the layer's own mixer, masked at ``a_i + 1``
+   (the reference path: MLX's ops, what the CPU runs)); its proposer session gets those positions' tap
+   features (a DFlash session queues them: its drafter context is appended at its next proposal, or,
+   once ``flush_after`` rounds are queued, together with every other due row in one projection, so
+   plain rounds under load cost no drafter work per row; the joins' prompts are appended in one
+   projection at their prefill). Tokens are emitted up to the first EOS / ``max_tokens`` / the context
+   limit; finished requests leave the batch (their row is dropped) before the next round.
 
 Invariants (checked after every round)
 --------------------------------------
@@ -58,6 +85,10 @@ Invariants (checked after every round)
   emitted tokens but the last (the anchor, not yet fed), at positions ``0 .. len_i - 1`` (left
   aligned, as in the request's solo cache, so a row's keys sit at the same indices as they would
   alone); what lies at or past ``len_i`` is garbage that no mask lets through.
+* Row ``i`` of every :class:`~.caches.RaggedRecurrentCache` holds the recurrent state and conv window
+  after exactly those ``len_i`` tokens (the solo loop's at the same position, within float rounding:
+  ``tests/test_batch_hybrid.py`` checks 1e-5 after every step, joins mid-prefill included); it depends
+  on row ``i``'s tokens only.
 * All layers agree on the lengths; the proposer session of a request holds the same committed
   positions as its row (a DFlash session's appended context plus its queued features).
 * No request reads another's tokens, cache rows, proposer state or verifier state: the only shared
@@ -73,7 +104,8 @@ and the batch's rounds are the solo loop's non-adaptive rounds (what a seeded so
 last bits move nothing else: a sampled draft's top-K candidates come in token-id order
 (:meth:`~.drafter.model.CandidateSelector.candidates`, :func:`~.proposers.sample_top_k`), not in the
 order ``argpartition`` leaves them (which moved with the last bits of any score in the row and gave a
-seeded request other draws beside other requests: issue 22). Tests: ``tests/test_batch.py``.
+seeded request other draws beside other requests: issue 22). Tests: ``tests/test_batch.py``;
+hybrid and sliding-window targets: ``tests/test_batch_hybrid.py``.
 
 Why not mlx-lm's ``BatchKVCache``: it keeps rows right-aligned (left padding) with one shared write
 index, so ``trim`` cuts every row by the same amount. A per-row rollback through its public API
@@ -89,8 +121,10 @@ Missing for the full issue 22 (later steps)
 * one drafter forward for all rows (done: :meth:`~.proposers.DFlashProposer.propose_many`; drafter
   contexts stay per request and are gathered, padded, for each drafting round: a batch-owned ragged
   drafter cache would save that copy);
-* hybrid targets (recurrent layers: per-row accept via ``kernels.select_states``; sliding windows):
-  refused here;
+* hybrid and sliding-window targets (done: :class:`~.caches.RaggedRecurrentCache`, windowed
+  :class:`RaggedKVCache`; a GatedDeltaNet rollback replays on the reference path, one more mixer forward
+  of the block per GatedDeltaNet layer, where the routed GPU path selects; a window layer attends over
+  up to ``window + slack + step`` rows, its eviction one gather per ``step``-ish positions);
 * pipelining (queueing round r+1 before r's tokens are handed out, as the solo loop does)
   (done: batched, chunked prefill of joins interleaved with the rounds; prompt-cache reuse for joins,
   ``add(state=)``; stop strings, the server's through ``remove``);
@@ -113,38 +147,65 @@ from typing import Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from . import speculative
+from .caches import RaggedRecurrentCache, RecurrentCache, WindowKVCache
 from .proposers import DraftCall, Proposal, Proposer
 from .speculative import GenerationState, SpecStats, start_request
 from .target import TargetAdapter, TargetCompatibilityError
 from .verify import GreedyVerifier, Verifier
 
-__all__ = ["RaggedKVCache", "BatchEvent", "SpeculativeBatch", "WidthSchedule"]
+__all__ = ["RaggedKVCache", "RaggedRecurrentCache", "BatchEvent", "SpeculativeBatch", "WidthSchedule"]
 
 
 class RaggedKVCache:
-    """One attention layer's K/V for a batch of sequences of different lengths (per-row offsets).
+    """One attention layer's K/V for a batch of sequences of different lengths (per-row offsets), full
+    attention or a sliding window.
 
-    Invariant: row ``i``'s K/V are at positions ``0 .. lengths[i] - 1`` of the buffers ``keys`` /
-    ``values`` (``[N, H, capacity, D]``, left aligned); anything at or past ``lengths[i]`` is garbage
-    (rejected drafts, padding, zeros) that :meth:`make_mask` never lets a query see.
+    Invariant: row ``i`` holds the K/V of its positions ``starts[i] .. lengths[i] - 1`` at buffer indices
+    ``0 .. lengths[i] - starts[i] - 1`` of ``keys`` / ``values`` (``[N, H, capacity, D]``, left aligned;
+    ``starts[i] == 0`` for full attention, so position = index there); anything past a row's held rows
+    is garbage (rejected drafts, padding, zeros) that :meth:`make_mask` never lets a query see.
 
-    It is an mlx-lm cache entry for the dense families (llama, mistral, qwen2, qwen3): their attention
-    reads :attr:`offset` (here an int32 ``[N]`` array: RoPE at each row's own positions), calls
-    :meth:`update_and_fetch` and gets the mask from :meth:`make_mask` (through
-    ``create_attention_mask``). A forward of ``[N, M]`` tokens writes row ``i``'s ``M`` new K/V at
-    ``lengths[i] .. lengths[i] + M - 1`` and advances every length by ``M``; :meth:`trim_rows` then
-    rolls each row back by its own amount.
+    It is an mlx-lm cache entry for the dense families (llama, mistral, qwen2, qwen3), the attention
+    layers of hybrid GatedDeltaNet targets and the sliding-window and global layers of Gemma 3/4: their
+    attention reads :attr:`offset` (here an int32 ``[N]`` array: RoPE at each row's own positions), calls
+    :meth:`update_and_fetch` and gets the mask from :meth:`make_mask` (through ``create_attention_mask``).
+    A forward of ``[N, M]`` tokens writes row ``i``'s ``M`` new K/V after its held rows and advances
+    every length by ``M``; :meth:`trim_rows` then rolls each row back by its own amount.
 
-    The lengths are kept on the host (a list of ints: the round knows them anyway) and mirrored
-    into :attr:`offset`.
+    **Sliding window** (``max_size = w``; replaces :class:`~.caches.WindowKVCache` in a batch): a query at
+    position ``p`` sees exactly keys ``(p - w, p]`` of its row (the mask), whatever the block sizes. The
+    front of each row is evicted, so memory stays bounded: when a forward would grow the buffers, every
+    row first drops what it no longer needs beyond ``w - 1 + slack`` rows (its start moves to
+    ``max(start, length - (w - 1) - slack)``; one gather shifts each row by its own amount), so a row
+    keeps ``slack`` rows of rollback past its window: :meth:`trim_rows` is exact for up to ``slack``
+    positions (a round rolls back less than a block), and raises past what a row still holds. The
+    eviction is a function of the lengths, the starts and the forward's width only, so every window layer
+    of a model (each with its own cache) holds the same geometry and the mask made from one of them
+    (:meth:`make_mask`, before the forward's writes) fits all.
+
+    The lengths and starts are kept on the host (lists of ints: the round knows them anyway) and the
+    lengths mirrored into :attr:`offset`.
+
+    Args:
+        max_size: the attention window ``w`` (``None``: full attention, nothing evicted).
+        slack: rows kept past the window for rollback (window only; >= 0).
+
+    Raises:
+        ValueError: ``max_size < 1`` or ``slack < 0``.
     """
 
     step = 256  # capacity grows in multiples of this many positions (as mlx-lm's KVCache)
 
-    def __init__(self):
+    def __init__(self, max_size: int | None = None, slack: int = 64):
+        if (max_size is not None and int(max_size) < 1) or int(slack) < 0:
+            raise ValueError(f"RaggedKVCache: need max_size >= 1 (or None) and slack >= 0, got {max_size}, {slack}")
+        self.max_size = None if max_size is None else int(max_size)
+        self.slack = int(slack)
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self._lengths: list[int] = []
+        self._starts: list[int] = []
         self._offset: mx.array | None = None
 
     # -- geometry ---------------------------------------------------------------------------------
@@ -152,6 +213,11 @@ class RaggedKVCache:
     def lengths(self) -> list[int]:
         """Per-row committed lengths (positions), a copy."""
         return list(self._lengths)
+
+    @property
+    def starts(self) -> list[int]:
+        """Per-row first held position (0 unless a window evicted the front), a copy."""
+        return list(self._starts)
 
     @property
     def rows(self) -> int:
@@ -164,12 +230,40 @@ class RaggedKVCache:
             self._offset = mx.array(self._lengths, dtype=mx.int32)
         return self._offset
 
-    def _set_lengths(self, lengths: list[int]) -> None:
+    def _set_lengths(self, lengths: list[int], starts: list[int] | None = None) -> None:
         self._lengths = lengths
+        if starts is not None:
+            self._starts = starts
         self._offset = None
+
+    def _held(self) -> list[int]:
+        return [n - s for n, s in zip(self._lengths, self._starts)]
 
     def _capacity(self) -> int:
         return 0 if self.keys is None else int(self.keys.shape[2])
+
+    def _evictions(self, M: int) -> list[int] | None:
+        """The starts after the eviction a forward of ``M`` tokens makes (None: none): a window cache whose
+        buffers would grow moves every row's start to ``max(start, length - (w - 1) - slack)``, if that
+        frees anything (deterministic: :meth:`make_mask` and :meth:`update_and_fetch` agree)."""
+        if self.max_size is None or self.keys is None or max(self._held()) + M <= self._capacity():
+            return None
+        keep = self.max_size - 1 + self.slack
+        new = [max(s, n - keep) for n, s in zip(self._lengths, self._starts)]
+        return new if new != self._starts else None
+
+    def _evict(self, starts: list[int], M: int) -> None:
+        """Drop each row's front up to its new start: one gather shifts every row by its own amount, into
+        buffers sized for what the rows then hold and ``M`` more (a capacity grown by a long prompt chunk
+        shrinks back)."""
+        shift = mx.array([s1 - s0 for s0, s1 in zip(self._starts, starts)], dtype=mx.int32)
+        cap = self._capacity()
+        held = max(n - s for n, s in zip(self._lengths, starts))
+        new_cap = max(-(-(held + M) // self.step) * self.step, self.step)
+        idx = mx.minimum(mx.arange(new_cap, dtype=mx.int32)[None] + shift[:, None], cap - 1)[:, None, :, None]
+        self.keys = mx.take_along_axis(self.keys, idx, axis=2)
+        self.values = mx.take_along_axis(self.values, idx, axis=2)
+        self._starts = list(starts)
 
     def _grow(self, need: int) -> None:
         cap = self._capacity()
@@ -183,8 +277,9 @@ class RaggedKVCache:
 
     # -- the mlx-lm cache interface ---------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Write ``keys`` / ``values`` (``[N, H, M, D]``) at each row's own offset; advance every row by
-        ``M``. Returns the buffers cut to ``max(lengths) + M`` positions (the mask hides each row's tail).
+        """Write ``keys`` / ``values`` (``[N, H, M, D]``) after each row's held rows (a window first
+        evicts, see the class); advance every row by ``M``. Returns the buffers cut to
+        ``max(held) + M`` indices (the mask hides each row's tail).
 
         Raises:
             ValueError: the batch size differs from the number of rows, or the cache has no rows.
@@ -192,30 +287,49 @@ class RaggedKVCache:
         N, _, M, _ = keys.shape
         if N != self.rows or N == 0:
             raise ValueError(f"RaggedKVCache: a forward of {N} rows on a cache of {self.rows} rows")
-        need = max(self._lengths) + M
+        new_starts = self._evictions(M)
+        if new_starts is not None:
+            self._evict(new_starts, M)
+        held = self._held()
+        need = max(held) + M
         if self.keys is None:  # every row is empty (joins before their first prefill chunk)
             cap = -(-need // self.step) * self.step
             self.keys = mx.zeros((N, keys.shape[1], cap, keys.shape[3]), keys.dtype)
             self.values = mx.zeros((N, values.shape[1], cap, values.shape[3]), values.dtype)
         self._grow(need)
-        idx = (self.offset[:, None] + mx.arange(M, dtype=mx.int32))[:, None, :, None]
+        at = self.offset if not any(self._starts) else mx.array(held, dtype=mx.int32)
+        idx = (at[:, None] + mx.arange(M, dtype=mx.int32))[:, None, :, None]
         self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(idx, keys.shape), keys, axis=2)
         self.values = mx.put_along_axis(self.values, mx.broadcast_to(idx, values.shape), values, axis=2)
         self._set_lengths([n + M for n in self._lengths])
         return self.keys[..., :need, :], self.values[..., :need, :]
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **kwargs) -> mx.array:
-        """Bool ``[rows, 1, N, max(lengths) + N]``: query ``q`` of row ``i`` (position ``lengths[i] + q``)
-        sees keys ``0 .. lengths[i] + q`` of its own row. Called before the forward's writes.
+        """Bool ``[rows, 1, N, max(held) + N]``: query ``q`` of row ``i`` (position ``lengths[i] + q``)
+        sees the keys of its own row at positions ``<= lengths[i] + q`` (and, with a window ``w``,
+        ``> lengths[i] + q - w``). Called before the forward's writes (it accounts for their eviction).
+
+        Args:
+            N: queries per row.
+            window_size: the attention window (default: the cache's ``max_size``; at most that).
 
         Raises:
-            ValueError: a sliding window (dense full-attention targets only).
+            ValueError: a window on a full-attention cache, or wider than the cache's.
         """
-        if window_size is not None:
-            raise ValueError("RaggedKVCache: sliding-window attention is not supported (dense targets only)")
-        S = max(self._lengths) + N
-        pos = self.offset[:, None] + mx.arange(N, dtype=mx.int32)  # [rows, N]
-        return (mx.arange(S, dtype=mx.int32)[None, None, :] <= pos[:, :, None])[:, None]
+        w = self.max_size if window_size is None else int(window_size)
+        if w is not None and (self.max_size is None or w > self.max_size):
+            raise ValueError(f"RaggedKVCache: a window of {w} on a cache of window {self.max_size} "
+                             "(full-attention layers have none)")
+        starts = self._evictions(N) or self._starts
+        S = max(n - s for n, s in zip(self._lengths, starts)) + N
+        pos = self.offset[:, None] + mx.arange(N, dtype=mx.int32)  # [rows, N] query positions
+        key_pos = mx.arange(S, dtype=mx.int32)[None, None, :]
+        if any(starts):
+            key_pos = key_pos + mx.array(starts, dtype=mx.int32)[:, None, None]
+        mask = key_pos <= pos[:, :, None]
+        if w is not None:
+            mask = mask & (key_pos > pos[:, :, None] - w)
+        return mask[:, None]
 
     @property
     def state(self) -> list[mx.array]:
@@ -227,9 +341,13 @@ class RaggedKVCache:
 
     def trim(self, n: int) -> int:
         """Roll every row back by ``n`` positions (at most its length); returns ``n`` applied to the
-        shortest row."""
+        shortest row.
+
+        Raises:
+            ValueError: past what a window row still holds (nothing changed).
+        """
         n = max(0, min(int(n), min(self._lengths, default=0)))
-        self._set_lengths([m - n for m in self._lengths])
+        self.trim_rows([n] * self.rows)
         return n
 
     @property
@@ -241,33 +359,45 @@ class RaggedKVCache:
         """Roll row ``i`` back by ``n[i]`` positions (a length decrement; nothing is copied).
 
         Raises:
-            ValueError: wrong count, a negative amount, or more than a row holds (nothing changed).
+            ValueError: wrong count, a negative amount, more than a row holds, or (window) a rollback
+                past the rows a row's next query needs: it keeps ``w - 1`` positions before its new
+                length, or from its start (nothing changed).
         """
         n = [int(x) for x in n]
         if len(n) != self.rows:
             raise ValueError(f"RaggedKVCache.trim_rows: {len(n)} amounts for {self.rows} rows")
-        if any(x < 0 or x > m for x, m in zip(n, self._lengths)):
-            raise ValueError(f"RaggedKVCache.trim_rows: amounts {n} outside 0..lengths {self._lengths}")
+        if any(x < 0 or x > m - s for x, m, s in zip(n, self._lengths, self._starts)):
+            raise ValueError(f"RaggedKVCache.trim_rows: amounts {n} outside 0..lengths {self._lengths} "
+                             f"(held from {self._starts})")
+        if self.max_size is not None and any(s > 0 and m - x - (self.max_size - 1) < s
+                                             for x, m, s in zip(n, self._lengths, self._starts)):
+            raise ValueError(f"RaggedKVCache.trim_rows: amounts {n} reach past the rows the window still holds "
+                             f"(lengths {self._lengths}, starts {self._starts}, window {self.max_size})")
         self._set_lengths([m - x for m, x in zip(self._lengths, n)])
 
-    def add_row(self, keys: mx.array | None, values: mx.array | None) -> None:
+    def add_row(self, keys: mx.array | None, values: mx.array | None, start: int = 0) -> None:
         """Append one row: :meth:`add_rows` with a single row."""
-        self.add_rows([(keys, values)])
+        self.add_rows([(keys, values, start)])
 
-    def add_rows(self, rows: Sequence[tuple[mx.array | None, mx.array | None]]) -> None:
-        """Append rows, each holding ``keys`` / ``values`` (``[1, H, L, D]``, positions ``0 .. L - 1``; e.g.
-        a prefilled ``KVCache``'s ``keys[..., :offset, :]``), or ``(None, None)`` for an empty row (length
-        0: a request whose prompt is still to be prefilled). One concatenation per call (joins of many
-        rows at once cost one copy of the buffers, not one per row). While no row has K/V the buffers
-        stay unallocated (:meth:`update_and_fetch` allocates them from the first keys it writes).
+    def add_rows(self, rows: Sequence[tuple]) -> None:
+        """Append rows, each ``(keys, values)`` or ``(keys, values, start)``: ``keys`` / ``values``
+        ``[1, H, L, D]`` holding positions ``start .. start + L - 1`` (``start`` 0 by default; e.g. a
+        prefilled ``KVCache``'s ``keys[..., :offset, :]``, or the rows a window cache holds), or
+        ``(None, None)`` for an empty row (length 0: a request whose prompt is still to be prefilled). One
+        concatenation per call (joins of many rows at once cost one copy of the buffers, not one per
+        row). While no row has K/V the buffers stay unallocated (:meth:`update_and_fetch` allocates them
+        from the first keys it writes).
 
         Raises:
-            ValueError: a shape or dtype that does not match the other rows (nothing is added then).
+            ValueError: a shape or dtype that does not match the other rows, or a ``start > 0`` on a
+                full-attention cache (nothing is added then).
         """
-        rows = list(rows)
+        rows = [(r[0], r[1], int(r[2]) if len(r) > 2 else 0) for r in rows]
         geo = None if self.keys is None else (self.keys.shape[1], self.keys.shape[3], self.values.shape[3],
                                                self.keys.dtype)
-        for k, v in rows:
+        for k, v, s in rows:
+            if s and (self.max_size is None or k is None):
+                raise ValueError(f"RaggedKVCache.add_row: start {s} on a full-attention cache or an empty row")
             if k is None and v is None:
                 continue
             if k is None or v is None or k.ndim != 4 or k.shape[0] != 1 or v.ndim != 4 or v.shape[:3] != k.shape[:3]:
@@ -278,20 +408,22 @@ class RaggedKVCache:
                 raise ValueError(f"RaggedKVCache.add_row: row {tuple(k.shape)} {k.dtype} does not match "
                                  f"the batch's {geo[:3]} {geo[3]}")
             geo = g
-        lens = [0 if k is None else int(k.shape[2]) for k, _ in rows]
+        held = [0 if k is None else int(k.shape[2]) for k, _, _ in rows]
+        lens = [h + s for h, (_, _, s) in zip(held, rows)]
+        starts = [s for _, _, s in rows]
         if geo is None:  # only empty rows so far: no buffers yet
-            self._set_lengths(self._lengths + lens)
+            self._set_lengths(self._lengths + lens, self._starts + starts)
             return
         H, Dk, Dv, dtype = geo
         if self.keys is None:  # the rows already here are empty: zero buffers for them
-            cap = max(-(-max(lens) // self.step) * self.step, self.step)
+            cap = max(-(-max(held) // self.step) * self.step, self.step)
             n0 = len(self._lengths)
             self.keys = mx.zeros((n0, H, cap, Dk), dtype)
             self.values = mx.zeros((n0, H, cap, Dv), dtype)
-        self._grow(max(lens))
+        self._grow(max(held))
         cap = self._capacity()
         ks, vs = [self.keys], [self.values]
-        for (k, v), L in zip(rows, lens):
+        for (k, v, _), L in zip(rows, held):
             if k is None:
                 ks.append(mx.zeros((1, H, cap, Dk), dtype))
                 vs.append(mx.zeros((1, H, cap, Dv), dtype))
@@ -301,32 +433,46 @@ class RaggedKVCache:
                 vs.append(mx.pad(v, pad))
         self.keys = mx.concatenate(ks, axis=0)
         self.values = mx.concatenate(vs, axis=0)
-        self._set_lengths(self._lengths + lens)
+        self._set_lengths(self._lengths + lens, self._starts + starts)
 
     def keep_rows(self, keep: Sequence[int]) -> None:
-        """Keep only rows ``keep`` (in that order); the capacity shrinks to what the longest kept row
+        """Keep only rows ``keep`` (in that order); the capacity shrinks to what the row holding most
         needs (rounded up to :attr:`step`). ``keep`` empty: the cache becomes empty."""
         keep = [int(i) for i in keep]
         if not keep:
             self.keys = self.values = None
-            self._set_lengths([])
+            self._set_lengths([], [])
             return
-        lengths = [self._lengths[i] for i in keep]
+        lengths, starts = [self._lengths[i] for i in keep], [self._starts[i] for i in keep]
         if self.keys is None:
-            self._set_lengths(lengths)
+            self._set_lengths(lengths, starts)
             return
-        cap = max(-(-max(lengths) // self.step) * self.step, self.step)
+        cap = max(-(-max(n - s for n, s in zip(lengths, starts)) // self.step) * self.step, self.step)
         idx = mx.array(keep, dtype=mx.int32)
         self.keys, self.values = self.keys[idx, :, :cap], self.values[idx, :, :cap]
-        self._set_lengths(lengths)
+        self._set_lengths(lengths, starts)
 
-    def extract(self, i: int) -> KVCache:
-        """Row ``i`` as an mlx-lm ``KVCache`` (a copy: e.g. a finished request's prompt cache)."""
-        c = KVCache()
-        n = self._lengths[i]
-        c.keys = mx.contiguous(self.keys[i : i + 1, :, :n])
-        c.values = mx.contiguous(self.values[i : i + 1, :, :n])
-        c.offset = n
+    def row(self, i: int) -> tuple:
+        """Row ``i`` as :meth:`add_rows` takes it: ``(keys [1, H, L, Dk], values [1, H, L, Dv], start)`` of
+        the ``L = lengths[i] - starts[i]`` positions it holds (lazy slices), or ``(None, None, 0)`` while
+        the cache holds no K/V."""
+        if self.keys is None:
+            return None, None, 0
+        n = self._lengths[i] - self._starts[i]
+        return self.keys[i : i + 1, :, :n], self.values[i : i + 1, :, :n], self._starts[i]
+
+    def extract(self, i: int) -> KVCache | WindowKVCache:
+        """Row ``i`` as a single sequence's cache (a copy: e.g. a finished request's prompt cache): an
+        mlx-lm ``KVCache``, or for a window a :class:`~.caches.WindowKVCache` holding the same rows."""
+        k, v, s = self.row(i)
+        if self.max_size is None:
+            c = KVCache()
+        else:
+            c = WindowKVCache(self.max_size, slack=self.slack)
+            c.start = s
+        if k is not None:
+            c.keys, c.values = mx.contiguous(k), mx.contiguous(v)
+        c.offset = self._lengths[i]
         return c
 
 
@@ -371,6 +517,7 @@ class _Request:
     draft_key: mx.array | None = None  # split once per round that drafts, as the solo loop does
     want_logprobs: bool = False
     adaptive: bool = False  # the proposer's adaptive schedule chooses its rounds while it is the only row
+    snapshots: dict = field(default_factory=dict)  # hybrid targets: prompt position -> recurrent arrays
     n_out: int = 0
     out: list[int] = field(default_factory=list)  # emitted, not yet reported
     out_lp: list = field(default_factory=list)  # their logprobs (want_logprobs only)
@@ -562,7 +709,8 @@ class WidthSchedule:
 
 
 class SpeculativeBatch:
-    """A batch of speculative requests (greedy or sampled) on one dense target, advanced one round at a time.
+    """A batch of speculative requests (greedy or sampled) on one target (dense, hybrid GatedDeltaNet or
+    sliding-window), advanced one round at a time.
 
     Usage::
 
@@ -573,8 +721,10 @@ class SpeculativeBatch:
                 ...  # ev.uid, ev.tokens, ev.finish_reason
 
     Args:
-        target: a :class:`~.target.TargetAdapter` whose every layer is full attention (dense llama,
-            mistral, qwen2, qwen3 without a sliding window).
+        target: a :class:`~.target.TargetAdapter` whose layers are full attention (dense llama, mistral,
+            qwen2, qwen3), sliding-window attention (Gemma 3/4's sliding layers, a Mistral-style window on
+            every layer: its ``WindowKVCache`` layers) or GatedDeltaNet (the recurrent layers of
+            ``qwen3_next`` / ``qwen3_5`` hybrids).
         proposer: the default proposer of :meth:`add` (``None``: plain decoding).
         block_size: the default verify width ``B`` (default: the proposer's).
         prefill_step_size: prompt chunk length of a join's prefill (tokens).
@@ -584,17 +734,19 @@ class SpeculativeBatch:
             :class:`WidthSchedule`.
 
     Raises:
-        TargetCompatibilityError: a target with sliding-window or recurrent layers.
+        TargetCompatibilityError: a target with a cache kind other than these (named).
         ValueError: an unknown ``schedule``.
     """
 
     def __init__(self, target: TargetAdapter, proposer: Proposer | None = None, *, block_size: int | None = None,
                  prefill_step_size: int = 2048, schedule: "str | WidthSchedule" = "full"):
         kinds = target.make_cache()
-        if not all(type(c) is KVCache for c in kinds):
-            names = sorted({type(c).__name__ for c in kinds if type(c) is not KVCache})
+        bad = sorted({type(c).__name__ for c in kinds
+                      if type(c) is not KVCache and not isinstance(c, (RecurrentCache, WindowKVCache))})
+        if bad:
             raise TargetCompatibilityError(
-                f"batched rounds support full-attention targets only; this target has {', '.join(names)} layers")
+                "batched rounds support full-attention, sliding-window and GatedDeltaNet (recurrent) layers only; "
+                f"this target has {', '.join(bad)} layers")
         if isinstance(schedule, WidthSchedule):
             self.schedule = schedule
         elif schedule == "auto":
@@ -607,9 +759,10 @@ class SpeculativeBatch:
         self.proposer = proposer
         self.block_size = block_size
         self.prefill_step_size = int(prefill_step_size)
-        self.cache = [RaggedKVCache() for _ in kinds]
+        self._recurrent = [i for i, c in enumerate(kinds) if isinstance(c, RecurrentCache)]  # GatedDeltaNet layers
+        self.cache = self._make_caches(kinds)
         self._rows: list[_Request] = []  # row i of the cache is self._rows[i]
-        self._jcache = [RaggedKVCache() for _ in kinds]  # requests being prefilled (joins)
+        self._jcache = self._make_caches(kinds)  # requests being prefilled (joins)
         self._joining: list[_Join] = []  # row i of the join cache is self._joining[i]
         self._events: list[BatchEvent] = []  # finished at join, cancelled: reported by the next step
         self._states: dict[int, GenerationState] = {}  # final states of finished keep_state requests
@@ -623,6 +776,21 @@ class SpeculativeBatch:
         #: their seconds to it (``prefill``, ``propose``, ``verify``: target forward and accept, ``commit``:
         #: per-row rollback, session updates, emission), for profiling (``benchmarks/profile_batch.py``)
         self.timings: dict | None = None
+
+    @staticmethod
+    def _make_caches(kinds: list) -> list:
+        """The batch's cache entries for a solo cache's kinds: :class:`RaggedKVCache` per attention layer
+        (windowed as its :class:`~.caches.WindowKVCache`: same window and rollback slack),
+        :class:`~.caches.RaggedRecurrentCache` per GatedDeltaNet layer."""
+        return [RaggedRecurrentCache(c.max_record) if isinstance(c, RecurrentCache)
+                else RaggedKVCache(c.max_size, c.slack) if isinstance(c, WindowKVCache) else RaggedKVCache()
+                for c in kinds]
+
+    @staticmethod
+    def _row_lengths(cache: list) -> list[int]:
+        """Per-row positions of a list of batch cache entries (every layer holds the same)."""
+        c = cache[0]
+        return c.positions if isinstance(c, RaggedRecurrentCache) else c.lengths
 
     # -- membership -------------------------------------------------------------------------------
     @property
@@ -638,7 +806,7 @@ class SpeculativeBatch:
 
     def lengths(self) -> list[int]:
         """Per-row cache lengths (row order = join order of the active requests)."""
-        return self.cache[0].lengths
+        return self._row_lengths(self.cache)
 
     def stats(self, uid: int) -> SpecStats:
         """The statistics of an active request.
@@ -681,10 +849,14 @@ class SpeculativeBatch:
                 does (its key advances alike).
             eos_token_ids: ids that end the request (emitted, then ``finish_reason == "stop"``).
             state: a prompt-cache :class:`~.speculative.GenerationState` to start from (its common prefix
-                with ``prompt`` is reused, only the rest is prefilled); the batch takes it over (it must
-                not be used elsewhere afterwards).
-            keep_state: keep the request's final state (its row's K/V, its proposer session, the tokens
-                they hold) when it finishes, for :meth:`take_state` (or return it from :meth:`remove`).
+                with ``prompt`` is reused, only the rest is prefilled; a hybrid target's recurrent layers
+                resume from the longest snapshot at or before it, as in the solo loop); the batch takes it
+                over (it must not be used elsewhere afterwards). A batch's and a solo loop's states serve
+                either.
+            keep_state: keep the request's final state (its row's K/V and recurrent arrays, its proposer
+                session, the tokens they hold; a hybrid target's prompt snapshots, taken every
+                :data:`~.speculative.SNAPSHOT_INTERVAL` prompt tokens) when it finishes, for
+                :meth:`take_state` (or return it from :meth:`remove`).
             draft_temperature, draft_key: the request's drafter sampling (as the solo loop's: the key
                 is split once per round that drafts; 0 / None: greedy drafts).
             logprobs: report each token's log-probabilities in :attr:`BatchEvent.logprobs`.
@@ -721,10 +893,16 @@ class SpeculativeBatch:
         req = _Request(uid, max_tokens, frozenset(int(e) for e in eos_token_ids), setup.block_size,
                        setup.tap_ids, setup.session, setup.verifier, stats, list(prompt),
                        proposer=setup.proposer, keep_state=keep_state, draft_temperature=draft_temperature,
-                       draft_key=draft_key, want_logprobs=bool(logprobs), adaptive=bool(adaptive))
+                       draft_key=draft_key, want_logprobs=bool(logprobs), adaptive=bool(adaptive),
+                       snapshots=dict(state.snapshots) if state is not None and keep_state else {})
         n = setup.reused
         for layer, c in zip(self._jcache, setup.cache):
-            layer.add_row(*((c.keys[..., :n, :], c.values[..., :n, :]) if n else (None, None)))
+            if isinstance(layer, RaggedRecurrentCache):  # the state after the reused prefix (or a fresh row)
+                layer.add_rows([(c.cache[0], c.cache[1], n) if n else (None, None, 0)])
+            elif isinstance(c, WindowKVCache) and n:  # the rows it still holds, positions start .. n - 1
+                layer.add_row(*c.held(), c.start)
+            else:
+                layer.add_row(*((c.keys[..., :n, :], c.values[..., :n, :]) if n else (None, None)))
         progress = prompt_progress_callback or (lambda *_: None)
         self._joining.append(_Join(req, len(prompt), prompt[n:], n, progress, time.perf_counter()))
         progress(0, len(prompt))
@@ -770,15 +948,12 @@ class SpeculativeBatch:
         return self._states.pop(uid, None)
 
     def _row_state(self, i: int) -> GenerationState:
-        """Row ``i`` as a standalone state (a copy of its K/V; the session is handed over)."""
+        """Row ``i`` as a standalone state (a copy of its K/V and recurrent arrays; the session and the
+        prompt snapshots are handed over). The row holds exactly its tokens but the last (a request stopped
+        inside a round too: its commit kept only what it emitted)."""
         r = self._rows[i]
-        cache = [c.extract(i) for c in self.cache]
-        n = min(cache[0].offset, len(r.history) - 1)  # a request stopped inside a round holds fewer tokens
-        if n < cache[0].offset:
-            for c in cache:
-                c.trim(c.offset - n)
-            r.session.truncate(n)
-        return GenerationState(cache=cache, session=r.session, tokens=r.history[:n], proposer=r.proposer)
+        return GenerationState(cache=[c.extract(i) for c in self.cache], session=r.session,
+                               tokens=r.history[:-1], proposer=r.proposer, snapshots=r.snapshots)
 
     def _drop(self, rows: list[int]) -> None:
         keep = [i for i in range(len(self._rows)) if i not in set(rows)]
@@ -795,15 +970,24 @@ class SpeculativeBatch:
     def _prefill(self) -> None:
         """One prefill chunk of every request being joined, in one target forward: row ``i`` feeds its
         next ``min(len(todo_i), prefill_step_size)`` prompt tokens (right-padded to the widest; the
-        padding is rolled back as a verify's rejected rows are). A request whose prompt is then complete
+        padding's K/V are rolled back as a verify's rejected rows are, and the GatedDeltaNet layers of a
+        hybrid target mask it: each row's recurrent state and conv window end at its own last real token).
+        On a hybrid target a ``keep_state`` request's chunks end at multiples of
+        :data:`~.speculative.SNAPSHOT_INTERVAL`, where its recurrent arrays are kept for a later prompt
+        cache (the solo loop's snapshots). A request whose prompt is then complete
         gets its first token exactly as the solo loop's prefill gives it (its verifier on the logits at
         its last prompt token, an empty proposal, the prompt as history) and moves to the batch's cache
         (or finishes there, e.g. at an EOS); the others go on at the next step."""
         J = self._joining
         n = [min(len(j.todo), self.prefill_step_size) for j in J]
+        every = speculative.SNAPSHOT_INTERVAL
+        if self._recurrent:  # snapshot positions end the chunks of requests whose state is kept
+            n = [min(k, every - j.fed % every) if j.req.keep_state else k for j, k in zip(J, n)]
         M = max(n)
         block = mx.array([j.todo[:k] + [0] * (M - k) for j, k in zip(J, n)], dtype=mx.int32)
         tap_ids = tuple(dict.fromkeys(t for j in J for t in j.req.tap_ids))
+        for li in self._recurrent:  # each row's recurrence stops at its own last real token
+            self._jcache[li].prepare(n)
         h, taps = self.target._call(lambda: self.target.inner(block, cache=self._jcache), tap_ids)
         fin = [i for i, (j, k) in enumerate(zip(J, n)) if k == len(j.todo)]
         firsts = []
@@ -818,10 +1002,19 @@ class SpeculativeBatch:
                 feats = mx.concatenate([taps[t].out[i, :k] for t in j.req.tap_ids], axis=-1)
             j.req.session.extend(j.todo[:k], feats)
         for c in self._jcache:
-            c.trim_rows([M - k for k in n])
+            if isinstance(c, RaggedKVCache):  # the padding's K/V (the recurrent layers masked it)
+                c.trim_rows([M - k for k in n])
+        snaps = []
+        for i, (j, k) in enumerate(zip(J, n)):
+            if self._recurrent and j.req.keep_state and (j.fed + k) % every == 0:
+                snap = [(li, self._jcache[li].extract(i).cache) for li in self._recurrent]
+                j.req.snapshots[j.fed + k] = snap
+                for p in sorted(j.req.snapshots)[:-speculative.MAX_SNAPSHOTS]:
+                    del j.req.snapshots[p]
+                snaps += [a for _, arrays in snap for a in arrays]
         self._flush([j.req.session for j in J])  # the joins' drafter contexts: one projection per drafter
         mx.eval([a for c in self._jcache for a in c.state] + [a for j in J for a in j.req.session.state_arrays()]
-                + [x for v in firsts for x in (v.tokens, v.logprobs)])
+                + [x for v in firsts for x in (v.tokens, v.logprobs)] + snaps)
         self.last_prefill = {"rows": len(J), "tokens": sum(n)}
         for j, k in zip(J, n):
             j.todo, j.fed = j.todo[k:], j.fed + k
@@ -845,12 +1038,12 @@ class SpeculativeBatch:
             self._events.append(r.event(r.finish))
             if r.keep_state:
                 self._states[r.uid] = GenerationState(cache=[c.extract(i) for c in self._jcache], session=r.session,
-                                                      tokens=r.history[:-1], proposer=r.proposer)
+                                                      tokens=r.history[:-1], proposer=r.proposer,
+                                                      snapshots=r.snapshots)
             gone.append(i)
         if moved:
             for main, c in zip(self.cache, self._jcache):
-                L = c.lengths
-                main.add_rows([(c.keys[i : i + 1, :, : L[i]], c.values[i : i + 1, :, : L[i]]) for i in moved])
+                main.add_rows([c.row(i) for i in moved])
             self._rows.extend(J[i].req for i in moved)
         self._drop_joins(moved + gone)
 
@@ -991,7 +1184,6 @@ class SpeculativeBatch:
             else:
                 a = int(vr.num_accepted.item())
                 toks = vr.tokens[: a + 1].tolist()
-            trims.append(M - (a + 1))
             r.session.verified(a + 1)
             feats = None
             if r.tap_ids:
@@ -1014,8 +1206,11 @@ class SpeculativeBatch:
                     break
             r.stats.generated_tokens = r.n_out
             total += emitted
+            trims.append(M - emitted)  # the row keeps [anchor, d_1..d_{emitted - 1}]: its tokens but the last
             if emitted < len(toks):  # stopped inside the round: only the drafts up to the stop count
                 r.stats.record_round(min(p.n, emitted), min(a, emitted), emitted, p.source, verified=p.n + 1)
+                if r.keep_state:  # its state holds exactly the emitted tokens but the last (the cache: trims)
+                    r.session.truncate(P + emitted)
             else:
                 r.stats.record_round(p.n, a, a + 1, p.source)
             if r.finish is not None:
@@ -1032,9 +1227,11 @@ class SpeculativeBatch:
             self._mark("commit", t_commit)
         after = self.lengths()
         for i, r in enumerate(rows):
-            if i not in done and after[i] != len(r.history) - 1:
+            if after[i] != len(r.history) - 1:
                 raise RuntimeError(f"batch invariant broken: row {i} holds {after[i]} positions, "
                                    f"its request {len(r.history) - 1}")
+        if self._recurrent and any(self._row_lengths([c]) != after for c in self.cache):
+            raise RuntimeError("batch invariant broken: the layers' caches disagree on the rows' lengths")
 
         dt = time.perf_counter() - tic
         if cap is not None:

@@ -20,22 +20,29 @@ as cache entries (``model(tokens[None], cache=caches)`` runs unmodified):
   mixer's inputs, so ``trim`` restores a snapshot and replays a prefix;
 * :func:`install_recording` -- makes each GatedDeltaNet mixer of one model
   object report its inputs to its :class:`RecurrentCache`;
+* :class:`RaggedRecurrentCache` -- the same layer's state for a batch of rows
+  of different lengths, rolled back row by row;
 * :class:`WindowKVCache` -- a sliding-window K/V cache that keeps ``slack``
   extra rows and masks explicitly, so ``trim(n)`` is exact for ``n <= slack``
   however often the window has wrapped;
 * :func:`convert_caches` / :func:`rollback_capacity` -- map ``model.make_cache()``
   to these classes and report how far a list of caches can be rolled back.
 
-Single sequences only (batch size 1 is what the speculative loop uses; the
+These are single sequences (batch size 1 is what the speculative loop uses; the
 recorded replay and the masks are batch-agnostic, but left padding / per-row
-lengths are refused).
+lengths are refused). A batch of sequences of different lengths
+(:class:`~mlx_dflash2.batch.SpeculativeBatch`) holds each GatedDeltaNet layer's rows
+in one :class:`RaggedRecurrentCache`: masked forwards for right-padded prompt chunks,
+per-row rollback of a verify block (the kept step's state selected, or a masked replay);
+its window layers in a windowed :class:`~mlx_dflash2.batch.RaggedKVCache` (the window's
+masks, per-row front eviction and rollback slack).
 """
 
 from __future__ import annotations
 
 import functools
 from collections import deque
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -43,6 +50,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, _BaseCach
 
 __all__ = [
     "RecurrentCache",
+    "RaggedRecurrentCache",
     "WindowKVCache",
     "install_recording",
     "convert_caches",
@@ -308,7 +316,7 @@ def _recording_class(base: type) -> type:
     """A subclass of ``base`` whose ``__call__`` reports its inputs to a :class:`RecurrentCache` first."""
 
     def __call__(self, x, mask=None, cache=None):
-        if isinstance(cache, RecurrentCache):
+        if isinstance(cache, (RecurrentCache, RaggedRecurrentCache)):
             cache.record(x, mask, functools.partial(base.__call__, self))
         return base.__call__(self, x, mask, cache)
 
@@ -350,6 +358,234 @@ def install_recording(model: nn.Module) -> Callable[[], None]:
         swapped.clear()
 
     return undo
+
+
+class RaggedRecurrentCache(ArraysCache):
+    """One GatedDeltaNet layer's state for a batch of rows (:class:`~mlx_dflash2.batch.SpeculativeBatch`):
+    the per-row counterpart of :class:`RecurrentCache`, an mlx-lm cache entry its mixers accept as is.
+
+    Entries are mlx-lm's with a batch dimension of ``N`` rows: ``cache[0]`` the convolution state
+    ``[N, conv_kernel - 1, conv_dim]`` (the inputs' dtype), ``cache[1]`` the recurrent state
+    ``[N, Hv, Dv, Dk]`` (float32); both ``None`` while no row has a state (mlx-lm's mixer then starts
+    every row from zeros). :attr:`positions` (host ints) counts each row's tokens fed.
+
+    Row ``i``'s arrays depend on row ``i``'s tokens only (the mixer is row-wise), and two kinds of
+    forward keep them exact for rows of different lengths:
+
+    * **masked** (a batch's join prefill, rows right-padded to the longest chunk): :meth:`prepare`
+      with each row's real length first; mlx-lm's own mixer then masks the padding (its ``lengths``
+      path: padded inputs zeroed, the recurrence skips them, each row's conv window taken at its own
+      end), so each row ends at the state after its own real tokens. Nothing is recorded.
+    * **unmasked** (a verify block ``[N, M]``: each row's real tokens, then padding): every row
+      advances by ``M``; the mixer (recording, :func:`install_recording`) hands the pre-forward state
+      and its inputs to :meth:`record`, and the stepping mixer of a routed target
+      (:func:`~mlx_dflash2.kernels.gdn.route_gated_delta`) every step's state to :meth:`record_steps`.
+      :meth:`trim_rows` then keeps each row's own prefix: the kept step's state and conv window
+      selected per row (:func:`~mlx_dflash2.kernels.gated_delta_steps.select_states`) when the steps
+      were kept, else a masked replay from the snapshot (row ``i``'s first ``keep_i`` inputs through the
+      layer's own mixer with ``lengths = keep``: the reference path, as :class:`RecurrentCache` replays).
+
+    Either way no padding and no other row reaches a row's state. Rows join (:meth:`add_rows`), leave
+    (:meth:`keep_rows`) and are handed out as a single sequence's :class:`RecurrentCache`
+    (:meth:`extract`).
+
+    Args:
+        max_record: the stepping mixer keeps every step's state of unmasked forwards up to this many
+            tokens (longer ones run mlx-lm's forward and are rolled back by replay).
+    """
+
+    def __init__(self, max_record: int = DEFAULT_MAX_RECORD):
+        super().__init__(size=2)
+        self.max_record = int(max_record)
+        self._positions: list[int] = []
+        self._feed: Optional[list[int]] = None  # the next forward's real lengths (prepare)
+        self._pending: Optional[_Record] = None
+        self._last: Optional[_Record] = None  # the last unmasked forward, until trim_rows
+        self._replaying = False
+        self.replays = 0  # trim_rows done by replay (the others selected kept step states)
+
+    # -- geometry -----------------------------------------------------------------------------
+    @property
+    def rows(self) -> int:
+        return len(self._positions)
+
+    @property
+    def positions(self) -> list[int]:
+        """Per-row tokens fed (a copy)."""
+        return list(self._positions)
+
+    @property
+    def state(self) -> list[mx.array]:
+        """The arrays to evaluate (``[]`` while no row has a state)."""
+        return [c for c in self.cache if c is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.cache if c is not None)
+
+    # -- the mixer's interface ----------------------------------------------------------------
+    def prepare(self, lengths: Sequence[int], **kwargs) -> None:
+        """Make the next forward masked: row ``i`` feeds ``lengths[i]`` real tokens, then padding.
+
+        Raises:
+            ValueError: not one length per row, or a negative one.
+        """
+        lengths = [int(n) for n in lengths]
+        if len(lengths) != self.rows or any(n < 0 for n in lengths):
+            raise ValueError(f"RaggedRecurrentCache.prepare: lengths {lengths} for {self.rows} rows")
+        self._feed = lengths
+        self.lengths = mx.array(lengths, dtype=mx.int32)
+
+    def finalize(self) -> None:
+        self._feed, self.lengths, self.left_padding = None, None, None
+
+    def record(self, x: mx.array, mask: Optional[mx.array], replay: Callable[..., Any]) -> None:
+        """Called by the recording mixer before a forward: keep the state before it and its inputs
+        ``x`` (``[N, L, hidden]``) for :meth:`trim_rows` (masked forwards are not recorded)."""
+        if self._replaying:
+            return
+        if self.lengths is not None or mask is not None:
+            self._pending = None
+            return
+        self._pending = _Record(self.cache[0], self.cache[1], None, int(x.shape[1]), x, None, replay)
+
+    def record_steps(self, states: mx.array, conv_input: mx.array) -> None:
+        """Attach every step's state of the pending forward (``[N, L, Hv, Dv, Dk]``) and its convolution
+        input (``[N, K - 1 + L, C]``): :meth:`trim_rows` then selects instead of replaying."""
+        if self._pending is not None:
+            self._pending.steps = (states, conv_input)
+
+    def advance(self, N: int) -> None:
+        """Called by mlx-lm's mixer after it updated the state: a masked forward advances each row by its
+        own length, an unmasked one every row by ``N`` (and becomes the forward :meth:`trim_rows` rolls
+        back)."""
+        if self._replaying:
+            return  # trim_rows sets the positions
+        if self._feed is not None:
+            self._positions = [p + f for p, f in zip(self._positions, self._feed)]
+            self.finalize()
+            self._pending = self._last = None
+            return
+        self._positions = [p + int(N) for p in self._positions]
+        rec, self._pending = self._pending, None
+        if rec is not None and rec.length == int(N):
+            rec.after = self.cache[1]
+        self._last = rec if rec is not None and rec.length == int(N) else None
+
+    # -- per-row rollback ---------------------------------------------------------------------
+    def trim_rows(self, n: Sequence[int]) -> None:
+        """Roll row ``i`` back by its last ``n[i]`` positions, all inside the last (unmasked) forward:
+        each row's state becomes its state after its first ``L - n[i]`` tokens of that forward (``L`` its
+        length). All zeros: nothing changes. The forward can be rolled back once.
+
+        Raises:
+            ValueError: wrong count, an amount outside ``0 .. L``, or no recorded forward to roll back
+                (none since the last trim, a masked one, or the state changed since); nothing changes.
+        """
+        n = [int(x) for x in n]
+        if len(n) != self.rows:
+            raise ValueError(f"RaggedRecurrentCache.trim_rows: {len(n)} amounts for {self.rows} rows")
+        rec = self._last
+        if not any(n):
+            self._last = None
+            return
+        if rec is None or rec.after is not self.cache[1]:
+            raise ValueError("RaggedRecurrentCache.trim_rows: no recorded forward to roll back (was "
+                             "install_recording(model) applied, and has a forward run since?)")
+        L = rec.length
+        if any(x < 0 or x > L for x in n):
+            raise ValueError(f"RaggedRecurrentCache.trim_rows: amounts {n} outside 0..{L}")
+        keep = mx.array([L - x for x in n], dtype=mx.int32)
+        if rec.steps is not None:  # every step's state kept (stepping mixer): select each row's own
+            from .kernels.gated_delta_steps import select_states
+
+            states, conv_input = rec.steps
+            state, conv = select_states(states, conv_input, keep - 1)
+            if any(x == L for x in n):  # rows that keep nothing of the forward: their previous state
+                none = keep == 0
+                before_c = rec.conv if rec.conv is not None else mx.zeros_like(conv)
+                before_s = rec.state if rec.state is not None else mx.zeros_like(state)
+                conv = mx.where(none[:, None, None], before_c, conv)
+                state = mx.where(none[:, None, None, None], before_s, state)
+            self.cache[0], self.cache[1] = conv, state
+        else:  # replay each row's kept inputs from the snapshot, masked at its own length
+            self.cache[0], self.cache[1] = rec.conv, rec.state
+            self.lengths = keep
+            self._replaying = True
+            self.replays += 1
+            try:
+                rec.replay(rec.inputs, mx.arange(L, dtype=mx.int32)[None] < keep[:, None], self)
+            finally:
+                self._replaying = False
+                self.finalize()
+        self._positions = [p - x for p, x in zip(self._positions, n)]
+        self._last = None
+
+    # -- rows -----------------------------------------------------------------------------------
+    def row(self, i: int) -> tuple:
+        """Row ``i`` as :meth:`add_rows` takes it: ``(conv [1, K - 1, C], state [1, Hv, Dv, Dk], position)``
+        (lazy slices; ``(None, None, position)`` while no row has a state)."""
+        if self.cache[0] is None:
+            return None, None, self._positions[i]
+        return self.cache[0][i : i + 1], self.cache[1][i : i + 1], self._positions[i]
+
+    def add_rows(self, rows: Sequence[tuple]) -> None:
+        """Append rows ``(conv, state, position)``: a single sequence's arrays (``[1, K - 1, C]``,
+        ``[1, Hv, Dv, Dk]``: e.g. a :class:`RecurrentCache`'s ``cache`` after ``position`` tokens), or
+        ``(None, None, 0)`` for a fresh row (zeros: a request whose prompt is still to be fed). One
+        concatenation per call.
+
+        Raises:
+            ValueError: a row with one array but not the other, a shape or dtype that does not match the
+                other rows (nothing is added then).
+        """
+        rows = [(c, s, int(p)) for c, s, p in rows]
+        geo = None if self.cache[0] is None else (self.cache[0].shape[1:], self.cache[0].dtype,
+                                                  self.cache[1].shape[1:], self.cache[1].dtype)
+        for c, s, p in rows:
+            if c is None and s is None:
+                continue
+            if c is None or s is None or c.ndim != 3 or s.ndim != 4 or c.shape[0] != 1 or s.shape[0] != 1:
+                raise ValueError(f"RaggedRecurrentCache.add_rows: conv / state must be [1, K - 1, C] / "
+                                 f"[1, Hv, Dv, Dk], got {None if c is None else tuple(c.shape)} / "
+                                 f"{None if s is None else tuple(s.shape)}")
+            g = (c.shape[1:], c.dtype, s.shape[1:], s.dtype)
+            if geo is not None and g != geo:
+                raise ValueError(f"RaggedRecurrentCache.add_rows: row {g} does not match the batch's {geo}")
+            geo = g
+        if geo is None:  # no state anywhere yet: mlx-lm's mixer starts every row from zeros
+            self._positions += [p for _, _, p in rows]
+            return
+        (cs, cd, ss, sd), n0 = geo, self.rows
+        convs = [self.cache[0] if self.cache[0] is not None else mx.zeros((n0, *cs), cd)]
+        states = [self.cache[1] if self.cache[1] is not None else mx.zeros((n0, *ss), sd)]
+        for c, s, _ in rows:
+            convs.append(c if c is not None else mx.zeros((1, *cs), cd))
+            states.append(s if s is not None else mx.zeros((1, *ss), sd))
+        self.cache = [mx.concatenate(convs, axis=0), mx.concatenate(states, axis=0)]
+        self._positions += [p for _, _, p in rows]
+        self._pending = self._last = None
+
+    def keep_rows(self, keep: Sequence[int]) -> None:
+        """Keep only rows ``keep`` (in that order; empty: no rows, no arrays)."""
+        keep = [int(i) for i in keep]
+        self._positions = [self._positions[i] for i in keep]
+        if not keep:
+            self.cache = [None, None]
+        elif self.cache[0] is not None:
+            idx = mx.array(keep, dtype=mx.int32)
+            self.cache = [c[idx] for c in self.cache]
+        self._pending = self._last = None
+
+    def extract(self, i: int) -> RecurrentCache:
+        """Row ``i`` as a single sequence's :class:`RecurrentCache` (own arrays, gathered: they do not
+        keep the batch's buffers alive; no rollback history), e.g. a finished request's prompt cache."""
+        c = RecurrentCache(self.max_record)
+        if self.cache[0] is not None:
+            idx = mx.array([i], dtype=mx.int32)
+            c.cache = [self.cache[0][idx], self.cache[1][idx]]
+        c.offset = self._positions[i]
+        return c
 
 
 # ----------------------------------------------------------------------------------------------
@@ -511,6 +747,14 @@ class WindowKVCache(_BaseCache):
     def size(self) -> int:
         """Rows held (positions ``[start, offset)``)."""
         return self.offset - self.start
+
+    def held(self) -> tuple[Optional[mx.array], Optional[mx.array]]:
+        """The K/V of the positions held, ``[start, offset)`` in order: ``([B, H, offset - start, Dk],
+        [B, H, offset - start, Dv])`` (views of the buffers), or ``(None, None)`` while empty."""
+        if self.keys is None:
+            return None, None
+        n = self.offset - self.start
+        return self.keys[..., self._lo : self._lo + n, :], self.values[..., self._lo : self._lo + n, :]
 
     def empty(self) -> bool:
         return self.keys is None

@@ -354,16 +354,16 @@ def test_bad_input_and_unsupported_targets(target):
         batch.add([1, 2], max_tokens=4, block_size=0)
     assert batch.active == 0 and not batch.pending and batch.step() == []
 
-    class Windowed:
+    class Rotating:  # a cache kind the batch has no ragged form of (targets hold WindowKVCache instead)
         max_context = None
 
         def make_cache(self):
-            from mlx_dflash2.caches import WindowKVCache
+            from mlx_lm.models.cache import RotatingKVCache
 
-            return [KVCache(), WindowKVCache(8)]
+            return [KVCache(), RotatingKVCache(8)]
 
-    with pytest.raises(TargetCompatibilityError, match="WindowKVCache"):
-        SpeculativeBatch(Windowed())
+    with pytest.raises(TargetCompatibilityError, match="RotatingKVCache"):
+        SpeculativeBatch(Rotating())
 
 
 # ---------------------------------------------------------------------------------------------------

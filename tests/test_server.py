@@ -1152,6 +1152,51 @@ def test_hybrid_and_window_targets_served_with_prompt_cache(tmp_path, kind):
         s.stop()
 
 
+@pytest.mark.parametrize("kind", ["qwen3_5", "gemma3"])
+def test_hybrid_target_requests_share_batched_rounds(tmp_path, kind):
+    """A hybrid GatedDeltaNet target (tiny Qwen3.5) and a sliding-window one (tiny Gemma 3, windows of 8
+    tokens) are served with batched rounds: concurrent requests (greedy ones of different lengths, a stop
+    string, a seeded sampled one) share rounds (/metrics: more than one row per round) and each equals its
+    solo output (the same model behind ``--max-batch 0``)."""
+    import mlx.core as mx
+    from tiny_models import tiny_hybrid_dir
+
+    from mlx_dflash2.loading import load_target
+
+    target, tok, _ = load_target(str(tiny_hybrid_dir(tmp_path / kind, kind)), dtype=mx.float32)
+    proposer = make_proposer("init", target, tok, MODEL_ID)
+    model = SpeculativeModel(target, proposer, 4, MODEL_ID, target.config)
+
+    def serve(max_batch):
+        engine = Engine(model, tok, EngineConfig(max_context=MAX_CONTEXT, prefill_step_size=16, max_batch=max_batch))
+        return LiveServer(create_app(engine, ServerSettings(model_id=MODEL_ID, max_tokens=16)))
+
+    bodies = [{"prompt": "The capital of France is", "max_tokens": 12},
+              {"prompt": "Once upon a time, in a small village, there lived", "max_tokens": 16},
+              {"prompt": "def f(n):", "max_tokens": 7},
+              {"prompt": "Tell me a story.", "max_tokens": 10, "temperature": 0.9, "seed": 5}]
+    rr = serve(0)
+    try:
+        assert rr.engine._batch is None
+        solo = [_stream_completion(rr.url, b) for b in bodies]
+        text = solo[1][0]
+        stop = text[len(text) // 2: len(text) // 2 + 2]
+        bodies.append({**bodies[1], "stop": [stop]})
+        solo.append(_stream_completion(rr.url, bodies[-1]))
+    finally:
+        rr.stop()
+    assert solo[-1][1] == "stop" and solo[-1][0] == text[: text.index(stop)]
+    s = serve(8)
+    try:
+        assert s.engine._batch is not None  # hybrid and window targets batch (they went round-robin before)
+        assert _run_together(s.url, bodies) == solo
+        m = httpx.get(f"{s.url}/metrics", params={"format": "json"}).json()
+        assert m["batch_rounds_total"] > 0 and m["batch_rows_total"] / m["batch_rounds_total"] > 1.5, m
+        assert m["request_errors_total"] == 0 and m["requests_active"] == 0
+    finally:
+        s.stop()
+
+
 @pytest.mark.parametrize("port", ["99999", "-1"])
 def test_a_port_out_of_range_is_refused_before_loading(capsys, port):
     """``--port 99999`` was an OverflowError traceback after the model had loaded (a fresh user's run,

@@ -11,8 +11,11 @@ the state after the last accepted token and its convolution window (what
 :func:`~mlx_dflash2.kernels.select_states` does per sequence) instead of replaying.
 
 Only blocks of at most ``cache.max_record`` rows take this path (a prefill chunk would keep thousands
-of states: it runs mlx-lm's own forward, recorded for replay as before), and only single sequences
-without a mask. The routed target's parity probe compares it with the model's own forward.
+of states: it runs mlx-lm's own forward, recorded for replay as before), and only forwards without a
+mask: a single sequence's (:class:`~mlx_dflash2.caches.RecurrentCache`) or a batch's verify block
+(:class:`~mlx_dflash2.caches.RaggedRecurrentCache`: every row's steps, each row rolled back to its own
+accepted step by ``select_states``). The routed target's parity probe compares it with the model's own
+forward.
 """
 
 from __future__ import annotations
@@ -47,13 +50,13 @@ def _stepping_class(base: type, mode: str) -> type:
     every step's state of short blocks."""
     from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
-    from ..caches import RecurrentCache
+    from ..caches import RaggedRecurrentCache, RecurrentCache
     from .gated_delta_steps import gated_delta_steps
 
     def __call__(self, x, mask=None, cache=None):
         B, S, _ = x.shape
-        if (not isinstance(cache, RecurrentCache) or mask is not None or cache.lengths is not None
-                or S > cache.max_record):
+        if (not isinstance(cache, (RecurrentCache, RaggedRecurrentCache)) or mask is not None
+                or cache.lengths is not None or S > cache.max_record):
             return base.__call__(self, x, mask, cache)  # recorded for replay (prefill chunks)
         mixed, z, b, a = _projections(self, x)
         k1 = self.conv_kernel_size - 1

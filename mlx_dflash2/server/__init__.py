@@ -2,8 +2,8 @@
 
 Modules:
     protocol: request/response models (validation, OpenAPI schema), OpenAI errors.
-    engine:   the generation worker (one thread owns the model; round-robin over
-              requests), prompt (prefix) cache, metrics.
+    engine:   the generation worker (one thread owns the model; batched rounds,
+              or round-robin over requests), prompt (prefix) cache, metrics.
     text:     reasoning/content split, token bytes, log-probabilities.
     app:      the FastAPI app (endpoints, SSE streaming).
     cli:      the command line (``main``).

@@ -99,7 +99,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-concurrency", type=_positive, default=32,
                    help="requests generated at once; more wait in order (default 32)")
     p.add_argument("--max-batch", type=_non_negative, default=8,
-                   help="requests (greedy or sampled, any logprobs / penalties / logit bias; dense targets only) "
+                   help="requests (greedy or sampled, any logprobs / penalties / logit bias; every target family) "
                    "advanced together by one batched round (one target forward) at most; more wait in order; "
                    "0 = no batching: every request gets its own rounds, round-robin (default 8)")
     p.add_argument("--batch-schedule", choices=["auto", "full"], default="auto",

@@ -10,10 +10,12 @@ equals what it gets alone. (A speculative round verifies a whole block; the
 following ``next()`` calls of that request return the round's other tokens at
 no cost.) A request's first ``next()`` is its prefill.
 
-Batched rounds: on a dense target every request (greedy or sampled, with
-logprobs, penalties or logit bias: :meth:`Engine._batch_sampling`) skips
-``stream_generate``; only hybrid / sliding-window targets (or ``--max-batch 0``)
-use the round-robin path. Each keeps its own verifier and random keys
+Batched rounds: on every supported target (dense, hybrid GatedDeltaNet, sliding
+window) every request (greedy or sampled, with logprobs, penalties or logit bias:
+:meth:`Engine._batch_sampling`) skips ``stream_generate``; only ``--max-batch 0``, a
+request with invalid sampling parameters (``stream_generate`` names the bad field)
+or a target whose caches :class:`~mlx_dflash2.batch.SpeculativeBatch` refuses use
+the round-robin path. Each keeps its own verifier and random keys
 (:func:`~mlx_dflash2.api.request_sampling`, as ``stream_generate`` builds them), and
 while it is the batch's only row its rounds are ``stream_generate``'s (the
 drafter's adaptive schedule where the request allows it: not a seeded sampled one). They
@@ -428,7 +430,7 @@ class Engine:
         # submitted jobs by id, for abort_all (any thread; Job is an unhashable dataclass)
         self._jobs: "weakref.WeakValueDictionary[str, Job]" = weakref.WeakValueDictionary()
         self._jobs_lock = threading.Lock()
-        # batched rounds (every request on a dense target); None: every request goes round-robin
+        # batched rounds (every request, on every supported target); None: every request goes round-robin
         self._batch: Optional[SpeculativeBatch] = None
         if self.config.max_batch > 0:
             try:
@@ -733,9 +735,9 @@ class Engine:
     def _batch_sampling(self, job: Job, max_tokens: int):
         """The sampling (:class:`~mlx_dflash2.api.RequestSampling`: verifier, draft temperature and key)
         of a request that joins the batched round, or None (it goes round-robin through
-        ``stream_generate``): every request on a dense target (greedy or sampled, logprobs, penalties,
-        logit bias); a request whose parameters are invalid is left to ``stream_generate``, which
-        names the bad field."""
+        ``stream_generate``): every request of a batched engine (greedy or sampled, logprobs, penalties,
+        logit bias); a request whose parameters are invalid is left to ``stream_generate``, which names
+        the bad field."""
         if self._batch is None or max_tokens == 0:
             return None
         kw = {k: v for k, v in job.gen_kwargs.items() if k != "stop"}

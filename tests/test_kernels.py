@@ -91,6 +91,31 @@ def test_routed_linear_binds_each_call_signature_once():
     assert len(k._bound) == 2
 
 
+def test_verify_attention_decides_once_per_signature(monkeypatch):
+    """verify_attention is called once per layer per forward with a new cache length each step: its kernel-or-
+    reference decision (supports, shape key, gate) ran on every call, ~19 us of the 35 us a call cost the
+    H200's host (session 17, benchmarks/gpu/profile_build.py). Now decided once per shapes and dtypes; a length
+    out of the cache's range is still refused per call."""
+    from mlx_dflash2.kernels import verify_attention
+
+    calls = []
+    real = verify_attention.active
+    monkeypatch.setattr(verify_attention, "active", lambda *a, **k: calls.append(1) or real(*a, **k))
+    verify_attention._fast.clear()
+    k = mx.random.normal((1, 2, 64, 32))
+    v = mx.random.normal((1, 2, 64, 32))
+    for L, n in ((40, 1), (41, 1), (60, 4), (61, 4), (62, 1)):
+        q = mx.random.normal((1, 4, n, 32))
+        out = verify_attention(q, k, v, L, 0.2)
+        ref = verify_attention.reference(q, k, v, L, 0.2)
+        assert mx.array_equal(out, ref)
+    assert len(calls) == 2  # one per query shape (1 and 4 rows), not one per call
+    verify_attention(mx.random.normal((1, 4, 1, 32)), k, v, 64, 0.2)  # the whole buffer: still in range
+    assert len(calls) == 2
+    verify_attention(mx.random.normal((1, 4, 1, 32)), k, v, 65, 0.2)  # past the buffer: not the cached path
+    assert len(calls) == 3
+
+
 def test_backend_lookup_is_cached_not_grown_per_call():
     """registry.backend() is asked on every op call: its cache was keyed by MLX Device objects, which hash by
     identity, so it never hit and grew by one entry per call (a leak over a long server run)."""

@@ -59,6 +59,41 @@ def _prompt(n: int, seed: int) -> list[int]:
     return [(seed * 131 + 17 * i * i + 7 * i) % 4000 + 100 for i in range(n)]
 
 
+
+
+def _assert_each_equals_solo(out, refs, spec_):
+    """Every request of a :func:`_batch_run` got its solo tokens (the cancelled one a prefix of them)."""
+    for k, (p, n, _, _, _) in spec_.items():
+        if k == "cancelled":
+            toks, reason = out[k]
+            assert reason == "cancelled" and toks == refs[k][: len(toks)] and len(toks) > 1
+        else:
+            assert out[k] == (refs[k][:n], "length"), k
+
+def _solo_caches(target, prompts):
+    """Each prompt fed alone into a fresh cache of ``target`` (what a batch row must equal)."""
+    solo = []
+    for p in prompts:
+        c = target.make_cache()
+        target.forward(mx.array(p, mx.int32), c)
+        solo.append(c)
+    return solo
+
+def _run_beside_a_neighbour(target, prop, chunk, prompt, n, state=None, keep=False):
+    """One request in a batch with a neighbour joining and decoding beside it: (its tokens, its stats, its
+    kept state)."""
+    batch = SpeculativeBatch(target, prop, prefill_step_size=chunk)
+    u = batch.add(prompt, n, state=state, keep_state=keep)
+    batch.add(_prompt(11, 15), 6)
+    out, stats = [], None
+    while batch.active or batch.pending:
+        for ev in batch.step():
+            if ev.uid == u:
+                out += ev.tokens
+                stats = ev.stats
+    return out, stats, batch.take_state(u)
+
+
 def _plain(target, prompt, n):
     return [int(t) for t, _ in generate_step(mx.array(prompt), target.model, max_tokens=n)]
 
@@ -89,11 +124,7 @@ def test_ragged_recurrent_cache_rows_match_solo_caches(checkpoints):
     target, _, _ = load_target(str(checkpoints["qwen3_5"]), dtype=mx.float32)  # its own: routed below
     rec = [i for i, k in enumerate(target.layer_kinds) if k == "recurrent"]
     prompts = [_prompt(5, 1), _prompt(2, 2), _prompt(7, 3)]
-    solo = []
-    for p in prompts:
-        c = target.make_cache()
-        target.forward(mx.array(p, mx.int32), c)
-        solo.append(c)
+    solo = _solo_caches(target, prompts)
     caches = [RaggedRecurrentCache() if isinstance(c, RecurrentCache) else RaggedKVCache() for c in target.make_cache()]
     assert [type(c) is RaggedRecurrentCache for c in caches] == [i in rec for i in range(len(caches))]
     for c in caches:
@@ -215,12 +246,7 @@ def test_hybrid_batch_equals_solo_states_every_round(checkpoints, kind, route):
     if route == "stepping":
         assert target.route_kernels("kernel", force=True) > 0
     out, refs, spec_, adds = _batch_run(target, tok)
-    for k, (p, n, _, _, _) in spec_.items():
-        if k == "cancelled":
-            toks, reason = out[k]
-            assert reason == "cancelled" and toks == refs[k][: len(toks)] and len(toks) > 1
-        else:
-            assert out[k] == (refs[k][:n], "length"), k
+    _assert_each_equals_solo(out, refs, spec_)
     # the scripted rows saw what they were scripted for
     assert set(adds["every"]["proposer"].sessions[0].offsets) == set(range(B))
     assert set(adds["accept"]["proposer"].sessions[0].offsets) == {6}
@@ -336,16 +362,7 @@ def test_hybrid_prompt_cache_warm_equals_cold(targets, monkeypatch):
     first = [(53 * i + 7) % 4000 + 100 for i in range(70)]
 
     def run(prompt, n, state=None, keep=False):
-        batch = SpeculativeBatch(target, prop, prefill_step_size=64)
-        u = batch.add(prompt, n, state=state, keep_state=keep)
-        batch.add(_prompt(11, 15), 6)  # a neighbour joining and decoding beside it
-        out, stats = [], None
-        while batch.active or batch.pending:
-            for ev in batch.step():
-                if ev.uid == u:
-                    out += ev.tokens
-                    stats = ev.stats
-        return out, stats, batch.take_state(u)
+        return _run_beside_a_neighbour(target, prop, 64, prompt, n, state, keep)
 
     cold_first, _, st = run(first, 12, keep=True)
     assert sorted(st.snapshots) == [16, 32, 48, 64]
@@ -415,12 +432,7 @@ def test_window_batch_equals_solo_with_evictions(window_checkpoints, kind, monke
                 seen["evicted"] = max(seen["evicted"], max(c.starts))
 
     out, refs, spec_, _ = _batch_run(target, tok, watch=watch)
-    for k, (p, n, _, _, _) in spec_.items():
-        if k == "cancelled":
-            toks, reason = out[k]
-            assert reason == "cancelled" and toks == refs[k][: len(toks)] and len(toks) > 1
-        else:
-            assert out[k] == (refs[k][:n], "length"), k
+    _assert_each_equals_solo(out, refs, spec_)
     assert seen["evicted"] >= 10 and seen["held"] <= 8 - 1 + 8 + 2 * 8, seen
 
 
@@ -432,11 +444,7 @@ def test_ragged_window_cache_masks_and_rollback(window_checkpoints, monkeypatch)
     target, _ = _window_target(window_checkpoints["gemma3_text"])
     kinds = target.make_cache()
     prompts = [_prompt(5, 1), _prompt(19, 2), _prompt(2, 3)]
-    solo = []
-    for p in prompts:
-        c = target.make_cache()
-        target.forward(mx.array(p, mx.int32), c)
-        solo.append(c)
+    solo = _solo_caches(target, prompts)
     caches = SpeculativeBatch._make_caches(kinds)
     for li, c in enumerate(caches):
         if isinstance(kinds[li], WindowKVCache):
@@ -518,16 +526,7 @@ def test_window_prompt_cache_warm_equals_cold(window_checkpoints, evicting, monk
     first = [(53 * i + 7) % 4000 + 100 for i in range(40)]
 
     def run(prompt, n, state=None, keep=False):
-        batch = SpeculativeBatch(target, prop, prefill_step_size=16)
-        u = batch.add(prompt, n, state=state, keep_state=keep)
-        batch.add(_prompt(11, 15), 6)
-        out, stats = [], None
-        while batch.active or batch.pending:
-            for ev in batch.step():
-                if ev.uid == u:
-                    out += ev.tokens
-                    stats = ev.stats
-        return out, stats, batch.take_state(u)
+        return _run_beside_a_neighbour(target, prop, 16, prompt, n, state, keep)
 
     cold_first, _, _ = run(first, 12)
     held = first + cold_first[:-1]  # what the kept state holds

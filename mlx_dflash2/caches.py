@@ -587,6 +587,17 @@ class RaggedRecurrentCache(ArraysCache):
         c.offset = self._positions[i]
         return c
 
+    # mlx-lm's batch-editing methods of ArraysCache would change the rows without the per-row positions
+    def filter(self, *args, **kwargs):
+        raise NotImplementedError("RaggedRecurrentCache: use keep_rows (the rows' positions go with them)")
+
+    def extend(self, *args, **kwargs):
+        raise NotImplementedError("RaggedRecurrentCache: use add_rows (the rows' positions go with them)")
+
+    @classmethod
+    def merge(cls, *args, **kwargs):
+        raise NotImplementedError("RaggedRecurrentCache: rows join with add_rows")
+
 
 # ----------------------------------------------------------------------------------------------
 # Sliding-window layers

@@ -546,3 +546,13 @@ def test_window_prompt_cache_warm_equals_cold(window_checkpoints, evicting, monk
     nxt = first + cold_first + [200, 201, 202]
     warm, stats, _ = run(nxt, 8, state=st)
     assert warm == run(nxt, 8)[0] and stats.cached_tokens == len(first) + len(cold_first) - 1
+
+
+def test_ragged_recurrent_cache_refuses_mlx_lm_row_edits():
+    """mlx-lm's ArraysCache.filter / extend / merge would edit the rows without their positions (a helper's
+    note): refused with the method to use instead."""
+    c = RaggedRecurrentCache()
+    for call in (lambda: c.filter([0]), lambda: c.extend(RaggedRecurrentCache()),
+                 lambda: RaggedRecurrentCache.merge([c])):
+        with pytest.raises(NotImplementedError, match="RaggedRecurrentCache"):
+            call()

@@ -475,6 +475,7 @@ def test_load_checks_calibrate_before_loading_and_notes_a_flag_with_nothing_to_c
     assert not (tmp_path / "cal.json").exists()
 
 
+@pytest.mark.slow  # two CLI processes on the real model (27 s); runs in make test-all
 def test_cli_calibrate_flag_end_to_end():
     """`--calibrate` measures on the spot and stores the entry; `--verbose` prints the widths verified and
     the calibration table. It stores it in the session's cache (conftest), where the later tests of the

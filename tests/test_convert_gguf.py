@@ -315,6 +315,7 @@ def _agreement(tmp_path, smol_source, **kw):
     return res, rows
 
 
+@pytest.mark.slow  # a real-model conversion (28 s); runs in make test-all
 def test_smollm2_default_keeps_the_source_layout_exactly(tmp_path, smol_source):
     """The default conversion of the Q4_1 GGUF keeps its layout: every layer exact, greedy tokens equal."""
     res, rows = _agreement(tmp_path, smol_source)

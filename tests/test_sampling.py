@@ -217,6 +217,7 @@ def _tokens(model, tok, ids, **kw):
     return [r.token for r in mlx_dflash2.stream_generate(model, tok, ids, **kw)]
 
 
+@pytest.mark.slow  # 22 s; test_seeded_sampling_stays_reproducible_under_the_adaptive_schedule covers seeds by default
 def test_seed_reproducible_and_top_k1_is_greedy(spec_model):
     model, tok = spec_model
     ids = chat_ids(tok, "Tell me a short story.")

@@ -4,7 +4,8 @@ For each shape (default ``hybrid-27b``: 64 layers = 48 GatedDeltaNet + 16 gated 
 through mlx-lm's ``qwen3_5`` class; ``dense-27b``: Qwen3-32B's width and depth; both random, 4-bit g64) and each
 context length (default 1024, 8192, 32768 tokens):
 
-1. **prefill** a random context of P - 1 tokens once, in chunks (``--prefill-chunk``, progress lines), into the
+1. **prefill** a random context of P - 1 tokens once, in chunks (``--prefill-chunk``, progress lines; through the
+   kernel-routed target when the kernel mode runs: ``gated_delta_final`` for the recurrence), into the
    project's cache (``TargetAdapter.make_cache``: ``KVCache`` + ``RecurrentCache``); every measurement below
    starts from a copy of it and feeds the P-th token itself (the project's loop through a ``GenerationState``
    that holds the copy: it reuses the P - 1 tokens; mlx-lm's ``generate_step`` through ``prompt_cache`` =
@@ -180,7 +181,10 @@ class Shape:
     # -- 1. prefill -----------------------------------------------------------------------------
     def prefill(self, P: int, c: dict, reserve: float) -> bool:
         a = self.a
-        target, _ = self.use("reference")
+        # the routed target where there is one: its GatedDeltaNet mixers run a chunk's recurrence in one
+        # launch (gated_delta_final); mlx-lm's ops on MLX's CUDA backend loop per token (~36 tok/s at 27B)
+        c["prefill_mode"] = "kernel" if "kernel" in self.targets else "reference"
+        target, _ = self.use(c["prefill_mode"])
         self.ids = rt.random_ids(self.V, P, seed=a.seed + P)
         mx.reset_peak_memory()
         m0 = mem()

@@ -8,6 +8,10 @@
 //   delta  = (v[t, dv] - kv) * beta[t]
 //   s      = s + k[t] * delta
 //   y[t]   = T(sum_j s[j] * q[t, j]);  states[t] = s
+// ALL = 0 (the prefill's variant, op gated_delta_final) writes only the state after the last step, to
+// states[B, 1, Hv, Dv, DK]: a prompt chunk of thousands of rows needs no per-step states, and MLX's
+// CUDA backend has no fused kernel for mlx-lm's recurrence (its Python loop of small ops per step ran a
+// 27B hybrid's prefill at ~36 tok/s on the H200).
 // One body for Metal and CUDA (metal/dialect.h); gated_delta_steps.metal / .cu only include it.
 //
 // Layout as mlx-lm's generic kernel: one 32-wide SIMD-group / warp per (b, hv, dv) row, each lane
@@ -27,8 +31,9 @@ DF_FN float warp_sum(float x) {
 }
 
 // params: [B, S, Hk, Hv, Dv]; q, k [B, S, Hk, DK]; v, y [B, S, Hv, Dv]; g, beta float [B, S, Hv];
-// state_in float [B, Hv, Dv, DK]; states float [B, S, Hv, Dv, DK]. n = b * Hv + hv.
-template <typename T, int DK>
+// state_in float [B, Hv, Dv, DK]; states float [B, S, Hv, Dv, DK] (ALL) or [B, 1, Hv, Dv, DK] (not ALL).
+// n = b * Hv + hv.
+template <typename T, int DK, int ALL>
 DF_FN void gated_delta_steps(const DF_DEVICE T* q, const DF_DEVICE T* k, const DF_DEVICE T* v,
                              const DF_DEVICE float* g, const DF_DEVICE float* beta,
                              const DF_DEVICE float* state_in, const DF_DEVICE int* params, DF_DEVICE T* y,
@@ -57,11 +62,12 @@ DF_FN void gated_delta_steps(const DF_DEVICE T* q, const DF_DEVICE T* k, const D
     kv = warp_sum(kv);
     const float delta = (vt - kv) * bt_;
     float o = 0.0f;
-    DF_DEVICE float* so = states + (row * Dv + dv) * DK;
+    DF_DEVICE float* so = states + ((ALL ? row : (long)n) * Dv + dv) * DK;
+    const bool keep = ALL || t == S - 1;
     for (int i = 0; i < PER; ++i) {
       st[i] = st[i] + kr[i] * delta;
       o += st[i] * df_f(qt[i * 32 + lane]);
-      so[i * 32 + lane] = st[i];
+      if (keep) so[i * 32 + lane] = st[i];
     }
     o = warp_sum(o);
     if (lane == 0) y[row * Dv + dv] = df_cast<T>(o);

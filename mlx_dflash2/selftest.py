@@ -43,6 +43,11 @@ def cases(quick: bool = False, cpu: bool = False) -> list[tuple[str, tuple]]:
             out.append(("verify_attention", (f"mlx.core.{dt}", h, hk, d)))
         for dk in ((64,) if cpu else (128,) if quick else (128, 64)):
             out.append(("gated_delta_steps", (dt, dk)))
+            out.append(("gated_delta_final", (dt, dk)))
+        # the drafter side (one case each: small, fixed-size ops)
+        out.append(("dynamic_conv", (dt, dt, "float32")))
+        out.append(("selector_walk", (dt, 32)))
+        out.append(("greedy_accept", (dt,)))
     return out
 
 

@@ -272,3 +272,25 @@ def test_stepping_mixers_select_instead_of_replaying(tmp_path, kind):
             for a, b in zip(ours, theirs):
                 assert mx.abs(a - b).max().item() <= 1e-5, (pos, kind)
     assert all(c.replays == 0 for c in state.cache if isinstance(c, RecurrentCache))
+
+
+def test_stepping_mixers_run_prompt_chunks_through_gated_delta_final(tmp_path, monkeypatch):
+    """A prompt chunk longer than the cache's max_record (no per-step states to keep) goes through
+    gated_delta_final (forced routing on the CPU: its reference, mlx-lm's own recurrence), one call per
+    GatedDeltaNet layer and chunk; greedy output equals mlx-lm's, and a verify block still keeps every step."""
+    from mlx_dflash2.kernels import gated_delta_final, gated_delta_steps
+
+    path = tiny_hybrid_dir(tmp_path / "qwen3_5", "qwen3_5")
+    target, _, _ = load_target(str(path), dtype=mx.float32)
+    assert target.route_kernels("kernel", force=True) > 0
+    calls = {"final": [], "steps": []}
+    for name, op in (("final", gated_delta_final), ("steps", gated_delta_steps)):
+        orig = op.reference
+        monkeypatch.setattr(op, "reference", lambda *a, _o=orig, _n=name: (calls[_n].append(a[0].shape[1]), _o(*a))[1])
+    prompt = [(53 * i + 7) % 4000 + 100 for i in range(150)]  # > DEFAULT_MAX_RECORD (64) rows in one chunk
+    ref = mlx_lm_greedy(target, prompt, 9)
+    calls["final"].clear(), calls["steps"].clear()
+    prop = ScriptedProposer(len(prompt), ref, [1, 3], 4, target.vocab_rows)
+    assert run(target, prompt, prop, 4, 9) == ref
+    assert calls["final"] and all(t > 64 for t in calls["final"])
+    assert calls["steps"] and all(t <= 4 for t in calls["steps"])

@@ -301,6 +301,9 @@ def test_selftest_runs_on_the_cpu(capsys):
     out = capsys.readouterr().out
     assert "kernel backend: cpu" in out and "reference only" in out and "qmm" in out and "verify_attention" in out
     assert "gated_delta_steps" in out
+    from mlx_dflash2 import kernels
+
+    assert all(name in out for name in kernels.OPS)  # every registered op has a line
 
 
 def _tiny_quantized_target(model_type="qwen3"):

@@ -31,7 +31,7 @@ KEYS = {"dynamic_conv": [("float32", "float32", "float32"), ("bfloat16", "bfloat
         "selector_walk": [("float32", 32), ("bfloat16", 8)], "greedy_accept": [("float32",), ("float16",)],
         "qmm": [("mlx.core.bfloat16", 4, 64, 1000, 512), ("mlx.core.float32", 8, 32, 64, 256)],
         "verify_attention": [("mlx.core.float16", 8, 2, 64)],
-        "gated_delta_steps": [("float32", 128), ("bfloat16", 32)]}
+        "gated_delta_steps": [("float32", 128), ("bfloat16", 32)], "gated_delta_final": [("float32", 128), ("bfloat16", 64)]}
 
 
 def test_drafter_ops_are_registered():

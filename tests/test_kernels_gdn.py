@@ -167,3 +167,52 @@ def test_gate_passes_the_emulated_kernel(monkeypatch):
     monkeypatch.setattr(op, "launch", launch)
     assert op.active(*args, mode="kernel")  # raises KernelError (with the reason) if the gate fails
     assert op._gates[key].ok and op._gates[key].max_error < 1e-5
+
+
+# ---------------------------------------------------------------------------- gated_delta_final (prompt chunks)
+
+
+def test_final_reference_is_the_last_step_of_the_steps():
+    """gated_delta_final's reference (mlx-lm's gated_delta_update path) gives the same outputs as every step's
+    reference and its last state."""
+    from mlx_dflash2.kernels.gated_delta_steps import gated_delta_final_reference
+
+    args, _ = _inputs(2, 9, 1, 3, 32, 8, seed=3)
+    y, st = gated_delta_final_reference(*args)
+    ry, rs = gated_delta_steps_reference(*args)
+    _close(y, ry, 1e-6)
+    _close(st, rs[:, -1], 1e-6)
+    assert st.shape == (2, 3, 8, 32)
+
+
+@needs_emu
+@pytest.mark.parametrize("B,T,Hk,Hv,Dk,Dv", [(1, 5, 2, 4, 128, 6), (2, 3, 1, 3, 64, 8)])
+def test_final_body_emulated(B, T, Hk, Hv, Dk, Dv):
+    """The body's ALL = 0 instantiation writes every y and only the state after the last step."""
+    args, _ = _inputs(B, T, Hk, Hv, Dk, Dv, seed=B * 7 + T)
+    y, st = emulate.gated_delta_steps(*(np.array(x) for x in args), all_steps=False)
+    ry, rs = gated_delta_steps_reference(*args)
+    assert st.shape == (B, 1, Hv, Dv, Dk) and not np.isnan(y).any() and not np.isnan(st).any()
+    _close(mx.array(y), ry, 2e-6)
+    _close(mx.array(st[:, 0]), rs[:, -1], 2e-6)
+
+
+@needs_emu
+def test_final_gate_passes_the_emulated_kernel(monkeypatch):
+    from mlx_dflash2.kernels.gated_delta_steps import gated_delta_final
+
+    op = gated_delta_final
+    assert kernels.OPS[op.name] is op and op.ALL == 0
+    monkeypatch.setattr(registry, "backend", lambda: "cuda")
+    monkeypatch.setattr(op, "_gates", {})
+    monkeypatch.setattr(op, "_fast", {})
+    key = ("float32", 128)
+    args, kw = op.sample(key)
+
+    def launch(be, *a):
+        y, st = emulate.gated_delta_steps(*(np.array(x) for x in a), all_steps=False)
+        return mx.array(y), mx.array(st[:, 0])
+
+    monkeypatch.setattr(op, "launch", launch)
+    assert op.active(*args, mode="kernel")
+    assert op._gates[key].ok and op._gates[key].max_error < 1e-5

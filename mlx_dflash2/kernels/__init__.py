@@ -9,14 +9,14 @@ all steps in one launch; top-K and the hidden projection stay in MLX; sampled wa
 ``greedy_accept`` (the greedy verifier's argmaxes and accepted length; the log-probabilities stay in MLX);
 for hybrid targets (issue 20): ``gated_delta_steps`` (the GatedDeltaNet recurrence over a verify block,
 every step's state kept; :func:`select_states` picks each sequence's state and convolution window after
-its accepted prefix).
+its accepted prefix) and ``gated_delta_final`` (the same body over a prompt chunk, the last state only).
 Tokens and ids from the kernels equal their references exactly; ``dynamic_conv`` is bit-identical in
 float32.
 """
 
 from .attention import KernelAttention, route_attention, verify_attention
 from .dynamic_conv import dynamic_conv
-from .gated_delta_steps import gated_delta_steps, select_states
+from .gated_delta_steps import gated_delta_final, gated_delta_steps, select_states
 from .gdn import route_gated_delta
 from .greedy_accept import greedy_accept
 from .qmm import KernelMLP, KernelQuantizedLinear, qmm, route_mlps, route_quantized_linears, undo_routes
@@ -24,9 +24,9 @@ from .registry import ENV, MODES, KernelError, KernelOp, backend, check_mode, de
 from .selector_walk import selector_walk
 
 OPS = {op.name: op for op in (qmm, verify_attention, dynamic_conv, selector_walk, greedy_accept,
-                              gated_delta_steps)}
+                              gated_delta_steps, gated_delta_final)}
 
 __all__ = ["route_gated_delta", "OPS", "qmm", "verify_attention", "dynamic_conv", "selector_walk", "greedy_accept", "gated_delta_steps",
-           "select_states", "KernelOp",
+           "gated_delta_final", "select_states", "KernelOp",
            "KernelError", "KernelQuantizedLinear", "KernelMLP", "KernelAttention", "route_quantized_linears", "route_mlps", "route_attention", "undo_routes",
            "backend", "check_mode", "default_mode", "MODES", "ENV"]

@@ -181,12 +181,12 @@ int main(int argc, char** argv) {
   auto g = readf((dir + "/g").c_str(), (size_t)B * S * Hv);
   auto beta = readf((dir + "/beta").c_str(), (size_t)B * S * Hv);
   auto state = readf((dir + "/state").c_str(), (size_t)B * Hv * Dv * DK);
-  std::vector<float> y((size_t)B * S * Hv * Dv, NAN), states((size_t)B * S * Hv * Dv * DK, NAN);
+  std::vector<float> y((size_t)B * S * Hv * Dv, NAN), states((size_t)B * (EMU_ALL ? S : 1) * Hv * Dv * DK, NAN);
   const int rows = (Dv + TGY - 1) / TGY * TGY;  // the grid's y extent, padded to whole threadgroups
   for (int n = 0; n < B * Hv; ++n)              // grid z
     for (int y0 = 0; y0 < rows; y0 += TGY)      // one threadgroup (32, TGY, 1)
       run_block(32 * TGY, [&](int warp, int lane) {
-        dflash_gdn::gated_delta_steps<float, DK>(q.data(), k.data(), v.data(), g.data(), beta.data(), state.data(), p,
+        dflash_gdn::gated_delta_steps<float, DK, EMU_ALL>(q.data(), k.data(), v.data(), g.data(), beta.data(), state.data(), p,
                                                  y.data(), states.data(), n, y0 + warp, lane);
       });
   writef(dir + "/y", y);
@@ -298,16 +298,19 @@ def greedy_accept(logits: np.ndarray, draft: np.ndarray, tpb: int | None = None)
 
 
 def gated_delta_steps(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
-                      state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                      state: np.ndarray, all_steps: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """``gated_delta_steps.h`` emulated in float32, threadgroup by threadgroup as the kernel's grid:
     ``q, k [B, T, Hk, Dk]``, ``v [B, T, Hv, Dv]``, ``g, beta [B, T, Hv]``, ``state [B, Hv, Dv, Dk]`` ->
     ``(y [B, T, Hv, Dv], states [B, T, Hv, Dv, Dk])`` (outputs start as NaN: an element the body
-    does not write stays NaN)."""
+    does not write stays NaN). ``all_steps=False``: the body's ``ALL = 0`` instantiation (the prefill's
+    ``gated_delta_final``), ``states [B, 1, Hv, Dv, Dk]`` = the state after the last step."""
     from .gated_delta_steps import TGY
 
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2:]
-    exe = _binary(["dialect.h", "gated_delta_steps.h"], _GATED_DELTA_STEPS, dict(EMU_DK=Dk, EMU_TGY=TGY))
+    exe = _binary(["dialect.h", "gated_delta_steps.h"], _GATED_DELTA_STEPS,
+                  dict(EMU_DK=Dk, EMU_TGY=TGY, EMU_ALL=int(all_steps)))
+    Ts = T if all_steps else 1
     out = _run(exe, dict(q=q, k=k, v=v, g=g, beta=beta, state=state), [B, T, Hk, Hv, Dv],
-               dict(y=(np.float32, (B, T, Hv, Dv)), states=(np.float32, (B, T, Hv, Dv, Dk))))
+               dict(y=(np.float32, (B, T, Hv, Dv)), states=(np.float32, (B, Ts, Hv, Dv, Dk))))
     return out["y"], out["states"]

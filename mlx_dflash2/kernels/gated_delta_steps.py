@@ -32,7 +32,8 @@ import mlx.core as mx
 
 from .registry import KernelOp, KernelSpec, device_input, int_params
 
-__all__ = ["GatedDeltaSteps", "gated_delta_steps", "gated_delta_steps_reference", "select_states", "TGY", "DKS"]
+__all__ = ["GatedDeltaSteps", "GatedDeltaFinal", "gated_delta_steps", "gated_delta_final", "gated_delta_steps_reference",
+           "gated_delta_final_reference", "select_states", "TGY", "DKS"]
 
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 _NAMES = {mx.bfloat16: "bfloat16", mx.float16: "float16", mx.float32: "float32"}
@@ -107,6 +108,29 @@ def gated_delta_steps_reference(q: mx.array, k: mx.array, v: mx.array, g: mx.arr
     return mx.stack(ys, axis=1), mx.stack(states, axis=1)
 
 
+def gated_delta_final_reference(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
+                                state: mx.array) -> tuple[mx.array, mx.array]:
+    """The gated delta rule over ``T`` steps, only the final state kept (a prompt chunk's forward), exactly
+    as mlx-lm computes it in ``gated_delta_update``: its fused Metal kernel (``gated_delta_kernel``) on an
+    Apple GPU, else its loop of MLX ops (``gated_delta_ops``).
+
+    Args: as :func:`gated_delta_steps_reference`.
+
+    Returns:
+        ``(y, state)``: ``y [B, T, Hv, Dv]`` in ``q``'s dtype and the state after the last step
+        ``[B, Hv, Dv, Dk]`` (float32 for a float32 state).
+
+    Raises:
+        ValueError: inconsistent shapes (:func:`check_shapes`).
+    """
+    from mlx_lm.models.gated_delta import gated_delta_kernel, gated_delta_ops
+
+    Dk = check_shapes(q, k, v, g, beta, state)[3]
+    if mx.default_device() == mx.gpu and mx.metal.is_available() and Dk >= 32 and Dk % 32 == 0:
+        return gated_delta_kernel(q, k, v, g, beta, state)
+    return gated_delta_ops(q, k, v, g, beta, state)
+
+
 def select_states(states: mx.array, conv_inputs: mx.array, accepted: mx.array) -> tuple[mx.array, mx.array]:
     """The recurrent state and the causal-convolution window of each sequence after its last accepted
     step (the GatedDeltaNet layer's cache after a speculative round; sequences may accept different
@@ -165,7 +189,7 @@ class GatedDeltaSteps(KernelOp):
             return False
         return (q.dtype in DTYPES and k.dtype == q.dtype and v.dtype == q.dtype and g.dtype in DTYPES
                 and beta.dtype in DTYPES and state.dtype == mx.float32 and Dk in DKS
-                and B * T * Hv * Dv * Dk < 2**31)
+                and B * (T if self.ALL else 1) * Hv * Dv * Dk < 2**31 and B * T * Hv * Dv < 2**31)
 
     def fast_key(self, args, kw):
         if len(args) != 6 or kw or any(not isinstance(a, mx.array) for a in args):
@@ -195,9 +219,11 @@ class GatedDeltaSteps(KernelOp):
         state = mx.random.normal((B, Hv, Dv, Dk), key=r[6]) * 0.3
         return (q.astype(dtype), k.astype(dtype), v.astype(dtype), g, beta, state), {}
 
+    ALL = 1  # the body's ALL template argument: every step's state (1) or the last one only (0)
+
     def specs(self, backend):
-        ex = [dict(T=t, DK=128) for t in ("float32", "bfloat16", "float16")]
-        ex += [dict(T="float32", DK=d) for d in DKS if d != 128]
+        ex = [dict(T=t, DK=128, ALL=self.ALL) for t in ("float32", "bfloat16", "float16")]
+        ex += [dict(T="float32", DK=d, ALL=self.ALL) for d in DKS if d != 128]
         if backend == "cuda":
             ids = "int(blockIdx.z), int(blockIdx.y * blockDim.y + threadIdx.y), int(threadIdx.x)"
         else:
@@ -205,11 +231,11 @@ class GatedDeltaSteps(KernelOp):
                    "int(thread_position_in_threadgroup.x)")
         header = "gated_delta_steps." + ("cu" if backend == "cuda" else "metal")
         return {"steps": KernelSpec(
-            "dflash_gated_delta_steps", header=header, examples=ex,
+            "dflash_gated_delta_steps" if self.ALL else "dflash_gated_delta_final", header=header, examples=ex,
             inputs=[("q", "T"), ("k", "T"), ("v", "T"), ("g", "float32"), ("beta", "float32"), ("state", "float32"),
                     ("params", "int32")],
             outputs=[("y", "T"), ("states", "float32")],
-            body=f"  dflash_gdn::gated_delta_steps<T, DK>(q, k, v, g, beta, state, params, y, states, {ids});\n")}
+            body=f"  dflash_gdn::gated_delta_steps<T, DK, ALL>(q, k, v, g, beta, state, params, y, states, {ids});\n")}
 
     def launch(self, backend, q, k, v, g, beta, state):
         B, T, Hk, Dk = q.shape
@@ -219,10 +245,30 @@ class GatedDeltaSteps(KernelOp):
         rows = -(-Dv // TGY) * TGY
         y, states = self.kernel(backend, "steps")(
             inputs=[q, k, v, g32, b32, state, int_params(B, T, Hk, Hv, Dv)],
-            template=[("T", q.dtype), ("DK", Dk)],
+            template=[("T", q.dtype), ("DK", Dk), ("ALL", self.ALL)],
             grid=(32, rows, B * Hv), threadgroup=(32, TGY, 1),
-            output_shapes=[(B, T, Hv, Dv), (B, T, Hv, Dv, Dk)], output_dtypes=[q.dtype, mx.float32])
-        return y, states
+            output_shapes=[(B, T, Hv, Dv), (B, T if self.ALL else 1, Hv, Dv, Dk)],
+            output_dtypes=[q.dtype, mx.float32])
+        return (y, states) if self.ALL else (y, states[:, 0])
+
+
+class GatedDeltaFinal(GatedDeltaSteps):
+    """The ``gated_delta_final`` op: the recurrence of :class:`GatedDeltaSteps` over a prompt chunk, only the
+    state after the last step kept. Call: ``gated_delta_final(q, k, v, g, beta, state, mode=None)`` ->
+    ``(y [B, T, Hv, Dv], state [B, Hv, Dv, Dk])`` (:func:`gated_delta_final_reference`).
+
+    Same body as ``gated_delta_steps`` (``metal/gated_delta_steps.h`` with ``ALL = 0``): the routed
+    GatedDeltaNet mixers run prefill chunks through it (:mod:`mlx_dflash2.kernels.gdn`), so a hybrid
+    target's prompt costs one launch per layer and chunk instead of MLX ops per step where mlx-lm has no
+    fused kernel (its CUDA backend).
+    """
+
+    name = "gated_delta_final"
+    ALL = 0
+
+    def reference(self, q, k, v, g, beta, state):
+        return gated_delta_final_reference(q, k, v, g, beta, state)
 
 
 gated_delta_steps = GatedDeltaSteps()
+gated_delta_final = GatedDeltaFinal()

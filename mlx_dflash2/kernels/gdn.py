@@ -10,9 +10,12 @@ and hands the states and the convolution input to the cache: a trim inside the b
 the state after the last accepted token and its convolution window (what
 :func:`~mlx_dflash2.kernels.select_states` does per sequence) instead of replaying.
 
-Only blocks of at most ``cache.max_record`` rows take this path (a prefill chunk would keep thousands
-of states: it runs mlx-lm's own forward, recorded for replay as before), and only forwards without a
-mask: a single sequence's (:class:`~mlx_dflash2.caches.RecurrentCache`) or a batch's verify block
+Only blocks of at most ``cache.max_record`` rows keep every step's state. A longer forward (a prompt
+chunk would keep thousands of states) runs the same recurrence through
+:data:`~mlx_dflash2.kernels.gated_delta_final` (the state after its last step only: one launch per layer
+and chunk where mlx-lm's ``gated_delta_update`` has no fused kernel, as on MLX's CUDA backend, whose
+per-step ops ran a 27B hybrid's prefill at ~36 tok/s on the H200), recorded like mlx-lm's forward (a
+trim drops it whole or not at all). Only forwards without a mask take either path: a single sequence's (:class:`~mlx_dflash2.caches.RecurrentCache`) or a batch's verify block
 (:class:`~mlx_dflash2.caches.RaggedRecurrentCache`: every row's steps, each row rolled back to its own
 accepted step by ``select_states``). The routed target's parity probe compares it with the model's own
 forward.
@@ -51,13 +54,14 @@ def _stepping_class(base: type, mode: str) -> type:
     from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
     from ..caches import RaggedRecurrentCache, RecurrentCache
-    from .gated_delta_steps import gated_delta_steps
+    from .gated_delta_steps import gated_delta_final, gated_delta_steps
 
     def __call__(self, x, mask=None, cache=None):
         B, S, _ = x.shape
         if (not isinstance(cache, (RecurrentCache, RaggedRecurrentCache)) or mask is not None
-                or cache.lengths is not None or S > cache.max_record):
-            return base.__call__(self, x, mask, cache)  # recorded for replay (prefill chunks)
+                or cache.lengths is not None):
+            return base.__call__(self, x, mask, cache)  # recorded for replay (padded batch joins)
+        steps = S <= cache.max_record
         mixed, z, b, a = _projections(self, x)
         k1 = self.conv_kernel_size - 1
         conv_state = cache[0] if cache[0] is not None else mx.zeros((B, k1, self.conv_dim), dtype=x.dtype)
@@ -74,10 +78,14 @@ def _stepping_class(base: type, mode: str) -> type:
         beta, g = mx.sigmoid(b), compute_g(self.A_log, a, self.dt_bias)
         state = cache[1] if cache[1] is not None else mx.zeros(
             (B, self.num_v_heads, self.head_v_dim, self.head_k_dim), dtype=mx.float32)
-        y, states = gated_delta_steps(q, k, v, g, beta, state, mode=mode)
-        cache.record_steps(states, conv_input)
+        if steps:
+            y, states = gated_delta_steps(q, k, v, g, beta, state, mode=mode)
+            cache.record_steps(states, conv_input)
+            state = states[:, -1]
+        else:  # a prompt chunk: the last state only (the record keeps no inputs: dropped whole by a trim)
+            y, state = gated_delta_final(q, k, v, g, beta, state, mode=mode)
         cache[0] = mx.contiguous(conv_input[:, -k1:, :])
-        cache[1] = states[:, -1]
+        cache[1] = state
         cache.advance(S)
         out = self.norm(y, z)
         return self.out_proj(out.reshape(B, S, -1))

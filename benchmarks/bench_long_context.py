@@ -127,6 +127,8 @@ def plot(rows: list[dict], path: Path, title: str) -> Path | None:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="the target (default: the embedded SmolLM2-135M-Instruct; on a "
+                    "machine without the package, its GGUF file)")
     ap.add_argument("--lengths", default="1024,4096,8000", help="prompt lengths in tokens (comma-separated)")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=2, help="decode repeats per configuration (median)")
@@ -143,7 +145,7 @@ def main(argv=None):
         return
     from tqdm import tqdm
 
-    target, tok, name = load_target(None, dtype="auto", dequantize=None)
+    target, tok, name = load_target(args.model, dtype="auto", dequantize=None)
     deq = drafter_dequantize(None, target)
     limit = target.max_context
     W = args.drafter_window

@@ -3,7 +3,7 @@
 # machine after ../shared/gpu/prepare's bundles were stashed and installed (MLX CUDA + mlx-lm installed; the
 # SmolLM2 GGUF and the gguf wheel in $PAYLOAD, default ~/payload).
 #
-#   bash benchmarks/gpu/run.sh PART...        PART: selftest check kernels scaling exactness sets hybrid probe trace build
+#   bash benchmarks/gpu/run.sh PART...        PART: selftest check kernels scaling exactness sets hybrid probe trace build long
 #
 # Each part runs under `timeout` (T_<PART> seconds, below; never past RUN_BUDGET seconds from this script's
 # start, so one device call ends inside its 600 s limit), its output tee'd to $OUT/<part>.log, its results in
@@ -25,6 +25,8 @@
 #              routed target's logits, and how much the model itself moves between bf16 and float32 activations)
 #   build      benchmarks/gpu/profile_build.py -> build.json, build.prof.txt (issue 19: the routed forward's host graph
 #              build, routes added one by one, per-call costs, cProfile)
+#   long       benchmarks/bench_long_context.py --model $GGUF -> long.json, long.png (issue 20: SmolLM2 with the
+#              shipped drafter at 1K / 4K / 8K-token prompts: plain, the default schedule, the drafter every round)
 #   trace      benchmarks/gpu/trace_chain.py --trace --forward -> trace.json (issue 19: a routed matmul's per-call
 #              cost split into host build, encode + GPU and GPU kernel time; MLX's custom-kernel path itself)
 # Env: OUT (the device tool sets it), PAYLOAD (~/payload), GGUF, PY (python3), MLX_PTX_CACHE_DIR (default ~/ptx: it stays for
@@ -49,9 +51,9 @@ RUNLOG="$OUT/run.log"
 say() { echo "[run.sh $(date +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*" | tee -a "$RUNLOG"; }
 smi() { command -v nvidia-smi >/dev/null && say "nvidia-smi: $(nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem,temperature.gpu,driver_version --format=csv,noheader 2>&1 | head -1)"; }
 
-[ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu/run.sh PART...   (selftest check kernels scaling exactness sets hybrid probe trace build)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu/run.sh PART...   (selftest check kernels scaling exactness sets hybrid probe trace build long)" >&2; exit 2; }
 for p in "$@"; do
-  case $p in selftest|check|kernels|scaling|exactness|sets|hybrid|probe|trace|build) ;; *) echo "unknown part: $p" >&2; exit 2;; esac
+  case $p in selftest|check|kernels|scaling|exactness|sets|hybrid|probe|trace|build|long) ;; *) echo "unknown part: $p" >&2; exit 2;; esac
 done
 $PY -c "import gguf" 2>/dev/null || $PY -m pip install -q --no-index --no-deps "$PAYLOAD"/gguf-*.whl 2>&1 | tail -2
 if [ ! -f "$GGUF" ]; then  # elsewhere (a CPU smoke run): the embedded model's GGUF, if installed
@@ -75,7 +77,7 @@ for p in "$@"; do
   def=$(eval echo "\${T_$P:-}")
   case $p in selftest) def=${def:-180};; check) def=${def:-150};; kernels) def=${def:-180};;
              scaling) def=${def:-420};; exactness) def=${def:-240};; sets) def=${def:-300};; hybrid) def=${def:-400};;
-             probe) def=${def:-300};; trace) def=${def:-240};; build) def=${def:-200};; esac
+             probe) def=${def:-300};; trace) def=${def:-240};; build) def=${def:-200};; long) def=${def:-300};; esac
   left=$(( RUN_BUDGET - ($(date +%s) - T0) - 5 ))
   t=$(( def < left ? def : left ))
   if [ "$t" -lt 20 ]; then say "part $p: skipped (${left} s left of RUN_BUDGET)"; status=1; continue; fi
@@ -93,6 +95,7 @@ for p in "$@"; do
     hybrid)    cmd=($PY benchmarks/bench_hybrid.py --shapes "$HSHAPES" --contexts "$HCTX" --budget "$b" --out "$OUT/hybrid.json") ;;
     trace)     cmd=($PY benchmarks/gpu/trace_chain.py --trace --forward $TINY --out "$OUT/trace.json") ;;
     build)     cmd=($PY benchmarks/gpu/profile_build.py $([ "$SMOKE" = 1 ] && echo --shape tiny --repeats 3) --out "$OUT/build.json") ;;
+    long)      cmd=($PY benchmarks/bench_long_context.py --model "$GGUF" $([ "$SMOKE" = 1 ] && echo --lengths 256,512 --max-tokens 16 --repeats 1) --out "$OUT/long.json") ;;
     probe)     cmd=($PY benchmarks/gpu/probe_routes.py $(printf -- '--shape %s ' ${PSHAPES//,/ }) --out "$OUT/probe.json") ;;
   esac
   [ "$SMOKE" = 1 ] && [ "$p" = kernels ] && cmd=("${cmd[@]}" --rows 1,16 --kv 1024 --repeats 2)

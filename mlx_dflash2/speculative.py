@@ -512,10 +512,10 @@ def speculative_generate_step(
         # synchronisation) and r is committed, round r+1's graph is built and queued (mx.async_eval), and only
         # then are r's tokens handed to the consumer, so its per-token work (detokenizing, stop strings,
         # streaming) overlaps the GPU's. A consumer that stops inside r's tokens also discards r+1 (below).
-        def launch(anchor: int, n_done: int):
-            """Build and queue one round after ``anchor`` (``n_done`` tokens emitted so far); None if no room."""
+        def plan(anchor: int, n_done: int, P: int):
+            """The proposal of the round after ``anchor`` at position ``P`` (``n_done`` tokens emitted so far),
+            or None if no room: the drafter's or lookup's tokens, or none (a plain one-token step)."""
             nonlocal dkey
-            P = cache_length(cache)  # the anchor's position
             if not ((max_tokens < 0 or n_done < max_tokens) and (limit is None or P < limit)):
                 return None
             n = B - 1
@@ -529,16 +529,47 @@ def speculative_generate_step(
                 if dkey is not None:
                     dkey, sub = mx.random.split(dkey)
                 prop = session.propose(anchor, n, draft_temperature, sub)
+            return prop
+
+        def build(anchor: int, prop: Proposal):
+            """Build and queue the round verifying ``prop`` after ``anchor``."""
             verify_in = mx.concatenate([mx.array([anchor], dtype=mx.int32), prop.tokens.astype(mx.int32)])
             res = target.forward(verify_in, cache, tap_ids)
             vr = verifier.verify(res.logits, prop, history)
             mx.async_eval(vr.num_accepted, vr.tokens, vr.logprobs)
             return prop, res, vr, anchor
 
+        def launch(anchor: int, n_done: int):
+            """Build and queue one round after ``anchor`` (``n_done`` tokens emitted so far); None if no room."""
+            prop = plan(anchor, n_done, cache_length(cache))
+            return None if prop is None else build(anchor, prop)
+
+        # A plain round (the proposer left it without drafts: the adaptive schedule found that drafting does not
+        # pay here, or lookup had no match) runs ahead like the plain loop: the next one-token step is queued on
+        # its token *before* that token is read, so the host's graph build of the next step is off the critical
+        # path (on a GPU an unqueued plain round cost a whole build: SmolLM2 on the H200, 1K-token prompts
+        # where the drafter rarely pays, ran the default schedule at 0.83x of plain). After the read the
+        # proposer decides as before: a plain round keeps the queued step (exactly the step it would build),
+        # a drafting round drops it (one cache row trimmed) and is built as usual. Greedy verifiers without
+        # history-dependent processors only (the queued step cannot see its anchor on the host; a sampled
+        # verifier's random stream would depend on the dropped steps).
+        chain = verifier.greedy and not verifier.needs_history
+
+        def ahead(vr, n_done: int):
+            """Queue the plain step fed with ``vr``'s one (lazy) token, or None if no room after it."""
+            P = cache_length(cache)  # that token's position
+            if not ((max_tokens < 0 or n_done < max_tokens) and (limit is None or P < limit)):
+                return None
+            res = target.forward(vr.tokens, cache, tap_ids)
+            nvr = verifier.verify(res.logits, Proposal.empty())
+            mx.async_eval(nvr.num_accepted, nvr.tokens, nvr.logprobs)
+            return res, nvr
+
         cur = launch(anchor, n_out)
         while cur is not None:
             prop, res, vr, anc = cur
             n = prop.n
+            pre = ahead(vr, n_out + 1) if chain and n == 0 else None  # queued before the read (above)
             a = int(vr.num_accepted.item())  # the round's one host synchronisation
             session.verified(a + 1)
             toks = vr.tokens[: a + 1].tolist()
@@ -546,8 +577,16 @@ def speculative_generate_step(
             # commit the round (the drafter's context, the history) and queue the next one before yielding
             session.extend([anc] + toks[:a], feats(res.features[: a + 1] if tap_ids else None))
             history.extend(toks)
-            committed = cache_length(cache)
-            nxt = launch(toks[-1], n_out + a + 1)
+            committed = cache_length(cache) - (pre is not None)
+            if pre is None:
+                nxt = launch(toks[-1], n_out + a + 1)
+            else:
+                nprop = plan(toks[-1], n_out + a + 1, committed)
+                if nprop is not None and nprop.n == 0:
+                    nxt = (nprop, pre[0], pre[1], toks[-1])  # the step queued ahead is this plain round
+                else:
+                    trim_cache(cache, 1)  # a drafting round (or none): the step queued ahead is dropped
+                    nxt = None if nprop is None else build(toks[-1], nprop)
             pending = [n, a, toks, 0, prop.source, committed, nxt]
             for i, tok in enumerate(toks):
                 pending[3] = i

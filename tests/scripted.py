@@ -18,7 +18,9 @@ class ScriptedProposer(Proposer):
 
     An offset ``k`` means drafts ``d_1..d_k`` are correct and ``d_{k+1}`` is
     wrong; ``k >= n`` (e.g. ``block_size - 1``) means the whole block is right
-    (full acceptance, the bonus comes from the last row).
+    (full acceptance, the bonus comes from the last row); ``None`` proposes
+    nothing (a plain one-token round, as an adaptive schedule or a lookup
+    without a match leaves it).
 
     Args:
         prompt_len: prompt length (to locate the anchor in ``reference``).
@@ -62,6 +64,9 @@ class _Session(ProposerSession):
         assert p.reference[g] == anchor, f"anchor {anchor} != reference[{g}] {p.reference[g]}"
         k = p.schedule[self.rounds % len(p.schedule)]
         self.rounds += 1
+        if k is None:
+            self.offsets.append(None)
+            return Proposal.empty()
         right = p.reference[g + 1 : g + 1 + n]
         right += [0] * (n - len(right))
         toks = [t if i < k else ((t + 1) % p.vocab if i == k else t) for i, t in enumerate(right)]

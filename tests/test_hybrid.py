@@ -294,3 +294,24 @@ def test_stepping_mixers_run_prompt_chunks_through_gated_delta_final(tmp_path, m
     assert run(target, prompt, prop, 4, 9) == ref
     assert calls["final"] and all(t > 64 for t in calls["final"])
     assert calls["steps"] and all(t <= 4 for t in calls["steps"])
+
+
+@pytest.mark.parametrize("kind", HYBRID_KINDS)
+def test_plain_rounds_run_ahead_and_drop_exactly(targets, kind):
+    """Plain rounds (no drafts) queue the next step ahead of the read, and a drafting round drops it (a 1-row
+    trim of the recurrent / window caches): output == plain, and the final state equals plain decoding's."""
+    target, _, _ = targets(kind)
+    B, n = 4, 21
+    ref = mlx_lm_greedy(target, PROMPT, n)
+    state = GenerationState()
+    prop = ScriptedProposer(len(PROMPT), ref, [None, None, 2, None, B - 1, None, 0, None], B, target.vocab_rows,
+                            tap_ids=(0, 2))
+    assert run(target, PROMPT, prop, B, n, state=state) == ref
+    P = len(PROMPT) + n - 1
+    assert spec.cache_length(state.cache) == P
+    if kind in RECURRENT_KINDS:
+        plain = plain_states(target, PROMPT + ref)[P]
+        ours = [list(c.cache) for c in state.cache if isinstance(c, RecurrentCache)]
+        for o, t in zip(ours, plain):
+            for a, b in zip(o, t):
+                assert mx.abs(a - b).max().item() <= 1e-5, kind

@@ -203,3 +203,71 @@ def test_context_limit_ends_cleanly(smol_f32, story, B):
     assert cache_length(state.cache) == limit
     with pytest.raises(ValueError, match="context"):
         list(stream_generate(SpeculativeModel(small, None, 1, "t", small.config), tok, ref[:limit] + ids, max_tokens=3))
+
+
+# Plain rounds inside the speculative loop run ahead (the next one-token step queued before the current token is
+# read; a drafting round drops it): schedules that mix plain rounds (None) with drafting rounds rejecting at
+# several offsets, a stop at every token.
+MIXED = [None, None, 3, None, B - 1, None, 0, None, None, 5]
+
+
+def _count_forwards(monkeypatch, target):
+    n = {"forwards": 0}
+    orig = target.forward
+
+    def forward(*a, **k):
+        n["forwards"] += 1
+        return orig(*a, **k)
+
+    monkeypatch.setattr(target, "forward", forward)
+    return n
+
+
+@pytest.mark.parametrize("max_tokens", [pytest.param(m, marks=() if m <= 14 else pytest.mark.slow) for m in range(1, 31)])
+def test_plain_rounds_run_ahead_max_tokens_exact(smol_f32, story, monkeypatch, max_tokens):
+    """Every max_tokens inside a mix of plain and drafting rounds: exactly that many tokens, equal to plain
+    decoding, and the cache holds prompt + emitted - 1 (a step queued ahead past the last token is dropped)."""
+    target, tok = smol_f32
+    ids, ref = story
+    prop = ScriptedProposer(len(ids), ref, MIXED, B, target.vocab_rows)
+    calls = _count_forwards(monkeypatch, target)
+    state = GenerationState()
+    resps = list(stream_generate(_model(target, prop), tok, ids, max_tokens=max_tokens, state=state))
+    assert [r.token for r in resps] == ref[:max_tokens]
+    assert resps[-1].generation_tokens == max_tokens
+    assert cache_length(state.cache) == len(ids) + max_tokens - 1
+    stats = resps[-1].stats
+    # forwards: the prefill (one chunk + the last prompt token), one per round, and one more for each drafting
+    # round that follows a plain one (the step queued ahead of it was dropped)
+    offs = prop.sessions[0].offsets
+    dropped = sum(1 for x, y in zip(offs, offs[1:]) if x is None and y is not None)
+    assert len(ids) < 2048 and calls["forwards"] == 2 + sum(stats.rounds_by_source.values()) + dropped
+
+
+@pytest.mark.parametrize("j", [1, 2, 3, 4, 5, 8, 9, 12])
+def test_plain_rounds_run_ahead_eos_and_consumer_stop(smol_f32, story, j):
+    """An EOS at generated token j inside the mixed schedule, and a consumer that stops reading after token j:
+    nothing past j is emitted or left in the cache, and the next request reuses the state exactly."""
+    target, tok = smol_f32
+    ids, ref = story
+    k = next(i for i in range(j, 40) if ref[i] not in ref[:i])  # a first occurrence at or after j
+    prop = ScriptedProposer(len(ids), ref, MIXED, B, target.vocab_rows)
+    saved = tok.eos_token_ids
+    tok.eos_token_ids = {ref[k]}
+    state = GenerationState()
+    try:
+        resps = list(stream_generate(_model(target, prop), tok, ids, max_tokens=40, state=state))
+    finally:
+        tok.eos_token_ids = saved
+    assert [r.token for r in resps] == ref[: k + 1] and resps[-1].finish_reason == "stop"
+    assert cache_length(state.cache) == len(ids) + k
+    # the consumer stops after token j (no EOS): the generator is closed mid-round
+    prop2 = ScriptedProposer(len(ids), ref, MIXED, B, target.vocab_rows)
+    state2 = GenerationState()
+    got = []
+    for r in stream_generate(_model(target, prop2), tok, ids, max_tokens=40, state=state2):
+        got.append(r.token)
+        if len(got) == j + 1:
+            break
+    assert got == ref[: j + 1]
+    assert cache_length(state2.cache) == len(ids) + j

@@ -43,6 +43,18 @@ def _model(target, prop):
     return SpeculativeModel(target, prop, B, "test", target.config)
 
 
+def _run_with_eos(target, tok, ids, prop, eos: int, max_tokens: int):
+    """``stream_generate`` with ``eos`` declared the tokenizer's EOS (restored after): ``(responses, cache length)``."""
+    saved = tok.eos_token_ids
+    tok.eos_token_ids = {eos}
+    state = GenerationState()
+    try:
+        resps = list(stream_generate(_model(target, prop), tok, ids, max_tokens=max_tokens, state=state))
+    finally:
+        tok.eos_token_ids = saved
+    return resps, cache_length(state.cache)
+
+
 @pytest.fixture(scope="module")
 def eos_run(smol_f32, story):
     """``eos_run(offset)``: the story decoded with its token j (the first new one past the first block) declared
@@ -57,14 +69,8 @@ def eos_run(smol_f32, story):
             j = _first_occurrences(ref, B + 2, 60)[0]
             sched = _shift_schedule(j, offset)
             prop = ScriptedProposer(len(ids), ref, sched, B, target.vocab_rows)
-            saved = tok.eos_token_ids
-            tok.eos_token_ids = {ref[j]}
-            state = GenerationState()
-            try:
-                resps = list(stream_generate(_model(target, prop), tok, ids, max_tokens=60, state=state))
-            finally:
-                tok.eos_token_ids = saved
-            runs[offset] = (j, sched, resps, cache_length(state.cache))
+            resps, cached = _run_with_eos(target, tok, ids, prop, ref[j], 60)
+            runs[offset] = (j, sched, resps, cached)
         return runs[offset]
 
     return get
@@ -247,20 +253,14 @@ def test_plain_rounds_run_ahead_max_tokens_exact(smol_f32, story, monkeypatch, m
 @pytest.mark.parametrize("j", [1, 2, 3, 4, 5, 8, 9, 12])
 def test_plain_rounds_run_ahead_eos_and_consumer_stop(smol_f32, story, j):
     """An EOS at generated token j inside the mixed schedule, and a consumer that stops reading after token j:
-    nothing past j is emitted or left in the cache, and the next request reuses the state exactly."""
+    nothing past j is emitted or left in the cache."""
     target, tok = smol_f32
     ids, ref = story
     k = next(i for i in range(j, 40) if ref[i] not in ref[:i])  # a first occurrence at or after j
     prop = ScriptedProposer(len(ids), ref, MIXED, B, target.vocab_rows)
-    saved = tok.eos_token_ids
-    tok.eos_token_ids = {ref[k]}
-    state = GenerationState()
-    try:
-        resps = list(stream_generate(_model(target, prop), tok, ids, max_tokens=40, state=state))
-    finally:
-        tok.eos_token_ids = saved
+    resps, cached = _run_with_eos(target, tok, ids, prop, ref[k], 40)
     assert [r.token for r in resps] == ref[: k + 1] and resps[-1].finish_reason == "stop"
-    assert cache_length(state.cache) == len(ids) + k
+    assert cached == len(ids) + k
     # the consumer stops after token j (no EOS): the generator is closed mid-round
     prop2 = ScriptedProposer(len(ids), ref, MIXED, B, target.vocab_rows)
     state2 = GenerationState()

@@ -243,6 +243,10 @@ def _clone_cache(c):
 SNAPSHOT_INTERVAL = 256
 MAX_SNAPSHOTS = 8
 
+#: When plain rounds of the speculative loop run ahead (see ``speculative_generate_step``): ``"gpu"`` (the default
+#: device is a GPU, where the host's graph build overlaps the device's work), ``"always"`` or ``"never"``.
+RUN_AHEAD = "gpu"
+
 
 def _recurrent_entries(cache: list) -> list[int]:
     from mlx_lm.models.cache import ArraysCache
@@ -544,16 +548,21 @@ def speculative_generate_step(
             prop = plan(anchor, n_done, cache_length(cache))
             return None if prop is None else build(anchor, prop)
 
-        # A plain round (the proposer left it without drafts: the adaptive schedule found that drafting does not
-        # pay here, or lookup had no match) runs ahead like the plain loop: the next one-token step is queued on
-        # its token *before* that token is read, so the host's graph build of the next step is off the critical
-        # path (on a GPU an unqueued plain round cost a whole build: SmolLM2 on the H200, 1K-token prompts
-        # where the drafter rarely pays, ran the default schedule at 0.83x of plain). After the read the
-        # proposer decides as before: a plain round keeps the queued step (exactly the step it would build),
-        # a drafting round drops it (one cache row trimmed) and is built as usual. Greedy verifiers without
-        # history-dependent processors only (the queued step cannot see its anchor on the host; a sampled
-        # verifier's random stream would depend on the dropped steps).
-        chain = verifier.greedy and not verifier.needs_history
+        # Plain rounds (the proposer left them without drafts: the adaptive schedule found that drafting does
+        # not pay here, or lookup had no match) run ahead like the plain loop: from the second plain round in a
+        # row on, the next one-token step is queued on the round's token *before* that token is read, so the
+        # host's graph build of the next step is off the critical path (on a GPU an unqueued plain round costs a
+        # whole build: SmolLM2 on the H200, 1K-token prompts where the drafter rarely paid, ran the default
+        # schedule at 0.83x of plain). After the read the proposer decides as before: a plain round keeps the
+        # queued step (exactly the step it would build), a drafting round drops it (one cache row trimmed; its
+        # device time is lost, once per run of plain rounds, and the drafting round's timing carries it) and is
+        # built as usual. Only on a GPU (RUN_AHEAD; on the CPU the device is the host: nothing overlaps, and a
+        # dropped step is pure loss) and for greedy verifiers without history-dependent processors (the queued
+        # step cannot see its anchor on the host; a sampled verifier's random stream would depend on the
+        # dropped steps).
+        chain = (verifier.greedy and not verifier.needs_history
+                 and (RUN_AHEAD == "always" or (RUN_AHEAD == "gpu" and mx.default_device().type == mx.gpu)))
+        streak = 0  # plain rounds in a row, the current one included
 
         def ahead(vr, n_done: int):
             """Queue the plain step fed with ``vr``'s one (lazy) token, or None if no room after it."""
@@ -569,7 +578,8 @@ def speculative_generate_step(
         while cur is not None:
             prop, res, vr, anc = cur
             n = prop.n
-            pre = ahead(vr, n_out + 1) if chain and n == 0 else None  # queued before the read (above)
+            streak = streak + 1 if n == 0 else 0
+            pre = ahead(vr, n_out + 1) if chain and streak >= 2 else None  # queued before the read (above)
             a = int(vr.num_accepted.item())  # the round's one host synchronisation
             session.verified(a + 1)
             toks = vr.tokens[: a + 1].tolist()

@@ -297,9 +297,10 @@ def test_stepping_mixers_run_prompt_chunks_through_gated_delta_final(tmp_path, m
 
 
 @pytest.mark.parametrize("kind", HYBRID_KINDS)
-def test_plain_rounds_run_ahead_and_drop_exactly(targets, kind):
+def test_plain_rounds_run_ahead_and_drop_exactly(targets, kind, monkeypatch):
     """Plain rounds (no drafts) queue the next step ahead of the read, and a drafting round drops it (a 1-row
     trim of the recurrent / window caches): output == plain, and the final state equals plain decoding's."""
+    monkeypatch.setattr(spec, "RUN_AHEAD", "always")
     target, _, _ = targets(kind)
     B, n = 4, 21
     ref = mlx_lm_greedy(target, PROMPT, n)

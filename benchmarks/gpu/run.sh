@@ -30,7 +30,8 @@
 #   trace      benchmarks/gpu/trace_chain.py --trace --forward -> trace.json (issue 19: a routed matmul's per-call
 #              cost split into host build, encode + GPU and GPU kernel time; MLX's custom-kernel path itself)
 # Env: OUT (the device tool sets it), PAYLOAD (~/payload), GGUF, PY (python3), MLX_PTX_CACHE_DIR (default ~/ptx: it stays for
-# the machine's lease, so only the first MLX process compiles), RUN_BUDGET (default 570), T_SELFTEST (180),
+# the machine's lease, so only the first MLX process compiles), RUN_BUDGET (default 570), T_SELFTEST (300: on a fresh machine NVRTC compiles every instantiation at
+# first use, ~20 s each: session 18's 150 s reached 6 of the qmm cases; ARGS_SELFTEST=--quick halves the cases),
 # T_CHECK (150), T_KERNELS (180), T_SCALING (420), T_EXACTNESS (240), T_SETS (300), T_HYBRID (400), T_PROBE (300), T_TRACE (240), PROBE_SHAPES (hybrid-27b,dense-27b), KERNEL_SHAPES
 # (qwen3-8b), KERNEL_SWEEP (--sweep: the qmm geometry sweep; empty: none), SCALING_SHAPES (qwen3-8b,dense-27b), HYBRID_SHAPES (hybrid-27b,dense-27b), HYBRID_CONTEXTS
 # (1024,8192,32768), ARGS_<PART> (more arguments for that part's script).
@@ -75,7 +76,7 @@ status=0
 for p in "$@"; do
   P=$(echo "$p" | tr a-z A-Z)
   def=$(eval echo "\${T_$P:-}")
-  case $p in selftest) def=${def:-180};; check) def=${def:-150};; kernels) def=${def:-180};;
+  case $p in selftest) def=${def:-300};; check) def=${def:-150};; kernels) def=${def:-180};;
              scaling) def=${def:-420};; exactness) def=${def:-240};; sets) def=${def:-300};; hybrid) def=${def:-400};;
              probe) def=${def:-300};; trace) def=${def:-240};; build) def=${def:-200};; long) def=${def:-300};; esac
   left=$(( RUN_BUDGET - ($(date +%s) - T0) - 5 ))

@@ -57,6 +57,11 @@ for p in "$@"; do
   case $p in selftest|check|kernels|scaling|exactness|sets|hybrid|probe|trace|build|long) ;; *) echo "unknown part: $p" >&2; exit 2;; esac
 done
 $PY -c "import gguf" 2>/dev/null || $PY -m pip install -q --no-index --no-deps "$PAYLOAD"/gguf-*.whl 2>&1 | tail -2
+# the shipped drafters (left out of a slimmed tree, brought as $PAYLOAD/drafter.tgz): unpacked in every call, since
+# the device's copy of an ignored folder does not survive the next call's sync (session 18 lost a part to that)
+if [ ! -f mlx_dflash2/drafters/smollm2-135m-instruct/config.json ] && [ -f "$PAYLOAD/drafter.tgz" ]; then
+  mkdir -p mlx_dflash2/drafters && tar xzf "$PAYLOAD/drafter.tgz" -C mlx_dflash2/drafters
+fi
 if [ ! -f "$GGUF" ]; then  # elsewhere (a CPU smoke run): the embedded model's GGUF, if installed
   GGUF=$($PY -c "from mlx_dflash2.assets import embedded_model_path as p; print(p())" 2>/dev/null || echo "$GGUF")
 fi

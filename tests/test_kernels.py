@@ -442,3 +442,25 @@ def test_time_step_is_a_cached_one_token_step():
     assert mx.array_equal(t.forward(ids, t.make_cache()).logits, before)
     with pytest.raises(ValueError):
         t.time_step(repeats=0)
+
+
+def test_verify_attention_max_keys(monkeypatch):
+    """MLX_DFLASH2_ATTENTION_MAX_KEYS: past that many cached keys the op runs its reference (MLX's attention), also
+    after a shorter call of the same shapes was decided for the kernel; bad values are refused by name."""
+    from mlx_dflash2.kernels import attention
+
+    op = attention.verify_attention
+    monkeypatch.setattr(registry, "backend", lambda: "cuda")
+    monkeypatch.setattr(op, "_fast", {})
+    monkeypatch.setattr(op, "gate", lambda be, key: registry.GateResult(True))
+    k = mx.zeros((1, 2, 128, 32))
+    q = mx.zeros((1, 4, 1, 32))
+    monkeypatch.setenv(attention.MAX_KEYS_ENV, "50")
+    assert op.decide("cuda", (q, k, k, 40, 0.2), {}) is True
+    assert op.decide("cuda", (q, k, k, 60, 0.2), {}) is False
+    assert op.decide("cuda", (q, k, k, 41, 0.2), {}) is True
+    monkeypatch.setenv(attention.MAX_KEYS_ENV, "0")
+    assert attention.max_keys() is None and op.supports(q, k, k, 100, 0.2)
+    monkeypatch.setenv(attention.MAX_KEYS_ENV, "lots")
+    with pytest.raises(ValueError, match="MLX_DFLASH2_ATTENTION_MAX_KEYS"):
+        attention.max_keys()

@@ -13,6 +13,8 @@ qwen2, qwen3 families) through it.
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -27,6 +29,28 @@ MAX_ROWS = 16
 TILE, TILES = 32, 4  # keys per tile, tiles per chunk (CHUNK = 128 keys at fixed absolute positions)
 ROWS, WARPS = 16, 8  # query rows per block, warps per block
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+MAX_KEYS_ENV = "MLX_DFLASH2_ATTENTION_MAX_KEYS"
+
+
+def max_keys() -> int | None:
+    """The longest cache (keys) the kernel takes, from ``MLX_DFLASH2_ATTENTION_MAX_KEYS`` (unset, empty or ``0``:
+    no limit). Past it the op runs its reference (MLX's attention): on the H200 the kernel's CUDA-core body was
+    2.5-5.6x slower than MLX's attention at 8K keys (session 17), so a long-context user can trade the kernels'
+    bit-exact greedy there (the near-tie contract then holds) for MLX's speed. Read per call (cheap).
+
+    Raises:
+        ValueError: not a non-negative integer (named).
+    """
+    v = os.environ.get(MAX_KEYS_ENV, "").strip()
+    if not v:
+        return None
+    try:
+        n = int(v)
+    except ValueError:
+        raise ValueError(f"{MAX_KEYS_ENV} must be a non-negative integer, got {v!r}") from None
+    if n < 0:
+        raise ValueError(f"{MAX_KEYS_ENV} must be a non-negative integer, got {v!r}")
+    return n or None
 
 
 class VerifyAttention(KernelOp):
@@ -63,9 +87,10 @@ class VerifyAttention(KernelOp):
             return False
         H, Lq, D = q.shape[1], q.shape[2], q.shape[3]
         Hk = keys.shape[1]
+        mk = max_keys()
         return (1 <= Lq <= MAX_ROWS and D % 32 == 0 and D <= 128 and H % Hk == 0 and keys.dtype == q.dtype
                 and values.dtype == q.dtype and values.shape == keys.shape and keys.shape[3] == D
-                and Lq <= length <= keys.shape[2])
+                and Lq <= length <= keys.shape[2] and (mk is None or length <= mk))
 
     def shape_key(self, q, keys, values, length, scale, config=None):
         return (str(q.dtype), int(q.shape[1]), int(keys.shape[1]), int(q.shape[3]))
@@ -130,7 +155,8 @@ class VerifyAttention(KernelOp):
         q, keys, values, length, _ = args
         if q.ndim != 4 or keys.ndim != 4 or not q.shape[2] <= length <= keys.shape[2] or values.shape != keys.shape:
             return None
-        return (q.shape, q.dtype, keys.shape[1], keys.shape[3], keys.dtype, values.dtype)
+        mk = max_keys()
+        return (q.shape, q.dtype, keys.shape[1], keys.shape[3], keys.dtype, values.dtype, mk is not None and length > mk)
 
     def _geometry(self, backend, shape, Hk, dtype, config):
         """What a call signature's launches share, worked out once (the host builds one call per layer per

@@ -42,15 +42,9 @@ def max_keys() -> int | None:
         ValueError: not a non-negative integer (named).
     """
     v = os.environ.get(MAX_KEYS_ENV, "").strip()
-    if not v:
-        return None
-    try:
-        n = int(v)
-    except ValueError:
-        raise ValueError(f"{MAX_KEYS_ENV} must be a non-negative integer, got {v!r}") from None
-    if n < 0:
+    if v and not (v.isascii() and v.isdigit()):
         raise ValueError(f"{MAX_KEYS_ENV} must be a non-negative integer, got {v!r}")
-    return n or None
+    return int(v) or None if v else None
 
 
 class VerifyAttention(KernelOp):

@@ -276,21 +276,48 @@ def test_metal_sources_compile_against_the_shim(every):
 
 
 @pytest.mark.skipif(not emulate.available(), reason="no C++20 compiler")
-@pytest.mark.parametrize("H,Hk,D,L", [(4, 2, 64, 150), (2, 2, 32, 33)])
-def test_attention_body_emulated(H, Hk, D, L):
-    """The shared attention body (metal/verify_attention.h, run in the CPU emulation) equals MLX's
-    causal SDPA, and each row equals the same row computed alone at its position, bit for bit."""
+@pytest.mark.parametrize("backend", ["cuda", "metal"])
+@pytest.mark.parametrize("H,Hk,D,L", [(4, 2, 64, 150), (2, 2, 32, 33), (2, 1, 128, 140)])
+def test_attention_body_emulated(H, Hk, D, L, backend):
+    """The shared attention body (metal/verify_attention.h, run in the CPU emulation with each backend's launch
+    geometry: 32-key tiles on CUDA, 16 on Metal) equals MLX's causal SDPA, and each row equals the same row
+    computed alone at its position, bit for bit."""
     rng = np.random.default_rng(0)
     Lq, S = 16, L + 20
     q = rng.normal(size=(H, Lq, D)).astype(np.float32)
     k, v = (rng.normal(size=(Hk, S, D)).astype(np.float32) for _ in range(2))
-    out = emulate.attention(q, k, v, L, D**-0.5)
+    out = emulate.attention(q, k, v, L, D**-0.5, backend)
     ref = mx.fast.scaled_dot_product_attention(mx.array(q)[None], mx.array(k[:, :L])[None], mx.array(v[:, :L])[None],
                                                scale=D**-0.5, mask="causal")
     assert np.abs(np.array(ref[0]) - out).max() < 1e-5
     for i in (0, 7, Lq - 1):
-        alone = emulate.attention(q[:, i : i + 1], k, v, L - Lq + i + 1, D**-0.5)
+        alone = emulate.attention(q[:, i : i + 1], k, v, L - Lq + i + 1, D**-0.5, backend)
         assert np.array_equal(alone[:, 0], out[:, i]), i
+
+
+_SIZES = {"float": 4, "int": 4, "uint": 4, "half": 2, "bfloat16_t": 2}
+
+
+@pytest.mark.parametrize("backend,limit", [("metal", 32768), ("cuda", 49152)])
+def test_kernels_fit_threadgroup_memory(backend, limit):
+    """Every kernel's threadgroup / shared arrays, at every compile-checked instantiation, fit what the GPU gives a
+    threadgroup: 32 KB on Apple GPUs (M1-M4), 48 KB of static shared memory on CUDA. verify_attention's 32-key tiles
+    took 41 KB at D = 128: on a Mac its pipeline could not be built (the gate would fall back every time)."""
+    import re
+
+    decl = re.compile(r"(?:threadgroup|__shared__)\s+(\w+)\s+\w+((?:\[[^\]]+\])+)")
+    over, seen = [], 0
+    for op, role, spec, ex in _instances(backend, True):
+        total = 0
+        for typ, dims in decl.findall(spec.body):
+            n = 1
+            for expr in re.findall(r"\[([^\]]+)\]", dims):
+                n *= eval(expr, {}, {k: v for k, v in ex.items() if isinstance(v, int)})
+            total += _SIZES[typ] * n
+            seen += 1
+        if total > limit:
+            over.append((op.name, role, ex, total))
+    assert seen >= 4 and not over, over
 
 
 def test_selftest_runs_on_the_cpu(capsys):

@@ -28,6 +28,17 @@ __all__ = ["VerifyAttention", "verify_attention", "KernelAttention", "route_atte
 MAX_ROWS = 16
 TILE, TILES = 32, 4  # keys per tile, tiles per chunk (CHUNK = 128 keys at fixed absolute positions)
 ROWS, WARPS = 16, 8  # query rows per block, warps per block
+# keys per tile on each backend (the chunk stays CHUNK = 128 keys: TILES = CHUNK // TILE). The block's tile buffers
+# hold ROWS * D + TILE * (2 D + 1) floats: 41 KB at D = 128 with 32-key tiles, past the 32 KB of threadgroup memory
+# an Apple GPU gives a threadgroup (CUDA's static limit is 48 KB), so Metal takes 16-key tiles (24.6 KB).
+CHUNK = TILE * TILES
+TILE_OF = {"cuda": 32, "metal": 16}
+
+
+def tiles_of(backend: str) -> tuple[int, int]:
+    """``(TILE, TILES)`` of ``backend`` (its keys per tile; tiles per 128-key chunk)."""
+    tile = TILE_OF.get(backend, TILE)
+    return tile, CHUNK // tile
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 MAX_KEYS_ENV = "MLX_DFLASH2_ATTENTION_MAX_KEYS"
 
@@ -111,7 +122,8 @@ class VerifyAttention(KernelOp):
         return None
 
     def specs(self, backend):
-        ex = [dict(T=t, D=d, TILE=TILE, TILES=TILES, ROWS=ROWS, WARPS=WARPS)
+        tile, tiles = tiles_of(backend)
+        ex = [dict(T=t, D=d, TILE=tile, TILES=tiles, ROWS=ROWS, WARPS=WARPS)
               for t in ("bfloat16", "float16", "float32") for d in (64, 128)]
         ex2 = [dict(T=t, D=d) for t in ("bfloat16", "float16", "float32") for d in (64, 128)]
         io1 = dict(inputs=[("q", "T"), ("k", "T"), ("v", "T"), ("params", "int32"), ("scale", "float32")],
@@ -160,13 +172,14 @@ class VerifyAttention(KernelOp):
         if geo is None:
             _, H, Lq, D = shape
             R = (H // Hk) * Lq
-            tiles, rows, warps = config or (TILES, ROWS, WARPS)
+            tile, tiles = tiles_of(backend)
+            tiles, rows, warps = config or (tiles, ROWS, WARPS)
             n_rg = -(-R // rows)
             rows_total = Hk * R
             geo = self._geo[key] = (
-                tiles, n_rg, warps, rows_total,
+                tile * tiles, n_rg, warps, rows_total,
                 int_params(H, Hk, Lq, n_rg),  # the length travels as a view's shape: no per-call host data
-                [("T", dtype), ("D", D), ("TILE", TILE), ("TILES", tiles), ("ROWS", rows), ("WARPS", warps)],
+                [("T", dtype), ("D", D), ("TILE", tile), ("TILES", tiles), ("ROWS", rows), ("WARPS", warps)],
                 (warps * 32, 1, 1), [mx.float32, mx.float32],
                 [("T", dtype), ("D", D)], (-(-rows_total // 4) * 128, 1, 1),  # whole groups; extra rows return
                 [(1, H, Lq, D)], [dtype])
@@ -175,13 +188,13 @@ class VerifyAttention(KernelOp):
     def launch(self, backend, q, keys, values, length, scale, config=None):
         """``config``: ``(TILES, ROWS, WARPS)`` in place of the module's (benchmarks' geometry sweep only:
         the chunk size moves the sums' order, so a row's bits differ from the default geometry's)."""
-        tiles, n_rg, warps, rows_total, params, tmpl, tg, f32s, tmpl2, grid2, out_shape, out_dtype = \
+        chunk, n_rg, warps, rows_total, params, tmpl, tg, f32s, tmpl2, grid2, out_shape, out_dtype = \
             self._geometry(backend, q.shape, keys.shape[1], q.dtype, config)
         sc = self._scales.get(scale)
         if sc is None:
             sc = self._scales[scale] = mx.array([scale] + [0.0] * 7, dtype=mx.float32)
             mx.eval(sc)
-        n_chunks = -(-length // (TILE * tiles))
+        n_chunks = -(-length // chunk)
         D = q.shape[3]
         part_o, part_ml = self.kernel(backend, "partial")(
             inputs=[mx.contiguous(q), keys[:, :, :length], values[:, :, :length], params, sc],

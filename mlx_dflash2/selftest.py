@@ -34,7 +34,7 @@ def cases(quick: bool = False, cpu: bool = False) -> list[tuple[str, tuple]]:
     else:
         dtypes = ("bfloat16", "float16") if quick else ("bfloat16", "float16", "float32")
         mats = ((1024, 4096),) if quick else ((1024, 4096), (4096, 4096))
-        heads = ((32, 8, 128), (14, 2, 64))
+        heads = ((32, 8, 128), (14, 2, 64)) if quick else ((32, 8, 128), (14, 2, 64), (24, 4, 256))
     for dt in dtypes:
         for bits, gs in ((4, 64), (8, 64), (4, 32), (4, 128)):
             for n, k in mats:

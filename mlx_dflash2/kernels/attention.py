@@ -28,17 +28,31 @@ __all__ = ["VerifyAttention", "verify_attention", "KernelAttention", "route_atte
 MAX_ROWS = 16
 TILE, TILES = 32, 4  # keys per tile, tiles per chunk (CHUNK = 128 keys at fixed absolute positions)
 ROWS, WARPS = 16, 8  # query rows per block, warps per block
-# keys per tile on each backend (the chunk stays CHUNK = 128 keys: TILES = CHUNK // TILE). The block's tile buffers
-# hold ROWS * D + TILE * (2 D + 1) floats: 41 KB at D = 128 with 32-key tiles, past the 32 KB of threadgroup memory
-# an Apple GPU gives a threadgroup (CUDA's static limit is 48 KB), so Metal takes 16-key tiles (24.6 KB).
 CHUNK = TILE * TILES
-TILE_OF = {"cuda": 32, "metal": 16}
+HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)  # D: a multiple of 32, at most 256
+# Threadgroup memory a block may use: Apple GPUs give a threadgroup 32 KB (M1-M4), CUDA 48 KB of static shared memory.
+SHARED_BYTES = {"cuda": 48 * 1024, "metal": 32 * 1024}
 
 
-def tiles_of(backend: str) -> tuple[int, int]:
-    """``(TILE, TILES)`` of ``backend`` (its keys per tile; tiles per 128-key chunk)."""
-    tile = TILE_OF.get(backend, TILE)
-    return tile, CHUNK // tile
+def geometry(backend: str, D: int) -> tuple[int, int, int, int]:
+    """``(TILE, TILES, ROWS, WARPS)`` of the kernel for head dimension ``D`` on ``backend``: the widest tiles and row
+    groups whose buffers (``ROWS * D + TILE * (2 D + 1)`` floats: the block's queries, its tile of keys, padded, and
+    of values) fit the backend's threadgroup memory. The chunk stays 128 keys (``TILES = 128 // TILE``), so a row's
+    sums are split the same way whatever the number of rows beside it (the row-count invariance holds per backend
+    and D). D = 128: 32-key tiles on CUDA (41 KB), 16 on Metal (24.6 KB; 32-key tiles could not be built on a Mac);
+    D = 256: 16-key tiles and 8-row groups on CUDA, 8-key tiles on Metal."""
+    budget = SHARED_BYTES.get(backend, SHARED_BYTES["metal"])
+    for tile, rows in ((32, 16), (16, 16), (16, 8), (8, 8)):
+        if 4 * (rows * D + tile * (2 * D + 1)) <= budget:
+            return tile, CHUNK // tile, rows, WARPS
+    raise ValueError(f"verify_attention: no launch geometry fits D = {D} on {backend}")
+
+
+def tiles_of(backend: str, D: int = 128) -> tuple[int, int]:
+    """``(TILE, TILES)`` of :func:`geometry`."""
+    return geometry(backend, D)[:2]
+
+
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 MAX_KEYS_ENV = "MLX_DFLASH2_ATTENTION_MAX_KEYS"
 
@@ -93,7 +107,7 @@ class VerifyAttention(KernelOp):
         H, Lq, D = q.shape[1], q.shape[2], q.shape[3]
         Hk = keys.shape[1]
         mk = max_keys()
-        return (1 <= Lq <= MAX_ROWS and D % 32 == 0 and D <= 128 and H % Hk == 0 and keys.dtype == q.dtype
+        return (1 <= Lq <= MAX_ROWS and D in HEAD_DIMS and H % Hk == 0 and keys.dtype == q.dtype
                 and values.dtype == q.dtype and values.shape == keys.shape and keys.shape[3] == D
                 and Lq <= length <= keys.shape[2] and (mk is None or length <= mk))
 
@@ -122,10 +136,12 @@ class VerifyAttention(KernelOp):
         return None
 
     def specs(self, backend):
-        tile, tiles = tiles_of(backend)
-        ex = [dict(T=t, D=d, TILE=tile, TILES=tiles, ROWS=ROWS, WARPS=WARPS)
-              for t in ("bfloat16", "float16", "float32") for d in (64, 128)]
-        ex2 = [dict(T=t, D=d) for t in ("bfloat16", "float16", "float32") for d in (64, 128)]
+        ex, ex2 = [], []
+        for t in ("bfloat16", "float16", "float32"):
+            for d in (64, 128, 256):
+                tile, tiles, rows, warps = geometry(backend, d)
+                ex.append(dict(T=t, D=d, TILE=tile, TILES=tiles, ROWS=rows, WARPS=warps))
+                ex2.append(dict(T=t, D=d))
         io1 = dict(inputs=[("q", "T"), ("k", "T"), ("v", "T"), ("params", "int32"), ("scale", "float32")],
                    outputs=[("part_o", "float32"), ("part_ml", "float32")])
         io2 = dict(inputs=[("part_o", "float32"), ("part_ml", "float32"), ("params", "int32")], outputs=[("out", "T")])
@@ -172,8 +188,8 @@ class VerifyAttention(KernelOp):
         if geo is None:
             _, H, Lq, D = shape
             R = (H // Hk) * Lq
-            tile, tiles = tiles_of(backend)
-            tiles, rows, warps = config or (tiles, ROWS, WARPS)
+            tile, tiles, rows, warps = geometry(backend, D)
+            tiles, rows, warps = config or (tiles, rows, warps)
             n_rg = -(-R // rows)
             rows_total = Hk * R
             geo = self._geo[key] = (

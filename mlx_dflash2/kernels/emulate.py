@@ -236,13 +236,13 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, length: int, scale: f
               backend: str = "cuda") -> np.ndarray:
     """``verify_attention.h`` emulated with ``backend``'s launch geometry (its keys per tile):
     ``q [H, Lq, D]``, ``k, v [Hk, S, D]`` float32 -> ``[H, Lq, D]``."""
-    from .attention import ROWS, WARPS, tiles_of
+    from .attention import geometry
 
     H, Lq, D = q.shape
     Hk, S, _ = k.shape
-    tile, tiles = tiles_of(backend)
+    tile, tiles, rows, warps = geometry(backend, D)
     exe = _binary(["dialect.h", "verify_attention.h"], _ATTENTION,
-                  dict(EMU_D=D, EMU_TILE=tile, EMU_TILES=tiles, EMU_ROWS=ROWS, EMU_WARPS=WARPS))
+                  dict(EMU_D=D, EMU_TILE=tile, EMU_TILES=tiles, EMU_ROWS=rows, EMU_WARPS=warps))
     with tempfile.TemporaryDirectory() as d:
         for name, arr in (("q", q), ("k", k), ("v", v), ("scale", np.array([scale]))):
             np.ascontiguousarray(arr, dtype=np.float32).tofile(os.path.join(d, name))

@@ -419,9 +419,8 @@ class TargetAdapter:
         ref = self._probe_logits(own=False) if probe else None
         t_ref = self.time_step() if mode == "auto" else None
         emb = self.inner.embed_tokens
-        dense = self.config.get("model_type") in DENSE_MODEL_TYPES  # KernelAttention knows their attention
         swaps = K.route_quantized_linears(self.model, mode)
-        swaps += (K.route_mlps(self.layers, mode) + (K.route_attention(self.layers, mode) if dense else [])
+        swaps += (K.route_mlps(self.layers, mode) + K.route_attention(self.layers, mode)  # its classes only
                  + K.route_gated_delta(self.model, mode))  # hybrid: every step's state kept in a verify block
         head = self.lm.lm_head if hasattr(self.lm, "lm_head") else emb.as_linear
         if not hasattr(self.lm, "lm_head") and isinstance(emb, nn.QuantizedEmbedding) and getattr(emb, "mode", "affine") == "affine":

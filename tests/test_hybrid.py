@@ -316,3 +316,30 @@ def test_plain_rounds_run_ahead_and_drop_exactly(targets, kind, monkeypatch):
         for o, t in zip(ours, plain):
             for a, b in zip(o, t):
                 assert mx.abs(a - b).max().item() <= 1e-5, kind
+
+
+@pytest.mark.parametrize("kind", RECURRENT_KINDS)
+def test_gated_attention_is_routed_and_equals_mlx_lm(tmp_path, kind):
+    """The hybrids' gated attention (Qwen3NextAttention: query and output gate per head, partial RoPE) goes through
+    KernelAttention (q/k/v in one call, the core through verify_attention) when the kernels are routed, and computes
+    what mlx-lm's module computes: a 1-row step and a 5-row block over a cache, float32."""
+    from mlx_lm.models.cache import KVCache
+
+    from mlx_dflash2.kernels import KernelAttention
+
+    path = tiny_hybrid_dir(tmp_path / kind, kind)
+    target, _, _ = load_target(str(path), dtype=mx.float32)
+    originals = [(i, layer.self_attn) for i, layer in enumerate(target.layers) if "self_attn" in layer]
+    assert originals
+    assert target.route_kernels("kernel", force=True) > 0
+    for i, attn in originals:
+        routed = target.layers[i].self_attn
+        assert isinstance(routed, KernelAttention) and routed.fixed[-1] is True
+        hidden = attn.o_proj.weight.shape[0]  # o_proj's output rows (quantized or not)
+        x = mx.random.normal((1, 7, hidden), key=mx.random.key(i))
+        c1, c2 = KVCache(), KVCache()
+        for a, b in ((0, 2), (2, 3), (3, 7)):  # a 2-row block, a 1-row step, a 4-row block: causal over the cache
+            mask = "causal" if b - a > 1 else None
+            want = attn(x[:, a:b], mask=mask, cache=c1)
+            got = routed(x[:, a:b], mask=mask, cache=c2)
+            assert mx.abs(want - got).max().item() <= 1e-5, (kind, i, a)

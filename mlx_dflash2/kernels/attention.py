@@ -223,14 +223,19 @@ class VerifyAttention(KernelOp):
 
 verify_attention = VerifyAttention()
 
+# the gated attention of the hybrid targets (qwen3_next, and qwen3_5 which imports it): q_proj gives each head's
+# query and output gate side by side, the output is o_proj(attention * sigmoid(gate)), RoPE on a part of the head
+GATED_ATTENTION = "mlx_lm.models.qwen3_next.Qwen3NextAttention"
 # mlx-lm attention classes whose __call__ is q/k/v projections -> (q/k norm) -> RoPE at the cache offset
 # -> cache.update_and_fetch -> scaled_dot_product_attention -> o_proj (checked by the target's parity probe)
 ATTENTION_CLASSES = ("mlx_lm.models.llama.Attention", "mlx_lm.models.mistral.Attention",
-                     "mlx_lm.models.qwen2.Attention", "mlx_lm.models.qwen3.Attention")
+                     "mlx_lm.models.qwen2.Attention", "mlx_lm.models.qwen3.Attention",
+                     GATED_ATTENTION)
 
 
 class KernelAttention(nn.Module):
-    """An mlx-lm attention module of a supported family whose attention core goes through
+    """An mlx-lm attention module of a supported family (:data:`ATTENTION_CLASSES`: llama, mistral, qwen2, qwen3,
+    and the hybrids' gated attention) whose attention core goes through
     :data:`verify_attention` when the new rows are at most 16 and the cache is a plain ``KVCache``
     (prefill chunks and other caches keep mlx-lm's ``scaled_dot_product_attention``). The module's
     own projections, norms and RoPE are reused (not copied); routed q, k and v projections
@@ -255,18 +260,22 @@ class KernelAttention(nn.Module):
         # what __call__ reads every call and nothing re-routes: head counts, scale, the q/k norms, RoPE
         # (session 17's H200 profile: nn.Module attribute lookups were ~10 us of a layer's graph build)
         norms = (attn.q_norm, attn.k_norm) if "q_norm" in attn else None
-        object.__setattr__(self, "fixed", (attn.n_heads, attn.n_kv_heads, attn.scale, norms, attn.rope))
+        gated = f"{type(attn).__module__}.{type(attn).__name__}" == GATED_ATTENTION
+        heads = (attn.num_attention_heads, attn.num_key_value_heads) if gated else (attn.n_heads, attn.n_kv_heads)
+        object.__setattr__(self, "fixed", (*heads, attn.scale, norms, attn.rope, gated))
 
     def __call__(self, x, mask=None, cache=None):
         a = self.inner
         B, L, _ = x.shape
-        nh, nkv, scale, norms, rope = self.fixed  # plain attributes: no nn.Module lookups per call
+        nh, nkv, scale, norms, rope, gated = self.fixed  # plain attributes: no nn.Module lookups per call
         if self.qkv is not None:
             y, (i, j) = self.qkv(x), self.splits
             q, k, v = y[..., :i], y[..., i:j], y[..., j:]
         else:
             q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
         q = q.reshape(B, L, nh, -1)
+        if gated:  # each head's query, then its output gate (mlx-lm's Qwen3NextAttention)
+            q, gate = mx.split(q, 2, axis=-1)
         k = k.reshape(B, L, nkv, -1)
         if norms is not None:
             q, k = norms[0](q), norms[1](k)
@@ -283,7 +292,8 @@ class KernelAttention(nn.Module):
                 out = verify_attention(q, cache.keys, cache.values, cache.offset, scale, mode=self.kernel_mode)
             else:
                 out = _sdpa(q, k, v, cache=cache, scale=scale, mask=mask)
-        return a.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return a.o_proj(out * mx.sigmoid(gate.reshape(B, L, -1)) if gated else out)
 
 
 def route_attention(layers, mode: str | None = None) -> list[tuple]:

@@ -15,7 +15,7 @@ from typing import Generator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 
-from .loading import SpeculativeModel, make_proposer
+from .loading import SpeculativeModel, check_block_size, make_proposer
 from .speculative import GenerationState, SpecStats, speculative_generate_step
 from .sampling import SamplingParams
 from .verify import Verifier, make_verifier
@@ -287,6 +287,8 @@ def stream_generate(
         window = getattr(loaded, "context_window", None)
         proposer = make_proposer(drafter, model.target, tokenizer, model.name,
                                  **({} if window is None else {"drafter_window": window}))
+    if block_size is not None:
+        check_block_size(block_size)  # also without a drafter (where B is then 1), as the CLI refuses it
     B = block_size if block_size is not None else (
         proposer.block_size if (drafter is not None and proposer) else model.block_size
     )

@@ -289,6 +289,11 @@ def test_python_api(smol_f32):
     assert [x.token for x in resps] == ref[: len(resps)]
     with pytest.raises(ValueError, match="temp"):
         list(mlx_dflash2.stream_generate(model, tok, prompt, temp=-0.5))
+    # a bad block size is refused with or without a drafter (as the CLI's --block-size is)
+    plain = SpeculativeModel(target, None, 1, "smollm2", target.config)
+    for m, B in ((plain, 0), (plain, -2), (model, 0)):
+        with pytest.raises(ValueError, match="block size must be >= 1"):
+            list(mlx_dflash2.stream_generate(m, tok, prompt, max_tokens=3, block_size=B))
 
 
 def test_load_default():

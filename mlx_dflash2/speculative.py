@@ -478,9 +478,9 @@ def speculative_generate_step(
     history = prompt + [anchor]
     dkey = draft_key
 
-    def room(pos: int) -> bool:
-        """True while more tokens may be generated and position ``pos`` fits the context."""
-        return (max_tokens < 0 or n_out < max_tokens) and (limit is None or pos < limit)
+    def fits(n_done: int, pos: int) -> bool:
+        """True while more tokens may follow ``n_done`` emitted ones and position ``pos`` fits the context."""
+        return (max_tokens < 0 or n_done < max_tokens) and (limit is None or pos < limit)
 
     # What the consumer may stop in the middle of (see `finally`).
     pending = None
@@ -492,12 +492,12 @@ def speculative_generate_step(
             # (mx.async_eval) before the current token is read back (no drafts: a == 0 always).
             pos = len(prompt)  # position of the token fed next
             step = None
-            if room(pos):
+            if fits(n_out, pos):
                 step = verifier.verify(target.forward(mx.array([anchor], mx.int32), cache).logits, Proposal.empty())
                 mx.async_eval(step.tokens, step.logprobs)
             while step is not None:
                 nxt = None
-                if (max_tokens < 0 or n_out + 1 < max_tokens) and (limit is None or pos + 1 < limit):
+                if fits(n_out + 1, pos + 1):
                     nxt = verifier.verify(target.forward(step.tokens, cache).logits, Proposal.empty())
                     mx.async_eval(nxt.tokens, nxt.logprobs)
                 tok = int(step.tokens.item())  # the whole 1-element array: a slice read waits behind the queued step
@@ -520,7 +520,7 @@ def speculative_generate_step(
             """The proposal of the round after ``anchor`` at position ``P`` (``n_done`` tokens emitted so far),
             or None if no room: the drafter's or lookup's tokens, or none (a plain one-token step)."""
             nonlocal dkey
-            if not ((max_tokens < 0 or n_done < max_tokens) and (limit is None or P < limit)):
+            if not fits(n_done, P):
                 return None
             n = B - 1
             if max_tokens >= 0:
@@ -566,8 +566,7 @@ def speculative_generate_step(
 
         def ahead(vr, n_done: int):
             """Queue the plain step fed with ``vr``'s one (lazy) token, or None if no room after it."""
-            P = cache_length(cache)  # that token's position
-            if not ((max_tokens < 0 or n_done < max_tokens) and (limit is None or P < limit)):
+            if not fits(n_done, cache_length(cache)):  # that token's position
                 return None
             res = target.forward(vr.tokens, cache, tap_ids)
             nvr = verifier.verify(res.logits, Proposal.empty())

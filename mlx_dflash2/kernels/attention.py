@@ -26,9 +26,8 @@ from .registry import KernelOp, KernelSpec, int_params
 __all__ = ["VerifyAttention", "verify_attention", "KernelAttention", "route_attention", "ATTENTION_CLASSES"]
 
 MAX_ROWS = 16
-TILE, TILES = 32, 4  # keys per tile, tiles per chunk (CHUNK = 128 keys at fixed absolute positions)
-ROWS, WARPS = 16, 8  # query rows per block, warps per block
-CHUNK = TILE * TILES
+CHUNK = 128  # keys per chunk, at fixed absolute positions (each block: one chunk, in TILES tiles of TILE keys)
+WARPS = 8  # warps per block
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)  # D: a multiple of 32, at most 256
 # Threadgroup memory a block may use: Apple GPUs give a threadgroup 32 KB (M1-M4), CUDA 48 KB of static shared memory.
 SHARED_BYTES = {"cuda": 48 * 1024, "metal": 32 * 1024}
@@ -46,11 +45,6 @@ def geometry(backend: str, D: int) -> tuple[int, int, int, int]:
         if 4 * (rows * D + tile * (2 * D + 1)) <= budget:
             return tile, CHUNK // tile, rows, WARPS
     raise ValueError(f"verify_attention: no launch geometry fits D = {D} on {backend}")
-
-
-def tiles_of(backend: str, D: int = 128) -> tuple[int, int]:
-    """``(TILE, TILES)`` of :func:`geometry`."""
-    return geometry(backend, D)[:2]
 
 
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)

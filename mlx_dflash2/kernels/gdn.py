@@ -15,7 +15,8 @@ chunk would keep thousands of states) runs the same recurrence through
 :data:`~mlx_dflash2.kernels.gated_delta_final` (the state after its last step only: one launch per layer
 and chunk where mlx-lm's ``gated_delta_update`` has no fused kernel, as on MLX's CUDA backend, whose
 per-step ops ran a 27B hybrid's prefill at ~36 tok/s on the H200), recorded like mlx-lm's forward (a
-trim drops it whole or not at all). Only forwards without a mask take either path: a single sequence's (:class:`~mlx_dflash2.caches.RecurrentCache`) or a batch's verify block
+trim drops it whole or not at all). Only forwards without a mask take either path: a single sequence's
+(:class:`~mlx_dflash2.caches.RecurrentCache`) or a batch's verify block
 (:class:`~mlx_dflash2.caches.RaggedRecurrentCache`: every row's steps, each row rolled back to its own
 accepted step by ``select_states``). The routed target's parity probe compares it with the model's own
 forward.

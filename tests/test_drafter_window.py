@@ -111,7 +111,7 @@ def run(target, prompt, proposer, B, n, stats=None, state=None):
                                                        stats=stats, state=state)]
 
 
-@pytest.mark.parametrize("lookup", [False, True])
+@pytest.mark.parametrize("lookup", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_long_prompt_past_small_window_equals_plain(smol_f32, fresh, lookup):
     target, tok = smol_f32
     ids = chat_ids(tok, long_text(1200) + "\n\nSummarize the questions above.")

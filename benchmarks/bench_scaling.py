@@ -99,6 +99,10 @@ class Shape:
             tk = TargetAdapter(rt.twin(self.model, self.cfg, dtype=a.dtype), self.cfg, probe=False, kernels="reference")
             r["kernel_routed_modules"] = tk.route_kernels("kernel", force=a.force_route)
             r["kernel_target_mode"] = tk.kernels  # "reference" if the routing's probe undid it
+            from mlx_dflash2.kernels import backend
+            from mlx_dflash2.kernels.block import compile_enabled
+
+            r["kernel_compiled_layers"] = compile_enabled(backend())  # kernels/block.py
             self.targets["kernel"] = tk
         t1 = time.perf_counter()
         self.drafter = rt.make_drafter(self.targets["reference"], V, seed=a.seed, dtype=a.dtype)

@@ -537,6 +537,8 @@ def speculative_generate_step(
 
         def build(anchor: int, prop: Proposal):
             """Build and queue the round verifying ``prop`` after ``anchor``."""
+            if prop.n:  # the drafter's forward runs on the device while the host builds the verify graph
+                mx.async_eval(prop.tokens)
             verify_in = mx.concatenate([mx.array([anchor], dtype=mx.int32), prop.tokens.astype(mx.int32)])
             res = target.forward(verify_in, cache, tap_ids)
             vr = verifier.verify(res.logits, prop, history)

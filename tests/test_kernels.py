@@ -379,6 +379,60 @@ def test_target_routing_keeps_the_model(model_type):
     assert spec == plain
 
 
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen2"])
+def test_compiled_blocks_compute_what_the_routed_layers_compute(monkeypatch, model_type):
+    """MLX_DFLASH2_COMPILE=1 (the default on a GPU): route_kernels also wraps every decoder layer in a KernelBlock
+    whose graph is built by two mx.compile'd functions around the cache update and attention. The first call of a
+    signature runs eagerly (gates outside a trace), the next ones compiled; both give exactly the unrouted model's
+    logits (float32, references on the CPU), prompt chunks past 16 rows take the layer as it was, speculative
+    decoding still equals plain decoding, and undoing the routes puts the model's own layers back."""
+    from mlx_dflash2.kernels import undo_routes
+    from mlx_dflash2.kernels.block import KernelBlock, compile_enabled
+    from mlx_dflash2.proposers import LookupProposer
+    from mlx_dflash2.speculative import speculative_generate_step
+    from mlx_dflash2.target import trim_cache
+
+    monkeypatch.setenv("MLX_DFLASH2_COMPILE", "1")
+    assert compile_enabled("cpu")
+    t = _tiny_quantized_target(model_type)
+    originals = list(t.inner.layers)
+    prompt = [5, 9, 5, 9, 5, 9, 5, 9, 17, 23]
+    ids = mx.array(prompt + [3, 4, 5], dtype=mx.int32)
+    before = t.forward(ids, t.make_cache()).logits
+    plain = [tok for tok, _, _ in speculative_generate_step(prompt, t, None, max_tokens=20)]
+    assert t.route_kernels("kernel", force=True) == 3 * 7 + 3 + 3 + 3
+    blocks = t.inner.layers
+    assert all(isinstance(b, KernelBlock) for b in blocks) and blocks[0].self_attn is originals[0].self_attn
+    cache = t.make_cache()
+    t.forward(ids[:10], cache)
+    for _ in range(3):  # eager, then compiled twice
+        assert mx.array_equal(t.forward(ids[10:], cache).logits, before[10:])
+        trim_cache(cache, 3)
+    assert ((1, 3, 64), mx.float32) in blocks[0]._seen
+    assert mx.array_equal(t.forward(ids, t.make_cache()).logits, before)  # 13 rows without a cache offset
+    long_ids = mx.array(list(range(40)), dtype=mx.int32)  # a 40-row chunk: the wrapped layers themselves
+    undo = list(t._routes)
+    routed_long = t.forward(long_ids, t.make_cache()).logits
+    spec = [tok for tok, _, _ in speculative_generate_step(prompt, t, LookupProposer(block_size=6), max_tokens=20)]
+    assert spec == plain
+    undo_routes(undo)
+    assert list(t.inner.layers) == originals
+    assert mx.array_equal(t.forward(long_ids, t.make_cache()).logits, routed_long)
+
+
+def test_compile_switch_is_checked(monkeypatch):
+    """MLX_DFLASH2_COMPILE: unset = GPU backends only; 0/1 force; anything else is a named error."""
+    from mlx_dflash2.kernels.block import compile_enabled
+
+    monkeypatch.delenv("MLX_DFLASH2_COMPILE", raising=False)
+    assert not compile_enabled("cpu") and compile_enabled("cuda") and compile_enabled("metal")
+    monkeypatch.setenv("MLX_DFLASH2_COMPILE", "0")
+    assert not compile_enabled("cuda")
+    monkeypatch.setenv("MLX_DFLASH2_COMPILE", "yes")
+    with pytest.raises(ValueError, match="MLX_DFLASH2_COMPILE"):
+        compile_enabled("cuda")
+
+
 def test_target_routing_that_disagrees_is_undone(monkeypatch, caplog):
     """A kernel path whose logits differ from the reference path is put back, with one warning."""
     import mlx.nn as nn

@@ -238,7 +238,16 @@ def main(argv=None):
             route_mlps(routed.model.layers, mode="kernel")
             route_attention(routed.model.layers, mode="kernel")
         ctx = 64 if a.tiny else 1024
-        for kind, m in (("mlx", model), ("kernel", routed)):
+        from mlx_dflash2.kernels.block import route_blocks
+
+        def variants():
+            yield "mlx", model
+            yield "kernel", routed
+            if be == "cuda" or a.tiny:  # the routed layers' graphs built by compiled functions (kernels/block.py)
+                route_blocks(routed.model.layers)
+                yield "kernel+compile", routed
+
+        for kind, m in variants():
             for M in (1, 16):
                 cache = make_prompt_cache(m)
                 mx.eval(m(mx.zeros((1, ctx), dtype=mx.int32), cache=cache))

@@ -258,36 +258,56 @@ class KernelAttention(nn.Module):
         heads = (attn.num_attention_heads, attn.num_key_value_heads) if gated else (attn.n_heads, attn.n_kv_heads)
         object.__setattr__(self, "fixed", (*heads, attn.scale, norms, attn.rope, gated))
 
-    def __call__(self, x, mask=None, cache=None):
+    def project(self, x):
+        """The queries, keys and values of ``x`` ``[B, L, D]`` before RoPE: ``(q [B, H, L, Dh], k, v
+        [B, Hk, L, Dh], gate [B, L, H * Dh] or None)`` (``gate``: the gated attention's output gate)."""
         a = self.inner
         B, L, _ = x.shape
-        nh, nkv, scale, norms, rope, gated = self.fixed  # plain attributes: no nn.Module lookups per call
+        nh, nkv, _, norms, _, gated = self.fixed  # plain attributes: no nn.Module lookups per call
         if self.qkv is not None:
             y, (i, j) = self.qkv(x), self.splits
             q, k, v = y[..., :i], y[..., i:j], y[..., j:]
         else:
             q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
         q = q.reshape(B, L, nh, -1)
+        gate = None
         if gated:  # each head's query, then its output gate (mlx-lm's Qwen3NextAttention)
             q, gate = mx.split(q, 2, axis=-1)
+            gate = gate.reshape(B, L, -1)
         k = k.reshape(B, L, nkv, -1)
         if norms is not None:
             q, k = norms[0](q), norms[1](k)
         q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
         v = v.reshape(B, L, nkv, -1).transpose(0, 2, 1, 3)
-        if cache is None:
-            q, k = rope(q), rope(k)
-            out = _sdpa(q, k, v, cache=None, scale=scale, mask=mask)
-        else:
-            q, k = rope(q, offset=cache.offset), rope(k, offset=cache.offset)
-            k, v = cache.update_and_fetch(k, v)
-            plain = type(cache) is _KVCache and (mask is None or (isinstance(mask, str) and mask == "causal"))
-            if plain and B == 1 and L <= MAX_ROWS:
-                out = verify_attention(q, cache.keys, cache.values, cache.offset, scale, mode=self.kernel_mode)
-            else:
-                out = _sdpa(q, k, v, cache=cache, scale=scale, mask=mask)
+        return q, k, v, gate
+
+    def output(self, out, gate):
+        """``o_proj`` of the attention's output ``out`` ``[B, H, L, Dh]`` (times ``sigmoid(gate)`` where gated):
+        ``[B, L, D]``."""
+        B, _, L, _ = out.shape
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
-        return a.o_proj(out * mx.sigmoid(gate.reshape(B, L, -1)) if gated else out)
+        return self.inner.o_proj(out * mx.sigmoid(gate) if gate is not None else out)
+
+    def fast(self, cache, mask, B: int, L: int) -> bool:
+        """Whether the attention core of a call goes through :data:`verify_attention`: at most 16 new rows of one
+        sequence, a plain ``KVCache``, the causal mask (or none)."""
+        return (B == 1 and L <= MAX_ROWS and type(cache) is _KVCache
+                and (mask is None or (isinstance(mask, str) and mask == "causal")))
+
+    def attend(self, q, k, v, mask=None, cache=None):
+        """RoPE at the cache's offset, the cache update and the attention core of projected ``q, k, v``."""
+        _, _, scale, _, rope, _ = self.fixed
+        if cache is None:
+            return _sdpa(rope(q), rope(k), v, cache=None, scale=scale, mask=mask)
+        q, k = rope(q, offset=cache.offset), rope(k, offset=cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        if self.fast(cache, mask, q.shape[0], q.shape[2]):
+            return verify_attention(q, cache.keys, cache.values, cache.offset, scale, mode=self.kernel_mode)
+        return _sdpa(q, k, v, cache=cache, scale=scale, mask=mask)
+
+    def __call__(self, x, mask=None, cache=None):
+        q, k, v, gate = self.project(x)
+        return self.output(self.attend(q, k, v, mask, cache), gate)
 
 
 def route_attention(layers, mode: str | None = None) -> list[tuple]:

@@ -137,8 +137,8 @@ def device_params():
         registry._int_params[k] = q
 
 
-def trivial_kernel():
-    return mx.fast.cuda_kernel(name="plus_one", input_names=["x"], output_names=["y"],
+def trivial_kernel(header: str = ""):
+    return mx.fast.cuda_kernel(name="plus_one", input_names=["x"], output_names=["y"], header=header,
                                source="  unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;\n"
                                       "  if (i < x_shape[0]) y[i] = x[i] + (T)1;\n")
 
@@ -151,9 +151,12 @@ def main(argv=None):
     p.add_argument("--trace", action="store_true", help="GPU kernel records through torch.profiler")
     p.add_argument("--forward", action="store_true", help="also the 8B shape's one-token forward")
     p.add_argument("--tiny", action="store_true", help="small sizes (a CPU check of the script)")
+    p.add_argument("--skip-q", action="store_true", help="skip the q-projection chains")
+    p.add_argument("--tag", default="", help="a label stored in the JSON (e.g. the environment tried)")
     a = p.parse_args(argv)
     be = backend()
-    res = {"backend": be, "mlx": mx.__version__, "rows": []}
+    res = {"backend": be, "mlx": mx.__version__, "rows": [], "tag": a.tag,
+           "env": {k: v for k, v in os.environ.items() if k.startswith(("MLX_", "CUDA_"))}}
     tracer = Tracer() if a.trace and be == "cuda" else None
     res["tracer"] = None if tracer is None else tracer.why
     log(f"backend {be}; tracer {res['tracer']}")
@@ -180,7 +183,7 @@ def main(argv=None):
     mlx_mm = lambda x, w: mx.quantized_matmul(x, *w, transpose=True, group_size=64, bits=4)  # noqa: E731
     ker_mm = lambda x, w: qmm(x, *w, 64, 4, mode="kernel")  # noqa: E731
     kinds = [("mlx", mlx_mm)] + ([("kernel", ker_mm), ("kernel_devparams", ker_mm)] if be == "cuda" else [])
-    for M in (1, 16):
+    for M in (() if a.skip_q else (1, 16)):
         x0 = (mx.random.normal((M, hidden)) * 0.1).astype(mx.bfloat16)
         for kind, mm in kinds:
             if kind == "kernel_devparams":
@@ -206,6 +209,21 @@ def main(argv=None):
         kinds.append(("cuda_kernel_add", lambda x: k(inputs=[x], template=[("T", mx.bfloat16)],
                                                      grid=(hidden, 1, 1), threadgroup=(256, 1, 1),
                                                      output_shapes=[x.shape], output_dtypes=[x.dtype])[0]))
+        # the same kernel with a registry-sized source (MLX builds the source at every call and hashes it at every
+        # launch), and with that text #included from a file (NVRTC reads it; the source MLX hashes stays small)
+        text = registry.source_text("qmm.cu")
+        inc = Path(tempfile.gettempdir()) / f"dflash_trace_{abs(hash(text))}.cuh"
+        inc.write_text(text)
+        for tag, header in (("cuda_kernel_add_qmm_header", text), ("cuda_kernel_add_include", f'#include "{inc}"\n')):
+            try:
+                kk = trivial_kernel(header)
+                f = (lambda x, kk=kk: kk(inputs=[x], template=[("T", mx.bfloat16)], grid=(hidden, 1, 1),
+                                         threadgroup=(256, 1, 1), output_shapes=[x.shape], output_dtypes=[x.dtype])[0])
+                mx.eval(f(x0))
+                kinds.append((tag, f))
+            except Exception as e:  # noqa: BLE001
+                res["rows"].append({"chain": "trivial", "kind": tag, "error": f"{type(e).__name__}: {e}"[:300]})
+                log(f"{tag}: {type(e).__name__}: {e}"[:300])
     for kind, f in kinds:
         def ch(x, f=f):
             for _ in range(n_layers * 4):
@@ -238,14 +256,17 @@ def main(argv=None):
             route_mlps(routed.model.layers, mode="kernel")
             route_attention(routed.model.layers, mode="kernel")
         ctx = 64 if a.tiny else 1024
+        from mlx_dflash2.kernels import undo_routes
         from mlx_dflash2.kernels.block import route_blocks
 
         def variants():
             yield "mlx", model
             yield "kernel", routed
             if be == "cuda" or a.tiny:  # the routed layers' graphs built by compiled functions (kernels/block.py)
-                route_blocks(routed.model.layers)
+                swaps = route_blocks(routed.model.layers)
                 yield "kernel+compile", routed
+                undo_routes(swaps)
+                yield "kernel (again: order effects)", routed
 
         for kind, m in variants():
             for M in (1, 16):

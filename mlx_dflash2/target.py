@@ -415,6 +415,7 @@ class TargetAdapter:
         from .kernels.block import compile_enabled, route_blocks
 
         mode = K.check_mode(mode)
+        compile_layers = compile_enabled(K.backend())  # a bad MLX_DFLASH2_COMPILE fails before any swap
         if self._routes or (not force and (mode == "reference" or K.backend() == "cpu")):
             return len(self._routes)
         ref = self._probe_logits(own=False) if probe else None
@@ -423,7 +424,7 @@ class TargetAdapter:
         swaps = K.route_quantized_linears(self.model, mode)
         swaps += (K.route_mlps(self.layers, mode) + K.route_attention(self.layers, mode)  # its classes only
                  + K.route_gated_delta(self.model, mode))  # hybrid: every step's state kept in a verify block
-        if compile_enabled(K.backend()):  # the routed layers' graphs built by compiled functions (host cost)
+        if compile_layers:  # the routed layers' graphs built by compiled functions (host cost)
             swaps += route_blocks(self.inner.layers)  # the model's own list (self.layers is a copy)
         head = self.lm.lm_head if hasattr(self.lm, "lm_head") else emb.as_linear
         if not hasattr(self.lm, "lm_head") and isinstance(emb, nn.QuantizedEmbedding) and getattr(emb, "mode", "affine") == "affine":

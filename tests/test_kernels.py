@@ -408,7 +408,26 @@ def test_compiled_blocks_compute_what_the_routed_layers_compute(monkeypatch, mod
     for _ in range(3):  # eager, then compiled twice
         assert mx.array_equal(t.forward(ids[10:], cache).logits, before[10:])
         trim_cache(cache, 3)
-    assert ((1, 3, 64), mx.float32) in blocks[0]._seen
+    assert ((1, 3, 64), mx.float32) in blocks[0]._compiled()[0]
+    # another thread gets its own compiled functions (MLX keeps compiled traces per thread) and the same logits
+    import threading
+
+    got = {}
+
+    def other():
+        c2 = t.make_cache()
+        t.forward(ids[:10], c2)
+        ok = []
+        for _ in range(2):  # eager, then compiled (MLX's streams are per thread: compared here)
+            ok.append(mx.array_equal(t.forward(ids[10:], c2).logits, before[10:]).item())
+            trim_cache(c2, 3)
+        got["ok"], got["fns"] = ok, blocks[0]._compiled()
+
+    th = threading.Thread(target=other)
+    th.start()
+    th.join()
+    assert got["ok"] == [True, True]
+    assert got["fns"][1] is not blocks[0]._compiled()[1]
     assert mx.array_equal(t.forward(ids, t.make_cache()).logits, before)  # 13 rows without a cache offset
     long_ids = mx.array(list(range(40)), dtype=mx.int32)  # a 40-row chunk: the wrapped layers themselves
     undo = list(t._routes)
@@ -424,13 +443,20 @@ def test_compile_switch_is_checked(monkeypatch):
     """MLX_DFLASH2_COMPILE: unset = GPU backends only; 0/1 force; anything else is a named error."""
     from mlx_dflash2.kernels.block import compile_enabled
 
+    import mlx.nn as nn
+
     monkeypatch.delenv("MLX_DFLASH2_COMPILE", raising=False)
+    t = _tiny_quantized_target()
     assert not compile_enabled("cpu") and compile_enabled("cuda") and compile_enabled("metal")
     monkeypatch.setenv("MLX_DFLASH2_COMPILE", "0")
     assert not compile_enabled("cuda")
     monkeypatch.setenv("MLX_DFLASH2_COMPILE", "yes")
     with pytest.raises(ValueError, match="MLX_DFLASH2_COMPILE"):
         compile_enabled("cuda")
+    with pytest.raises(ValueError, match="MLX_DFLASH2_COMPILE"):
+        t.route_kernels("kernel", force=True)
+    # the error comes before any module is swapped: the model stays as it was
+    assert type(t.layers[0].mlp.down_proj) is nn.QuantizedLinear and not t._routes
 
 
 def test_target_routing_that_disagrees_is_undone(monkeypatch, caplog):

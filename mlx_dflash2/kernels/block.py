@@ -25,6 +25,7 @@ C++ compiler at first use, for nothing: the CPU runs no kernels).
 from __future__ import annotations
 
 import os
+import threading
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -69,9 +70,12 @@ class KernelBlock(nn.Module):
         attn = block.self_attn
         # plain attributes (outside the module tree: the inner layer lists them)
         object.__setattr__(self, "parts", (block.input_layernorm, attn, block.post_attention_layernorm, block.mlp))
-        object.__setattr__(self, "_seen", set())
-        object.__setattr__(self, "_head", mx.compile(self.head))
-        object.__setattr__(self, "_tail", mx.compile(self.tail))
+        # the compiled functions and the signatures seen, per thread: MLX 0.32 keeps compiled traces per thread and,
+        # when a compiled function is freed, erases them from the last calling thread's cache only; traced on two
+        # threads (route_kernels' timed steps on one, a server's worker on another) a trace would outlive its block
+        # (its weights held as constants) and, keyed by the function's address, could be found again by a later
+        # block whose function reuses that address. One thread per compiled function keeps the erase complete.
+        object.__setattr__(self, "_local", threading.local())
 
     def __getattr__(self, key):  # the wrapped layer's members (self_attn, mlp, norms) read through
         try:
@@ -81,6 +85,14 @@ class KernelBlock(nn.Module):
             if inner is None:
                 raise
             return getattr(inner, key)
+
+    def _compiled(self):
+        """``(signatures seen, compiled head, compiled tail)`` of the calling thread (made at its first call)."""
+        loc = self._local
+        fns = getattr(loc, "fns", None)
+        if fns is None:
+            fns = loc.fns = (set(), mx.compile(self.head), mx.compile(self.tail))
+        return fns
 
     def head(self, x):
         """``(q, k, v, gate)`` of the layer's attention from its input ``x`` ``[1, L, D]`` (before RoPE)."""
@@ -99,11 +111,12 @@ class KernelBlock(nn.Module):
         B, L, _ = x.shape
         if cache is None or not attn.fast(cache, mask, B, L):
             return self.inner(x, mask, cache)
+        seen, c_head, c_tail = self._compiled()
         sig = (x.shape, x.dtype)
-        compiled = sig in self._seen
-        if not compiled and len(self._seen) < MAX_SIGNATURES:
-            self._seen.add(sig)  # this call runs eagerly (gates, bindings); the next ones compiled
-        head, tail = (self._head, self._tail) if compiled else (self.head, self.tail)
+        compiled = sig in seen
+        if not compiled and len(seen) < MAX_SIGNATURES:
+            seen.add(sig)  # this call runs eagerly (gates, bindings); the next ones compiled
+        head, tail = (c_head, c_tail) if compiled else (self.head, self.tail)
         q, k, v, *gate = head(x)
         out = attn.attend(q, k, v, mask, cache)
         return tail(x, out, *gate)

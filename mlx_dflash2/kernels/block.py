@@ -31,6 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .attention import KernelAttention
+from .qmm import Wrapper
 
 __all__ = ["KernelBlock", "route_blocks", "BLOCK_CLASSES", "compile_enabled", "COMPILE_ENV"]
 
@@ -54,7 +55,7 @@ def compile_enabled(backend: str) -> bool:
     return v == "1" if v else backend != "cpu"
 
 
-class KernelBlock(nn.Module):
+class KernelBlock(Wrapper):
     """A decoder layer of :data:`BLOCK_CLASSES` whose attention is a :class:`~.attention.KernelAttention`, run as
     two ``mx.compile``'d functions around its cache-dependent middle (see the module's docstring) wherever the
     attention's fast path applies (one sequence, at most 16 new rows, a plain ``KVCache``); other calls (prompt
@@ -76,15 +77,6 @@ class KernelBlock(nn.Module):
         # (its weights held as constants) and, keyed by the function's address, could be found again by a later
         # block whose function reuses that address. One thread per compiled function keeps the erase complete.
         object.__setattr__(self, "_local", threading.local())
-
-    def __getattr__(self, key):  # the wrapped layer's members (self_attn, mlp, norms) read through
-        try:
-            return super().__getattr__(key)
-        except AttributeError:
-            inner = dict.get(self, "inner")
-            if inner is None:
-                raise
-            return getattr(inner, key)
 
     def _compiled(self):
         """``(signatures seen, compiled head, compiled tail)`` of the calling thread (made at its first call)."""
@@ -122,10 +114,10 @@ class KernelBlock(nn.Module):
         return tail(x, out, *gate)
 
 
-def route_blocks(layers, mode: str | None = None) -> list[tuple]:
+def route_blocks(layers) -> list[tuple]:
     """Wrap every decoder layer of ``layers`` (a model's list, edited in place) whose class is in
     :data:`BLOCK_CLASSES` and whose ``self_attn`` is a :class:`~.attention.KernelAttention` with a
-    :class:`KernelBlock` (this model instance only). ``mode`` is unused (the layer's routed modules carry theirs).
+    :class:`KernelBlock` (this model instance only; the layer's routed modules carry their kernel mode).
 
     Returns:
         The swaps ``[(layers, i, original)]`` (``kernels.qmm.undo_routes`` restores them).

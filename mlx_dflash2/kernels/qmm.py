@@ -258,7 +258,22 @@ MLP_CLASSES = ("mlx_lm.models.llama.MLP", "mlx_lm.models.mistral.MLP", "mlx_lm.m
                "mlx_lm.models.qwen3.MLP", "mlx_lm.models.qwen3_next.Qwen3NextMLP")
 
 
-class KernelMLP(nn.Module):
+class Wrapper(nn.Module):
+    """A module wrapping another one (``self.inner``) whose members it does not have itself read through to the
+    wrapped one (e.g. a routed MLP's ``gate_proj``, a routed layer's ``self_attn``), so code that reads the
+    original module's attributes keeps working."""
+
+    def __getattr__(self, key):
+        try:
+            return super().__getattr__(key)
+        except AttributeError:
+            inner = dict.get(self, "inner")
+            if inner is None:
+                raise
+            return getattr(inner, key)
+
+
+class KernelMLP(Wrapper):
     """A SwiGLU MLP of a supported mlx-lm family with its gate and up projections fused into one ``qmm``
     call over their concatenated rows: ``down(silu(g) * u)`` with ``[g | u] = x @ [W_gate; W_up]^T``.
 
@@ -280,15 +295,6 @@ class KernelMLP(nn.Module):
         self.inner = mlp
         self.hidden = int(mlp.gate_proj["weight"].shape[0])
         object.__setattr__(self, "gate_up", fuse_linears([mlp.gate_proj, mlp.up_proj], mode))  # not listed twice
-
-    def __getattr__(self, key):  # the wrapped MLP's members (gate_proj, up_proj, down_proj) read through
-        try:
-            return super().__getattr__(key)
-        except AttributeError:
-            inner = dict.get(self, "inner")
-            if inner is None:
-                raise
-            return getattr(inner, key)
 
     def __call__(self, x):
         from mlx_lm.models.activations import swiglu

@@ -10,7 +10,8 @@ host-bound (13.8 ms pipelined against 9.6). This script attributes that build ti
 2. per call: a bound routed linear, ``verify_attention`` and MLX's attention on the same arrays, and the
    trivial one-thread-per-element ``cuda_kernel`` with a small and with an 8 KB header (what MLX's
    custom-kernel path costs per byte of source);
-3. ``cProfile`` of the fully routed forward's build (top functions by own time) -> ``--out`` ``.prof.txt``.
+3. ``cProfile`` of the forward's build as the target adapter routes it (compiled layers on a GPU, session 20) at
+   M = 1 and 16 (top functions by own and cumulative time) -> ``--out`` ``.M1.prof.txt``, ``.M16.prof.txt``.
 
     python benchmarks/gpu/profile_build.py --out $OUT/build.json
 """
@@ -54,6 +55,7 @@ def main(argv=None):
     p.add_argument("--out", default=None)
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--shape", default="qwen3-8b")
+    p.add_argument("--compile-on-cpu", action="store_true", help="the compiled variant on the CPU too (a check)")
     a = p.parse_args(argv)
     from mlx_lm.models.cache import make_prompt_cache
     from random_targets import build_target, twin
@@ -78,6 +80,15 @@ def main(argv=None):
         if "attention" in steps:
             route_attention(m.model.layers, mode=mode)
         variants.append(("+".join(steps), m))
+    if be != "cpu" or a.compile_on_cpu:  # the routed layers' graphs built by compiled functions (kernels/block.py)
+        from mlx_dflash2.kernels.block import route_blocks
+
+        m = twin(model, cfg)
+        route_quantized_linears(m, mode=mode)
+        route_mlps(m.model.layers, mode=mode)
+        route_attention(m.model.layers, mode=mode)
+        route_blocks(m.model.layers)
+        variants.append(("linears+mlps+attention+compile", m))
     ctx = 1024
     for name, m in variants:
         for M in (1, 16):
@@ -100,7 +111,7 @@ def main(argv=None):
             res["rows"].append(row)
             log(json.dumps(row))
             save()
-            if name.endswith("attention") and M == 1:
+            if name == variants[-1][0]:  # the last variant (the target adapter's routing) at both widths
                 pr = cProfile.Profile()
                 pr.enable()
                 for _ in range(a.repeats):
@@ -112,11 +123,11 @@ def main(argv=None):
                 pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(45)
                 text = s.getvalue().replace(str(Path.home()), "~")
                 if a.out:
-                    Path(a.out).with_suffix(".prof.txt").write_text(text)
+                    Path(a.out).with_suffix(f".M{M}.prof.txt").write_text(text)
                 print(text[:6000], flush=True)
 
     # per call: one routed linear (bound), verify_attention vs MLX's attention, trivial kernels
-    routed = variants[-1][1]
+    routed = variants[3][1]  # linears+mlps+attention
     lin = routed.model.layers[0].self_attn.inner.o_proj
     for M in (1, 16):
         x = mx.zeros((1, M, lin.weight.shape[1] * 32 // lin.bits), dtype=mx.bfloat16)

@@ -259,12 +259,28 @@ def main(argv=None):
         from mlx_dflash2.kernels import undo_routes
         from mlx_dflash2.kernels.block import route_blocks
 
+        def reset_kernels():  # the ops build their mx.fast kernel objects again (with the header now chosen)
+            from mlx_dflash2 import kernels as K
+
+            for op in K.OPS.values():
+                op._kernels.clear()
+            registry._headers.clear()
+
         def variants():
             yield "mlx", model
             yield "kernel", routed
             if be == "cuda" or a.tiny:  # the routed layers' graphs built by compiled functions (kernels/block.py)
                 swaps = route_blocks(routed.model.layers)
                 yield "kernel+compile", routed
+                if be == "cuda":  # the same with every kernel's source inline (no #include: registry.cuda_header);
+                    # fresh compiled layers: a compiled trace keeps the kernel objects it recorded
+                    undo_routes(swaps)
+                    os.environ[registry.INCLUDE_ENV] = "0"
+                    reset_kernels()
+                    swaps = route_blocks(routed.model.layers)
+                    yield "kernel+compile, sources inline", routed
+                    del os.environ[registry.INCLUDE_ENV]
+                    reset_kernels()
                 undo_routes(swaps)
                 yield "kernel (again: order effects)", routed
 

@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .registry import KernelSpec, _source_dir, source_text
+from .registry import KernelSpec, _source_dir, cuda_header, source_text
 
 __all__ = ["cuda_source", "metal_source", "compile_cuda", "compile_metal", "nvrtc_available", "cxx_available",
            "check_all"]
@@ -42,7 +42,8 @@ def _tval(v) -> str:
 
 def cuda_source(spec: KernelSpec, example: dict) -> str:
     """The CUDA text ``mx.fast.cuda_kernel`` builds for ``spec`` with template args ``example`` (MLX's
-    device header and ``cooperative_groups``, which our kernels do not use, left out)."""
+    device header and ``cooperative_groups``, which our kernels do not use, left out; our header as
+    :func:`~.registry.cuda_header` gives it: an ``#include`` of the written file where it can be)."""
     types = {k: _CUDA_TYPES[v] for k, v in example.items() if isinstance(v, str)}
 
     def ty(t):
@@ -61,7 +62,7 @@ def cuda_source(spec: KernelSpec, example: dict) -> str:
     consts = [f"  using {k} = {types[k]};" if isinstance(v, str) else f"  constexpr {'bool' if isinstance(v, bool) else 'int'} {k} = {_tval(v)};"
               for k, v in example.items()]
     return ("typedef unsigned int uint32_t;\ntypedef int int32_t;\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
-            + _CUDA_STUB + source_text(spec.header) +
+            + _CUDA_STUB + cuda_header(spec.header) +
             "namespace mlx::core::cu {\n__global__ void custom_kernel_" + spec.name + "(\n" +
             ",\n".join(sig) + ") {\n" + "\n".join(consts) + "\n" + spec.body + "\n}\n}\n")
 

@@ -169,6 +169,66 @@ def compact_source(text: str) -> str:
     return "\n".join(out) + "\n"
 
 
+INCLUDE_ENV = "MLX_DFLASH2_CUDA_INCLUDE"
+_include_failed = False
+
+
+def _use_include() -> bool:
+    return not _include_failed and os.environ.get(INCLUDE_ENV, "1") != "0"
+
+
+def source_cache_dir() -> Path:
+    """Where :func:`cuda_header` writes kernel sources: ``$MLX_DFLASH2_CACHE/cuda-src``, else
+    ``$XDG_CACHE_HOME/mlx_dflash2/cuda-src``, else ``~/.cache/mlx_dflash2/cuda-src``."""
+    from ..assets import cache_dir
+
+    return cache_dir() / "cuda-src"
+
+
+_headers: dict[str, str] = {}
+
+
+def cuda_header(name: str) -> str:
+    """The ``header`` an ``mx.fast.cuda_kernel`` of source ``name`` gets: one line
+    ``#include "<absolute path>"`` of the compacted text (:func:`source_text`) written once to
+    :func:`source_cache_dir` as ``<stem>-<sha1 of the text, 12 hex><suffix>``, or the text itself where
+    that file cannot be written, its path needs quoting, ``MLX_DFLASH2_CUDA_INCLUDE=0``, or an include
+    failed to build before (:meth:`KernelOp.gate` then rebuilds inline).
+
+    Why: MLX's CUDA backend builds each custom kernel's full source string (header included) and hashes
+    it at every launch; measured on the H200 (session 19, ``benchmarks/gpu/trace_chain.py``): a trivial
+    kernel costs 5.2 us per launch, 8.3 us with ``qmm.cu``'s 8.4 KB as its header and 4.2 us with that
+    header ``#include``d from a file by absolute path (NVRTC reads it); a routed 8B forward launches ~216
+    custom kernels. The content hash in the file name is in the source MLX hashes, so a changed source
+    never meets a stale PTX cache entry (``MLX_PTX_CACHE_DIR``).
+    """
+    text = source_text(name)
+    if not _use_include():
+        return text
+    line = _headers.get(name)
+    if line is None:
+        import hashlib
+
+        digest = hashlib.sha1(text.encode()).hexdigest()[:12]
+        stem, dot, suffix = name.rpartition(".")
+        path = source_cache_dir() / f"{stem or suffix}-{digest}{dot + suffix if stem else ''}"
+        try:
+            if not (path.is_file() and path.read_text() == text):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+                tmp.write_text(text)
+                os.replace(tmp, path)
+            full = str(path.resolve())
+            if not full.isascii() or any(c in full for c in '"\\\n'):
+                raise OSError(f"path {full!r} needs quoting")
+            line = f'#include "{full}"\n'
+        except OSError as e:
+            logger.debug("mlx_dflash2: kernel source %s inline: %s", name, e)
+            line = text
+        _headers[name] = line
+    return line
+
+
 @dataclass
 class KernelSpec:
     """One ``mx.fast.metal_kernel`` / ``cuda_kernel`` of an op, declared so that the op can build it
@@ -262,8 +322,11 @@ class KernelOp:
         if k not in self._kernels:
             spec = self.specs(backend)[role]
             names = dict(input_names=[n for n, _ in spec.inputs], output_names=[n for n, _ in spec.outputs])
-            make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
-            self._kernels[k] = make(name=spec.name, header=source_text(spec.header), source=spec.body,
+            if backend == "cuda":
+                make, header = mx.fast.cuda_kernel, cuda_header(spec.header)
+            else:
+                make, header = mx.fast.metal_kernel, source_text(spec.header)
+            self._kernels[k] = make(name=spec.name, header=header, source=spec.body,
                                     ensure_row_contiguous=spec.contiguous, **names)
         return self._kernels[k]
 
@@ -323,7 +386,7 @@ class KernelOp:
 
     __call__ = dispatch
 
-    def gate(self, be: str, key: tuple) -> GateResult:
+    def gate(self, be: str, key: tuple, _retrying: bool = False) -> GateResult:
         """Build and check the kernel on random inputs of ``key`` (see the module docstring)."""
         try:
             args, kw = self.sample(key)
@@ -356,6 +419,20 @@ class KernelOp:
                     return GateResult(False, err, f"not row-count invariant: {why}")
             return GateResult(True, err)
         except Exception as e:  # a build or launch failure: fall back, never crash the request
+            if be == "cuda" and _use_include() and not _retrying:
+                # was it the #include of the source (cuda_header)? gate again with the text inline: if that
+                # passes, every CUDA kernel gets its text inline from now on (one warning)
+                global _include_failed
+                _include_failed = True
+                self._kernels = {k: v for k, v in self._kernels.items() if k[0] != "cuda"}
+                again = self.gate(be, key, _retrying=True)
+                if again.ok:
+                    first = str(e).strip().splitlines()
+                    logger.warning("mlx_dflash2: CUDA kernels get their source inline (built from an "
+                                   "#include of it, %s failed: %s)", self.name, first[0][:200] if first else "")
+                    return again
+                _include_failed = False
+                self._kernels = {k: v for k, v in self._kernels.items() if k[0] != "cuda"}
             msg = str(e).strip().splitlines()
             return GateResult(False, float("inf"), f"{type(e).__name__}: {msg[0][:300] if msg else ''}")
 

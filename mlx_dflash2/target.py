@@ -412,10 +412,11 @@ class TargetAdapter:
             ValueError: an unknown mode.
         """
         from . import kernels as K
-        from .kernels.block import compile_enabled, route_blocks
+        from .kernels.block import compile_enabled, route_blocks, submit_every
 
         mode = K.check_mode(mode)
         compile_layers = compile_enabled(K.backend())  # a bad MLX_DFLASH2_COMPILE fails before any swap
+        submit_every()  # and a bad MLX_DFLASH2_SUBMIT_EVERY
         if self._routes or (not force and (mode == "reference" or K.backend() == "cpu")):
             return len(self._routes)
         ref = self._probe_logits(own=False) if probe else None

@@ -394,6 +394,7 @@ def test_compiled_blocks_compute_what_the_routed_layers_compute(monkeypatch, mod
     from mlx_dflash2.target import trim_cache
 
     monkeypatch.setenv("MLX_DFLASH2_COMPILE", "1")
+    monkeypatch.setenv("MLX_DFLASH2_SUBMIT_EVERY", "1")  # every layer but the last queues a multi-row output early
     assert compile_enabled("cpu")
     t = _tiny_quantized_target(model_type)
     originals = list(t.inner.layers)
@@ -404,11 +405,19 @@ def test_compiled_blocks_compute_what_the_routed_layers_compute(monkeypatch, mod
     assert t.route_kernels("kernel", force=True) == 3 * 7 + 3 + 3 + 3
     blocks = t.inner.layers
     assert all(isinstance(b, KernelBlock) for b in blocks) and blocks[0].self_attn is originals[0].self_attn
+    assert [b.submit for b in blocks] == [True, True, False]
+    submitted = []
+    real_async_eval = mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *a: (submitted.append(len(a)), real_async_eval(*a)))
     cache = t.make_cache()
     t.forward(ids[:10], cache)
     for _ in range(3):  # eager, then compiled twice
         assert mx.array_equal(t.forward(ids[10:], cache).logits, before[10:])
         trim_cache(cache, 3)
+    assert len(submitted) == 2 * 4  # 10 rows (the wrapped layers) and 3 rows: layers 0 and 1, each call
+    t.forward(ids[:1], cache)
+    assert len(submitted) == 8  # one row: never early
+    monkeypatch.setattr(mx, "async_eval", real_async_eval)
     assert ((1, 3, 64), mx.float32) in blocks[0]._compiled()[0]
     # another thread gets its own compiled functions (MLX keeps compiled traces per thread) and the same logits
     import threading
@@ -457,6 +466,11 @@ def test_compile_switch_is_checked(monkeypatch):
     with pytest.raises(ValueError, match="MLX_DFLASH2_COMPILE"):
         t.route_kernels("kernel", force=True)
     # the error comes before any module is swapped: the model stays as it was
+    assert type(t.layers[0].mlp.down_proj) is nn.QuantizedLinear and not t._routes
+    monkeypatch.setenv("MLX_DFLASH2_COMPILE", "1")
+    monkeypatch.setenv("MLX_DFLASH2_SUBMIT_EVERY", "-1")
+    with pytest.raises(ValueError, match="MLX_DFLASH2_SUBMIT_EVERY must be a non-negative integer"):
+        t.route_kernels("kernel", force=True)
     assert type(t.layers[0].mlp.down_proj) is nn.QuantizedLinear and not t._routes
 
 

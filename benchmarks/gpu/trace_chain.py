@@ -257,7 +257,7 @@ def main(argv=None):
             route_attention(routed.model.layers, mode="kernel")
         ctx = 64 if a.tiny else 1024
         from mlx_dflash2.kernels import undo_routes
-        from mlx_dflash2.kernels.block import route_blocks
+        from mlx_dflash2.kernels.block import route_blocks, set_submit_every, submit_every
 
         def reset_kernels():  # the ops build their mx.fast kernel objects again (with the header now chosen)
             from mlx_dflash2 import kernels as K
@@ -271,7 +271,11 @@ def main(argv=None):
             yield "kernel", routed
             if be == "cuda" or a.tiny:  # the routed layers' graphs built by compiled functions (kernels/block.py)
                 swaps = route_blocks(routed.model.layers)
-                yield "kernel+compile", routed
+                yield f"kernel+compile (submit every {submit_every()})", routed
+                for k in (0, 4, 18):  # multi-row forwards queued in parts while the host builds the rest
+                    set_submit_every(routed.model.layers, k)
+                    yield f"kernel+compile (submit every {k})", routed
+                set_submit_every(routed.model.layers, submit_every())
                 if be == "cuda":  # the same with every kernel's source inline (no #include: registry.cuda_header);
                     # fresh compiled layers: a compiled trace keeps the kernel objects it recorded
                     undo_routes(swaps)

@@ -256,8 +256,9 @@ class Shape:
         a, r = self.args, self.r
         props = {m: DFlashProposer(self.drafter, self.targets[m], valid_vocab=self.V, min_confidence=0.0)
                  for m in modes}
-        for m in modes:  # warm-up (first-use compilation), not counted
-            self.spec_run(m, props[m], 8)
+        for m in modes:  # warm-up (first-use compilation: every verify width), not counted; a full block is needed
+            # (session 20: an 8-token warm-up left the 16-row round's first compile, ~20 s, inside a timed run)
+            self.spec_run(m, props[m], 2 * self.B + 2)
         runs = {m: [] for m in modes}
         for _ in range(a.runs):
             for m in modes:
@@ -285,7 +286,8 @@ class Shape:
         out = {m: {} for m in modes}
         for m in modes:
             ref = self.continuation(m, need)
-            self.spec_run(m, rt.ScriptedProposer(len(self.ids), ref, [self.B - 1], self.B, self.V, self.taps), 8)
+            self.spec_run(m, rt.ScriptedProposer(len(self.ids), ref, [self.B - 1], self.B, self.V, self.taps),
+                          2 * self.B + 2)  # warm-up: full blocks
             for tau in taus:
                 prop = rt.ScriptedProposer(len(self.ids), ref, [tau - 1], self.B, self.V, self.taps)
                 # + 1: the prefill's token, so that the last round is not cut short by max_tokens

@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     for k in (int(x) for x in a.submit.split(",")):
         set_submit_every(t.inner.layers, k)
         for name, prop in props.items():
-            run(prop, 8)  # first use
+            run(prop, 2 * B + 2)  # first use (a full block: every verify width compiled)
             pr = cProfile.Profile() if name == "drafter" else None
             ms = run(prop, a.tokens, pr)
             row = {"submit": k, "proposer": name, "rounds": len(ms), "first_ms": [round(x, 2) for x in ms[:8]],

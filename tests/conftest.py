@@ -15,6 +15,8 @@ import tempfile  # noqa: E402
 _calibration_dir = tempfile.mkdtemp(prefix="mlx_dflash2-tests-")
 atexit.register(shutil.rmtree, _calibration_dir, ignore_errors=True)
 os.environ["MLX_DFLASH2_CALIBRATION_CACHE"] = os.path.join(_calibration_dir, "calibration.json")
+# and the CUDA kernel sources the NVRTC compile checks write (mlx_dflash2.kernels.registry.cuda_header)
+os.environ["MLX_DFLASH2_CUDA_SRC_DIR"] = os.path.join(_calibration_dir, "cuda-src")
 
 import mlx_dflash2  # noqa: F401,E402  (before MLX: loads the optimized OpenBLAS, mlx_dflash2/_blas.py)
 import mlx.core as mx

@@ -598,6 +598,7 @@ def test_cuda_header_is_an_include_of_the_written_source(monkeypatch, tmp_path):
     or ``MLX_DFLASH2_CUDA_INCLUDE=0``."""
     monkeypatch.setattr(registry, "_headers", {})
     monkeypatch.setattr(registry, "_include_failed", False)
+    monkeypatch.delenv(registry.SRC_DIR_ENV, raising=False)  # the default rule: under the cache
     monkeypatch.setenv("MLX_DFLASH2_CACHE", str(tmp_path))
     line = registry.cuda_header("qmm.cu")
     text = registry.source_text("qmm.cu")
@@ -606,28 +607,53 @@ def test_cuda_header_is_an_include_of_the_written_source(monkeypatch, tmp_path):
     assert path.is_absolute() and path.parent == (tmp_path / "cuda-src").resolve()
     assert path.read_text() == text and path.name.startswith("qmm-") and path.suffix == ".cu"
     assert registry.cuda_header("qmm.cu") == line  # made once
+    assert registry.cuda_header("qmm.cu", inline=True) == text
+    stamp = path.stat().st_mtime_ns
     monkeypatch.setattr(registry, "_headers", {})
     assert registry.cuda_header("qmm.cu") == line  # the same file again: same line, nothing rewritten
-    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+    assert path.stat().st_mtime_ns == stamp and sorted(p.name for p in path.parent.iterdir()) == [path.name]
+    monkeypatch.setenv(registry.SRC_DIR_ENV, str(tmp_path / "elsewhere"))
+    monkeypatch.setattr(registry, "_headers", {})
+    assert registry.cuda_header("qmm.cu").startswith(f'#include "{(tmp_path / "elsewhere").resolve()}/qmm-')
     monkeypatch.setattr(registry, "_headers", {})
     monkeypatch.setenv(registry.INCLUDE_ENV, "0")
     assert registry.cuda_header("qmm.cu") == text
     monkeypatch.delenv(registry.INCLUDE_ENV)
     blocker = tmp_path / "file"
     blocker.write_text("")
-    monkeypatch.setenv("MLX_DFLASH2_CACHE", str(blocker))  # cache "dir" is a file: cannot write
+    monkeypatch.setenv(registry.SRC_DIR_ENV, str(blocker))  # the folder is a file: cannot write
     assert registry.cuda_header("qmm.cu") == text
+    monkeypatch.setattr(registry, "_headers", {})
+    monkeypatch.setenv(registry.SRC_DIR_ENV, str(tmp_path / "bad"))
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / path.name).write_bytes(b"\xff\xfe not text")  # a corrupt file in the way: inline
+    assert registry.cuda_header("qmm.cu") == text
+    assert not [p for p in (tmp_path / "bad").iterdir() if p.suffix == ".tmp"]
 
 
 def test_a_cuda_include_that_fails_to_build_is_gated_again_inline(monkeypatch, caplog):
-    """If NVRTC cannot read the included source, the gate turns includes off (one warning) and builds the
-    kernel again with the text inline: the kernel still runs."""
+    """If NVRTC cannot read the included source, the op gates again with its source inline; when that builds,
+    every CUDA kernel made from then on gets its text inline (one warning). A kernel that fails inline too
+    leaves the includes on."""
     monkeypatch.setattr(registry, "_include_failed", False)
-    built = []
+    monkeypatch.setattr(registry, "_headers", {})
+    headers = []
+
+    def fake_cuda_kernel(name, header, source, ensure_row_contiguous, input_names, output_names):
+        headers.append(header)
+
+        def run(**kw):
+            if header.startswith("#include") or "BROKEN" in source:
+                raise RuntimeError("catastrophic error: cannot open source file")
+            return [kw["inputs"][0] * 2]
+        return run
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", fake_cuda_kernel)
 
     class Op(registry.KernelOp):
         name = "fake_include"
         sources = {"cuda": "qmm.cu"}
+        body = "y[0] = x[0];"
 
         def reference(self, x):
             return x * 2
@@ -638,20 +664,24 @@ def test_a_cuda_include_that_fails_to_build_is_gated_again_inline(monkeypatch, c
         def sample(self, key):
             return (mx.ones(key[0]),), {}
 
-        def launch(self, be, x):
-            built.append(registry._use_include())
-            if registry._use_include():
-                raise RuntimeError("catastrophic error: cannot open source file")
-            return x * 2
+        def specs(self, backend):
+            return {"k": registry.KernelSpec("fake", [("x", "T")], [("y", "T")], "qmm.cu", self.body)}
 
+        def launch(self, be, x):
+            return self.kernel(be, "k")(inputs=[x])[0]
+
+    text = registry.source_text("qmm.cu")
+    bad = Op()
+    bad.body = "BROKEN"
+    assert not bad.gate("cuda", ((4,),)).ok and not registry._include_failed and not bad._inline
+    assert [h.startswith("#include") for h in headers] == [True, False]  # tried inline too, then gave up
+    headers.clear()
     with caplog.at_level(logging.WARNING, logger="mlx_dflash2"):
-        gate = Op().gate("cuda", ((4,),))
-    assert gate.ok and built == [True, False] and registry._include_failed
-    assert registry.cuda_header("qmm.cu") == registry.source_text("qmm.cu")
+        good, other = Op(), Op()
+        assert good.gate("cuda", ((4,),)).ok
+        assert other.gate("cuda", ((4,),)).ok  # made after the switch: inline from the start, no second warning
+    assert headers == [headers[0], text, text] and headers[0].startswith("#include")
+    assert registry._include_failed and registry.cuda_header("qmm.cu") == text
     assert [r.getMessage() for r in caplog.records] == [
         "mlx_dflash2: CUDA kernels get their source inline (built from an #include of it, fake_include failed: "
         "catastrophic error: cannot open source file)"]
-    monkeypatch.setattr(registry, "_include_failed", False)  # a kernel that fails inline too: includes stay on
-    built.clear()
-    bad = _FakeOp("build")
-    assert not bad.gate("cuda", (8,)).ok and bad.launches == 2 and not registry._include_failed

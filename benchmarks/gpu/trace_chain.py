@@ -259,12 +259,19 @@ def main(argv=None):
         from mlx_dflash2.kernels import undo_routes
         from mlx_dflash2.kernels.block import route_blocks, set_submit_every, submit_every
 
-        def reset_kernels():  # the ops build their mx.fast kernel objects again (with the header now chosen)
+        def reset_kernels():  # the ops build their mx.fast kernel objects again (with the header now chosen), and
+            # every routed linear binds its calls again (a bound call keeps the kernel object it was bound to; the
+            # fused q/k/v and gate/up linears sit outside the module tree: found through the garbage collector)
+            import gc
+
             from mlx_dflash2 import kernels as K
 
             for op in K.OPS.values():
                 op._kernels.clear()
             registry._headers.clear()
+            for o in gc.get_objects():
+                if isinstance(o, qmm.KernelQuantizedLinear):
+                    o._bound.clear()
 
         def variants():
             yield "mlx", model

@@ -74,7 +74,8 @@ def submit_every() -> int:
 
 
 def set_submit_every(layers, k: int) -> None:
-    """Mark every ``k``-th :class:`KernelBlock` of ``layers`` (the 9th, 18th, ... for ``k`` = 9; none for 0) as one
+    """Mark every ``k``-th :class:`KernelBlock` of ``layers`` (counted over the KernelBlocks only, other layers
+    skipped: the 9th, 18th, ... for ``k`` = 9; none for 0; never the last, whose output the caller evaluates) as one
     that submits its multi-row output early."""
     blocks = [b for b in layers if isinstance(b, KernelBlock)]
     for i, b in enumerate(blocks):

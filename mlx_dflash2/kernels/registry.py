@@ -170,7 +170,9 @@ def compact_source(text: str) -> str:
 
 
 INCLUDE_ENV = "MLX_DFLASH2_CUDA_INCLUDE"
-_include_failed = False
+SRC_DIR_ENV = "MLX_DFLASH2_CUDA_SRC_DIR"
+_include_failed = False  # set once (never reset) when an include did not build and the inline text did
+_include_lock = threading.Lock()
 
 
 def _use_include() -> bool:
@@ -178,8 +180,15 @@ def _use_include() -> bool:
 
 
 def source_cache_dir() -> Path:
-    """Where :func:`cuda_header` writes kernel sources: ``$MLX_DFLASH2_CACHE/cuda-src``, else
-    ``$XDG_CACHE_HOME/mlx_dflash2/cuda-src``, else ``~/.cache/mlx_dflash2/cuda-src``."""
+    """Where :func:`cuda_header` writes kernel sources: ``$MLX_DFLASH2_CUDA_SRC_DIR``, else the cache
+    (``$MLX_DFLASH2_CACHE``, ``$XDG_CACHE_HOME/mlx_dflash2`` or ``~/.cache/mlx_dflash2``) ``/cuda-src``.
+
+    Raises:
+        RuntimeError: no home directory to be found (``Path.home()``).
+    """
+    d = os.environ.get(SRC_DIR_ENV)
+    if d:
+        return Path(d).expanduser()
     from ..assets import cache_dir
 
     return cache_dir() / "cuda-src"
@@ -188,22 +197,23 @@ def source_cache_dir() -> Path:
 _headers: dict[str, str] = {}
 
 
-def cuda_header(name: str) -> str:
+def cuda_header(name: str, inline: bool = False) -> str:
     """The ``header`` an ``mx.fast.cuda_kernel`` of source ``name`` gets: one line
     ``#include "<absolute path>"`` of the compacted text (:func:`source_text`) written once to
-    :func:`source_cache_dir` as ``<stem>-<sha1 of the text, 12 hex><suffix>``, or the text itself where
-    that file cannot be written, its path needs quoting, ``MLX_DFLASH2_CUDA_INCLUDE=0``, or an include
-    failed to build before (:meth:`KernelOp.gate` then rebuilds inline).
+    :func:`source_cache_dir` as ``<stem>-<sha1 of the text, 12 hex><suffix>``, or the text itself with
+    ``inline``, where that file cannot be written or read back, its path needs quoting,
+    ``MLX_DFLASH2_CUDA_INCLUDE=0``, or once an include failed to build where the text inline built
+    (:meth:`KernelOp.gate`).
 
     Why: MLX's CUDA backend builds each custom kernel's full source string (header included) and hashes
     it at every launch; measured on the H200 (session 19, ``benchmarks/gpu/trace_chain.py``): a trivial
     kernel costs 5.2 us per launch, 8.3 us with ``qmm.cu``'s 8.4 KB as its header and 4.2 us with that
     header ``#include``d from a file by absolute path (NVRTC reads it); a routed 8B forward launches ~216
-    custom kernels. The content hash in the file name is in the source MLX hashes, so a changed source
-    never meets a stale PTX cache entry (``MLX_PTX_CACHE_DIR``).
+    custom kernels. The content hash in the file name is in the source MLX hashes (its kernel cache key),
+    so a changed source never meets a kernel built from an older one.
     """
     text = source_text(name)
-    if not _use_include():
+    if inline or not _use_include():
         return text
     line = _headers.get(name)
     if line is None:
@@ -211,20 +221,26 @@ def cuda_header(name: str) -> str:
 
         digest = hashlib.sha1(text.encode()).hexdigest()[:12]
         stem, dot, suffix = name.rpartition(".")
-        path = source_cache_dir() / f"{stem or suffix}-{digest}{dot + suffix if stem else ''}"
+        fname = f"{stem or suffix}-{digest}{dot + suffix if stem else ''}"
+        tmp = None
         try:
+            path = source_cache_dir() / fname
             if not (path.is_file() and path.read_text() == text):
                 path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
                 tmp.write_text(text)
                 os.replace(tmp, path)
+                tmp = None
             full = str(path.resolve())
             if not full.isascii() or any(c in full for c in '"\\\n'):
                 raise OSError(f"path {full!r} needs quoting")
             line = f'#include "{full}"\n'
-        except OSError as e:
+        except (OSError, ValueError, RuntimeError) as e:  # ValueError: a file that is not text
             logger.debug("mlx_dflash2: kernel source %s inline: %s", name, e)
             line = text
+        finally:
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
         _headers[name] = line
     return line
 
@@ -289,6 +305,7 @@ class KernelOp:
         self._kernels: dict[tuple, Any] = {}
         self._fast: dict = {}
         self._lock = threading.Lock()
+        self._inline = False  # CUDA: this op's kernels built with their source inline (the gate's retry)
 
     # -- to define --------------------------------------------------------
     def reference(self, *args, **kw):  # pragma: no cover - abstract
@@ -316,19 +333,22 @@ class KernelOp:
 
     # -- machinery ----------------------------------------------------------
     def kernel(self, backend: str, role: str):
-        """The ``mx.fast`` kernel object of ``role`` on ``backend`` (made once; MLX compiles it per
-        template instantiation at first launch)."""
-        k = (backend, role)
-        if k not in self._kernels:
+        """The ``mx.fast`` kernel object of ``role`` on ``backend`` (made once per header text: on CUDA the
+        header is :func:`cuda_header`'s, an include or, for this op's inline retry or once includes are
+        off, the text; MLX compiles it per template instantiation at first launch)."""
+        inline = self._inline or _include_failed
+        k = (backend, role, inline)
+        kern = self._kernels.get(k)  # per launch: a dict lookup
+        if kern is None:
             spec = self.specs(backend)[role]
-            names = dict(input_names=[n for n, _ in spec.inputs], output_names=[n for n, _ in spec.outputs])
             if backend == "cuda":
-                make, header = mx.fast.cuda_kernel, cuda_header(spec.header)
+                make, header = mx.fast.cuda_kernel, cuda_header(spec.header, inline=inline)
             else:
                 make, header = mx.fast.metal_kernel, source_text(spec.header)
-            self._kernels[k] = make(name=spec.name, header=header, source=spec.body,
-                                    ensure_row_contiguous=spec.contiguous, **names)
-        return self._kernels[k]
+            names = dict(input_names=[n for n, _ in spec.inputs], output_names=[n for n, _ in spec.outputs])
+            kern = self._kernels[k] = make(name=spec.name, header=header, source=spec.body,
+                                           ensure_row_contiguous=spec.contiguous, **names)
+        return kern
 
     def tol(self, dtype) -> float:
         return self.tolerance.get(dtype, 1e-4)
@@ -419,20 +439,22 @@ class KernelOp:
                     return GateResult(False, err, f"not row-count invariant: {why}")
             return GateResult(True, err)
         except Exception as e:  # a build or launch failure: fall back, never crash the request
-            if be == "cuda" and _use_include() and not _retrying:
-                # was it the #include of the source (cuda_header)? gate again with the text inline: if that
-                # passes, every CUDA kernel gets its text inline from now on (one warning)
-                global _include_failed
-                _include_failed = True
-                self._kernels = {k: v for k, v in self._kernels.items() if k[0] != "cuda"}
+            if be == "cuda" and _use_include() and not self._inline and not _retrying:
+                # was it the #include of the source (cuda_header)? this op gates again with its text inline; if
+                # that passes, every CUDA kernel made from now on gets its text inline (one warning; kernels
+                # already built and checked keep working)
+                self._inline = True
                 again = self.gate(be, key, _retrying=True)
                 if again.ok:
-                    first = str(e).strip().splitlines()
-                    logger.warning("mlx_dflash2: CUDA kernels get their source inline (built from an "
-                                   "#include of it, %s failed: %s)", self.name, first[0][:200] if first else "")
+                    global _include_failed
+                    with _include_lock:
+                        warn, _include_failed = not _include_failed, True
+                    if warn:
+                        first = str(e).strip().splitlines()
+                        logger.warning("mlx_dflash2: CUDA kernels get their source inline (built from an #include "
+                                       "of it, %s failed: %s)", self.name, first[0][:200] if first else "")
                     return again
-                _include_failed = False
-                self._kernels = {k: v for k, v in self._kernels.items() if k[0] != "cuda"}
+                self._inline = False
             msg = str(e).strip().splitlines()
             return GateResult(False, float("inf"), f"{type(e).__name__}: {msg[0][:300] if msg else ''}")
 

@@ -343,3 +343,42 @@ def test_gated_attention_is_routed_and_equals_mlx_lm(tmp_path, kind):
             want = attn(x[:, a:b], mask=mask, cache=c1)
             got = routed(x[:, a:b], mask=mask, cache=c2)
             assert mx.abs(want - got).max().item() <= 1e-5, (kind, i, a)
+
+
+@pytest.mark.parametrize("kind", RECURRENT_KINDS)
+def test_compiled_hybrid_blocks_compute_what_the_routed_layers_compute(tmp_path, kind, monkeypatch):
+    """MLX_DFLASH2_COMPILE=1 (the default on a GPU) on a hybrid: every decoder layer becomes a KernelBlock, the
+    attention layers as in a dense target, the GatedDeltaNet layers with their norm and mixer eager and their tail
+    compiled. Eager (first call of a shape) and compiled calls give exactly the logits of the routed layers
+    without compile (float32), the early submission of a block changes nothing, and speculative decoding with
+    rejections at several offsets still equals mlx-lm's greedy output."""
+    from mlx_dflash2.kernels import undo_routes
+    from mlx_dflash2.kernels.block import KernelBlock
+
+    path = tiny_hybrid_dir(tmp_path / kind, kind)
+    target, _, _ = load_target(str(path), dtype=mx.float32)
+    ids = mx.array(PROMPT[:14], dtype=mx.int32)
+    monkeypatch.setenv("MLX_DFLASH2_COMPILE", "0")
+    assert target.route_kernels("kernel", force=True) > 0
+    assert not any(isinstance(b, KernelBlock) for b in target.inner.layers)
+    cache = target.make_cache()
+    target.forward(ids[:10], cache)
+    want = target.forward(ids[10:], cache).logits
+    undo_routes(list(target._routes))
+    target._routes = []  # (the adapter's record of its routes: routed again below)
+    monkeypatch.setenv("MLX_DFLASH2_COMPILE", "1")
+    monkeypatch.setenv("MLX_DFLASH2_SUBMIT_EVERY", "1")
+    assert target.route_kernels("kernel", force=True) > 0
+    blocks = target.inner.layers
+    assert all(isinstance(b, KernelBlock) for b in blocks)
+    assert [b.linear for b in blocks] == [bool(b.is_linear) for b in blocks] and any(b.linear for b in blocks)
+    for _ in range(3):  # eager, then compiled twice
+        cache = target.make_cache()
+        target.forward(ids[:10], cache)
+        assert mx.array_equal(target.forward(ids[10:], cache).logits, want)
+    hidden = blocks[0].inner.input_layernorm.weight.shape[0]
+    assert all(((1, 4, hidden), mx.float32) in b._compiled()[0] for b in blocks)  # every layer took its fast path
+    B, n = 4, 17
+    ref = mlx_lm_greedy(target, PROMPT, n)
+    prop = ScriptedProposer(len(PROMPT), ref, [0, 3, 1, 2], B, target.vocab_rows)
+    assert run(target, PROMPT, prop, B, n) == ref

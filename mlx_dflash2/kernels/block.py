@@ -12,6 +12,9 @@ recorded graph in C++, so the layer becomes two compiled calls around the part t
 * ``tail(x, attn, gate)``: ``o_proj`` (times the output gate where gated), the residual, ``post_attention_layernorm``,
   the MLP (gate and up fused), the residual.
 
+The hybrids' GatedDeltaNet layers (Qwen3-Next, Qwen3.5: ``linear_attn`` in place of ``self_attn``) keep their input
+norm and mixer eager and compile the same tail; layers with a mixture of experts are left as they are.
+
 The ops and their order are exactly those of the eager layer (compiling fuses elementwise ops, e.g. SwiGLU, without
 changing their arithmetic), so the plain step and the verify still compute every row the same way. A signature
 (activation shape and dtype) first runs eagerly: the kernels' numerics gates and bindings happen there, outside any
@@ -30,8 +33,8 @@ import threading
 import mlx.core as mx
 import mlx.nn as nn
 
-from .attention import KernelAttention
-from .qmm import Wrapper
+from .attention import MAX_ROWS, KernelAttention
+from .qmm import MLP_CLASSES, KernelMLP, Wrapper
 
 __all__ = ["KernelBlock", "route_blocks", "BLOCK_CLASSES", "compile_enabled", "COMPILE_ENV", "SUBMIT_ENV",
            "submit_every", "set_submit_every"]
@@ -40,8 +43,10 @@ COMPILE_ENV = "MLX_DFLASH2_COMPILE"
 SUBMIT_ENV = "MLX_DFLASH2_SUBMIT_EVERY"
 SUBMIT_DEFAULT = 9  # layers per early submission of a multi-row forward (36 layers: four parts)
 # mlx-lm decoder layers whose __call__ is h = x + self_attn(input_layernorm(x)); out = h + mlp(post_attention_layernorm(h))
+# (the hybrids' layers: the same with linear_attn, a GatedDeltaNet mixer, in place of self_attn where is_linear)
+HYBRID_BLOCK_CLASSES = ("mlx_lm.models.qwen3_next.Qwen3NextDecoderLayer", "mlx_lm.models.qwen3_5.DecoderLayer")
 BLOCK_CLASSES = ("mlx_lm.models.llama.TransformerBlock", "mlx_lm.models.qwen2.TransformerBlock",
-                 "mlx_lm.models.qwen3.TransformerBlock")
+                 "mlx_lm.models.qwen3.TransformerBlock") + HYBRID_BLOCK_CLASSES
 MAX_SIGNATURES = 64  # (shape, dtype) pairs compiled per layer; later ones run eagerly
 
 
@@ -86,7 +91,10 @@ class KernelBlock(Wrapper):
     """A decoder layer of :data:`BLOCK_CLASSES` whose attention is a :class:`~.attention.KernelAttention`, run as
     two ``mx.compile``'d functions around its cache-dependent middle (see the module's docstring) wherever the
     attention's fast path applies (one sequence, at most 16 new rows, a plain ``KVCache``); other calls (prompt
-    chunks, other caches) run the wrapped layer as it is.
+    chunks, other caches) run the wrapped layer as it is. A hybrid's GatedDeltaNet layer (``is_linear``: Qwen3-Next,
+    Qwen3.5) runs its input norm and mixer eagerly (the mixer owns the recurrent state and, routed, the per-step
+    records a rollback selects from) and its tail (residual, post norm, MLP, residual) compiled, for one sequence of
+    at most 16 new rows.
 
     **Early submission** (``submit``, set by :func:`set_submit_every`): a multi-row call (a verify block) of a marked
     layer queues its output (``mx.async_eval``) before the next layers are built, so the GPU starts on the first
@@ -103,9 +111,13 @@ class KernelBlock(Wrapper):
         super().__init__()
         self.inner = block
         object.__setattr__(self, "submit", False)
-        attn = block.self_attn
+        # a hybrid's GatedDeltaNet layer: its mixer (recurrent state, conv window, the stepping mixer's records)
+        # runs eagerly between the input norm and the compiled tail (residual, post norm, MLP, residual)
+        linear = bool(getattr(block, "is_linear", False))
+        object.__setattr__(self, "linear", linear)
+        mixer = block.linear_attn if linear else block.self_attn
         # plain attributes (outside the module tree: the inner layer lists them)
-        object.__setattr__(self, "parts", (block.input_layernorm, attn, block.post_attention_layernorm, block.mlp))
+        object.__setattr__(self, "parts", (block.input_layernorm, mixer, block.post_attention_layernorm, block.mlp))
         # the compiled functions and the signatures seen, per thread: MLX 0.32 keeps compiled traces per thread and,
         # when a compiled function is freed, erases them from the last calling thread's cache only; traced on two
         # threads (route_kernels' timed steps on one, a server's worker on another) a trace would outlive its block
@@ -118,7 +130,8 @@ class KernelBlock(Wrapper):
         loc = self._local
         fns = getattr(loc, "fns", None)
         if fns is None:
-            fns = loc.fns = (set(), mx.compile(self.head), mx.compile(self.tail))
+            tail = self.tail_linear if self.linear else self.tail
+            fns = loc.fns = (set(), mx.compile(self.head), mx.compile(tail))
         return fns
 
     def head(self, x):
@@ -133,23 +146,43 @@ class KernelBlock(Wrapper):
         h = x + attn.output(out, gate[0] if gate else None)
         return h + mlp(norm(h))
 
+    def tail_linear(self, x, r):
+        """A GatedDeltaNet layer's output from its input ``x`` and its mixer's output ``r`` ``[1, L, D]``."""
+        _, _, norm, mlp = self.parts
+        h = x + r
+        return h + mlp(norm(h))
+
     def __call__(self, x, mask=None, cache=None):
-        _, attn, _, _ = self.parts
+        norm, mixer, _, _ = self.parts
         B, L, _ = x.shape
-        if cache is None or not attn.fast(cache, mask, B, L):
+        if self.linear:
+            if cache is None or B != 1 or L > MAX_ROWS:
+                return self.inner(x, mask, cache)
+        elif cache is None or not mixer.fast(cache, mask, B, L):
             return self.inner(x, mask, cache)
         seen, c_head, c_tail = self._compiled()
         sig = (x.shape, x.dtype)
         compiled = sig in seen
         if not compiled and len(seen) < MAX_SIGNATURES:
             seen.add(sig)  # this call runs eagerly (gates, bindings); the next ones compiled
-        head, tail = (c_head, c_tail) if compiled else (self.head, self.tail)
-        q, k, v, *gate = head(x)
-        out = attn.attend(q, k, v, mask, cache)
-        y = tail(x, out, *gate)
+        if self.linear:
+            y = (c_tail if compiled else self.tail_linear)(x, mixer(norm(x), mask, cache))
+        else:
+            head, tail = (c_head, c_tail) if compiled else (self.head, self.tail)
+            q, k, v, *gate = head(x)
+            out = mixer.attend(q, k, v, mask, cache)
+            y = tail(x, out, *gate)
         if self.submit and L > 1:
             mx.async_eval(y)
         return y
+
+
+def _dense_mlp(mlp) -> bool:
+    """A SwiGLU MLP of :data:`~.qmm.MLP_CLASSES`, routed (:class:`~.qmm.KernelMLP`) or not: what a compiled tail may
+    hold (a mixture of experts, e.g. the hybrids' sparse blocks, stays with the layer's own call)."""
+    if isinstance(mlp, KernelMLP):
+        return True
+    return mlp is not None and f"{type(mlp).__module__}.{type(mlp).__name__}" in MLP_CLASSES
 
 
 def route_blocks(layers) -> list[tuple]:
@@ -168,7 +201,13 @@ def route_blocks(layers) -> list[tuple]:
     swaps = []
     for i, layer in enumerate(layers):
         name = f"{type(layer).__module__}.{type(layer).__name__}"
-        if name in BLOCK_CLASSES and isinstance(getattr(layer, "self_attn", None), KernelAttention):
+        if name not in BLOCK_CLASSES or not _dense_mlp(getattr(layer, "mlp", None)):
+            continue
+        if name in HYBRID_BLOCK_CLASSES and getattr(layer, "is_linear", False):
+            ok = "linear_attn" in layer  # a GatedDeltaNet layer (routed or not: its mixer runs as it is)
+        else:
+            ok = isinstance(getattr(layer, "self_attn", None), KernelAttention)
+        if ok:
             swaps.append((layers, i, layer))
             layers[i] = KernelBlock(layer)
     set_submit_every(layers, k)

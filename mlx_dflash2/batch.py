@@ -134,8 +134,12 @@ Missing for the full issue 22 (later steps)
   confidence; sampled rows keep their widths);
 * the single-request generator as a batch of one (the server wiring is done: continuous batching,
   FIFO under ``--max-batch``, cancellation, ``/metrics``; a lone row added with ``adaptive`` already
-  runs the solo loop's adaptive rounds, :meth:`SpeculativeBatch.add`; the CLI and
-  :func:`~.api.stream_generate` still run :mod:`~.speculative`'s loop).
+  runs the solo loop's adaptive rounds, :meth:`SpeculativeBatch.add`, and on a routed target the kernels'
+  fast path: :meth:`RaggedKVCache.solo_length`; on this CPU a lone row runs at the solo loop's speed with the
+  same tokens (session 20). Before the CLI and :func:`~.api.stream_generate` move here from
+  :mod:`~.speculative`'s loop: a batch of N > 1 rows runs mlx-lm's attention and, past 16 rows in all, MLX's
+  matmuls (no per-row-length ``verify_attention``, ``qmm`` takes at most 16 rows), and :meth:`step` queues
+  nothing ahead (the solo loop's pipelining, run-ahead plain rounds)).
 """
 
 from __future__ import annotations
@@ -229,6 +233,16 @@ class RaggedKVCache:
         if self._offset is None:
             self._offset = mx.array(self._lengths, dtype=mx.int32)
         return self._offset
+
+    def solo_length(self) -> int | None:
+        """The length of the one row of a one-row full-attention cache (what a solo ``KVCache``'s offset would be),
+        else ``None``. The kernels' attention (:class:`~.kernels.attention.KernelAttention`) then treats this cache
+        as the solo loop's: RoPE at that int offset, the core through ``verify_attention`` over :attr:`keys` /
+        :attr:`values` (left aligned, so the row's positions are its buffer indices) with the causal mask, which
+        is what :meth:`make_mask` gives one row; so a batch of one computes what the solo loop computes."""
+        if len(self._lengths) == 1 and self.max_size is None and not self._starts[0]:
+            return self._lengths[0]
+        return None
 
     def _set_lengths(self, lengths: list[int], starts: list[int] | None = None) -> None:
         self._lengths = lengths

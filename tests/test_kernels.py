@@ -685,3 +685,39 @@ def test_a_cuda_include_that_fails_to_build_is_gated_again_inline(monkeypatch, c
     assert [r.getMessage() for r in caplog.records] == [
         "mlx_dflash2: CUDA kernels get their source inline (built from an #include of it, fake_include failed: "
         "catastrophic error: cannot open source file)"]
+
+
+def test_a_batch_of_one_takes_the_kernels_fast_path(monkeypatch):
+    """A batch holding one request (the server with one client) runs the routed attention's fast path on its
+    one-row RaggedKVCache, as the solo loop does on its KVCache (verify_attention, RoPE at the int offset, the
+    compiled layers): its tokens equal the solo loop's and it calls verify_attention; two requests still give
+    their solo tokens (mlx-lm's attention while both are rows)."""
+    from mlx_dflash2.batch import SpeculativeBatch
+    from mlx_dflash2.kernels import attention
+    from mlx_dflash2.kernels.block import KernelBlock
+    from mlx_dflash2.proposers import LookupProposer
+    from mlx_dflash2.speculative import speculative_generate_step
+
+    monkeypatch.setenv("MLX_DFLASH2_COMPILE", "1")
+    t = _tiny_quantized_target()
+    assert t.route_kernels("kernel", force=True) > 0 and isinstance(t.inner.layers[0], KernelBlock)
+    prompt = [5, 9, 5, 9, 5, 9, 5, 9, 17, 23, 5, 9]
+    prop = LookupProposer(block_size=6)
+    solo = [int(x) for x, _, _ in speculative_generate_step(prompt, t, prop, max_tokens=24)]
+    calls = []
+    real = attention.verify_attention
+    monkeypatch.setattr(attention, "verify_attention", lambda *a, **k: (calls.append(a[0].shape), real(*a, **k))[1])
+
+    def batch(prompts):
+        b = SpeculativeBatch(t, prop)
+        uids = [b.add(p, max_tokens=24) for p in prompts]
+        out = {u: [] for u in uids}
+        while b.active or b.pending:
+            for ev in b.step():
+                out[ev.uid] += ev.tokens
+        return [out[u] for u in uids]
+
+    assert batch([prompt]) == [solo]
+    assert len(calls) >= 3 * 20 // 6 and all(s[0] == 1 for s in calls)
+    two = batch([prompt, prompt[:7]])  # two rows: mlx-lm's attention until one leaves
+    assert two == [solo, [int(x) for x, _, _ in speculative_generate_step(prompt[:7], t, prop, max_tokens=24)]]

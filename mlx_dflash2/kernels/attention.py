@@ -290,20 +290,30 @@ class KernelAttention(nn.Module):
 
     def fast(self, cache, mask, B: int, L: int) -> bool:
         """Whether the attention core of a call goes through :data:`verify_attention`: at most 16 new rows of one
-        sequence, a plain ``KVCache``, the causal mask (or none)."""
-        return (B == 1 and L <= MAX_ROWS and type(cache) is _KVCache
-                and (mask is None or (isinstance(mask, str) and mask == "causal")))
+        sequence, a plain ``KVCache`` with the causal mask (or none), or a batch's cache holding one sequence
+        (:meth:`~mlx_dflash2.batch.RaggedKVCache.solo_length`: a batch of one, whose mask is that causal mask as
+        an array)."""
+        if B != 1 or L > MAX_ROWS:
+            return False
+        if type(cache) is _KVCache:
+            return mask is None or (isinstance(mask, str) and mask == "causal")
+        solo = getattr(cache, "solo_length", None)
+        return solo is not None and solo() is not None
 
     def attend(self, q, k, v, mask=None, cache=None):
         """RoPE at the cache's offset, the cache update and the attention core of projected ``q, k, v``."""
         _, _, scale, _, rope, _ = self.fixed
         if cache is None:
             return _sdpa(rope(q), rope(k), v, cache=None, scale=scale, mask=mask)
-        q, k = rope(q, offset=cache.offset), rope(k, offset=cache.offset)
-        k, v = cache.update_and_fetch(k, v)
-        if self.fast(cache, mask, q.shape[0], q.shape[2]):
-            return verify_attention(q, cache.keys, cache.values, cache.offset, scale, mode=self.kernel_mode)
-        return _sdpa(q, k, v, cache=cache, scale=scale, mask=mask)
+        if not self.fast(cache, mask, q.shape[0], q.shape[2]):
+            q, k = rope(q, offset=cache.offset), rope(k, offset=cache.offset)
+            k, v = cache.update_and_fetch(k, v)
+            return _sdpa(q, k, v, cache=cache, scale=scale, mask=mask)
+        # one sequence: RoPE at its (int) offset, as in the solo loop's KVCache, whatever the cache's kind
+        off = cache.offset if type(cache) is _KVCache else cache.solo_length()
+        q, k = rope(q, offset=off), rope(k, offset=off)
+        cache.update_and_fetch(k, v)
+        return verify_attention(q, cache.keys, cache.values, off + q.shape[2], scale, mode=self.kernel_mode)
 
     def __call__(self, x, mask=None, cache=None):
         q, k, v, gate = self.project(x)

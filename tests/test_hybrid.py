@@ -345,8 +345,8 @@ def test_gated_attention_is_routed_and_equals_mlx_lm(tmp_path, kind):
             assert mx.abs(want - got).max().item() <= 1e-5, (kind, i, a)
 
 
-@pytest.mark.parametrize("kind", RECURRENT_KINDS)
-def test_compiled_hybrid_blocks_compute_what_the_routed_layers_compute(tmp_path, kind, monkeypatch):
+@pytest.mark.parametrize("kind,quantized", [("qwen3_next", True), ("qwen3_5", False)])
+def test_compiled_hybrid_blocks_compute_what_the_routed_layers_compute(tmp_path, kind, quantized, monkeypatch):
     """MLX_DFLASH2_COMPILE=1 (the default on a GPU) on a hybrid: every decoder layer becomes a KernelBlock, the
     attention layers as in a dense target, the GatedDeltaNet layers with their norm and mixer eager and their tail
     compiled. Eager (first call of a shape) and compiled calls give exactly the logits of the routed layers
@@ -355,8 +355,19 @@ def test_compiled_hybrid_blocks_compute_what_the_routed_layers_compute(tmp_path,
     from mlx_dflash2.kernels import undo_routes
     from mlx_dflash2.kernels.block import KernelBlock
 
+    import mlx.nn as nn
+
+    from mlx_dflash2.kernels import KernelMLP
+
     path = tiny_hybrid_dir(tmp_path / kind, kind)
     target, _, _ = load_target(str(path), dtype=mx.float32)
+    if quantized:  # the GPU's shape of it: routed linears, the MLP's gate and up fused (KernelMLP) in the tail
+        from mlx_dflash2.target import TargetAdapter
+
+        nn.quantize(target.lm, group_size=32, bits=4,
+                    class_predicate=lambda _, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % 32 == 0)
+        mx.eval(target.lm.parameters())
+        target = TargetAdapter(target.lm, target.config, vocab_size=target.vocab_size)  # as loaded quantized
     ids = mx.array(PROMPT[:14], dtype=mx.int32)
     monkeypatch.setenv("MLX_DFLASH2_COMPILE", "0")
     assert target.route_kernels("kernel", force=True) > 0
@@ -371,7 +382,10 @@ def test_compiled_hybrid_blocks_compute_what_the_routed_layers_compute(tmp_path,
     assert target.route_kernels("kernel", force=True) > 0
     blocks = target.inner.layers
     assert all(isinstance(b, KernelBlock) for b in blocks)
-    assert [b.linear for b in blocks] == [bool(b.is_linear) for b in blocks] and any(b.linear for b in blocks)
+    assert [b.linear for b in blocks] == ["linear_attn" in b.inner for b in blocks] and any(b.linear for b in blocks)
+    assert not any(b.linear for b in blocks[2::3]) and all(b.linear for b in blocks[:2])  # full attention every 3rd
+    if quantized:
+        assert all(isinstance(b.inner.mlp, KernelMLP) for b in blocks)
     for _ in range(3):  # eager, then compiled twice
         cache = target.make_cache()
         target.forward(ids[:10], cache)
@@ -379,6 +393,6 @@ def test_compiled_hybrid_blocks_compute_what_the_routed_layers_compute(tmp_path,
     hidden = blocks[0].inner.input_layernorm.weight.shape[0]
     assert all(((1, 4, hidden), mx.float32) in b._compiled()[0] for b in blocks)  # every layer took its fast path
     B, n = 4, 17
-    ref = mlx_lm_greedy(target, PROMPT, n)
+    ref = mlx_lm_greedy(target, PROMPT, n)  # plain decoding through the compiled model's own call
     prop = ScriptedProposer(len(PROMPT), ref, [0, 3, 1, 2], B, target.vocab_rows)
     assert run(target, PROMPT, prop, B, n) == ref

@@ -88,7 +88,8 @@ def set_submit_every(layers, k: int) -> None:
 
 
 class KernelBlock(Wrapper):
-    """A decoder layer of :data:`BLOCK_CLASSES` whose attention is a :class:`~.attention.KernelAttention`, run as
+    """A decoder layer of :data:`BLOCK_CLASSES` with a dense MLP whose attention is a
+    :class:`~.attention.KernelAttention` (or a hybrid's GatedDeltaNet layer, below), run as
     two ``mx.compile``'d functions around its cache-dependent middle (see the module's docstring) wherever the
     attention's fast path applies (one sequence, at most 16 new rows, a plain ``KVCache``); other calls (prompt
     chunks, other caches) run the wrapped layer as it is. A hybrid's GatedDeltaNet layer (``is_linear``: Qwen3-Next,
@@ -130,8 +131,8 @@ class KernelBlock(Wrapper):
         loc = self._local
         fns = getattr(loc, "fns", None)
         if fns is None:
-            tail = self.tail_linear if self.linear else self.tail
-            fns = loc.fns = (set(), mx.compile(self.head), mx.compile(tail))
+            head = None if self.linear else mx.compile(self.head)  # a GatedDeltaNet layer's head is its norm, eager
+            fns = loc.fns = (set(), head, mx.compile(self.tail_linear if self.linear else self.tail))
         return fns
 
     def head(self, x):
@@ -187,7 +188,8 @@ def _dense_mlp(mlp) -> bool:
 
 def route_blocks(layers) -> list[tuple]:
     """Wrap every decoder layer of ``layers`` (a model's list, edited in place) whose class is in
-    :data:`BLOCK_CLASSES` and whose ``self_attn`` is a :class:`~.attention.KernelAttention` with a
+    :data:`BLOCK_CLASSES`, whose MLP is a dense SwiGLU one and whose ``self_attn`` is a
+    :class:`~.attention.KernelAttention` (or that is a hybrid's GatedDeltaNet layer) with a
     :class:`KernelBlock` (this model instance only; the layer's routed modules carry their kernel mode), every
     :func:`submit_every`-th of them submitting its multi-row output early.
 

@@ -121,7 +121,7 @@ def main(argv=None):
                 pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(35)
                 s.write("\n\n---- by cumulative time ----\n")
                 pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(45)
-                text = s.getvalue().replace(str(Path.home()), "~")
+                text = s.getvalue().replace(str(Path(__file__).resolve().parents[2]) + "/", "").replace(str(Path.home()), "~")
                 if a.out:
                     Path(a.out).with_suffix(f".M{M}.prof.txt").write_text(text)
                 print(text[:6000], flush=True)

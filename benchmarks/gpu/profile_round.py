@@ -89,7 +89,7 @@ def main(argv=None) -> int:
             if pr is not None:
                 s = io.StringIO()
                 pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)
-                row["profile"] = s.getvalue().replace(str(Path.home()), "~")[-6000:]
+                row["profile"] = s.getvalue().replace(str(Path(__file__).resolve().parents[2]) + "/", "").replace(str(Path.home()), "~")[-6000:]
             res["rows"].append(row)
             rt.log(json.dumps({k2: v for k2, v in row.items() if k2 != "profile"}))
             if pr is not None:

@@ -91,7 +91,8 @@ class KernelBlock(Wrapper):
     """A decoder layer of :data:`BLOCK_CLASSES` with a dense MLP whose attention is a
     :class:`~.attention.KernelAttention` (or a hybrid's GatedDeltaNet layer, below), run as
     two ``mx.compile``'d functions around its cache-dependent middle (see the module's docstring) wherever the
-    attention's fast path applies (one sequence, at most 16 new rows, a plain ``KVCache``); other calls (prompt
+    attention's fast path applies (one sequence, at most 16 new rows, a plain ``KVCache`` or a batch's one-row cache:
+    :meth:`~.attention.KernelAttention.fast`); other calls (prompt
     chunks, other caches) run the wrapped layer as it is. A hybrid's GatedDeltaNet layer (``is_linear``: Qwen3-Next,
     Qwen3.5) runs its input norm and mixer eagerly (the mixer owns the recurrent state and, routed, the per-step
     records a rollback selects from) and its tail (residual, post norm, MLP, residual) compiled, for one sequence of

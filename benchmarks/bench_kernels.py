@@ -141,13 +141,13 @@ def bench_attention(shape, M, kv_len, repeats, dtype, configs=()):
         return verify_attention(q, k, v, kv_len, scale, mode="kernel", config=config)
 
     out = {}
-    for cfg in configs:  # --sweep-attention: the kernel's geometry (TILES, ROWS, WARPS)
+    for cfg in configs:  # --sweep-attention: the kernel's geometry (ROWS, WARPS, KD)
         try:
             t = timed(lambda: mx.eval(chain(lambda q, k, v: ker_fn(q, k, v, cfg))), max(3, repeats // 2))
         except Exception as e:  # a geometry that does not build
             t = f"error: {str(e)[:120]}"
-        out.setdefault("attn_sweep", []).append(dict(TILES=cfg[0], ROWS=cfg[1], WARPS=cfg[2], ms=t))
-        print(f"attention sweep {shape} M={M} kv={kv_len} TILES/ROWS/WARPS={cfg}: {t}", flush=True)
+        out.setdefault("attn_sweep", []).append(dict(ROWS=cfg[0], WARPS=cfg[1], KD=cfg[2], ms=t))
+        print(f"attention sweep {shape} M={M} kv={kv_len} ROWS/WARPS/KD={cfg}: {t}", flush=True)
     for kind, fn in (("mlx", mlx_fn), ("kernel", ker_fn)):
         try:
             out[f"attn_{kind}_ms"] = timed(lambda: mx.eval(chain(fn)), repeats)
@@ -203,7 +203,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--sweep", action="store_true", help="also sweep qmm's launch geometry")
     p.add_argument("--sweep-attention", action="store_true",
-                   help="also time verify_attention at other geometries (TILES, ROWS, WARPS)")
+                   help="also time verify_attention at other geometries (ROWS, WARPS, KD)")
     p.add_argument("--check-only", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -233,7 +233,7 @@ def main(argv=None):
         del layers
         for kvl in (int(v) for v in args.kv.split(",")):
             for M in (1, 16):
-                cfgs = ([(t, r, w) for t in (1, 2, 4, 8) for r, w in ((16, 8), (8, 8), (4, 4), (16, 4))]
+                cfgs = ([(r, w, kd) for r, w in ((16, 8), (8, 8), (4, 8), (16, 16), (8, 16), (4, 4)) for kd in (32, 16)]
                         if args.sweep_attention else ())
                 row = dict(shape=shape, M=M, kv=kvl, **bench_attention(shape, M, kvl, args.repeats, dtype, cfgs))
                 result["rows"].append(row)

@@ -1,38 +1,52 @@
 // verify_attention: causal attention of Lq <= 16 new query rows (a verify block, or the plain step's
-// single row) over a KV cache, for GQA/MHA heads of dimension D <= 128. One body for Metal and CUDA
+// single row) over a KV cache, for GQA/MHA heads of dimension D <= 256. One body for Metal and CUDA
 // (metal/dialect.h); verify_attention.metal / .cu only include it.
 //
 // Row-count invariant by construction, so a row's output is bit-identical whether it is computed
 // alone (plain decoding at its position) or among a verify block:
 // * keys are split into CHUNK-key chunks at fixed absolute positions (never sized by Lq or L), each
-//   chunk in TILE-key tiles, also at fixed positions; a row's running softmax over a chunk's tiles
-//   and the combine over chunks run in a fixed order;
+//   chunk in TILES tiles of TILE = 32 keys, also at fixed positions; a row's softmax over a tile, the
+//   merge of a chunk's tiles and the combine over chunks run in a fixed order;
 // * a key past a row's position (causal) or past the cache is skipped exactly: it adds +0 to the
 //   sums and never enters a max, so extra trailing keys/chunks of a longer verify change nothing;
-// * a row's dot products, exponentials and sums read only its own query.
-// Pass 1 (attn_partial): block = (chunk, kv head, row group of ROWS query rows); each warp / SIMD
-// group owns rows; lane j owns key j of a tile for the scores, lanes split D for the values.
+// * a row's dot products, exponentials and sums read only its own query (the launch geometry, e.g.
+//   ROWS, may differ with the number of rows: no row's arithmetic depends on it).
+// Pass 1 (attn_partial): block = (chunk, kv head, row group of ROWS query rows). Its WARPS warps are
+// TILES x RW: warp w takes tile w % TILES of the chunk for the RPW = ROWS / RW rows of subgroup w / TILES,
+// all of them at once (every key read from threadgroup memory feeds RPW independent dot products;
+// session 20's H200 trace: the earlier body, one row at a time over the chunk's tiles in turn, took
+// 99.6 us per call at 16 rows against ~20 us of MLX's attention). Scores: lane j owns key j of the tile,
+// its key row staged KD dims at a time in the warp's own threadgroup scratch (padded: no bank
+// conflicts); values: lanes split D and read V straight from the cache (coalesced). Then the block
+// merges its TILES tiles per row (fixed order) and writes the chunk's (max, sum, unnormalised out).
 // Pass 2 (attn_combine): one warp per query row merges its chunks' (max, sum, unnormalised out).
 #pragma once
 
 namespace dflash_attn {
 
+constexpr int TILE = 32;  // keys per tile (one per lane for the scores)
+
 // params: [H, Hk, Lq, n_row_groups] (static per call signature: made once); the cache length L and the
 // head strides of the K/V buffers come from the inputs' shapes and strides (no per-call host data).
-template <typename T, int D, int TILE, int TILES, int ROWS, int WARPS>
+// Threadgroup memory: tq[ROWS * D] (the block's queries, float) and scr[SCR] floats, SCR >= both the warps' key
+// sub-tiles (WARPS * 32 * (KD + 1)) and the merge's tile results (TILES * ROWS * (D + 2)), which reuse it.
+template <typename T, int D, int TILES, int ROWS, int WARPS, int KD, int SCR>
 DF_FN void attn_partial(const DF_DEVICE T* q, const DF_DEVICE T* k, const DF_DEVICE T* v, const DF_DEVICE int* params,
                         const DF_DEVICE float* scale_p, DF_DEVICE float* part_o, DF_DEVICE float* part_ml,
-                        DF_TG float* tq, DF_TG float* tk, DF_TG float* tv, int chunk, int hk, int rg, int warp, int lane,
+                        DF_TG float* tq, DF_TG float* scr, int chunk, int hk, int rg, int warp, int lane,
                         int L, long kstride, long vstride) {
+  constexpr int RW = WARPS / TILES;        // row subgroups
+  constexpr int RPW = ROWS / RW;           // rows per warp
+  constexpr int DL = D / 32;               // value dims per lane
+  constexpr int KS = KD + 1;               // padded key row of a sub-tile
+  static_assert(WARPS % TILES == 0 && ROWS % RW == 0 && D % KD == 0 && D % 32 == 0, "verify_attention geometry");
+  static_assert(SCR >= WARPS * 32 * KS && SCR >= TILES * ROWS * (D + 2), "verify_attention scratch");
   const int H = params[0], Hk = params[1], Lq = params[2];
   const int n_chunks = (L + TILE * TILES - 1) / (TILE * TILES);
   const int G = H / Hk;
   const int R = G * Lq;                    // query rows of this kv head: r = gi * Lq + i
   const int tid = warp * 32 + lane;
   const float scale = scale_p[0];
-  constexpr int DL = D / 32;               // value dims per lane (D multiple of 32)
-  constexpr int KS = D + 1;                // padded key row in threadgroup memory (no bank conflicts)
-  // this block's query rows, as float
   for (int e = tid; e < ROWS * D; e += WARPS * 32) {
     const int rr = e / D, d = e % D, r = rg * ROWS + rr;
     float val = 0.0f;
@@ -42,78 +56,93 @@ DF_FN void attn_partial(const DF_DEVICE T* q, const DF_DEVICE T* k, const DF_DEV
     }
     tq[rr * D + d] = val;
   }
-  float m_run[ROWS / WARPS], l_run[ROWS / WARPS], o_run[ROWS / WARPS][DL];
-  for (int a = 0; a < ROWS / WARPS; ++a) {
-    m_run[a] = -DF_INF;
-    l_run[a] = 0.0f;
-    for (int c = 0; c < DL; ++c) o_run[a][c] = 0.0f;
-  }
-  const int key0 = chunk * TILE * TILES;
-  // the next tile's keys and values are loaded into registers while the current one is computed
-  constexpr int PER = TILE * D / (WARPS * 32);  // elements of K (and of V) per thread per tile
-  float rk[PER], rv[PER];
-  for (int p = 0; p < PER; ++p) {
-    const int e = tid + p * WARPS * 32, j = e / D, d = e % D, key = key0 + j;
-    const bool in = key < L;
-    rk[p] = in ? df_f(k[(long)hk * kstride + (long)key * D + d]) : 0.0f;
-    rv[p] = in ? df_f(v[(long)hk * vstride + (long)key * D + d]) : 0.0f;
-  }
-  for (int tile = 0; tile < TILES; ++tile) {
-    const int kb = key0 + tile * TILE;
-    if (kb >= L) break;                    // uniform: the rest of the chunk is past the cache
-    DF_BARRIER();
-    for (int p = 0; p < PER; ++p) {
-      const int e = tid + p * WARPS * 32, j = e / D, d = e % D;
-      tk[j * KS + d] = rk[p];
-      tv[j * D + d] = rv[p];
-    }
-    DF_BARRIER();
-    const int nb = kb + TILE;
-    if (tile + 1 < TILES && nb < L) {
-      for (int p = 0; p < PER; ++p) {
-        const int e = tid + p * WARPS * 32, j = e / D, d = e % D, key = nb + j;
-        const bool in = key < L;
-        rk[p] = in ? df_f(k[(long)hk * kstride + (long)key * D + d]) : 0.0f;
-        rv[p] = in ? df_f(v[(long)hk * vstride + (long)key * D + d]) : 0.0f;
+  DF_BARRIER();
+  const int t = warp % TILES, sg = warp / TILES;
+  const int kb = chunk * TILE * TILES + t * TILE;  // the tile's first key
+  const int nk = df_min(TILE, L - kb);              // its keys in the cache (<= 0: none; warp-uniform)
+  // scores: two accumulators per row (even / odd dims), summed once: a fixed order
+  float acc0[RPW], acc1[RPW];
+  for (int a = 0; a < RPW; ++a) acc0[a] = acc1[a] = 0.0f;
+  if (nk > 0) {
+    DF_TG float* ks = scr + warp * 32 * KS;
+    const DF_DEVICE T* kt = k + (long)hk * kstride + (long)kb * D;
+    for (int d0 = 0; d0 < D; d0 += KD) {
+      for (int e = lane; e < TILE * KD; e += 32) {
+        const int j = e / KD, dd = e % KD;
+        ks[j * KS + dd] = j < nk ? df_f(kt[(long)j * D + d0 + dd]) : 0.0f;
       }
-    }
-    for (int a = 0; a < ROWS / WARPS; ++a) {
-      const int rr = a * WARPS + warp, r = rg * ROWS + rr;
-      if (r >= R) continue;
-      const int pos = L - Lq + (r % Lq);   // absolute position of this query row
-      const int key = kb + lane;
-      float s = -DF_INF;
-      if (lane < TILE && key <= pos && key < L) {
-        float acc = 0.0f;
-        for (int d = 0; d < D; ++d) acc += tq[rr * D + d] * tk[lane * KS + d];
-        s = acc * scale;
+      DF_SIMD_TG_SYNC();
+      for (int dd = 0; dd < KD; dd += 2) {
+        const float k0 = ks[lane * KS + dd], k1 = ks[lane * KS + dd + 1];
+        for (int a = 0; a < RPW; ++a) {
+          const DF_TG float* qa = tq + (sg * RPW + a) * D + d0 + dd;
+          acc0[a] += qa[0] * k0;
+          acc1[a] += qa[1] * k1;
+        }
       }
-      float mt = s;
-      for (int off = 16; off > 0; off >>= 1) mt = df_max(mt, DF_SHFL_XOR(mt, off));
-      if (mt == -DF_INF) continue;         // no key of this tile is visible to the row
-      const float m_new = df_max(m_run[a], mt);
-      const float alpha = m_run[a] == -DF_INF ? 0.0f : df_exp(m_run[a] - m_new);
-      const float p = s == -DF_INF ? 0.0f : df_exp(s - m_new);
-      float ps = p;
-      for (int off = 16; off > 0; off >>= 1) ps += DF_SHFL_XOR(ps, off);
-      l_run[a] = l_run[a] * alpha + ps;
-      for (int c = 0; c < DL; ++c) o_run[a][c] *= alpha;
-      for (int j = 0; j < TILE; ++j) {
-        const float pj = DF_SHFL(p, j);
-        for (int c = 0; c < DL; ++c) o_run[a][c] += pj * tv[j * D + lane + 32 * c];
-      }
-      m_run[a] = m_new;
+      DF_SIMD_TG_SYNC();
     }
   }
-  for (int a = 0; a < ROWS / WARPS; ++a) {
-    const int rr = a * WARPS + warp, r = rg * ROWS + rr;
+  float p[RPW], m[RPW], l[RPW];
+  for (int a = 0; a < RPW; ++a) {
+    const int r = rg * ROWS + sg * RPW + a;
+    const int pos = L - Lq + (r % Lq);   // absolute position of this query row (r < R)
+    const int key = kb + lane;
+    const float s = (r < R && lane < nk && key <= pos) ? (acc0[a] + acc1[a]) * scale : -DF_INF;
+    float mt = s;
+    for (int off = 16; off > 0; off >>= 1) mt = df_max(mt, DF_SHFL_XOR(mt, off));
+    p[a] = s == -DF_INF ? 0.0f : df_exp(s - mt);
+    float ps = p[a];
+    for (int off = 16; off > 0; off >>= 1) ps += DF_SHFL_XOR(ps, off);
+    m[a] = mt;
+    l[a] = ps;
+  }
+  // values: lane owns dims lane + 32 c; a masked key's p is 0 (its value is a cache row: finite)
+  float o[RPW][DL];
+  for (int a = 0; a < RPW; ++a)
+    for (int c = 0; c < DL; ++c) o[a][c] = 0.0f;
+  const DF_DEVICE T* vt = v + (long)hk * vstride + (long)kb * D + lane;
+  for (int j = 0; j < nk; ++j) {
+    float vv[DL];
+    for (int c = 0; c < DL; ++c) vv[c] = df_f(vt[(long)j * D + 32 * c]);
+    for (int a = 0; a < RPW; ++a) {
+      const float pj = DF_SHFL(p[a], j);
+      for (int c = 0; c < DL; ++c) o[a][c] += pj * vv[c];
+    }
+  }
+  // merge the chunk's tiles per row, in tile order (the scratch now holds every tile's results)
+  DF_BARRIER();
+  DF_TG float* mo = scr;                          // [TILES][ROWS][D]
+  DF_TG float* mml = scr + TILES * ROWS * D;      // [TILES][ROWS][2]
+  for (int a = 0; a < RPW; ++a) {
+    const int rr = sg * RPW + a;
+    for (int c = 0; c < DL; ++c) mo[(t * ROWS + rr) * D + lane + 32 * c] = o[a][c];
+    if (lane == 0) {
+      mml[(t * ROWS + rr) * 2] = m[a];
+      mml[(t * ROWS + rr) * 2 + 1] = l[a];
+    }
+  }
+  DF_BARRIER();
+  for (int rr = warp; rr < ROWS; rr += WARPS) {
+    const int r = rg * ROWS + rr;
     if (r >= R) continue;
+    float mx = -DF_INF;
+    for (int tt = 0; tt < TILES; ++tt) mx = df_max(mx, mml[(tt * ROWS + rr) * 2]);
+    float ls = 0.0f, os[DL];
+    for (int c = 0; c < DL; ++c) os[c] = 0.0f;
+    for (int tt = 0; tt < TILES; ++tt) {
+      const float mt = mml[(tt * ROWS + rr) * 2];
+      if (mt == -DF_INF) continue;         // a tile with no visible key adds nothing (exactly)
+      const float w = df_exp(mt - mx);
+      ls += w * mml[(tt * ROWS + rr) * 2 + 1];
+      for (int c = 0; c < DL; ++c) os[c] += w * mo[(tt * ROWS + rr) * D + lane + 32 * c];
+    }
     const long row = (long)hk * R + r;     // rows ordered (kv head, group member, query index)
     const long base = row * n_chunks + chunk;
-    for (int c = 0; c < DL; ++c) part_o[base * D + lane + 32 * c] = o_run[a][c];
+    for (int c = 0; c < DL; ++c) part_o[base * D + lane + 32 * c] = os[c];
     if (lane == 0) {
-      part_ml[base * 2] = m_run[a];
-      part_ml[base * 2 + 1] = l_run[a];
+      part_ml[base * 2] = mx;
+      part_ml[base * 2 + 1] = ls;
     }
   }
 }

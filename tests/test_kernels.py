@@ -284,8 +284,9 @@ def test_metal_sources_compile_against_the_shim(every):
                                               pytest.param(2, 1, 256, 140, "metal", marks=pytest.mark.slow)])
 def test_attention_body_emulated(H, Hk, D, L, backend):
     """(Each geometry once in the default suite, the rest in `make test-all`.) The shared attention body
-    (metal/verify_attention.h, run in the CPU emulation with each backend's launch geometry: 32-key tiles on CUDA, 16 on Metal) equals MLX's causal SDPA, and each row equals the same row
-    computed alone at its position, bit for bit."""
+    (metal/verify_attention.h, run in the CPU emulation with each backend's launch geometry for the rows at hand: key
+    sub-tiles of 32 dims on CUDA, 16 on Metal; row groups sized by the rows) equals MLX's causal SDPA, and each row
+    equals the same row computed alone at its position (a smaller row group), bit for bit."""
     rng = np.random.default_rng(0)
     Lq, S = 16, L + 20
     q = rng.normal(size=(H, Lq, D)).astype(np.float32)
@@ -305,8 +306,8 @@ _SIZES = {"float": 4, "int": 4, "uint": 4, "half": 2, "bfloat16_t": 2}
 @pytest.mark.parametrize("backend,limit", [("metal", 32768), ("cuda", 49152)])
 def test_kernels_fit_threadgroup_memory(backend, limit):
     """Every kernel's threadgroup / shared arrays, at every compile-checked instantiation, fit what the GPU gives a
-    threadgroup: 32 KB on Apple GPUs (M1-M4), 48 KB of static shared memory on CUDA. verify_attention's 32-key tiles
-    took 41 KB at D = 128: on a Mac its pipeline could not be built (the gate would fall back every time)."""
+    threadgroup: 32 KB on Apple GPUs (M1-M4), 48 KB of static shared memory on CUDA. verify_attention's first 32-key
+    tiles took 41 KB at D = 128: on a Mac its pipeline could not be built (the gate would fall back every time)."""
     import re
 
     decl = re.compile(r"(?:threadgroup|__shared__)\s+(\w+)\s+\w+((?:\[[^\]]+\])+)")

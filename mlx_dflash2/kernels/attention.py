@@ -26,24 +26,45 @@ from .registry import KernelOp, KernelSpec, int_params
 __all__ = ["VerifyAttention", "verify_attention", "KernelAttention", "route_attention", "ATTENTION_CLASSES"]
 
 MAX_ROWS = 16
-CHUNK = 128  # keys per chunk, at fixed absolute positions (each block: one chunk, in TILES tiles of TILE keys)
-WARPS = 8  # warps per block
+CHUNK = 128  # keys per chunk, at fixed absolute positions (each block: one chunk, in TILES tiles of 32 keys)
+TILE = 32  # keys per tile (metal/verify_attention.h: one per lane)
+TILES = CHUNK // TILE
+WARPS = 8  # warps per block: TILES tiles x 2 row subgroups
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)  # D: a multiple of 32, at most 256
 # Threadgroup memory a block may use: Apple GPUs give a threadgroup 32 KB (M1-M4), CUDA 48 KB of static shared memory.
 SHARED_BYTES = {"cuda": 48 * 1024, "metal": 32 * 1024}
 
 
-def geometry(backend: str, D: int) -> tuple[int, int, int, int]:
-    """``(TILE, TILES, ROWS, WARPS)`` of the kernel for head dimension ``D`` on ``backend``: the widest tiles and row
-    groups whose buffers (``ROWS * D + TILE * (2 D + 1)`` floats: the block's queries, its tile of keys, padded, and
-    of values) fit the backend's threadgroup memory. The chunk stays 128 keys (``TILES = 128 // TILE``), so a row's
-    sums are split the same way whatever the number of rows beside it (the row-count invariance holds per backend
-    and D). D = 128: 32-key tiles on CUDA (41 KB), 16 on Metal (24.6 KB; 32-key tiles could not be built on a Mac);
-    D = 256: 16-key tiles and 8-row groups on CUDA, 8-key tiles on Metal."""
+def scratch_floats(D: int, rows: int, warps: int, kd: int) -> int:
+    """Floats of the kernel's scratch: the warps' key sub-tiles (32 keys x ``kd`` dims, padded) or, reusing it, the
+    merge's per-tile results (``TILES x rows x (D + 2)``), whichever is larger."""
+    return max(warps * 32 * (kd + 1), TILES * rows * (D + 2))
+
+
+def geometry(backend: str, D: int, R: int = 8, rows: int | None = None, warps: int = WARPS,
+             kd: int | None = None) -> tuple[int, int, int, int, int]:
+    """``(TILES, ROWS, WARPS, KD, SCR)`` of the kernel for head dimension ``D`` and ``R`` query rows per kv head
+    (``G * Lq``) on ``backend``: row groups of ``ROWS`` rows (the smallest of 2, 4, 8 covering ``R``, at most 8;
+    ``rows`` forces it), each warp's key row staged ``KD`` dims at a time (32, else 16 or 8: the widest that fits),
+    ``SCR`` scratch floats; everything within the backend's threadgroup memory (``ROWS * D + SCR`` floats).
+    The chunk (128 keys) and its tiles (32) never change, so a row's sums are split the same way whatever the
+    number of rows beside it and whatever ``ROWS`` (the row-count invariance holds per backend and D).
+    D = 128, 8 rows: 32-dim sub-tiles on CUDA (37.9 KB), 16 on Metal (21.4 KB).
+
+    Raises:
+        ValueError: no geometry fits (named).
+    """
     budget = SHARED_BYTES.get(backend, SHARED_BYTES["metal"])
-    for tile, rows in ((32, 16), (16, 16), (16, 8), (8, 8)):
-        if 4 * (rows * D + tile * (2 * D + 1)) <= budget:
-            return tile, CHUNK // tile, rows, WARPS
+    rw = warps // TILES
+    want = rows or next((r for r in (2, 4, 8) if r >= R), 8)
+    cands = [want] if rows else [r for r in (8, 4, 2) if r <= want and r % rw == 0]
+    for r in cands:
+        for k in ((kd,) if kd else (32, 16, 8)):
+            if D % k:
+                continue
+            scr = scratch_floats(D, r, warps, k)
+            if 4 * (r * D + scr) <= budget and warps % TILES == 0 and r % rw == 0:
+                return TILES, r, warps, k, scr
     raise ValueError(f"verify_attention: no launch geometry fits D = {D} on {backend}")
 
 
@@ -133,14 +154,15 @@ class VerifyAttention(KernelOp):
         ex, ex2 = [], []
         for t in ("bfloat16", "float16", "float32"):
             for d in (64, 128, 256):
-                tile, tiles, rows, warps = geometry(backend, d)
-                ex.append(dict(T=t, D=d, TILE=tile, TILES=tiles, ROWS=rows, WARPS=warps))
+                for R in (2, 4, 64):  # every row-group size the geometry picks (2, 4, 8)
+                    tiles, rows, warps, kd, scr = geometry(backend, d, R)
+                    ex.append(dict(T=t, D=d, TILES=tiles, ROWS=rows, WARPS=warps, KD=kd, SCR=scr))
                 ex2.append(dict(T=t, D=d))
         io1 = dict(inputs=[("q", "T"), ("k", "T"), ("v", "T"), ("params", "int32"), ("scale", "float32")],
                    outputs=[("part_o", "float32"), ("part_ml", "float32")])
         io2 = dict(inputs=[("part_o", "float32"), ("part_ml", "float32"), ("params", "int32")], outputs=[("out", "T")])
-        call = ("dflash_attn::attn_partial<T, D, TILE, TILES, ROWS, WARPS>(q, k, v, params, scale, part_o, part_ml, "
-                "tq, tk, tv, ")
+        call = ("dflash_attn::attn_partial<T, D, TILES, ROWS, WARPS, KD, SCR>(q, k, v, params, scale, part_o, part_ml, "
+                "tq, scr, ")
         # the cache length and the K/V head strides are read from the views' shapes and strides
         lens = "k_shape[2], (long)k_strides[1], (long)v_strides[1]"
         if backend == "cuda":
@@ -154,7 +176,7 @@ class VerifyAttention(KernelOp):
         return {
             "partial": KernelSpec(
                 "dflash_attn_partial", header=header, examples=ex, contiguous=False,
-                body=f"  {tg} float tq[ROWS * D];\n  {tg} float tk[TILE * (D + 1)];\n  {tg} float tv[TILE * D];\n"
+                body=f"  {tg} float tq[ROWS * D];\n  {tg} float scr[SCR];\n"
                      f"  const int n_rg = params[3];\n  {call}{ids[0]}, {lens});\n", **io1),
             "combine": KernelSpec(
                 "dflash_attn_combine", header=header, examples=ex2,
@@ -182,22 +204,25 @@ class VerifyAttention(KernelOp):
         if geo is None:
             _, H, Lq, D = shape
             R = (H // Hk) * Lq
-            tile, tiles, rows, warps = geometry(backend, D)
-            tiles, rows, warps = config or (tiles, rows, warps)
+            if config:
+                tiles, rows, warps, kd, scr = geometry(backend, D, R, rows=config[0], warps=config[1], kd=config[2])
+            else:
+                tiles, rows, warps, kd, scr = geometry(backend, D, R)
             n_rg = -(-R // rows)
             rows_total = Hk * R
             geo = self._geo[key] = (
-                tile * tiles, n_rg, warps, rows_total,
+                CHUNK, n_rg, warps, rows_total,
                 int_params(H, Hk, Lq, n_rg),  # the length travels as a view's shape: no per-call host data
-                [("T", dtype), ("D", D), ("TILE", tile), ("TILES", tiles), ("ROWS", rows), ("WARPS", warps)],
+                [("T", dtype), ("D", D), ("TILES", tiles), ("ROWS", rows), ("WARPS", warps), ("KD", kd),
+                 ("SCR", scr)],
                 (warps * 32, 1, 1), [mx.float32, mx.float32],
                 [("T", dtype), ("D", D)], (-(-rows_total // 4) * 128, 1, 1),  # whole groups; extra rows return
                 [(1, H, Lq, D)], [dtype])
         return geo
 
     def launch(self, backend, q, keys, values, length, scale, config=None):
-        """``config``: ``(TILES, ROWS, WARPS)`` in place of the module's (benchmarks' geometry sweep only:
-        the chunk size moves the sums' order, so a row's bits differ from the default geometry's)."""
+        """``config``: ``(ROWS, WARPS, KD)`` in place of the geometry's choice (benchmarks' geometry sweep only;
+        the chunk and tiles stay, so a row's bits do not change)."""
         chunk, n_rg, warps, rows_total, params, tmpl, tg, f32s, tmpl2, grid2, out_shape, out_dtype = \
             self._geometry(backend, q.shape, keys.shape[1], q.dtype, config)
         sc = self._scales.get(scale)

@@ -64,7 +64,8 @@ int main(int argc, char** argv) {
   // argv: dir H Hk Lq L S D
   std::string dir = argv[1];
   int H = atoi(argv[2]), Hk = atoi(argv[3]), Lq = atoi(argv[4]), L = atoi(argv[5]), S = atoi(argv[6]);
-  constexpr int D = EMU_D, TILE = EMU_TILE, TILES = EMU_TILES, ROWS = EMU_ROWS, WARPS = EMU_WARPS;
+  constexpr int D = EMU_D, TILES = EMU_TILES, ROWS = EMU_ROWS, WARPS = EMU_WARPS, KD = EMU_KD, SCR = EMU_SCR;
+  constexpr int TILE = dflash_attn::TILE;
   auto q = readf((dir + "/q").c_str(), (size_t)H * Lq * D);
   auto k = readf((dir + "/k").c_str(), (size_t)Hk * S * D);
   auto v = readf((dir + "/v").c_str(), (size_t)Hk * S * D);
@@ -74,10 +75,10 @@ int main(int argc, char** argv) {
   std::vector<float> po((size_t)Hk * R * n_chunks * D), pml((size_t)Hk * R * n_chunks * 2), out((size_t)H * Lq * D);
   for (int hk = 0; hk < Hk; ++hk)
     for (int bx = 0; bx < n_chunks * n_rg; ++bx) {
-      std::vector<float> tq(ROWS * D), tk(TILE * (D + 1)), tv(TILE * D);
+      std::vector<float> tq(ROWS * D), scr(SCR);
       run_block(WARPS * 32, [&](int warp, int lane) {
-        dflash_attn::attn_partial<float, D, TILE, TILES, ROWS, WARPS>(q.data(), k.data(), v.data(), params, &scale,
-            po.data(), pml.data(), tq.data(), tk.data(), tv.data(), bx / n_rg, hk, bx % n_rg, warp, lane, L,
+        dflash_attn::attn_partial<float, D, TILES, ROWS, WARPS, KD, SCR>(q.data(), k.data(), v.data(), params, &scale,
+            po.data(), pml.data(), tq.data(), scr.data(), bx / n_rg, hk, bx % n_rg, warp, lane, L,
             (long)S * D, (long)S * D);
       });
     }
@@ -234,15 +235,15 @@ def _binary(names: list[str], main: str, defines: dict) -> Path:
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, length: int, scale: float,
               backend: str = "cuda") -> np.ndarray:
-    """``verify_attention.h`` emulated with ``backend``'s launch geometry (its keys per tile):
-    ``q [H, Lq, D]``, ``k, v [Hk, S, D]`` float32 -> ``[H, Lq, D]``."""
+    """``verify_attention.h`` emulated with ``backend``'s launch geometry for these rows (row groups, key
+    sub-tiles): ``q [H, Lq, D]``, ``k, v [Hk, S, D]`` float32 -> ``[H, Lq, D]``."""
     from .attention import geometry
 
     H, Lq, D = q.shape
     Hk, S, _ = k.shape
-    tile, tiles, rows, warps = geometry(backend, D)
+    tiles, rows, warps, kd, scr = geometry(backend, D, (H // Hk) * Lq)
     exe = _binary(["dialect.h", "verify_attention.h"], _ATTENTION,
-                  dict(EMU_D=D, EMU_TILE=tile, EMU_TILES=tiles, EMU_ROWS=rows, EMU_WARPS=warps))
+                  dict(EMU_D=D, EMU_TILES=tiles, EMU_ROWS=rows, EMU_WARPS=warps, EMU_KD=kd, EMU_SCR=scr))
     with tempfile.TemporaryDirectory() as d:
         for name, arr in (("q", q), ("k", k), ("v", v), ("scale", np.array([scale]))):
             np.ascontiguousarray(arr, dtype=np.float32).tofile(os.path.join(d, name))

@@ -1,5 +1,5 @@
 // dialect.h: the few macros that let one kernel body compile as Metal (mx.fast.metal_kernel) and as
-// CUDA (mx.fast.cuda_kernel, NVRTC). Shared bodies (verify_attention.h, dynamic_conv.h,
+// CUDA (mx.fast.cuda_kernel, NVRTC). Shared bodies (verify_attention.h, qk_norm_rope.h, dynamic_conv.h,
 // selector_walk.h, greedy_accept.h, gated_delta_steps.h) use only these: functions, address spaces, barriers, 32-wide
 // SIMD-group / warp shuffles (float and int), a SIMD-group barrier over threadgroup memory (DF_SIMD_TG_SYNC: a warp's
 // own scratch written by some lanes and read by others), float conversions, NaN tests, and df_add_rn / df_mul_rn.
@@ -37,6 +37,10 @@ template <> DF_FN float df_cast<float>(float v) { return v; }
 template <> DF_FN __half df_cast<__half>(float v) { return __float2half(v); }
 template <> DF_FN __nv_bfloat16 df_cast<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
 DF_FN float df_exp(float v) { return expf(v); }
+DF_FN float df_exp2(float v) { return exp2f(v); }
+DF_FN float df_rsqrt(float v) { return rsqrtf(v); }
+DF_FN float df_cos(float v) { return cosf(v); }
+DF_FN float df_sin(float v) { return sinf(v); }
 DF_FN float df_max(float a, float b) { return fmaxf(a, b); }
 DF_FN int df_min(int a, int b) { return a < b ? a : b; }
 DF_FN bool df_isnan(float v) { return isnan(v); }
@@ -83,6 +87,10 @@ typedef unsigned int df_uint;
 DF_FN float df_f(float v) { return v; }
 template <typename T> DF_FN T df_cast(float v) { return T(v); }
 DF_FN float df_exp(float v) { return std::exp(v); }
+DF_FN float df_exp2(float v) { return std::exp2(v); }
+DF_FN float df_rsqrt(float v) { return 1.0f / std::sqrt(v); }
+DF_FN float df_cos(float v) { return std::cos(v); }
+DF_FN float df_sin(float v) { return std::sin(v); }
 DF_FN float df_max(float a, float b) { return std::fmax(a, b); }
 DF_FN int df_min(int a, int b) { return a < b ? a : b; }
 DF_FN bool df_isnan(float v) { return std::isnan(v); }
@@ -106,6 +114,10 @@ typedef uint df_uint;
 template <typename T> DF_FN float df_f(T v) { return float(v); }
 template <typename T> DF_FN T df_cast(float v) { return T(v); }
 DF_FN float df_exp(float v) { return metal::precise::exp(v); }
+DF_FN float df_exp2(float v) { return metal::precise::exp2(v); }
+DF_FN float df_rsqrt(float v) { return metal::precise::rsqrt(v); }
+DF_FN float df_cos(float v) { return metal::precise::cos(v); }
+DF_FN float df_sin(float v) { return metal::precise::sin(v); }
 DF_FN float df_max(float a, float b) { return metal::max(a, b); }
 DF_FN int df_min(int a, int b) { return metal::min(a, b); }
 DF_FN bool df_isnan(float v) { return metal::isnan(v); }

@@ -26,7 +26,7 @@ namespace dflash_attn {
 
 constexpr int TILE = 32;  // keys per tile (one per lane for the scores)
 
-// params: [H, Hk, Lq, n_row_groups] (static per call signature: made once); the cache length L and the
+// params: [H, Hk, Lq, n_row_groups, rows_layout] (static per call signature: made once); the cache length L and the
 // head strides of the K/V buffers come from the inputs' shapes and strides (no per-call host data).
 // Threadgroup memory: tq[ROWS * D] (the block's queries, float) and scr[SCR] floats, SCR >= both the warps' key
 // sub-tiles (WARPS * 32 * (KD + 1)) and the merge's tile results (TILES * ROWS * (D + 2)), which reuse it.
@@ -150,7 +150,7 @@ DF_FN void attn_partial(const DF_DEVICE T* q, const DF_DEVICE T* k, const DF_DEV
 template <typename T, int D>
 DF_FN void attn_combine(const DF_DEVICE float* part_o, const DF_DEVICE float* part_ml, const DF_DEVICE int* params,
                         DF_DEVICE T* out, int row, int lane, int n_chunks) {
-  const int H = params[0], Hk = params[1], Lq = params[2];
+  const int H = params[0], Hk = params[1], Lq = params[2], rows_layout = params[4];
   const int G = H / Hk, R = G * Lq;
   if (row >= Hk * R) return;
   constexpr int DL = D / 32;
@@ -167,7 +167,9 @@ DF_FN void attn_combine(const DF_DEVICE float* part_o, const DF_DEVICE float* pa
     for (int e = 0; e < DL; ++e) o[e] += w * part_o[base * D + lane + 32 * e];
   }
   const int hk = row / R, r = row % R, gi = r / Lq, i = r % Lq, h = hk * G + gi;
-  for (int e = 0; e < DL; ++e) out[((long)h * Lq + i) * D + lane + 32 * e] = df_cast<T>(o[e] / l);
+  // [H, Lq, D], or [Lq, H, D] (rows_layout: o_proj's input, no transpose copy after the kernel)
+  const long ob = rows_layout ? ((long)i * H + h) * D : ((long)h * Lq + i) * D;
+  for (int e = 0; e < DL; ++e) out[ob + lane + 32 * e] = df_cast<T>(o[e] / l);
 }
 
 }  // namespace dflash_attn

@@ -41,6 +41,10 @@ def cases(quick: bool = False, cpu: bool = False) -> list[tuple[str, tuple]]:
                 out.append(("qmm", (f"mlx.core.{dt}", bits, gs, n, k)))
         for h, hk, d in heads:
             out.append(("verify_attention", (f"mlx.core.{dt}", h, hk, d)))
+            if (h, hk, d) == heads[0]:  # o_proj's layout (the routed layers' verify and plain step)
+                out.append(("verify_attention", (f"mlx.core.{dt}", h, hk, d, "rows")))
+            if d % 64 == 0:
+                out.append(("qk_norm_rope", (f"mlx.core.{dt}", h, hk, d, True)))
         for dk in ((64,) if cpu else (128,) if quick else (128, 64)):
             out.append(("gated_delta_steps", (dt, dk)))
             out.append(("gated_delta_final", (dt, dk)))

@@ -338,7 +338,7 @@ def test_selftest_runs_on_the_cpu(capsys):
     assert all(name in out for name in kernels.OPS)  # every registered op has a line
 
 
-def _tiny_quantized_target(model_type="qwen3"):
+def _tiny_quantized_target(model_type="qwen3", head_dim=16):
     import importlib
 
     import mlx.nn as nn
@@ -346,7 +346,7 @@ def _tiny_quantized_target(model_type="qwen3"):
     from mlx_dflash2.target import TargetAdapter
 
     cfg = {"model_type": model_type, "hidden_size": 64, "num_hidden_layers": 3, "intermediate_size": 128,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": head_dim, "rms_norm_eps": 1e-6,
            "vocab_size": 512, "rope_theta": 10000.0, "max_position_embeddings": 2048, "tie_word_embeddings": True}
     mod = importlib.import_module(f"mlx_lm.models.{model_type}")
     mx.random.seed(3)
@@ -379,6 +379,69 @@ def test_target_routing_keeps_the_model(model_type):
     assert mx.array_equal(t.forward(ids, t.make_cache()).logits, before)
     spec = [tok for tok, _, _ in speculative_generate_step(prompt, t, LookupProposer(block_size=6), max_tokens=20)]
     assert spec == plain
+
+
+@pytest.mark.skipif(not emulate.available(), reason="no C++20 compiler")
+@pytest.mark.parametrize("H,Hk,D,norm", [(4, 2, 64, True), (2, 1, 128, False), (4, 1, 256, True)])
+def test_qk_norm_rope_body_emulated(H, Hk, D, norm):
+    """The shared qk_norm_rope body (metal/qk_norm_rope.h in the CPU emulation) equals its reference (mlx's rms_norm
+    and rope on the sliced heads) within float32 rounding, the value heads exactly, and a row computed alone at its
+    position is bit-identical to the same row among five."""
+    from mlx_dflash2.kernels import qk_norm_rope
+
+    rng = np.random.default_rng(1)
+    y = rng.normal(size=(5, (H + 2 * Hk) * D)).astype(np.float32)
+    qw, kw = ((1 + 0.1 * rng.normal(size=D)).astype(np.float32) for _ in range(2)) if norm else (None, None)
+    q, k, v = emulate.qk_norm_rope(y, qw, kw, H, Hk, 1e-6, 1e6, 300)
+    ref = qk_norm_rope.reference(mx.array(y), *(None if w is None else mx.array(w) for w in (qw, kw)), H, Hk, 1e-6,
+                                 1e6, 300)
+    for got, r in zip((q, k), ref):
+        assert np.abs(np.array(r[0]) - got).max() < 1e-4 * max(1.0, float(np.abs(np.array(r)).max()))
+    assert np.array_equal(np.array(ref[2][0]), v)
+    q1, k1, v1 = emulate.qk_norm_rope(y[3:4], qw, kw, H, Hk, 1e-6, 1e6, 303)
+    assert np.array_equal(q1[:, 0], q[:, 3]) and np.array_equal(k1[:, 0], k[:, 3]) and np.array_equal(v1[:, 0], v[:, 3])
+
+
+@pytest.mark.parametrize("model_type,compiled", [("qwen3", False), ("qwen3", True), ("llama", True)])
+def test_routed_heads_go_through_qk_norm_rope(monkeypatch, model_type, compiled):
+    """A routed target with head_dim 64 (fused q/k/v, nn.RoPE of the whole head) takes each attention layer's norms,
+    RoPE and head layout through qk_norm_rope (one launch on a GPU), with the layers compiled or not: its logits are
+    exactly the unrouted model's on the same chunks (float32, references on the CPU), and speculative decoding
+    still equals plain decoding. A layer whose RoPE is not nn.RoPE (or is traditional) keeps mlx-lm's modules."""
+    from mlx_dflash2.kernels import KernelAttention, attention
+    from mlx_dflash2.proposers import LookupProposer
+    from mlx_dflash2.speculative import speculative_generate_step
+    from mlx_dflash2.target import trim_cache
+
+    monkeypatch.setenv("MLX_DFLASH2_COMPILE", "1" if compiled else "0")
+    t = _tiny_quantized_target(model_type, head_dim=64)
+    prompt = [5, 9, 5, 9, 5, 9, 5, 9, 17, 23]
+    ids = mx.array(prompt + [3, 4, 5], dtype=mx.int32)
+    cache = t.make_cache()
+    t.forward(ids[:10], cache)  # the same chunks as below (MLX's CPU matmuls at 13 rows round differently)
+    before = t.forward(ids[10:], cache).logits
+    plain = [tok for tok, _, _ in speculative_generate_step(prompt, t, None, max_tokens=20)]
+    t.route_kernels("kernel", force=True)
+    attn = t.inner.layers[0].self_attn
+    assert isinstance(attn, KernelAttention) and attn.fused_rope
+    calls = []
+    real = attention.qk_norm_rope
+    monkeypatch.setattr(attention, "qk_norm_rope", lambda *a, **k: (calls.append(a[0].shape), real(*a, **k))[1])
+    cache = t.make_cache()
+    t.forward(ids[:10], cache)
+    for _ in range(3):  # eager, then compiled twice (where compiled)
+        assert mx.array_equal(t.forward(ids[10:], cache).logits, before)
+        trim_cache(cache, 3)
+    assert calls == [(1, 10, (4 + 2 * 2) * 64)] * 3 + [(1, 3, (4 + 2 * 2) * 64)] * 9  # three layers, four forwards
+    spec = [tok for tok, _, _ in speculative_generate_step(prompt, t, LookupProposer(block_size=6), max_tokens=20)]
+    assert spec == plain
+    import mlx.nn as nn
+
+    other = KernelAttention(_tiny_quantized_target(model_type, head_dim=64).inner.layers[0].self_attn)
+    assert other.fused_rope is False  # unrouted linears: no fused q/k/v
+    for rope in (nn.RoPE(64, traditional=True), nn.RoPE(32), nn.RoPE(64, scale=0.5)):
+        assert not KernelAttention._fused_rope(attn.qkv, attn.splits, (4, 2), attn.fixed[3], rope, False)
+    assert KernelAttention._fused_rope(attn.qkv, attn.splits, (4, 2), attn.fixed[3], nn.RoPE(64, base=5e5), False)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen2"])

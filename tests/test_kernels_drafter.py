@@ -30,7 +30,8 @@ DRAFTER_OPS = (dynamic_conv, selector_walk, greedy_accept)
 KEYS = {"dynamic_conv": [("float32", "float32", "float32"), ("bfloat16", "bfloat16", "float32")],
         "selector_walk": [("float32", 32), ("bfloat16", 8)], "greedy_accept": [("float32",), ("float16",)],
         "qmm": [("mlx.core.bfloat16", 4, 64, 1000, 512), ("mlx.core.float32", 8, 32, 64, 256)],
-        "verify_attention": [("mlx.core.float16", 8, 2, 64)],
+        "verify_attention": [("mlx.core.float16", 8, 2, 64), ("mlx.core.bfloat16", 8, 2, 128, "rows")],
+        "qk_norm_rope": [("mlx.core.bfloat16", 8, 2, 128, True), ("mlx.core.float32", 4, 4, 64, False)],
         "gated_delta_steps": [("float32", 128), ("bfloat16", 32)], "gated_delta_final": [("float32", 128), ("bfloat16", 64)]}
 
 
@@ -268,13 +269,13 @@ def test_launches_match_their_specs(monkeypatch, op, be):
             cases.append((args[0][:1], args[1][:1], args[2][:1], args[3], args[4], args[5][:1]))
         if op.name == "greedy_accept":  # the plain step (one row, no draft) is MLX's argmax alone
             assert not op.supports(args[0][:1], args[1][:0])
-        if op.name in ("qmm", "verify_attention"):  # the plain step: one row
-            cases.append((args[0][:1],) + args[1:] if op.name == "qmm" else (args[0][:, :, :1],) + args[1:])
+        if op.name in ("qmm", "verify_attention", "qk_norm_rope"):  # the plain step: one row
+            cases.append((args[0][:1],) + args[1:] if op.name != "verify_attention" else (args[0][:, :, :1],) + args[1:])
         for case in cases:
-            assert op.supports(*case)
+            assert op.supports(*case, **kw)
             log.clear()
-            out = op.launch(be, *case)
-            ref = op.reference(*case)
+            out = op.launch(be, *case, **kw)
+            ref = op.reference(*case, **kw)
             for o, r in zip(out if isinstance(out, tuple) else (out,), ref if isinstance(ref, tuple) else (ref,)):
                 assert o.shape == r.shape and o.dtype == r.dtype
             for spec, inputs, template, grid, tg in log:

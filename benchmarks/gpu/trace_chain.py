@@ -153,6 +153,9 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true", help="small sizes (a CPU check of the script)")
     p.add_argument("--skip-q", action="store_true", help="skip the q-projection chains")
     p.add_argument("--tag", default="", help="a label stored in the JSON (e.g. the environment tried)")
+    p.add_argument("--variants", default="mlx,kernel,compile,submit,inline,again",
+                   help="the forward's variants to run (comma-separated): mlx, kernel, compile (kernel+compile at the "
+                        "default submission), submit (submission every 0/4/18), inline (sources inline), again")
     a = p.parse_args(argv)
     be = backend()
     res = {"backend": be, "mlx": mx.__version__, "rows": [], "tag": a.tag,
@@ -273,17 +276,22 @@ def main(argv=None):
                 if isinstance(o, qmm.KernelQuantizedLinear):
                     o._bound.clear()
 
+        want = set(a.variants.split(","))
+
         def variants():
-            yield "mlx", model
-            yield "kernel", routed
+            if "mlx" in want:
+                yield "mlx", model
+            if "kernel" in want:
+                yield "kernel", routed
             if be == "cuda" or a.tiny:  # the routed layers' graphs built by compiled functions (kernels/block.py)
                 swaps = route_blocks(routed.model.layers)
-                yield f"kernel+compile (submit every {submit_every()})", routed
-                for k in (0, 4, 18):  # multi-row forwards queued in parts while the host builds the rest
+                if "compile" in want:
+                    yield f"kernel+compile (submit every {submit_every()})", routed
+                for k in ((0, 4, 18) if "submit" in want else ()):  # multi-row forwards queued in parts
                     set_submit_every(routed.model.layers, k)
                     yield f"kernel+compile (submit every {k})", routed
                 set_submit_every(routed.model.layers, submit_every())
-                if be == "cuda":  # the same with every kernel's source inline (no #include: registry.cuda_header);
+                if be == "cuda" and "inline" in want:  # the same with every kernel's source inline (no #include: registry.cuda_header);
                     # fresh compiled layers: a compiled trace keeps the kernel objects it recorded
                     undo_routes(swaps)
                     os.environ[registry.INCLUDE_ENV] = "0"
@@ -293,7 +301,8 @@ def main(argv=None):
                     del os.environ[registry.INCLUDE_ENV]
                     reset_kernels()
                 undo_routes(swaps)
-                yield "kernel (again: order effects)", routed
+                if "again" in want:
+                    yield "kernel (again: order effects)", routed
 
         for kind, m in variants():
             for M in (1, 16):

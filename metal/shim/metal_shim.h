@@ -32,7 +32,13 @@ template <typename T> T max(T a, T b) { return a > b ? a : b; }
 template <typename T> T min(T a, T b) { return a < b ? a : b; }
 inline float exp(float v) { return std::exp(v); }
 inline bool isnan(float v) { return std::isnan(v); }
-namespace precise { inline float exp(float v) { return std::exp(v); } }
+namespace precise {
+inline float exp(float v) { return std::exp(v); }
+inline float exp2(float v) { return std::exp2(v); }
+inline float rsqrt(float v) { return 1.0f / std::sqrt(v); }
+inline float cos(float v) { return std::cos(v); }
+inline float sin(float v) { return std::sin(v); }
+}
 template <typename T, int N> struct vec {
   T v[N];
   T& operator[](int i) { return v[i]; }

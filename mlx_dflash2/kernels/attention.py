@@ -22,6 +22,8 @@ from mlx_lm.models.base import scaled_dot_product_attention as _sdpa
 from mlx_lm.models.cache import KVCache as _KVCache
 
 from .registry import KernelOp, KernelSpec, int_params
+from .rope import HEAD_DIMS as ROPE_HEAD_DIMS
+from .rope import qk_norm_rope
 
 __all__ = ["VerifyAttention", "verify_attention", "KernelAttention", "route_attention", "ATTENTION_CLASSES"]
 
@@ -97,8 +99,11 @@ class VerifyAttention(KernelOp):
         length: valid cache rows, the new ones included.
         scale: the softmax scale.
 
+        layout: ``"heads"`` (default): the output ``[1, H, Lq, D]``; ``"rows"``: ``[1, Lq, H * D]``, what the layer's
+            ``o_proj`` takes (the kernel writes it so: no transpose copy after it at Lq > 1).
+
     Returns:
-        ``[1, H, Lq, D]`` in the queries' dtype.
+        ``[1, H, Lq, D]`` (or ``[1, Lq, H * D]``) in the queries' dtype.
     """
 
     name = "verify_attention"
@@ -111,13 +116,14 @@ class VerifyAttention(KernelOp):
     row_invariant = True
     tolerance = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 2e-2}
 
-    def reference(self, q, keys, values, length, scale, config=None):
+    def reference(self, q, keys, values, length, scale, config=None, layout="heads"):
         k, v = keys[..., :length, :], values[..., :length, :]
         mask = "causal" if q.shape[2] > 1 else None
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        return out.transpose(0, 2, 1, 3).reshape(1, q.shape[2], -1) if layout == "rows" else out
 
-    def supports(self, q, keys, values, length, scale, config=None):
-        if q.ndim != 4 or keys.ndim != 4 or q.shape[0] != 1 or keys.shape[0] != 1 or q.dtype not in DTYPES:
+    def supports(self, q, keys, values, length, scale, config=None, layout="heads"):
+        if layout not in ("heads", "rows") or q.ndim != 4 or keys.ndim != 4 or q.shape[0] != 1 or keys.shape[0] != 1 or q.dtype not in DTYPES:
             return False
         H, Lq, D = q.shape[1], q.shape[2], q.shape[3]
         Hk = keys.shape[1]
@@ -126,27 +132,29 @@ class VerifyAttention(KernelOp):
                 and values.dtype == q.dtype and values.shape == keys.shape and keys.shape[3] == D
                 and Lq <= length <= keys.shape[2] and (mk is None or length <= mk))
 
-    def shape_key(self, q, keys, values, length, scale, config=None):
-        return (str(q.dtype), int(q.shape[1]), int(keys.shape[1]), int(q.shape[3]))
+    def shape_key(self, q, keys, values, length, scale, config=None, layout="heads"):
+        key = (str(q.dtype), int(q.shape[1]), int(keys.shape[1]), int(q.shape[3]))
+        return key if layout == "heads" else key + (layout,)
 
     def sample(self, key):
-        dtype, H, Hk, D = key
+        dtype, H, Hk, D = key[:4]
         dtype = getattr(mx, dtype.split(".")[-1])
         r = mx.random.split(mx.random.key(H * 7 + D), 3)
         L, S = 300, 320  # crosses a chunk boundary (256) and ends inside a tile
         q = mx.random.normal((1, H, MAX_ROWS, D), key=r[0]).astype(dtype)
         k = mx.random.normal((1, Hk, S, D), key=r[1]).astype(dtype)
         v = mx.random.normal((1, Hk, S, D), key=r[2]).astype(dtype)
-        return (q, k, v, L, D**-0.5), {}
+        return (q, k, v, L, D**-0.5), ({"layout": key[4]} if len(key) > 4 else {})
 
     def check_invariance(self, be, args, kw, outs):
         """Row i of a 16-row call equals the 1-row call at that row's position (what plain decoding
         computes there), bit for bit."""
         q, k, v, L, scale = args
         Lq = q.shape[2]
+        rows = kw.get("layout") == "rows"
         for i in (0, 5, Lq - 1):
-            one = self.launch(be, q[:, :, i : i + 1], k, v, L - Lq + i + 1, scale)
-            if not mx.array_equal(one, outs[0][:, :, i : i + 1]):
+            one = self.launch(be, q[:, :, i : i + 1], k, v, L - Lq + i + 1, scale, **kw)
+            if not mx.array_equal(one, outs[0][:, i : i + 1] if rows else outs[0][:, :, i : i + 1]):
                 return f"row {i} of a {Lq}-row call differs from the same row computed alone"
         return None
 
@@ -194,12 +202,13 @@ class VerifyAttention(KernelOp):
         if q.ndim != 4 or keys.ndim != 4 or not q.shape[2] <= length <= keys.shape[2] or values.shape != keys.shape:
             return None
         mk = max_keys()
-        return (q.shape, q.dtype, keys.shape[1], keys.shape[3], keys.dtype, values.dtype, mk is not None and length > mk)
+        return (q.shape, q.dtype, keys.shape[1], keys.shape[3], keys.dtype, values.dtype, mk is not None and length > mk,
+                kw.get("layout", "heads"))
 
-    def _geometry(self, backend, shape, Hk, dtype, config):
+    def _geometry(self, backend, shape, Hk, dtype, config, layout="heads"):
         """What a call signature's launches share, worked out once (the host builds one call per layer per
         forward: session 17's H200 profile measured 35 us per call here against 7 us for MLX's attention)."""
-        key = (backend, shape, Hk, dtype, config)
+        key = (backend, shape, Hk, dtype, config, layout)
         geo = self._geo.get(key)
         if geo is None:
             _, H, Lq, D = shape
@@ -212,19 +221,19 @@ class VerifyAttention(KernelOp):
             rows_total = Hk * R
             geo = self._geo[key] = (
                 CHUNK, n_rg, warps, rows_total,
-                int_params(H, Hk, Lq, n_rg),  # the length travels as a view's shape: no per-call host data
+                int_params(H, Hk, Lq, n_rg, int(layout == "rows")),  # the length travels as a view's shape
                 [("T", dtype), ("D", D), ("TILES", tiles), ("ROWS", rows), ("WARPS", warps), ("KD", kd),
                  ("SCR", scr)],
                 (warps * 32, 1, 1), [mx.float32, mx.float32],
                 [("T", dtype), ("D", D)], (-(-rows_total // 4) * 128, 1, 1),  # whole groups; extra rows return
-                [(1, H, Lq, D)], [dtype])
+                [(1, Lq, H * D) if layout == "rows" else (1, H, Lq, D)], [dtype])
         return geo
 
-    def launch(self, backend, q, keys, values, length, scale, config=None):
+    def launch(self, backend, q, keys, values, length, scale, config=None, layout="heads"):
         """``config``: ``(ROWS, WARPS, KD)`` in place of the geometry's choice (benchmarks' geometry sweep only;
         the chunk and tiles stay, so a row's bits do not change)."""
         chunk, n_rg, warps, rows_total, params, tmpl, tg, f32s, tmpl2, grid2, out_shape, out_dtype = \
-            self._geometry(backend, q.shape, keys.shape[1], q.dtype, config)
+            self._geometry(backend, q.shape, keys.shape[1], q.dtype, config, layout)
         sc = self._scales.get(scale)
         if sc is None:
             sc = self._scales[scale] = mx.array([scale] + [0.0] * 7, dtype=mx.float32)
@@ -282,6 +291,19 @@ class KernelAttention(nn.Module):
         gated = f"{type(attn).__module__}.{type(attn).__name__}" == GATED_ATTENTION
         heads = (attn.num_attention_heads, attn.num_key_value_heads) if gated else (attn.n_heads, attn.n_kv_heads)
         object.__setattr__(self, "fixed", (*heads, attn.scale, norms, attn.rope, gated))
+        object.__setattr__(self, "fused_rope", self._fused_rope(qkv, splits, heads, norms, attn.rope, gated))
+
+    @staticmethod
+    def _fused_rope(qkv, splits, heads, norms, rope, gated) -> bool:
+        """Whether the heads' norms, RoPE and layout go through :data:`~.rope.qk_norm_rope` (one launch): q, k and v
+        fused, not gated, ``nn.RoPE`` of the whole head (non-traditional, scale 1), RMS norms on q and k or none."""
+        if qkv is None or gated or type(rope) is not nn.RoPE or rope.traditional or rope.scale != 1.0:
+            return False
+        nh, nkv = heads
+        D, rem = divmod(splits[0], nh)
+        if rem or D not in ROPE_HEAD_DIMS or rope.dims != D or splits[1] - splits[0] != nkv * D:
+            return False
+        return norms is None or all(type(n) is nn.RMSNorm for n in norms)
 
     def project(self, x):
         """The queries, keys and values of ``x`` ``[B, L, D]`` before RoPE: ``(q [B, H, L, Dh], k, v
@@ -307,10 +329,11 @@ class KernelAttention(nn.Module):
         return q, k, v, gate
 
     def output(self, out, gate):
-        """``o_proj`` of the attention's output ``out`` ``[B, H, L, Dh]`` (times ``sigmoid(gate)`` where gated):
-        ``[B, L, D]``."""
-        B, _, L, _ = out.shape
-        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        """``o_proj`` of the attention's output ``out`` ``[B, H, L, Dh]`` or, laid out already, ``[B, L, H * Dh]``
+        (times ``sigmoid(gate)`` where gated): ``[B, L, D]``."""
+        if out.ndim == 4:
+            B, _, L, _ = out.shape
+            out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
         return self.inner.o_proj(out * mx.sigmoid(gate) if gate is not None else out)
 
     def fast(self, cache, mask, B: int, L: int) -> bool:
@@ -340,7 +363,27 @@ class KernelAttention(nn.Module):
         cache.update_and_fetch(k, v)
         return verify_attention(q, cache.keys, cache.values, off + q.shape[2], scale, mode=self.kernel_mode)
 
+    def attend_rows(self, y, cache):
+        """The attention core from the fused projection's output ``y`` ``[1, L, (H + 2 Hk) * D]`` on the fast path
+        (:meth:`fast`, :attr:`fused_rope`): the heads' norms, RoPE at the cache's offset and layout in one
+        :data:`~.rope.qk_norm_rope` launch, the cache update, :data:`verify_attention`: ``[1, L, H * D]`` (o_proj's
+        layout, written so by the kernel)."""
+        nh, nkv, scale, norms, rope, _ = self.fixed
+        off = cache.offset if type(cache) is _KVCache else cache.solo_length()
+        if norms is None:
+            qw = kw = None
+            eps = 0.0
+        else:
+            qw, kw, eps = norms[0]["weight"], norms[1]["weight"], norms[0].eps
+        q, k, v = qk_norm_rope(y, qw, kw, nh, nkv, eps, rope.base, off, mode=self.kernel_mode)
+        cache.update_and_fetch(k, v)
+        return verify_attention(q, cache.keys, cache.values, off + q.shape[2], scale, mode=self.kernel_mode,
+                                layout="rows")
+
     def __call__(self, x, mask=None, cache=None):
+        B, L, _ = x.shape
+        if self.fused_rope and cache is not None and self.fast(cache, mask, B, L):
+            return self.output(self.attend_rows(self.qkv(x), cache), None)
         q, k, v, gate = self.project(x)
         return self.output(self.attend(q, k, v, mask, cache), gate)
 

@@ -6,9 +6,11 @@ building its graph in Python takes 5.3 ms against MLX's 2.5, and the forward run
 MLX's 10.2). A decoder layer makes ~25 Python-level op calls per token step; a compiled function replays its
 recorded graph in C++, so the layer becomes two compiled calls around the part that depends on the cache:
 
-* ``head(x)``: ``input_layernorm``, the fused q/k/v ``qmm``, the split, the q/k norms, the transposes;
-* RoPE at the cache's offset, the cache update and :data:`~.attention.verify_attention` (eager: they depend on the
-  cache's length);
+* ``head(x)``: ``input_layernorm`` and the fused q/k/v ``qmm`` (where the heads' norms and RoPE are one
+  :data:`~.rope.qk_norm_rope` launch, the usual case: llama, qwen2, qwen3), else also the split, the q/k norms and
+  the transposes;
+* :data:`~.rope.qk_norm_rope` (or RoPE alone) at the cache's offset, the cache update and
+  :data:`~.attention.verify_attention` (eager: they depend on the cache's length);
 * ``tail(x, attn, gate)``: ``o_proj`` (times the output gate where gated), the residual, ``post_attention_layernorm``,
   the MLP (gate and up fused), the residual.
 
@@ -120,6 +122,9 @@ class KernelBlock(Wrapper):
         mixer = block.linear_attn if linear else block.self_attn
         # plain attributes (outside the module tree: the inner layer lists them)
         object.__setattr__(self, "parts", (block.input_layernorm, mixer, block.post_attention_layernorm, block.mlp))
+        # an attention layer whose heads' norms and RoPE are one qk_norm_rope launch: the head is the input norm and
+        # the fused q/k/v projection only
+        object.__setattr__(self, "rows", not linear and bool(getattr(mixer, "fused_rope", False)))
         # the compiled functions and the signatures seen, per thread: MLX 0.32 keeps compiled traces per thread and,
         # when a compiled function is freed, erases them from the last calling thread's cache only; traced on two
         # threads (route_kernels' timed steps on one, a server's worker on another) a trace would outlive its block
@@ -132,7 +137,8 @@ class KernelBlock(Wrapper):
         loc = self._local
         fns = getattr(loc, "fns", None)
         if fns is None:
-            head = None if self.linear else mx.compile(self.head)  # a GatedDeltaNet layer's head is its norm, eager
+            head = None if self.linear else mx.compile(self.head_rows if self.rows else self.head)  # a GatedDeltaNet
+            # layer's head is its norm, eager
             fns = loc.fns = (set(), head, mx.compile(self.tail_linear if self.linear else self.tail))
         return fns
 
@@ -141,6 +147,12 @@ class KernelBlock(Wrapper):
         norm, attn, _, _ = self.parts
         q, k, v, gate = attn.project(norm(x))
         return (q, k, v) if gate is None else (q, k, v, gate)
+
+    def head_rows(self, x):
+        """The fused q/k/v projection's output ``[1, L, (H + 2 Hk) * D]`` of the layer's input ``x`` (the input norm
+        first): what :meth:`~.attention.KernelAttention.attend_rows` takes."""
+        norm, attn, _, _ = self.parts
+        return attn.qkv(norm(x))
 
     def tail(self, x, out, *gate):
         """The layer's output from its input ``x`` and the attention core's output ``out`` ``[1, H, L, Dh]``."""
@@ -169,6 +181,9 @@ class KernelBlock(Wrapper):
             seen.add(sig)  # this call runs eagerly (gates, bindings); the next ones compiled
         if self.linear:
             y = (c_tail if compiled else self.tail_linear)(x, mixer(norm(x), mask, cache))
+        elif self.rows:
+            y = (c_head if compiled else self.head_rows)(x)
+            y = (c_tail if compiled else self.tail)(x, mixer.attend_rows(y, cache))
         else:
             head, tail = (c_head, c_tail) if compiled else (self.head, self.tail)
             q, k, v, *gate = head(x)

@@ -21,7 +21,8 @@ import numpy as np
 
 from .registry import source_text
 
-__all__ = ["available", "attention", "dynamic_conv", "selector_walk", "greedy_accept", "gated_delta_steps"]
+__all__ = ["available", "attention", "qk_norm_rope", "dynamic_conv", "selector_walk", "greedy_accept",
+           "gated_delta_steps"]
 
 # the launchers' common part: the body's sources, one block of threads, file I/O
 _PRELUDE = r"""
@@ -168,6 +169,34 @@ int main(int argc, char** argv) {
 """
 
 
+_QK_NORM_ROPE = r"""
+int main(int argc, char** argv) {
+  // argv: dir H Hk L has_norm
+  std::string dir = argv[1];
+  const int H = atoi(argv[2]), Hk = atoi(argv[3]), L = atoi(argv[4]), has_norm = atoi(argv[5]);
+  constexpr int D = EMU_D;
+  const int NH = H + 2 * Hk;
+  int params[8] = {H, Hk, L, has_norm, 0, 0, 0, 0};
+  auto y = readf((dir + "/y").c_str(), (size_t)L * NH * D);
+  auto qw = readf((dir + "/qw").c_str(), (size_t)D);
+  auto kw = readf((dir + "/kw").c_str(), (size_t)D);
+  auto pos = readf<int>((dir + "/pos").c_str(), (size_t)L);
+  auto fp = readf((dir + "/fparams").c_str(), 2);
+  std::vector<float> qo((size_t)H * L * D, -7.0f), ko((size_t)Hk * L * D, -7.0f), vo((size_t)Hk * L * D, -7.0f);
+  const int warps = L * NH;
+  for (int w0 = 0; w0 < warps; w0 += 4)
+    run_block(128, [&](int warp, int lane) {
+      dflash_qkr::qk_norm_rope<float, D>(y.data(), qw.data(), kw.data(), pos.data(), params, fp.data(), qo.data(),
+                                         ko.data(), vo.data(), w0 + warp, lane);
+    });
+  writef(dir + "/qo", qo);
+  writef(dir + "/ko", ko);
+  writef(dir + "/vo", vo);
+  return 0;
+}
+"""
+
+
 _GATED_DELTA_STEPS = r"""
 int main(int argc, char** argv) {
   // argv: dir B S Hk Hv Dv
@@ -299,6 +328,24 @@ def greedy_accept(logits: np.ndarray, draft: np.ndarray, tpb: int | None = None)
     out = _run(exe, dict(logits=logits, draft=np.asarray(draft, dtype=np.int32)), [rows, V],
                dict(tokens=(np.int32, (rows,)), num=(np.int32, (1,))))
     return int(out["num"][0]), out["tokens"]
+
+
+def qk_norm_rope(y: np.ndarray, qw: np.ndarray | None, kw: np.ndarray | None, H: int, Hk: int, eps: float,
+                 base: float, offset: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``qk_norm_rope.h`` emulated in float32: ``y [L, (H + 2 Hk) * D]``, norm weights ``[D]`` or None, RoPE from
+    ``offset`` -> ``(q [H, L, D], k [Hk, L, D], v [Hk, L, D])``."""
+    import math
+
+    L, W = y.shape
+    D = W // (H + 2 * Hk)
+    exe = _binary(["dialect.h", "qk_norm_rope.h"], _QK_NORM_ROPE, dict(EMU_D=D))
+    ones = np.ones(D, np.float32)
+    out = _run(exe, dict(y=y, qw=ones if qw is None else qw, kw=ones if kw is None else kw,
+                         pos=np.arange(offset, offset + L, dtype=np.int32),
+                         fparams=np.array([eps, math.log2(base)], np.float32)),
+               [H, Hk, L, int(qw is not None)],
+               dict(qo=(np.float32, (H, L, D)), ko=(np.float32, (Hk, L, D)), vo=(np.float32, (Hk, L, D))))
+    return out["qo"], out["ko"], out["vo"]
 
 
 def gated_delta_steps(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,

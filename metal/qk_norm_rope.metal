@@ -1,0 +1,2 @@
+#include "dialect.h"
+#include "qk_norm_rope.h"

@@ -24,7 +24,8 @@
 
 namespace dflash_attn {
 
-constexpr int TILE = 32;  // keys per tile (one per lane for the scores)
+// TILE = 32 keys per tile (one per lane for the scores), a constant of each function: Metal allows no program-scope
+// variable outside the `constant` address space, constexpr ones included.
 
 // params: [H, Hk, Lq, n_row_groups, rows_layout] (static per call signature: made once); the cache length L and the
 // head strides of the K/V buffers come from the inputs' shapes and strides (no per-call host data).
@@ -35,6 +36,7 @@ DF_FN void attn_partial(const DF_DEVICE T* q, const DF_DEVICE T* k, const DF_DEV
                         const DF_DEVICE float* scale_p, DF_DEVICE float* part_o, DF_DEVICE float* part_ml,
                         DF_TG float* tq, DF_TG float* scr, int chunk, int hk, int rg, int warp, int lane,
                         int L, long kstride, long vstride) {
+  constexpr int TILE = 32;                 // keys per tile
   constexpr int RW = WARPS / TILES;        // row subgroups
   constexpr int RPW = ROWS / RW;           // rows per warp
   constexpr int DL = D / 32;               // value dims per lane

@@ -785,3 +785,16 @@ def test_a_batch_of_one_takes_the_kernels_fast_path(monkeypatch):
     assert len(calls) >= 3 * 20 // 6 and all(s[0] == 1 for s in calls)
     two = batch([prompt, prompt[:7]])  # two rows: mlx-lm's attention until one leaves
     assert two == [solo, [int(x) for x, _, _ in speculative_generate_step(prompt[:7], t, prop, max_tokens=24)]]
+
+
+def test_shared_bodies_have_no_program_scope_variables():
+    """Metal allows no program-scope variable outside the `constant` address space (constexpr ones included:
+    "program scope variable must reside in constant address space"); the shim, NVRTC and the CPU emulation all accept
+    one, so a namespace-scope `constexpr int TILE = 32;` in verify_attention.h passed every check here and would have
+    failed every Metal build (found by review). The shared bodies keep their constants inside functions or templates."""
+    import re
+
+    src = Path(__file__).resolve().parents[1] / "metal"
+    bad = [(p.name, line) for p in sorted(src.glob("*.h")) if p.name != "dialect.h"
+           for line in p.read_text().splitlines() if re.match(r"(static\s+)?(constexpr|const)\s+\w+\s+\w+\s*=", line)]
+    assert not bad, bad

@@ -296,14 +296,15 @@ class KernelAttention(nn.Module):
     @staticmethod
     def _fused_rope(qkv, splits, heads, norms, rope, gated) -> bool:
         """Whether the heads' norms, RoPE and layout go through :data:`~.rope.qk_norm_rope` (one launch): q, k and v
-        fused, not gated, ``nn.RoPE`` of the whole head (non-traditional, scale 1), RMS norms on q and k or none."""
+        fused, not gated, ``nn.RoPE`` of the whole head (non-traditional, scale 1), RMS norms on q and k (one epsilon)
+        or none."""
         if qkv is None or gated or type(rope) is not nn.RoPE or rope.traditional or rope.scale != 1.0:
             return False
         nh, nkv = heads
         D, rem = divmod(splits[0], nh)
         if rem or D not in ROPE_HEAD_DIMS or rope.dims != D or splits[1] - splits[0] != nkv * D:
             return False
-        return norms is None or all(type(n) is nn.RMSNorm for n in norms)
+        return norms is None or (all(type(n) is nn.RMSNorm for n in norms) and norms[0].eps == norms[1].eps)
 
     def project(self, x):
         """The queries, keys and values of ``x`` ``[B, L, D]`` before RoPE: ``(q [B, H, L, Dh], k, v

@@ -66,7 +66,7 @@ int main(int argc, char** argv) {
   std::string dir = argv[1];
   int H = atoi(argv[2]), Hk = atoi(argv[3]), Lq = atoi(argv[4]), L = atoi(argv[5]), S = atoi(argv[6]);
   constexpr int D = EMU_D, TILES = EMU_TILES, ROWS = EMU_ROWS, WARPS = EMU_WARPS, KD = EMU_KD, SCR = EMU_SCR;
-  constexpr int TILE = dflash_attn::TILE;
+  constexpr int TILE = 32;
   auto q = readf((dir + "/q").c_str(), (size_t)H * Lq * D);
   auto k = readf((dir + "/k").c_str(), (size_t)Hk * S * D);
   auto v = readf((dir + "/v").c_str(), (size_t)Hk * S * D);

@@ -123,7 +123,8 @@ class VerifyAttention(KernelOp):
         return out.transpose(0, 2, 1, 3).reshape(1, q.shape[2], -1) if layout == "rows" else out
 
     def supports(self, q, keys, values, length, scale, config=None, layout="heads"):
-        if layout not in ("heads", "rows") or q.ndim != 4 or keys.ndim != 4 or q.shape[0] != 1 or keys.shape[0] != 1 or q.dtype not in DTYPES:
+        if (layout not in ("heads", "rows") or q.ndim != 4 or keys.ndim != 4 or q.shape[0] != 1 or keys.shape[0] != 1
+                or q.dtype not in DTYPES):
             return False
         H, Lq, D = q.shape[1], q.shape[2], q.shape[3]
         Hk = keys.shape[1]
@@ -261,6 +262,12 @@ ATTENTION_CLASSES = ("mlx_lm.models.llama.Attention", "mlx_lm.models.mistral.Att
                      GATED_ATTENTION)
 
 
+def _solo_offset(cache) -> int:
+    """The (int) offset of the one sequence of a fast-path cache (:meth:`KernelAttention.fast`): RoPE's position and
+    the cache's length, as in the solo loop's ``KVCache``, whatever the cache's kind."""
+    return cache.offset if type(cache) is _KVCache else cache.solo_length()
+
+
 class KernelAttention(nn.Module):
     """An mlx-lm attention module of a supported family (:data:`ATTENTION_CLASSES`: llama, mistral, qwen2, qwen3,
     and the hybrids' gated attention) whose attention core goes through
@@ -358,8 +365,7 @@ class KernelAttention(nn.Module):
             q, k = rope(q, offset=cache.offset), rope(k, offset=cache.offset)
             k, v = cache.update_and_fetch(k, v)
             return _sdpa(q, k, v, cache=cache, scale=scale, mask=mask)
-        # one sequence: RoPE at its (int) offset, as in the solo loop's KVCache, whatever the cache's kind
-        off = cache.offset if type(cache) is _KVCache else cache.solo_length()
+        off = _solo_offset(cache)
         q, k = rope(q, offset=off), rope(k, offset=off)
         cache.update_and_fetch(k, v)
         return verify_attention(q, cache.keys, cache.values, off + q.shape[2], scale, mode=self.kernel_mode)
@@ -370,7 +376,7 @@ class KernelAttention(nn.Module):
         :data:`~.rope.qk_norm_rope` launch, the cache update, :data:`verify_attention`: ``[1, L, H * D]`` (o_proj's
         layout, written so by the kernel)."""
         nh, nkv, scale, norms, rope, _ = self.fixed
-        off = cache.offset if type(cache) is _KVCache else cache.solo_length()
+        off = _solo_offset(cache)
         if norms is None:
             qw = kw = None
             eps = 0.0

@@ -147,8 +147,8 @@ class QKNormRope(KernelOp):
         y, qw, kw_, H, Hk, eps, base, offset = args
         if offset < 0:
             return None
-        return (y.shape, y.dtype, None if qw is None else (qw.shape, qw.dtype), None if kw_ is None else (kw_.shape, kw_.dtype),
-                H, Hk, eps, base)
+        sig = lambda w: None if w is None else (w.shape, w.dtype)  # noqa: E731
+        return (y.shape, y.dtype, sig(qw), sig(kw_), H, Hk, eps, base)
 
     def _geometry(self, y, has_norm, H, Hk, eps, base):
         key = (y.shape, y.dtype, has_norm, H, Hk, eps, base)

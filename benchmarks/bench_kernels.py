@@ -141,13 +141,13 @@ def bench_attention(shape, M, kv_len, repeats, dtype, configs=()):
         return verify_attention(q, k, v, kv_len, scale, mode="kernel", config=config)
 
     out = {}
-    for cfg in configs:  # --sweep-attention: the kernel's geometry (ROWS, WARPS, KD)
+    for cfg in configs:  # --sweep-attention: the kernel's geometry (ROWS, WARPS, KD, VB, PF; None: its default)
         try:
             t = timed(lambda: mx.eval(chain(lambda q, k, v: ker_fn(q, k, v, cfg))), max(3, repeats // 2))
         except Exception as e:  # a geometry that does not build
             t = f"error: {str(e)[:120]}"
-        out.setdefault("attn_sweep", []).append(dict(ROWS=cfg[0], WARPS=cfg[1], KD=cfg[2], ms=t))
-        print(f"attention sweep {shape} M={M} kv={kv_len} ROWS/WARPS/KD={cfg}: {t}", flush=True)
+        out.setdefault("attn_sweep", []).append(dict(zip(("ROWS", "WARPS", "KD", "VB", "PF"), cfg), ms=t))
+        print(f"attention sweep {shape} M={M} kv={kv_len} ROWS/WARPS/KD/VB/PF={cfg}: {t}", flush=True)
     for kind, fn in (("mlx", mlx_fn), ("kernel", ker_fn)):
         try:
             out[f"attn_{kind}_ms"] = timed(lambda: mx.eval(chain(fn)), repeats)
@@ -164,10 +164,16 @@ def bench_attention(shape, M, kv_len, repeats, dtype, configs=()):
 
 
 def sweep(shape, layers, repeats, dtype, gs, bits):
-    """Chained time of each qmm launch geometry (NT, WARPS, U) at M = 1 and 16, per weight shape."""
+    """Chained time of each qmm launch geometry (NT, WARPS, U) at M = 1 and 16, per weight shape: the routed target's
+    own calls (q, k and v fused, o, gate and up fused, down: :class:`~mlx_dflash2.kernels.KernelMLP` and
+    ``KernelAttention.qkv`` fuse them) and the unfused q and gate."""
     hidden, inter = SHAPES[shape][:2]
     rows = []
-    for name in ("q", "k", "gate", "down"):
+    for L in layers:  # the fused weights, as the routed target holds them
+        for name, parts in (("qkv", ("q", "k", "v")), ("gate_up", ("gate", "up"))):
+            L[name] = tuple(mx.concatenate([L[p][i] for p in parts], axis=0) for i in range(3))
+    mx.eval([(L["qkv"], L["gate_up"]) for L in layers])
+    for name in ("qkv", "o", "gate_up", "down", "q", "gate"):
         n, k = layers[0][name][0].shape[0], layers[0][name][0].shape[1] * 32 // bits
         for M in (1, 16):
             x = (mx.random.normal((M, k)) * 0.1).astype(dtype)
@@ -180,7 +186,7 @@ def sweep(shape, layers, repeats, dtype, gs, bits):
                 return y
 
             base = timed(lambda: mx.eval(chain(matmul_fn("mlx", gs, bits))), repeats)
-            for nt, w, u in itertools.product((1, 2, 4), (2, 4, 8), (1, 2)):
+            for nt, w, u in itertools.product((1, 2, 4), (2, 4, 8), (1, 2, 4)):
                 try:
                     t = timed(lambda: mx.eval(chain(matmul_fn("kernel", gs, bits, (nt, w, u)))), repeats)
                 except KernelError as e:
@@ -203,7 +209,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--sweep", action="store_true", help="also sweep qmm's launch geometry")
     p.add_argument("--sweep-attention", action="store_true",
-                   help="also time verify_attention at other geometries (ROWS, WARPS, KD)")
+                   help="also time verify_attention at other geometries (ROWS, WARPS, KD, VB, PF)")
     p.add_argument("--check-only", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -233,8 +239,8 @@ def main(argv=None):
         del layers
         for kvl in (int(v) for v in args.kv.split(",")):
             for M in (1, 16):
-                cfgs = ([(r, w, kd) for r, w in ((16, 8), (8, 8), (4, 8), (16, 16), (8, 16), (4, 4)) for kd in (32, 16)]
-                        if args.sweep_attention else ())
+                cfgs = ([(None, 8, None, vb, pf) for vb in (1, 4, 8, 16) for pf in (0, 1)]
+                        + [(r, 8, kd, 8, 1) for r in (2, 4, 8) for kd in (32, 16)] if args.sweep_attention else ())
                 row = dict(shape=shape, M=M, kv=kvl, **bench_attention(shape, M, kvl, args.repeats, dtype, cfgs))
                 result["rows"].append(row)
                 print(json.dumps(row), flush=True)

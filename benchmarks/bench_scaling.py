@@ -119,7 +119,7 @@ class Shape:
 
     def use(self, mode: str):
         """(target, verifier) of ``mode``; the drafter's fused ops follow ``mode`` too."""
-        self.drafter.kernel_mode = mode
+        self.r.setdefault("drafter_routed_modules", {})[mode] = rt.drafter_mode(self.drafter, mode, self.args.force_route)
         return self.targets[mode], GreedyVerifier(kernel_mode=mode)
 
     def context_cache(self, mode: str):

@@ -233,6 +233,18 @@ def make_drafter(target, vocab: int, layers: int = 4, taps: int = 5, block: int 
     return d
 
 
+def drafter_mode(drafter, mode: str, force: bool = False) -> int:
+    """Run ``drafter`` with ``mode``'s kernels, as the product does beside a target of that mode
+    (``mlx_dflash2.loading``: a routed target's drafter gets its linear layers routed too): ``"kernel"``/``"auto"``
+    route them (:meth:`DraftModel.route_kernels`), ``"reference"`` puts MLX's layers back. Returns the routed
+    modules."""
+    if mode == "reference":
+        drafter.unroute_kernels()
+        drafter.kernel_mode = mode
+        return 0
+    return drafter.route_kernels(mode, force=force)
+
+
 def random_ids(vocab: int, n: int, seed: int) -> list[int]:
     """``n`` random token ids away from the special ids at both ends of the vocabulary."""
     lo, hi = min(100, vocab // 8), max(vocab - 100, vocab * 7 // 8)

@@ -2,7 +2,8 @@
 // CUDA (mx.fast.cuda_kernel, NVRTC). Shared bodies (verify_attention.h, qk_norm_rope.h, dynamic_conv.h,
 // selector_walk.h, greedy_accept.h, gated_delta_steps.h) use only these: functions, address spaces, barriers, 32-wide
 // SIMD-group / warp shuffles (float and int), a SIMD-group barrier over threadgroup memory (DF_SIMD_TG_SYNC: a warp's
-// own scratch written by some lanes and read by others), float conversions, NaN tests, and df_add_rn / df_mul_rn.
+// own scratch written by some lanes and read by others), a full-unroll hint for constant-trip loops (DF_UNROLL: a
+// small array indexed by the loop stays in registers), float conversions, NaN tests, and df_add_rn / df_mul_rn.
 //
 // df_add_rn / df_mul_rn: one IEEE single-precision add / multiply, rounded once, never fused with a
 // neighbour into an FMA. Bodies whose results must equal an MLX reference bit for bit (the selector's
@@ -25,6 +26,7 @@
 #define DF_BARRIER() __syncthreads()
 #define DF_SIMD_SYNC() __syncwarp()
 #define DF_SIMD_TG_SYNC() __syncwarp()
+#define DF_UNROLL _Pragma("unroll")
 #define DF_SHFL_XOR(v, m) __shfl_xor_sync(0xffffffffu, (v), (m))
 #define DF_SHFL(v, l) __shfl_sync(0xffffffffu, (v), (l))
 #define DF_INF __int_as_float(0x7f800000)
@@ -80,6 +82,7 @@ inline int df_shfl_idx(int v, int src) {  // an int through the same slots, bit 
 #define DF_BARRIER() df_tls->block_bar->arrive_and_wait()
 #define DF_SIMD_SYNC() df_tls->warp_bar->arrive_and_wait()
 #define DF_SIMD_TG_SYNC() df_tls->warp_bar->arrive_and_wait()
+#define DF_UNROLL
 #define DF_SHFL_XOR(v, m) df_shfl_idx((v), df_tls->lane ^ (m))
 #define DF_SHFL(v, l) df_shfl_idx((v), (l))
 #define DF_INF INFINITY
@@ -107,6 +110,7 @@ using namespace metal;
 #define DF_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
 #define DF_SIMD_SYNC() simdgroup_barrier(mem_flags::mem_none)
 #define DF_SIMD_TG_SYNC() simdgroup_barrier(mem_flags::mem_threadgroup)
+#define DF_UNROLL _Pragma("clang loop unroll(full)")
 #define DF_SHFL_XOR(v, m) simd_shuffle_xor((v), ushort(m))
 #define DF_SHFL(v, l) simd_shuffle((v), ushort(l))
 #define DF_INF INFINITY

@@ -31,7 +31,7 @@ namespace dflash_attn {
 // head strides of the K/V buffers come from the inputs' shapes and strides (no per-call host data).
 // Threadgroup memory: tq[ROWS * D] (the block's queries, float) and scr[SCR] floats, SCR >= both the warps' key
 // sub-tiles (WARPS * 32 * (KD + 1)) and the merge's tile results (TILES * ROWS * (D + 2)), which reuse it.
-template <typename T, int D, int TILES, int ROWS, int WARPS, int KD, int SCR>
+template <typename T, int D, int TILES, int ROWS, int WARPS, int KD, int SCR, int VB, int PF>
 DF_FN void attn_partial(const DF_DEVICE T* q, const DF_DEVICE T* k, const DF_DEVICE T* v, const DF_DEVICE int* params,
                         const DF_DEVICE float* scale_p, DF_DEVICE float* part_o, DF_DEVICE float* part_ml,
                         DF_TG float* tq, DF_TG float* scr, int chunk, int hk, int rg, int warp, int lane,
@@ -41,7 +41,8 @@ DF_FN void attn_partial(const DF_DEVICE T* q, const DF_DEVICE T* k, const DF_DEV
   constexpr int RPW = ROWS / RW;           // rows per warp
   constexpr int DL = D / 32;               // value dims per lane
   constexpr int KS = KD + 1;               // padded key row of a sub-tile
-  static_assert(WARPS % TILES == 0 && ROWS % RW == 0 && D % KD == 0 && D % 32 == 0, "verify_attention geometry");
+  static_assert(WARPS % TILES == 0 && ROWS % RW == 0 && D % KD == 0 && D % 32 == 0 && TILE % VB == 0,
+                "verify_attention geometry");
   static_assert(SCR >= WARPS * 32 * KS && SCR >= TILES * ROWS * (D + 2), "verify_attention scratch");
   const int H = params[0], Hk = params[1], Lq = params[2];
   const int n_chunks = (L + TILE * TILES - 1) / (TILE * TILES);
@@ -68,12 +69,25 @@ DF_FN void attn_partial(const DF_DEVICE T* q, const DF_DEVICE T* k, const DF_DEV
   if (nk > 0) {
     DF_TG float* ks = scr + warp * 32 * KS;
     const DF_DEVICE T* kt = k + (long)hk * kstride + (long)kb * D;
+    // the lane's share of a sub-tile: element e = lane + 32 i is key e / KD, dim e % KD (coalesced rows). PF = 1:
+    // the next sub-tile's loads are issued before this one's dot products (their latency hidden behind them)
+    float kr[KD];
+    DF_UNROLL for (int i = 0; i < KD; ++i) {
+      const int e = lane + 32 * i, j = e / KD, dd = e % KD;
+      kr[i] = j < nk ? df_f(kt[(long)j * D + dd]) : 0.0f;
+    }
     for (int d0 = 0; d0 < D; d0 += KD) {
-      for (int e = lane; e < TILE * KD; e += 32) {
-        const int j = e / KD, dd = e % KD;
-        ks[j * KS + dd] = j < nk ? df_f(kt[(long)j * D + d0 + dd]) : 0.0f;
+      DF_UNROLL for (int i = 0; i < KD; ++i) {
+        const int e = lane + 32 * i;
+        ks[(e / KD) * KS + e % KD] = kr[i];
       }
       DF_SIMD_TG_SYNC();
+      if (PF && d0 + KD < D) {
+        DF_UNROLL for (int i = 0; i < KD; ++i) {
+          const int e = lane + 32 * i, j = e / KD, dd = e % KD;
+          kr[i] = j < nk ? df_f(kt[(long)j * D + d0 + KD + dd]) : 0.0f;
+        }
+      }
       for (int dd = 0; dd < KD; dd += 2) {
         const float k0 = ks[lane * KS + dd], k1 = ks[lane * KS + dd + 1];
         for (int a = 0; a < RPW; ++a) {
@@ -83,6 +97,12 @@ DF_FN void attn_partial(const DF_DEVICE T* q, const DF_DEVICE T* k, const DF_DEV
         }
       }
       DF_SIMD_TG_SYNC();
+      if (!PF && d0 + KD < D) {
+        DF_UNROLL for (int i = 0; i < KD; ++i) {
+          const int e = lane + 32 * i, j = e / KD, dd = e % KD;
+          kr[i] = j < nk ? df_f(kt[(long)j * D + d0 + KD + dd]) : 0.0f;
+        }
+      }
     }
   }
   float p[RPW], m[RPW], l[RPW];
@@ -103,13 +123,22 @@ DF_FN void attn_partial(const DF_DEVICE T* q, const DF_DEVICE T* k, const DF_DEV
   float o[RPW][DL];
   for (int a = 0; a < RPW; ++a)
     for (int c = 0; c < DL; ++c) o[a][c] = 0.0f;
+  // VB keys' value rows loaded at once (one memory latency per VB keys, not per key); the sums run key by key as
+  // before, over the tile's keys in the cache only (the same additions whatever VB)
   const DF_DEVICE T* vt = v + (long)hk * vstride + (long)kb * D + lane;
-  for (int j = 0; j < nk; ++j) {
-    float vv[DL];
-    for (int c = 0; c < DL; ++c) vv[c] = df_f(vt[(long)j * D + 32 * c]);
-    for (int a = 0; a < RPW; ++a) {
-      const float pj = DF_SHFL(p[a], j);
-      for (int c = 0; c < DL; ++c) o[a][c] += pj * vv[c];
+  for (int j0 = 0; j0 < nk; j0 += VB) {
+    float vv[VB][DL];
+    DF_UNROLL for (int jj = 0; jj < VB; ++jj) {
+      const bool in = j0 + jj < nk;
+      DF_UNROLL for (int c = 0; c < DL; ++c) vv[jj][c] = in ? df_f(vt[(long)(j0 + jj) * D + 32 * c]) : 0.0f;
+    }
+    DF_UNROLL for (int jj = 0; jj < VB; ++jj) {
+      if (j0 + jj < nk) {                  // warp-uniform
+        for (int a = 0; a < RPW; ++a) {
+          const float pj = DF_SHFL(p[a], j0 + jj);
+          for (int c = 0; c < DL; ++c) o[a][c] += pj * vv[jj][c];
+        }
+      }
     }
   }
   // merge the chunk's tiles per row, in tile order (the scratch now holds every tile's results)

@@ -466,6 +466,8 @@ def make_proposer(
     if dequantize:
         model = dequantize_drafter(model)
     model.kernel_mode = kernels  # the per-round forward's fused ops (mlx_dflash2.kernels)
+    if getattr(target, "kernels", "reference") != "reference":  # the target kept its kernels: the drafter's linears too
+        model.route_kernels(kernels)
     min_confidence = check_confidence(min_confidence, "min_confidence")
     if min_confidence is None:
         min_confidence = default_min_confidence()

@@ -300,6 +300,21 @@ def test_attention_body_emulated(H, Hk, D, L, backend):
         assert np.array_equal(alone[:, 0], out[:, i]), i
 
 
+@pytest.mark.skipif(not emulate.available(), reason="no C++20 compiler")
+def test_attention_load_batching_changes_no_bit():
+    """The attention body's load batching (VB value rows at once, the next key sub-tile's loads before or after the
+    current dot products: what the geometry sweep tunes per machine) orders loads only: every setting gives the
+    default's output bit for bit (a cache ending inside a tile: the batch's keys past it load nothing and add
+    nothing)."""
+    rng = np.random.default_rng(2)
+    H, Hk, D, L, Lq = 4, 2, 64, 150, 3
+    q = rng.normal(size=(H, Lq, D)).astype(np.float32)
+    k, v = (rng.normal(size=(Hk, L + 20, D)).astype(np.float32) for _ in range(2))
+    base = emulate.attention(q, k, v, L, D**-0.5, "cuda")
+    for vb, pf in ((1, 0), (4, 1), (32, 0)):
+        assert np.array_equal(emulate.attention(q, k, v, L, D**-0.5, "cuda", vb=vb, pf=pf), base), (vb, pf)
+
+
 _SIZES = {"float": 4, "int": 4, "uint": 4, "half": 2, "bfloat16_t": 2}
 
 
@@ -379,6 +394,50 @@ def test_target_routing_keeps_the_model(model_type):
     assert mx.array_equal(t.forward(ids, t.make_cache()).logits, before)
     spec = [tok for tok, _, _ in speculative_generate_step(prompt, t, LookupProposer(block_size=6), max_tokens=20)]
     assert spec == plain
+
+
+def test_drafter_routing_keeps_its_proposals():
+    """A quantized drafter's linear layers routed through the registry (forced on the CPU, where qmm is its
+    reference) draft exactly what MLX's layers draft; ``reference`` and ``unroute_kernels`` put MLX's layers back;
+    the loader routes a drafter only beside a target that kept its own kernels (the CPU: neither)."""
+    import mlx.nn as nn
+
+    from mlx_dflash2.drafter.io import init_drafter
+    from mlx_dflash2.kernels import KernelMLP, KernelQuantizedLinear
+    from mlx_dflash2.proposers import DFlashProposer
+
+    t = _tiny_quantized_target("qwen3")
+
+    class Tok:  # what init_drafter reads of a tokenizer
+        eos_token_id = None
+
+        def __len__(self):
+            return 500
+
+    d = init_drafter(t, Tok(), num_layers=2, block_size=6, mask_token_id=499, selector_rank=8, seed=2)
+    nn.quantize(d, group_size=32, bits=4, class_predicate=lambda _, m: isinstance(m, nn.Linear))
+    mx.eval(d.parameters())
+    prompt = [5, 9, 5, 9, 17, 23, 41, 7, 3]
+
+    out = t.forward(mx.array(prompt, dtype=mx.int32), t.make_cache(), tap_ids=tuple(d.config.target_layer_ids))
+
+    def drafts():
+        s = DFlashProposer(d, t, valid_vocab=500, min_confidence=0.0).start(prompt)
+        s.extend(prompt[:4], out.features[:4])
+        first = s.propose(prompt[4], 5).tokens.tolist()
+        s.extend(prompt[4:], out.features[4:])  # the context K/V at another row count
+        return first, s.propose(prompt[-1], 5).tokens.tolist()
+
+    before = drafts()
+    assert d.route_kernels("auto") == 0 and d.kernel_mode == "auto"  # the CPU backend: nothing to route
+    n = d.route_kernels("kernel", force=True)
+    linears = sum(isinstance(m, nn.QuantizedLinear) for _, m in d.named_modules())
+    assert n == 2 * (4 + 3 + 2) + 1 + 1 + 2  # per layer q k v o, gate up down, 2 conv projections; fc; selector; MLPs
+    assert isinstance(d.layers[0].mlp, KernelMLP) and isinstance(d.fc, KernelQuantizedLinear) and linears == 0
+    assert drafts() == before
+    d.unroute_kernels()
+    assert type(d.layers[0].mlp).__name__ == "DraftMLP" and isinstance(d.fc, nn.QuantizedLinear)
+    assert drafts() == before
 
 
 @pytest.mark.skipif(not emulate.available(), reason="no C++20 compiler")

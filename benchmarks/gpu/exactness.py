@@ -210,7 +210,7 @@ class Run:
         for mode in a.modes:
             target = self.targets[mode]
             self.check_routed("random", mode, self.routed[mode])
-            self.drafter.kernel_mode = mode
+            rt.drafter_mode(self.drafter, mode)
             fused = FusedProposer(DFlashProposer(self.drafter, target, valid_vocab=V, min_confidence=0.0),
                                   LookupProposer(block_size=8), schedule=None)
             rec = out[mode] = {"routed_modules": self.routed[mode], "prompts": []}
@@ -255,7 +255,7 @@ class Run:
             if mode not in self.targets:
                 continue
             target = self.targets[mode]
-            self.drafter.kernel_mode = mode
+            rt.drafter_mode(self.drafter, mode)
             prop = DFlashProposer(self.drafter, target, valid_vocab=self.V, min_confidence=0.0)
             rec = out[mode] = {"context": a.long_context, "passes": []}
             try:

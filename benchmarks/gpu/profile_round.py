@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     t = TargetAdapter(rt.twin(model, cfg), cfg, probe=False, kernels="reference")
     res["routed"] = t.route_kernels("kernel", force=a.force_route)
     drafter = rt.make_drafter(ref, V)
-    drafter.kernel_mode = "kernel" if res["routed"] else "reference"
+    res["drafter_routed"] = rt.drafter_mode(drafter, "kernel" if res["routed"] else "reference", a.force_route)
     B, taps = drafter.config.block_size, tuple(drafter.config.target_layer_ids)
     ids = rt.random_ids(V, a.context, seed=1)
     verifier = GreedyVerifier(kernel_mode="kernel" if res["routed"] else "reference")

@@ -44,19 +44,26 @@ def scratch_floats(D: int, rows: int, warps: int, kd: int) -> int:
 
 
 def geometry(backend: str, D: int, R: int = 8, rows: int | None = None, warps: int = WARPS,
-             kd: int | None = None) -> tuple[int, int, int, int, int]:
-    """``(TILES, ROWS, WARPS, KD, SCR)`` of the kernel for head dimension ``D`` and ``R`` query rows per kv head
+             kd: int | None = None, vb: int | None = None, pf: int | None = None) -> tuple[int, ...]:
+    """``(TILES, ROWS, WARPS, KD, SCR, VB, PF)`` of the kernel for head dimension ``D`` and ``R`` query rows per kv head
     (``G * Lq``) on ``backend``: row groups of ``ROWS`` rows (the smallest of 2, 4, 8 covering ``R``, at most 8;
     ``rows`` forces it), each warp's key row staged ``KD`` dims at a time (32, else 16 or 8: the widest that fits),
     ``SCR`` scratch floats; everything within the backend's threadgroup memory (``ROWS * D + SCR`` floats).
+    ``VB``: keys whose value rows a lane loads at once (8 for ``D <= 128``, else 4: registers); ``PF``: the next key
+    sub-tile's loads issued before the current one's dot products (1) or after them (0). Neither changes an
+    addition (they order loads only).
     The chunk (128 keys) and its tiles (32) never change, so a row's sums are split the same way whatever the
     number of rows beside it and whatever ``ROWS`` (the row-count invariance holds per backend and D).
     D = 128, 8 rows: 32-dim sub-tiles on CUDA (37.9 KB), 16 on Metal (21.4 KB).
 
     Raises:
-        ValueError: no geometry fits (named).
+        ValueError: no geometry fits (named), or ``vb`` does not divide 32.
     """
     budget = SHARED_BYTES.get(backend, SHARED_BYTES["metal"])
+    vb = vb or (8 if D <= 128 else 4)
+    pf = 1 if pf is None else int(bool(pf))
+    if TILE % vb:
+        raise ValueError(f"verify_attention: VB = {vb} does not divide the tile ({TILE} keys)")
     rw = warps // TILES
     want = rows or next((r for r in (2, 4, 8) if r >= R), 8)
     cands = [want] if rows else [r for r in (8, 4, 2) if r <= want and r % rw == 0]
@@ -66,7 +73,7 @@ def geometry(backend: str, D: int, R: int = 8, rows: int | None = None, warps: i
                 continue
             scr = scratch_floats(D, r, warps, k)
             if 4 * (r * D + scr) <= budget and warps % TILES == 0 and r % rw == 0:
-                return TILES, r, warps, k, scr
+                return TILES, r, warps, k, scr, vb, pf
     raise ValueError(f"verify_attention: no launch geometry fits D = {D} on {backend}")
 
 
@@ -164,13 +171,13 @@ class VerifyAttention(KernelOp):
         for t in ("bfloat16", "float16", "float32"):
             for d in (64, 128, 256):
                 for R in (2, 4, 64):  # every row-group size the geometry picks (2, 4, 8)
-                    tiles, rows, warps, kd, scr = geometry(backend, d, R)
-                    ex.append(dict(T=t, D=d, TILES=tiles, ROWS=rows, WARPS=warps, KD=kd, SCR=scr))
+                    tiles, rows, warps, kd, scr, vb, pf = geometry(backend, d, R)
+                    ex.append(dict(T=t, D=d, TILES=tiles, ROWS=rows, WARPS=warps, KD=kd, SCR=scr, VB=vb, PF=pf))
                 ex2.append(dict(T=t, D=d))
         io1 = dict(inputs=[("q", "T"), ("k", "T"), ("v", "T"), ("params", "int32"), ("scale", "float32")],
                    outputs=[("part_o", "float32"), ("part_ml", "float32")])
         io2 = dict(inputs=[("part_o", "float32"), ("part_ml", "float32"), ("params", "int32")], outputs=[("out", "T")])
-        call = ("dflash_attn::attn_partial<T, D, TILES, ROWS, WARPS, KD, SCR>(q, k, v, params, scale, part_o, part_ml, "
+        call = ("dflash_attn::attn_partial<T, D, TILES, ROWS, WARPS, KD, SCR, VB, PF>(q, k, v, params, scale, part_o, part_ml, "
                 "tq, scr, ")
         # the cache length and the K/V head strides are read from the views' shapes and strides
         lens = "k_shape[2], (long)k_strides[1], (long)v_strides[1]"
@@ -214,25 +221,23 @@ class VerifyAttention(KernelOp):
         if geo is None:
             _, H, Lq, D = shape
             R = (H // Hk) * Lq
-            if config:
-                tiles, rows, warps, kd, scr = geometry(backend, D, R, rows=config[0], warps=config[1], kd=config[2])
-            else:
-                tiles, rows, warps, kd, scr = geometry(backend, D, R)
+            cfg = dict(zip(("rows", "warps", "kd", "vb", "pf"), config or ()))
+            tiles, rows, warps, kd, scr, vb, pf = geometry(backend, D, R, **cfg)
             n_rg = -(-R // rows)
             rows_total = Hk * R
             geo = self._geo[key] = (
                 CHUNK, n_rg, warps, rows_total,
                 int_params(H, Hk, Lq, n_rg, int(layout == "rows")),  # the length travels as a view's shape
                 [("T", dtype), ("D", D), ("TILES", tiles), ("ROWS", rows), ("WARPS", warps), ("KD", kd),
-                 ("SCR", scr)],
+                 ("SCR", scr), ("VB", vb), ("PF", pf)],
                 (warps * 32, 1, 1), [mx.float32, mx.float32],
                 [("T", dtype), ("D", D)], (-(-rows_total // 4) * 128, 1, 1),  # whole groups; extra rows return
                 [(1, Lq, H * D) if layout == "rows" else (1, H, Lq, D)], [dtype])
         return geo
 
     def launch(self, backend, q, keys, values, length, scale, config=None, layout="heads"):
-        """``config``: ``(ROWS, WARPS, KD)`` in place of the geometry's choice (benchmarks' geometry sweep only;
-        the chunk and tiles stay, so a row's bits do not change)."""
+        """``config``: ``(ROWS, WARPS, KD, VB, PF)`` (a prefix of it) in place of the geometry's choice (benchmarks'
+        geometry sweep only; the chunk and tiles stay, so a row's bits do not change)."""
         chunk, n_rg, warps, rows_total, params, tmpl, tg, f32s, tmpl2, grid2, out_shape, out_dtype = \
             self._geometry(backend, q.shape, keys.shape[1], q.dtype, config, layout)
         sc = self._scales.get(scale)

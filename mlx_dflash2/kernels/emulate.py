@@ -66,6 +66,7 @@ int main(int argc, char** argv) {
   std::string dir = argv[1];
   int H = atoi(argv[2]), Hk = atoi(argv[3]), Lq = atoi(argv[4]), L = atoi(argv[5]), S = atoi(argv[6]);
   constexpr int D = EMU_D, TILES = EMU_TILES, ROWS = EMU_ROWS, WARPS = EMU_WARPS, KD = EMU_KD, SCR = EMU_SCR;
+  constexpr int VB = EMU_VB, PF = EMU_PF;
   constexpr int TILE = 32;
   auto q = readf((dir + "/q").c_str(), (size_t)H * Lq * D);
   auto k = readf((dir + "/k").c_str(), (size_t)Hk * S * D);
@@ -78,7 +79,7 @@ int main(int argc, char** argv) {
     for (int bx = 0; bx < n_chunks * n_rg; ++bx) {
       std::vector<float> tq(ROWS * D), scr(SCR);
       run_block(WARPS * 32, [&](int warp, int lane) {
-        dflash_attn::attn_partial<float, D, TILES, ROWS, WARPS, KD, SCR>(q.data(), k.data(), v.data(), params, &scale,
+        dflash_attn::attn_partial<float, D, TILES, ROWS, WARPS, KD, SCR, VB, PF>(q.data(), k.data(), v.data(), params, &scale,
             po.data(), pml.data(), tq.data(), scr.data(), bx / n_rg, hk, bx % n_rg, warp, lane, L,
             (long)S * D, (long)S * D);
       });
@@ -263,16 +264,18 @@ def _binary(names: list[str], main: str, defines: dict) -> Path:
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, length: int, scale: float,
-              backend: str = "cuda") -> np.ndarray:
+              backend: str = "cuda", vb: int | None = None, pf: int | None = None) -> np.ndarray:
     """``verify_attention.h`` emulated with ``backend``'s launch geometry for these rows (row groups, key
-    sub-tiles): ``q [H, Lq, D]``, ``k, v [Hk, S, D]`` float32 -> ``[H, Lq, D]``."""
+    sub-tiles; ``vb``, ``pf``: :func:`~.attention.geometry`'s load batching in place of its defaults):
+    ``q [H, Lq, D]``, ``k, v [Hk, S, D]`` float32 -> ``[H, Lq, D]``."""
     from .attention import geometry
 
     H, Lq, D = q.shape
     Hk, S, _ = k.shape
-    tiles, rows, warps, kd, scr = geometry(backend, D, (H // Hk) * Lq)
+    tiles, rows, warps, kd, scr, vb, pf = geometry(backend, D, (H // Hk) * Lq, vb=vb, pf=pf)
     exe = _binary(["dialect.h", "verify_attention.h"], _ATTENTION,
-                  dict(EMU_D=D, EMU_TILES=tiles, EMU_ROWS=rows, EMU_WARPS=warps, EMU_KD=kd, EMU_SCR=scr))
+                  dict(EMU_D=D, EMU_TILES=tiles, EMU_ROWS=rows, EMU_WARPS=warps, EMU_KD=kd, EMU_SCR=scr,
+                       EMU_VB=vb, EMU_PF=pf))
     with tempfile.TemporaryDirectory() as d:
         for name, arr in (("q", q), ("k", k), ("v", v), ("scale", np.array([scale]))):
             np.ascontiguousarray(arr, dtype=np.float32).tofile(os.path.join(d, name))

@@ -255,7 +255,8 @@ class KernelQuantizedLinear(nn.Module):
 
 # mlx-lm MLP classes whose __call__ is down_proj(swiglu(gate_proj(x), up_proj(x))) (checked by the target's probe)
 MLP_CLASSES = ("mlx_lm.models.llama.MLP", "mlx_lm.models.mistral.MLP", "mlx_lm.models.qwen2.MLP",
-               "mlx_lm.models.qwen3.MLP", "mlx_lm.models.qwen3_next.Qwen3NextMLP")
+               "mlx_lm.models.qwen3.MLP", "mlx_lm.models.qwen3_next.Qwen3NextMLP",
+               "mlx_dflash2.drafter.model.DraftMLP")  # the drafter's own (DraftModel.route_kernels)
 
 
 class Wrapper(nn.Module):

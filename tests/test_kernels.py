@@ -29,6 +29,33 @@ def test_reference_paths_on_cpu():
     assert mx.allclose(verify_attention(q, k, v, 20, 0.125), ref)
 
 
+def test_qmm_fusions_are_the_unfused_ops():
+    """qmm's fusions (SwiGLU of ``[gate | up]`` before the matmul, the residual after it: the routed MLP's down
+    projection and o_proj launch one kernel for each) compute the ops they replace, in the layer's order: exactly on
+    the reference path, and so through a routed layer's :meth:`KernelQuantizedLinear.fused` (an additive bias comes
+    before the residual); a residual of the wrong shape is not the kernel's."""
+    import mlx.nn as nn
+    from mlx_lm.models.activations import swiglu
+
+    x = mx.random.normal((3, 256))
+    res = mx.random.normal((3, 64))
+    wq, s, b = mx.quantize(mx.random.normal((64, 128)) * 0.1, group_size=64, bits=4)
+    want = res + mx.quantized_matmul(swiglu(x[:, :128], x[:, 128:]), wq, s, b, transpose=True, group_size=64, bits=4)
+    assert mx.array_equal(qmm(x, wq, s, b, 64, 4, residual=res, swiglu=True), want)
+    assert mx.array_equal(qmm(x[:, :128], wq, s, b, 64, 4, residual=res),
+                          res + mx.quantized_matmul(x[:, :128], wq, s, b, transpose=True, group_size=64, bits=4))
+    assert qmm.supports(x, wq, s, b, 64, 4, residual=res, swiglu=True)
+    assert not qmm.supports(x, wq, s, b, 64, 4, residual=res[:, :8], swiglu=True)
+    assert qmm.shape_key(x, wq, s, b, 64, 4, residual=res, swiglu=True)[-2:] == ("swiglu", "residual")
+    for bias in (False, True):
+        lin = nn.Linear(128, 64, bias=bias)
+        lin.update({"bias": mx.random.normal((64,))} if bias else {})
+        q = nn.QuantizedLinear.from_linear(lin, group_size=64, bits=4)
+        k = KernelQuantizedLinear(q, "kernel")
+        assert mx.array_equal(k.fused(x, res, swiglu=True), res + q(swiglu(x[:, :128], x[:, 128:])))
+        assert mx.array_equal(k.fused(x[:, :128], res), res + q(x[:, :128]))
+
+
 def test_quantized_linear_routing_is_the_same_layer():
     """route_quantized_linears swaps this model's QuantizedLinear modules only (shared arrays, same output)."""
     import mlx.nn as nn
@@ -406,7 +433,7 @@ def test_drafter_routing_keeps_its_proposals():
     from mlx_dflash2.kernels import KernelMLP, KernelQuantizedLinear
     from mlx_dflash2.proposers import DFlashProposer
 
-    t = _tiny_quantized_target("qwen3")
+    t = _tiny_quantized_target("qwen3", head_dim=64)
 
     class Tok:  # what init_drafter reads of a tokenizer
         eos_token_id = None
@@ -432,11 +459,14 @@ def test_drafter_routing_keeps_its_proposals():
     assert d.route_kernels("auto") == 0 and d.kernel_mode == "auto"  # the CPU backend: nothing to route
     n = d.route_kernels("kernel", force=True)
     linears = sum(isinstance(m, nn.QuantizedLinear) for _, m in d.named_modules())
-    assert n == 2 * (4 + 3 + 2) + 1 + 1 + 2  # per layer q k v o, gate up down, 2 conv projections; fc; selector; MLPs
+    # per layer q k v o, gate up down, 2 conv projections; fc; selector; 2 MLPs; 2 attentions with q/k/v fused
+    assert n == 2 * (4 + 3 + 2) + 1 + 1 + 2 + 2
     assert isinstance(d.layers[0].mlp, KernelMLP) and isinstance(d.fc, KernelQuantizedLinear) and linears == 0
+    assert d.layers[0].self_attn._fused is not None  # the block's heads through qk_norm_rope
     assert drafts() == before
     d.unroute_kernels()
     assert type(d.layers[0].mlp).__name__ == "DraftMLP" and isinstance(d.fc, nn.QuantizedLinear)
+    assert d.layers[0].self_attn._fused is None
     assert drafts() == before
 
 
@@ -604,8 +634,8 @@ def test_target_routing_that_disagrees_is_undone(monkeypatch, caplog):
     from mlx_dflash2.kernels.qmm import QuantizedMatmul
 
     t = _tiny_quantized_target()
-    monkeypatch.setattr(QuantizedMatmul, "reference", lambda self, x, w, s, b, gs, bits, config=None:
-                        mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits) * 1.5)
+    orig = QuantizedMatmul.reference
+    monkeypatch.setattr(QuantizedMatmul, "reference", lambda self, *a, **kw: orig(self, *a, **kw) * 1.5)
     with caplog.at_level(logging.WARNING, logger="mlx_dflash2"):
         assert t.route_kernels("auto", force=True) == 0
     assert t.kernels == "reference" and type(t.layers[0].mlp.down_proj) is nn.QuantizedLinear
@@ -625,8 +655,8 @@ def test_a_refused_16_bit_route_says_how_much_the_model_itself_moves(monkeypatch
     t = _tiny_quantized_target()
     t.model.set_dtype(mx.bfloat16)
     assert t.dtype == mx.bfloat16
-    monkeypatch.setattr(QuantizedMatmul, "reference", lambda self, x, w, s, b, gs, bits, config=None:
-                        mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits) * 1.5)
+    orig = QuantizedMatmul.reference
+    monkeypatch.setattr(QuantizedMatmul, "reference", lambda self, *a, **kw: orig(self, *a, **kw) * 1.5)
     monkeypatch.setattr(TargetAdapter, "rounding_sensitivity", lambda self, ref=None: sensitivity)
     with caplog.at_level(logging.WARNING, logger="mlx_dflash2"):
         assert t.route_kernels("kernel", force=True) == 0

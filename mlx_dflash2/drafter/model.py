@@ -62,6 +62,32 @@ class DraftAttention(nn.Module):
         self.rope = initialize_rope(hd, cfg.rope_theta, False, cfg.rope_scaling, cfg.max_position_embeddings)
         self.causal = cfg.layer_is_causal(layer_idx)
         self.window = cfg.sliding_window if cfg.layer_is_sliding(layer_idx) else None
+        object.__setattr__(self, "_fused", None)  # (fused q/k/v layer, kernel mode) once routed (DraftModel.route_kernels)
+
+    def route(self, mode: str | None) -> bool:
+        """Fuse the routed q, k and v projections into one ``qmm`` call whose output's heads get their norms, RoPE and
+        layout from one :data:`~mlx_dflash2.kernels.qk_norm_rope` launch (the block's forward: one launch where there
+        were seven or more); the three layers are rebound to row views of the fused weights (the same values: the
+        context's keys and values still use ``k_proj`` and ``v_proj``). Only where the kernel computes what this
+        module does: plain ``nn.RoPE`` of the whole head (non-traditional, scale 1), q/k RMS norms of one epsilon.
+
+        Returns:
+            Whether the block's projections are fused.
+        """
+        from ..kernels.qmm import fusable, fuse_linears
+        from ..kernels.rope import HEAD_DIMS
+
+        rope = self.rope
+        ok = (fusable([self.q_proj, self.k_proj, self.v_proj]) and type(rope) is nn.RoPE and not rope.traditional
+              and rope.scale == 1.0 and rope.dims == self.head_dim and self.head_dim in HEAD_DIMS
+              and self.q_norm.eps == self.k_norm.eps)
+        object.__setattr__(self, "_fused", (fuse_linears([self.q_proj, self.k_proj, self.v_proj], mode), mode)
+                           if ok else None)
+        return ok
+
+    def unroute(self) -> None:
+        """Back to the three projections (:meth:`route`'s views hold the same values)."""
+        object.__setattr__(self, "_fused", None)
 
     def kv(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array]:
         """Keys/values of rows ``x`` ``[N, L, D]`` at positions ``offset..``: ``[N, KV, L, hd]`` each."""
@@ -77,9 +103,16 @@ class DraftAttention(nn.Module):
         ``offset-S .. offset-1``) or None.
         """
         n, B, _ = x.shape
-        q = self.q_norm(self.q_proj(x).reshape(n, B, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
-        q = self.rope(q, offset=offset)
-        k, v = self.kv(x, offset)
+        if self._fused is not None and n == 1 and isinstance(offset, int):
+            from ..kernels.rope import qk_norm_rope
+
+            qkv, mode = self._fused
+            q, k, v = qk_norm_rope(qkv(x), self.q_norm.weight, self.k_norm.weight, self.n_heads, self.n_kv_heads,
+                                   self.q_norm.eps, self.rope.base, offset, mode=mode)
+        else:
+            q = self.q_norm(self.q_proj(x).reshape(n, B, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
+            q = self.rope(q, offset=offset)
+            k, v = self.kv(x, offset)
         S = 0
         if ctx_k is not None and ctx_k.shape[2] > 0:
             if self.window is not None and ctx_k.shape[2] > self.window - 1:
@@ -426,8 +459,11 @@ class DraftModel(nn.Module):
             mode: kernel mode (``None``: ``MLX_DFLASH2_KERNELS``); it also becomes :attr:`kernel_mode`.
             force: route on the CPU backend too (tests of the routing itself).
 
+        Each attention's q, k and v projections become one call whose heads get their norms and RoPE from one
+        ``qk_norm_rope`` launch (:meth:`DraftAttention.route`).
+
         Returns:
-            How many modules are routed (0: none).
+            How many modules are routed (0: none), the fused attentions counted once each.
 
         Raises:
             ValueError: an unknown mode.
@@ -440,14 +476,17 @@ class DraftModel(nn.Module):
             return len(self._routes)
         swaps = K.route_quantized_linears(self, mode)
         swaps += K.route_mlps(self.layers, mode)
+        fused = sum(layer.self_attn.route(mode) for layer in self.layers)
         object.__setattr__(self, "_routes", swaps)
-        return len(swaps)
+        return len(swaps) + fused
 
     def unroute_kernels(self) -> None:
         """Put the modules :meth:`route_kernels` replaced back (the MLPs' gate and up layers keep their row views of
         the fused weights: the same values)."""
         from .. import kernels as K
 
+        for layer in self.layers:
+            layer.self_attn.unroute()
         K.undo_routes(self._routes)
         object.__setattr__(self, "_routes", [])
 

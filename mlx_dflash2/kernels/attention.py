@@ -21,6 +21,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention as _sdpa
 from mlx_lm.models.cache import KVCache as _KVCache
 
+from .qmm import KernelQuantizedLinear
 from .registry import KernelOp, KernelSpec, int_params
 from .rope import HEAD_DIMS as ROPE_HEAD_DIMS
 from .rope import qk_norm_rope
@@ -341,13 +342,19 @@ class KernelAttention(nn.Module):
         v = v.reshape(B, L, nkv, -1).transpose(0, 2, 1, 3)
         return q, k, v, gate
 
-    def output(self, out, gate):
+    def output(self, out, gate, residual=None):
         """``o_proj`` of the attention's output ``out`` ``[B, H, L, Dh]`` or, laid out already, ``[B, L, H * Dh]``
-        (times ``sigmoid(gate)`` where gated): ``[B, L, D]``."""
+        (times ``sigmoid(gate)`` where gated): ``[B, L, D]``; plus ``residual`` ``[B, L, D]`` where given (the
+        layer's ``x + attention(x)``: one ``qmm`` launch with ``o_proj`` where that is routed)."""
         if out.ndim == 4:
             B, _, L, _ = out.shape
             out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
-        return self.inner.o_proj(out * mx.sigmoid(gate) if gate is not None else out)
+        out = out * mx.sigmoid(gate) if gate is not None else out
+        o_proj = self.inner.o_proj
+        if residual is not None and isinstance(o_proj, KernelQuantizedLinear):
+            return o_proj.fused(out, residual)
+        y = o_proj(out)
+        return y if residual is None else residual + y
 
     def fast(self, cache, mask, B: int, L: int) -> bool:
         """Whether the attention core of a call goes through :data:`verify_attention`: at most 16 new rows of one

@@ -155,16 +155,18 @@ class KernelBlock(Wrapper):
         return attn.qkv(norm(x))
 
     def tail(self, x, out, *gate):
-        """The layer's output from its input ``x`` and the attention core's output ``out`` ``[1, H, L, Dh]``."""
+        """The layer's output from its input ``x`` and the attention core's output ``out`` ``[1, H, L, Dh]``: both
+        residual adds inside the ``qmm`` launches of ``o_proj`` and the MLP's down projection where those are routed
+        (:meth:`~.attention.KernelAttention.output`, :meth:`~.qmm.KernelMLP.__call__`)."""
         _, attn, norm, mlp = self.parts
-        h = x + attn.output(out, gate[0] if gate else None)
-        return h + mlp(norm(h))
+        h = attn.output(out, gate[0] if gate else None, residual=x)
+        return mlp(norm(h), residual=h) if isinstance(mlp, KernelMLP) else h + mlp(norm(h))
 
     def tail_linear(self, x, r):
         """A GatedDeltaNet layer's output from its input ``x`` and its mixer's output ``r`` ``[1, L, D]``."""
         _, _, norm, mlp = self.parts
         h = x + r
-        return h + mlp(norm(h))
+        return mlp(norm(h), residual=h) if isinstance(mlp, KernelMLP) else h + mlp(norm(h))
 
     def __call__(self, x, mask=None, cache=None):
         norm, mixer, _, _ = self.parts

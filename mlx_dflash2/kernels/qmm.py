@@ -62,13 +62,23 @@ def qmm_config(backend: str, n: int, k: int, group_size: int, dtype) -> tuple[in
 
 
 class QuantizedMatmul(KernelOp):
-    """The ``qmm`` op. Call: ``qmm(x, w, scales, biases, group_size, bits, mode=None)``.
+    """The ``qmm`` op. Call: ``qmm(x, w, scales, biases, group_size, bits, mode=None, residual=None, swiglu=False)``.
 
     Args:
-        x: ``[..., M, K]`` activations (M = product of the leading axes, 1..16 for the kernel).
+        x: ``[..., M, K]`` activations (M = product of the leading axes, 1..16 for the kernel); with ``swiglu``
+            ``[..., M, 2K]``: ``[gate | up]`` side by side, the matmul's input being ``silu(gate) * up``
+            (mlx-lm's ``swiglu``; the fused MLP's down projection on its gate/up projection's output).
         w: uint32 ``[N, K * bits / 32]`` packed codes.
         scales, biases: ``[N, K / group_size]`` (the activations' dtype).
         group_size, bits: MLX's affine quantization parameters.
+        residual: ``[..., M, N]`` added to the product (the decoder layer's residual), or None.
+        swiglu: the input is ``[gate | up]`` (above).
+
+    The kernel fuses ``swiglu`` before and ``residual`` after the matmul (one launch where there were three: the
+    host builds and launches every op of a forward, and on MLX's CUDA backend its per-launch cost, not the GPU,
+    bounds a step); the residual is added to the fp32 sum before its one rounding, so the kernel's result is the
+    reference's within rounding, not bit for bit (the plain step and the verify run the same kernel: greedy output
+    stays exact).
 
     Returns:
         ``[..., M, N]`` in the activations' dtype.
@@ -83,78 +93,100 @@ class QuantizedMatmul(KernelOp):
     row_invariant = True
     tolerance = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 2e-2}
 
-    def reference(self, x, w, scales, biases, group_size, bits, config=None):
-        return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
+    def reference(self, x, w, scales, biases, group_size, bits, config=None, residual=None, swiglu=False):
+        if swiglu:
+            from mlx_lm.models.activations import swiglu as _swiglu
 
-    def supports(self, x, w, scales, biases, group_size, bits, config=None):
+            k = x.shape[-1] // 2
+            x = _swiglu(x[..., :k], x[..., k:])
+        y = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
+        return y if residual is None else residual + y  # the layer's own order: h = x + f(x)
+
+    def supports(self, x, w, scales, biases, group_size, bits, config=None, residual=None, swiglu=False):
         if biases is None or bits not in BITS or group_size not in GROUP_SIZES or x.dtype not in DTYPES:
             return False
-        K = x.shape[-1]
+        K = x.shape[-1] // (2 if swiglu else 1)
         M = math.prod(x.shape[:-1])
+        if swiglu and x.shape[-1] % 2:
+            return False
+        if residual is not None and (residual.dtype != x.dtype or residual.shape != (*x.shape[:-1], w.shape[0])):
+            return False
         return (1 <= M <= MAX_ROWS and K % group_size == 0 and K % 16 == 0 and scales.dtype == x.dtype
                 and biases.dtype == x.dtype and w.dtype == mx.uint32 and w.shape[-1] * 32 // bits == K
                 and w.ndim == 2)
 
-    def shape_key(self, x, w, scales, biases, group_size, bits, config=None):
-        # the code path depends on dtype, bits, group size and the geometry (not on M: row-invariant)
-        return (str(x.dtype), bits, group_size, int(w.shape[0]), int(x.shape[-1]))
+    def shape_key(self, x, w, scales, biases, group_size, bits, config=None, residual=None, swiglu=False):
+        # the code path depends on dtype, bits, group size, the geometry and the fusions (not on M: row-invariant)
+        key = (str(x.dtype), bits, group_size, int(w.shape[0]), int(w.shape[-1]) * 32 // bits)
+        flags = ("swiglu",) * bool(swiglu) + ("residual",) * (residual is not None)
+        return key + flags
 
     def sample(self, key):
         from .registry import backend
 
-        dtype, bits, gs, n, k = key
+        dtype, bits, gs, n, k = key[:5]
+        swi, res = "swiglu" in key[5:], "residual" in key[5:]
         dtype = getattr(mx, dtype.split(".")[-1])
         # the kernel's path depends on K and on the launch geometry chosen for the real N, not on N's
         # size: a slice of rows (keeping N's remainder mod 8, the ragged last tile) is checked
         n_s = min(n, 256 + n % 8)
-        r = mx.random.split(mx.random.key(n * 131 + k), 2)
+        r = mx.random.split(mx.random.key(n * 131 + k), 3)
         w = mx.random.normal((n_s, k), key=r[0]).astype(dtype) * 0.05
         wq, s, b = mx.quantize(w, group_size=gs, bits=bits)
-        x = mx.random.normal((MAX_ROWS, k), key=r[1]).astype(dtype)
+        x = mx.random.normal((MAX_ROWS, 2 * k if swi else k), key=r[1]).astype(dtype)
         config = qmm_config(backend(), n, k, gs, dtype)
-        return (x, wq, s.astype(dtype), b.astype(dtype), gs, bits), {"config": config}
+        kw = {"config": config, "swiglu": swi}
+        if res:
+            kw["residual"] = mx.random.normal((MAX_ROWS, n_s), key=r[2]).astype(dtype)
+        return (x, wq, s.astype(dtype), b.astype(dtype), gs, bits), kw
 
     def rows_of(self, args, kw, n):
         x, *rest = args
+        if kw.get("residual") is not None:
+            kw = dict(kw, residual=kw["residual"][:n])
         return (x[:n], *rest), kw
 
     def invariance_rows(self):
         return (1, 3, 8)
 
     def specs(self, backend):
-        io = dict(inputs=[("x", "T"), ("w", "uint32"), ("scales", "T"), ("biases", "T"), ("params", "int32")],
+        io = dict(inputs=[("x", "T"), ("w", "uint32"), ("scales", "T"), ("biases", "T"), ("res", "T"),
+                          ("params", "int32")],
                   outputs=[("y", "T")])
-        ex = [dict(T=t, BITS=b, GS=g, NT=nt, WARPS=w, U=u) for t in ("bfloat16", "float16", "float32")
-              for b in BITS for g in GROUP_SIZES for nt, w, u in ((1, 2, 1), (4, 8, 2))]
+        ex = [dict(T=t, BITS=b, GS=g, NT=nt, WARPS=w, U=u, SWI=sw, RES=rs) for t in ("bfloat16", "float16", "float32")
+              for b in BITS for g in GROUP_SIZES for nt, w, u in ((1, 2, 1), (4, 8, 2)) for sw, rs in ((0, 0), (1, 1))]
         if backend == "cuda":
             return {"qmm": KernelSpec(
                 "dflash_qmm", header="qmm.cu", examples=ex,
                 body="  __shared__ float part[WARPS][NT * 4][32];\n"
-                     "  dflash_qmm::qmm_block<T, BITS, GS, NT, WARPS, U>(x, w, scales, biases, params, y, part);\n",
+                     "  dflash_qmm::qmm_block<T, BITS, GS, NT, WARPS, U, SWI, RES>(x, w, scales, biases, res, params, y,\n"
+                     "                                                           part);\n",
                 **io)}
         ex = [{("S" if k == "WARPS" else k): v for k, v in e.items() if k != "U"} for e in ex]
         return {"qmm": KernelSpec(
             "dflash_qmm", header="qmm.metal", examples=ex,
             body="  threadgroup float part[S * NT * 2 * 64];\n"
-                 "  dflash_qmm::qmm_block<T, BITS, GS, NT, S>(x, w, scales, biases, params, y, part,\n"
+                 "  dflash_qmm::qmm_block<T, BITS, GS, NT, S, SWI, RES>(x, w, scales, biases, res, params, y, part,\n"
                  "      threadgroup_position_in_grid.x, simdgroup_index_in_threadgroup, thread_index_in_simdgroup);\n",
             **io)}
 
     def fast_key(self, args, kw):
         x, w, scales, biases, group_size, bits = args[:6]
+        r = kw.get("residual")
         return (x.shape, x.dtype, w.shape, w.dtype, scales.dtype, None if biases is None else biases.dtype,
-                group_size, bits)
+                group_size, bits, bool(kw.get("swiglu")), None if r is None else (r.shape, r.dtype))
 
-    def _geometry(self, backend, shape, N, group_size, bits, dtype, config=None):
+    def _geometry(self, backend, shape, N, group_size, bits, dtype, config=None, swiglu=False, residual=False):
         """``(template, grid, threadgroup, output shapes, params)`` of a call signature (worked out once)."""
-        key = (backend, shape, N, group_size, bits, dtype, config)
+        key = (backend, shape, N, group_size, bits, dtype, config, swiglu, residual)
         geo = self._geo.get(key)
         if geo is None:
-            K = shape[-1]
+            K = shape[-1] // (2 if swiglu else 1)
             M = math.prod(shape[:-1])
             nt, warps, u = config or qmm_config(backend, N, K, group_size, dtype)
             tmpl = [("T", dtype), ("BITS", bits), ("GS", group_size), ("NT", nt)]
             tmpl += [("WARPS", warps), ("U", u)] if backend == "cuda" else [("S", warps)]
+            tmpl += [("SWI", int(bool(swiglu))), ("RES", int(bool(residual)))]
             blocks = -(-N // (8 * nt))
             # the kernel indexes rows flat (row r at r * K of x, r * N of y): x and y keep their leading axes,
             # no reshape nodes around the call (MLX copies a non-contiguous x first: ensure_row_contiguous)
@@ -162,15 +194,16 @@ class QuantizedMatmul(KernelOp):
                                     int_params(M, N, K))
         return geo
 
-    def launch(self, backend, x, w, scales, biases, group_size, bits, config=None):
+    def launch(self, backend, x, w, scales, biases, group_size, bits, config=None, residual=None, swiglu=False):
         tmpl, grid, tg, out_shapes, params = self._geometry(backend, x.shape, w.shape[0], group_size, bits, x.dtype,
-                                                            config)
+                                                            config, swiglu, residual is not None)
         return self.kernel(backend, "qmm")(
-            inputs=[x, w, scales, biases, params], template=tmpl, grid=grid, threadgroup=tg,
-            output_shapes=out_shapes, output_dtypes=[x.dtype])[0]
+            inputs=[x, w, scales, biases, x if residual is None else residual, params], template=tmpl, grid=grid,
+            threadgroup=tg, output_shapes=out_shapes, output_dtypes=[x.dtype])[0]
 
-    def bind(self, x, w, scales, biases, group_size, bits, mode=None):
-        """A function of the activations alone for calls shaped like ``x`` (shape, dtype) on these weights.
+    def bind(self, x, w, scales, biases, group_size, bits, mode=None, residual=None, swiglu=False):
+        """A function ``f(x)`` (``f(x, residual)`` where ``residual`` is given: an array of the call's residual
+        shape) for calls shaped like ``x`` (shape, dtype) on these weights.
 
         The decision (kernel or reference: the op's gate, mode and backend, as :meth:`dispatch` makes it)
         and the launch geometry are taken once, here; the function then goes straight to the kernel.
@@ -184,15 +217,26 @@ class QuantizedMatmul(KernelOp):
             KernelError: mode ``"kernel"`` and the kernel failed to build or disagreed.
         """
         be = backend_of_default()
-        if not self.decide(be, (x, w, scales, biases, group_size, bits), {}, mode):
-            ref = self.reference
-            return lambda x: ref(x, w, scales, biases, group_size, bits)
-        tmpl, grid, tg, out_shapes, params = self._geometry(be, x.shape, w.shape[0], group_size, bits, x.dtype)
+        kw = {"swiglu": swiglu} if swiglu else {}
+        if residual is not None:
+            kw["residual"] = residual
+        if not self.decide(be, (x, w, scales, biases, group_size, bits), kw, mode):
+            ref, sw = self.reference, {"swiglu": True} if swiglu else {}
+            if residual is None:
+                return lambda x: ref(x, w, scales, biases, group_size, bits, **sw)
+            return lambda x, r: ref(x, w, scales, biases, group_size, bits, residual=r, **sw)
+        tmpl, grid, tg, out_shapes, params = self._geometry(be, x.shape, w.shape[0], group_size, bits, x.dtype,
+                                                            None, swiglu, residual is not None)
         kern, dtypes = self.kernel(be, "qmm"), [x.dtype]
 
-        def run(x):
-            return kern(inputs=[x, w, scales, biases, params], template=tmpl, grid=grid, threadgroup=tg,
-                        output_shapes=out_shapes, output_dtypes=dtypes)[0]
+        if residual is None:
+            def run(x):
+                return kern(inputs=[x, w, scales, biases, x, params], template=tmpl, grid=grid, threadgroup=tg,
+                            output_shapes=out_shapes, output_dtypes=dtypes)[0]
+        else:
+            def run(x, r):
+                return kern(inputs=[x, w, scales, biases, r, params], template=tmpl, grid=grid, threadgroup=tg,
+                            output_shapes=out_shapes, output_dtypes=dtypes)[0]
 
         return run
 
@@ -252,6 +296,28 @@ class KernelQuantizedLinear(nn.Module):
             y = y + self["bias"]
         return y
 
+    def fused(self, x, residual=None, swiglu: bool = False):
+        """``residual + self(swiglu(x))`` (each part where given) in one ``qmm`` launch (:class:`QuantizedMatmul`:
+        ``x`` ``[..., M, 2K]`` = ``[gate | up]`` with ``swiglu``; ``residual`` ``[..., M, N]`` or None). A layer with
+        an additive bias runs the parts as separate ops (the bias comes before the residual).
+        """
+        if "bias" in self:
+            if swiglu:
+                from mlx_lm.models.activations import swiglu as _swiglu
+
+                k = x.shape[-1] // 2
+                x = _swiglu(x[..., :k], x[..., k:])
+            y = self(x)
+            return y if residual is None else residual + y
+        key = (x.shape, x.dtype, mx.default_device().type, swiglu, residual is not None)
+        f = self._bound.get(key)
+        if f is None:
+            f = qmm.bind(x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits,
+                         mode=self.kernel_mode, residual=residual, swiglu=swiglu)
+            if len(self._bound) < self.MAX_BOUND:
+                self._bound[key] = f
+        return f(x) if residual is None else f(x, residual)
+
 
 # mlx-lm MLP classes whose __call__ is down_proj(swiglu(gate_proj(x), up_proj(x))) (checked by the target's probe)
 MLP_CLASSES = ("mlx_lm.models.llama.MLP", "mlx_lm.models.mistral.MLP", "mlx_lm.models.qwen2.MLP",
@@ -297,12 +363,19 @@ class KernelMLP(Wrapper):
         self.hidden = int(mlp.gate_proj["weight"].shape[0])
         object.__setattr__(self, "gate_up", fuse_linears([mlp.gate_proj, mlp.up_proj], mode))  # not listed twice
 
-    def __call__(self, x):
+    def __call__(self, x, residual=None):
+        """``down(silu(g) * u)`` (plus ``residual`` where given: the layer's ``h + mlp(norm(h))`` with ``h`` as the
+        residual), the SwiGLU and the residual inside the down projection's ``qmm`` launch where it is routed
+        (:meth:`KernelQuantizedLinear.fused`)."""
+        y = self.gate_up(x)
+        down = self.inner.down_proj
+        if isinstance(down, KernelQuantizedLinear):
+            return down.fused(y, residual, swiglu=True)
         from mlx_lm.models.activations import swiglu
 
-        y = self.gate_up(x)
         n = self.hidden
-        return self.inner.down_proj(swiglu(y[..., :n], y[..., n:]))
+        out = down(swiglu(y[..., :n], y[..., n:]))
+        return out if residual is None else residual + out
 
 
 class _Arrays(nn.Module):

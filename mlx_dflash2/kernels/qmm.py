@@ -244,6 +244,23 @@ class QuantizedMatmul(KernelOp):
 qmm = QuantizedMatmul()
 
 
+FUSE_ENV = "MLX_DFLASH2_QMM_FUSE"
+
+
+def fuse_enabled() -> bool:
+    """Whether routed layers fuse the MLP's SwiGLU and the residual adds into their ``qmm`` launches
+    (:meth:`KernelQuantizedLinear.fused`): ``MLX_DFLASH2_QMM_FUSE`` = ``0`` turns it off (an A/B switch for
+    benchmarks), read per call.
+
+    Raises:
+        ValueError: set to anything but ``0`` or ``1``.
+    """
+    v = os.environ.get(FUSE_ENV, "").strip()
+    if v not in ("", "0", "1"):
+        raise ValueError(f"{FUSE_ENV} must be 0 or 1, got {v!r}")
+    return v != "0"
+
+
 class KernelQuantizedLinear(nn.Module):
     """An ``nn.QuantizedLinear`` (affine mode) whose matmul goes through the registry's ``qmm``.
 
@@ -301,7 +318,7 @@ class KernelQuantizedLinear(nn.Module):
         ``x`` ``[..., M, 2K]`` = ``[gate | up]`` with ``swiglu``; ``residual`` ``[..., M, N]`` or None). A layer with
         an additive bias runs the parts as separate ops (the bias comes before the residual).
         """
-        if "bias" in self:
+        if "bias" in self or not fuse_enabled():
             if swiglu:
                 from mlx_lm.models.activations import swiglu as _swiglu
 

@@ -52,9 +52,6 @@ template <> struct Act<__nv_bfloat16> {
     return __uint_as_float(v);
   }
   __device__ static __nv_bfloat16 out(float v) { return __float2bfloat16(v); }
-  __device__ static u32 pack(float lo, float hi) {  // two values rounded to bf16, one word (lo in the low half)
-    return (u32)__bfloat16_as_ushort(__float2bfloat16(lo)) | ((u32)__bfloat16_as_ushort(__float2bfloat16(hi)) << 16);
-  }
 };
 template <> struct Act<__half> {
   static constexpr int NA = 2, PER_WORD = 2;
@@ -63,28 +60,12 @@ template <> struct Act<__half> {
     return __half2float(__ushort_as_half(b));
   }
   __device__ static __half out(float v) { return __float2half(v); }
-  __device__ static u32 pack(float lo, float hi) {
-    return (u32)__half_as_ushort(__float2half(lo)) | ((u32)__half_as_ushort(__float2half(hi)) << 16);
-  }
 };
 template <> struct Act<float> {
   static constexpr int NA = 3, PER_WORD = 1;
   __device__ static float get(const u32* wd, int i) { return __uint_as_float(wd[i]); }
   __device__ static float out(float v) { return v; }
 };
-
-// SwiGLU of one activation word pair (SWI: the op's input is [gate | up] side by side, the matmul's input
-// silu(gate) * up = gate / (1 + exp(-gate)) * up, rounded to T as an elementwise op's output would be).
-__device__ __forceinline__ float swiglu1(float g, float u) { return g / (1.0f + expf(-g)) * u; }
-template <typename T>
-__device__ __forceinline__ u32 swiglu_word(u32 g, u32 u) {
-  const u32 gw[1] = {g}, uw[1] = {u};
-  return Act<T>::pack(swiglu1(Act<T>::get(gw, 0), Act<T>::get(uw, 0)), swiglu1(Act<T>::get(gw, 1), Act<T>::get(uw, 1)));
-}
-template <>
-__device__ __forceinline__ u32 swiglu_word<float>(u32 g, u32 u) {
-  return __float_as_uint(swiglu1(__uint_as_float(g), __uint_as_float(u)));
-}
 
 template <typename T> __device__ __forceinline__ float to_f(T v);
 template <> __device__ __forceinline__ float to_f<float>(float v) { return v; }
@@ -122,7 +103,7 @@ __device__ __forceinline__ void a_frag<__nv_bfloat16>(u32* a, const u32* xa, con
 }
 
 // Loads of one group for one lane: weight words of NT rows and activation words of rows gr, gr+8.
-template <typename T, int BITS, int GS, int NT, int SWI>
+template <typename T, int BITS, int GS, int NT>
 struct Stage {
   static constexpr int KL = GS / 4;                      // k per lane per group
   static constexpr int WPL = KL * BITS / 32;             // weight words per lane per group
@@ -167,10 +148,8 @@ struct Stage {
         for (int q = 0; q < WPL; ++q) w[j][q] = ok ? __ldg(src + q) : 0u;
       }
     }
-    // a row of the input is K wide, or 2K (SWI: [gate | up], the matmul's input computed here from both halves)
-    const size_t xs = (size_t)K * (SWI ? 2 : 1);
-    const u32* xr0 = reinterpret_cast<const u32*>(x + (size_t)gr * xs + k0);
-    const u32* xr1 = reinterpret_cast<const u32*>(x + (size_t)(gr + 8) * xs + k0);
+    const u32* xr0 = reinterpret_cast<const u32*>(x + (size_t)gr * K + k0);
+    const u32* xr1 = reinterpret_cast<const u32*>(x + (size_t)(gr + 8) * K + k0);
     const bool ok0 = live && gr < M, ok1 = live && gr + 8 < M;
 #pragma unroll
     for (int q = 0; q < XW; q += 4) {
@@ -179,26 +158,13 @@ struct Stage {
       xa[q] = a.x; xa[q + 1] = a.y; xa[q + 2] = a.z; xa[q + 3] = a.w;
       xb[q] = b.x; xb[q + 1] = b.y; xb[q + 2] = b.z; xb[q + 3] = b.w;
     }
-    if (SWI) {  // the up half (K elements on) of the same rows; rows past M stay zeros (swiglu(0, 0) = 0)
-      const u32* ur0 = reinterpret_cast<const u32*>(x + (size_t)gr * xs + K + k0);
-      const u32* ur1 = reinterpret_cast<const u32*>(x + (size_t)(gr + 8) * xs + K + k0);
-#pragma unroll
-      for (int q = 0; q < XW; q += 4) {
-        uint4 a = ok0 ? __ldg(reinterpret_cast<const uint4*>(ur0 + q)) : make_uint4(0, 0, 0, 0);
-        uint4 b = ok1 ? __ldg(reinterpret_cast<const uint4*>(ur1 + q)) : make_uint4(0, 0, 0, 0);
-        xa[q] = swiglu_word<T>(xa[q], a.x); xa[q + 1] = swiglu_word<T>(xa[q + 1], a.y);
-        xa[q + 2] = swiglu_word<T>(xa[q + 2], a.z); xa[q + 3] = swiglu_word<T>(xa[q + 3], a.w);
-        xb[q] = swiglu_word<T>(xb[q], b.x); xb[q + 1] = swiglu_word<T>(xb[q + 1], b.y);
-        xb[q + 2] = swiglu_word<T>(xb[q + 2], b.z); xb[q + 3] = swiglu_word<T>(xb[q + 3], b.w);
-      }
-    }
   }
 };
 
 // Tensor-core work and epilogue of one loaded group.
-template <typename T, int BITS, int GS, int NT, int SWI>
-__device__ __forceinline__ void compute(const Stage<T, BITS, GS, NT, SWI>& st, float (&acc)[NT][4]) {
-  typedef Stage<T, BITS, GS, NT, SWI> S;
+template <typename T, int BITS, int GS, int NT>
+__device__ __forceinline__ void compute(const Stage<T, BITS, GS, NT>& st, float (&acc)[NT][4]) {
+  typedef Stage<T, BITS, GS, NT> S;
   constexpr int NA = Act<T>::NA;
   // sum of x over the group (rows gr, gr+8): the lane's slice in order, then lanes t by xor 1, 2
   float xs0 = 0.f, xs1 = 0.f;
@@ -249,11 +215,9 @@ __device__ __forceinline__ void compute(const Stage<T, BITS, GS, NT, SWI>& st, f
 
 // One block: NT n-tiles (8 * NT output columns) over all of K, split over WARPS warps; each warp
 // walks its groups U at a time (all U groups' loads issued before their math).
-// SWI: x is [M, 2K] = [gate | up] and the matmul's input is silu(gate) * up (the MLP's down projection takes its
-// gate/up projection's output as it is: no SwiGLU launch between them). RES: y = x W^T + res, the residual added to
-// the fp32 sum before the one rounding (the layer's residual add: no add launch after the matmul). Both are per
-// element: a row still reads only its own inputs.
-template <typename T, int BITS, int GS, int NT, int WARPS, int U, int SWI, int RES>
+// RES: y = x W^T + res, the residual added to the fp32 sum before the one rounding (the layer's residual add: no add
+// launch after the matmul; per element: a row still reads only its own inputs).
+template <typename T, int BITS, int GS, int NT, int WARPS, int U, int RES>
 __device__ __forceinline__ void qmm_block(const T* __restrict__ x, const u32* __restrict__ w,
                                           const T* __restrict__ scales, const T* __restrict__ biases,
                                           const T* __restrict__ res, const int* __restrict__ params,
@@ -269,12 +233,12 @@ __device__ __forceinline__ void qmm_block(const T* __restrict__ x, const u32* __
 #pragma unroll
   for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
   for (int g = g0; g < g1; g += U) {
-    Stage<T, BITS, GS, NT, SWI> st[U];
+    Stage<T, BITS, GS, NT> st[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) st[u].load(x, w, scales, biases, M, N, K, n_base, g + u, gr, t, g + u < g1);
 #pragma unroll
     for (int u = 0; u < U; ++u)
-      if (g + u < g1) compute<T, BITS, GS, NT, SWI>(st[u], acc);
+      if (g + u < g1) compute<T, BITS, GS, NT>(st[u], acc);
   }
 #pragma unroll
   for (int j = 0; j < NT; ++j)

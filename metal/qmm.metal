@@ -26,19 +26,9 @@ inline float code(const device uint* w, uint wrow, uint row, uint k) {
   return float((word >> ((k % (32 / BITS)) * BITS)) & ((1u << BITS) - 1u));
 }
 
-// Element (m, k) of the matmul's input: x[m, k], or (SWI) silu(gate) * up = gate / (1 + exp(-gate)) * up of
-// x = [gate | up] ([M, 2K]), rounded to T as an elementwise op's output would be (the MLP's down projection takes
-// its gate/up projection's output as it is: no SwiGLU launch between them).
-template <typename T, int SWI>
-inline float xin(const device T* x, int m, int K, int k) {
-  if (SWI == 0) return float(x[m * K + k]);
-  const float g = float(x[m * 2 * K + k]), u = float(x[m * 2 * K + K + k]);
-  return float(T(g / (1.0f + metal::precise::exp(-g)) * u));
-}
-
 // RES: y = x W^T + res, the residual added to the fp32 sum before the one rounding (the layer's residual add: no add
-// launch after the matmul). SWI and RES are per element: a row still reads only its own inputs.
-template <typename T, int BITS, int GS, int NT, int S, int SWI, int RES>
+// launch after the matmul; per element: a row still reads only its own inputs).
+template <typename T, int BITS, int GS, int NT, int S, int RES>
 inline void qmm_block(const device T* x, const device uint* w, const device T* scales, const device T* biases,
                       const device T* res, const device int* params, device T* y, threadgroup float* part,
                       uint tg, uint sg, uint lane) {
@@ -66,8 +56,8 @@ inline void qmm_block(const device T* x, const device uint* w, const device T* s
       simdgroup_matrix<float, 8, 8> b[2];
       for (int r = 0; r < 2; ++r) {
         const int m = 8 * r + fn;
-        b[r].thread_elements()[0] = m < M ? xin<T, SWI>(x, m, K, k + fm) : 0.0f;
-        b[r].thread_elements()[1] = m + 1 < M ? xin<T, SWI>(x, m + 1, K, k + fm) : 0.0f;
+        b[r].thread_elements()[0] = m < M ? float(x[m * K + k + fm]) : 0.0f;
+        b[r].thread_elements()[1] = m + 1 < M ? float(x[(m + 1) * K + k + fm]) : 0.0f;
       }
       for (int j = 0; j < NT; ++j) {
         const int n = n_base + 8 * j + fm;
@@ -83,7 +73,7 @@ inline void qmm_block(const device T* x, const device uint* w, const device T* s
     {
       const int m = int(lane % 16), h = int(lane / 16);
       if (m < M)
-        for (int kk = 0; kk < GS / 2; ++kk) xh += xin<T, SWI>(x, m, K, g * GS + h * (GS / 2) + kk);
+        for (int kk = 0; kk < GS / 2; ++kk) xh += float(x[m * K + g * GS + h * (GS / 2) + kk]);
       xh += simd_shuffle_xor(xh, ushort(16));
     }
     // epilogue: element (fm, fn + e) of tile (j, r) is output (m = 8r + fn + e, n = n_base + 8j + fm)

@@ -39,8 +39,7 @@ def cases(quick: bool = False, cpu: bool = False) -> list[tuple[str, tuple]]:
         for bits, gs in ((4, 64), (8, 64), (4, 32), (4, 128)):
             for n, k in mats:
                 out.append(("qmm", (f"mlx.core.{dt}", bits, gs, n, k)))
-        n, k = mats[0]  # the fused MLP down projection: SwiGLU of [gate | up] in, the layer's residual out
-        out.append(("qmm", (f"mlx.core.{dt}", 4, 64, n, k, "swiglu", "residual")))
+        n, k = mats[0]  # o_proj and the MLP's down projection: the layer's residual added in the launch
         out.append(("qmm", (f"mlx.core.{dt}", 4, 64, n, k, "residual")))
         for h, hk, d in heads:
             out.append(("verify_attention", (f"mlx.core.{dt}", h, hk, d)))

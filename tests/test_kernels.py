@@ -29,31 +29,26 @@ def test_reference_paths_on_cpu():
     assert mx.allclose(verify_attention(q, k, v, 20, 0.125), ref)
 
 
-def test_qmm_fusions_are_the_unfused_ops():
-    """qmm's fusions (SwiGLU of ``[gate | up]`` before the matmul, the residual after it: the routed MLP's down
-    projection and o_proj launch one kernel for each) compute the ops they replace, in the layer's order: exactly on
-    the reference path, and so through a routed layer's :meth:`KernelQuantizedLinear.fused` (an additive bias comes
-    before the residual); a residual of the wrong shape is not the kernel's."""
+def test_qmm_residual_is_the_unfused_add():
+    """qmm's residual (o_proj's and the MLP's down projection's launches add the layer's residual) computes the add it
+    replaces, in the layer's order: exactly on the reference path, and so through a routed layer's
+    :meth:`KernelQuantizedLinear.fused` (an additive bias comes before the residual); ``MLX_DFLASH2_QMM_FUSE=0``
+    keeps the add apart; a residual of the wrong shape is not the kernel's."""
     import mlx.nn as nn
-    from mlx_lm.models.activations import swiglu
 
-    x = mx.random.normal((3, 256))
+    x = mx.random.normal((3, 128))
     res = mx.random.normal((3, 64))
     wq, s, b = mx.quantize(mx.random.normal((64, 128)) * 0.1, group_size=64, bits=4)
-    want = res + mx.quantized_matmul(swiglu(x[:, :128], x[:, 128:]), wq, s, b, transpose=True, group_size=64, bits=4)
-    assert mx.array_equal(qmm(x, wq, s, b, 64, 4, residual=res, swiglu=True), want)
-    assert mx.array_equal(qmm(x[:, :128], wq, s, b, 64, 4, residual=res),
-                          res + mx.quantized_matmul(x[:, :128], wq, s, b, transpose=True, group_size=64, bits=4))
-    assert qmm.supports(x, wq, s, b, 64, 4, residual=res, swiglu=True)
-    assert not qmm.supports(x, wq, s, b, 64, 4, residual=res[:, :8], swiglu=True)
-    assert qmm.shape_key(x, wq, s, b, 64, 4, residual=res, swiglu=True)[-2:] == ("swiglu", "residual")
+    want = res + mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=64, bits=4)
+    assert mx.array_equal(qmm(x, wq, s, b, 64, 4, residual=res), want)
+    assert qmm.supports(x, wq, s, b, 64, 4, residual=res)
+    assert not qmm.supports(x, wq, s, b, 64, 4, residual=res[:, :8])
+    assert qmm.shape_key(x, wq, s, b, 64, 4, residual=res)[-1] == "residual"
     for bias in (False, True):
         lin = nn.Linear(128, 64, bias=bias)
         lin.update({"bias": mx.random.normal((64,))} if bias else {})
         q = nn.QuantizedLinear.from_linear(lin, group_size=64, bits=4)
-        k = KernelQuantizedLinear(q, "kernel")
-        assert mx.array_equal(k.fused(x, res, swiglu=True), res + q(swiglu(x[:, :128], x[:, 128:])))
-        assert mx.array_equal(k.fused(x[:, :128], res), res + q(x[:, :128]))
+        assert mx.array_equal(KernelQuantizedLinear(q, "kernel").fused(x, res), res + q(x))
 
 
 def test_quantized_linear_routing_is_the_same_layer():

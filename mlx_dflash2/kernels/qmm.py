@@ -62,23 +62,21 @@ def qmm_config(backend: str, n: int, k: int, group_size: int, dtype) -> tuple[in
 
 
 class QuantizedMatmul(KernelOp):
-    """The ``qmm`` op. Call: ``qmm(x, w, scales, biases, group_size, bits, mode=None, residual=None, swiglu=False)``.
+    """The ``qmm`` op. Call: ``qmm(x, w, scales, biases, group_size, bits, mode=None, residual=None)``.
 
     Args:
-        x: ``[..., M, K]`` activations (M = product of the leading axes, 1..16 for the kernel); with ``swiglu``
-            ``[..., M, 2K]``: ``[gate | up]`` side by side, the matmul's input being ``silu(gate) * up``
-            (mlx-lm's ``swiglu``; the fused MLP's down projection on its gate/up projection's output).
+        x: ``[..., M, K]`` activations (M = product of the leading axes, 1..16 for the kernel).
         w: uint32 ``[N, K * bits / 32]`` packed codes.
         scales, biases: ``[N, K / group_size]`` (the activations' dtype).
         group_size, bits: MLX's affine quantization parameters.
         residual: ``[..., M, N]`` added to the product (the decoder layer's residual), or None.
-        swiglu: the input is ``[gate | up]`` (above).
 
-    The kernel fuses ``swiglu`` before and ``residual`` after the matmul (one launch where there were three: the
-    host builds and launches every op of a forward, and on MLX's CUDA backend its per-launch cost, not the GPU,
-    bounds a step); the residual is added to the fp32 sum before its one rounding, so the kernel's result is the
-    reference's within rounding, not bit for bit (the plain step and the verify run the same kernel: greedy output
-    stays exact).
+    The kernel adds ``residual`` after the matmul (one launch where there were two: the host builds and launches
+    every op of a forward, and on MLX's CUDA backend its per-launch cost, not the GPU, bounds a step), to the fp32
+    sum before its one rounding, so the kernel's result is the reference's within rounding, not bit for bit (the
+    plain step and the verify run the same kernel: greedy output stays exact). A SwiGLU computed in the down
+    projection's loads (session 22) cost 199 us per call at one row on the H200 against 17 us for the matmul alone
+    (every block recomputed it for the whole input): the MLP keeps its own SwiGLU launch.
 
     Returns:
         ``[..., M, N]`` in the activations' dtype.
@@ -93,39 +91,31 @@ class QuantizedMatmul(KernelOp):
     row_invariant = True
     tolerance = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 2e-2}
 
-    def reference(self, x, w, scales, biases, group_size, bits, config=None, residual=None, swiglu=False):
-        if swiglu:
-            from mlx_lm.models.activations import swiglu as _swiglu
-
-            k = x.shape[-1] // 2
-            x = _swiglu(x[..., :k], x[..., k:])
+    def reference(self, x, w, scales, biases, group_size, bits, config=None, residual=None):
         y = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
         return y if residual is None else residual + y  # the layer's own order: h = x + f(x)
 
-    def supports(self, x, w, scales, biases, group_size, bits, config=None, residual=None, swiglu=False):
+    def supports(self, x, w, scales, biases, group_size, bits, config=None, residual=None):
         if biases is None or bits not in BITS or group_size not in GROUP_SIZES or x.dtype not in DTYPES:
             return False
-        K = x.shape[-1] // (2 if swiglu else 1)
+        K = x.shape[-1]
         M = math.prod(x.shape[:-1])
-        if swiglu and x.shape[-1] % 2:
-            return False
         if residual is not None and (residual.dtype != x.dtype or residual.shape != (*x.shape[:-1], w.shape[0])):
             return False
         return (1 <= M <= MAX_ROWS and K % group_size == 0 and K % 16 == 0 and scales.dtype == x.dtype
                 and biases.dtype == x.dtype and w.dtype == mx.uint32 and w.shape[-1] * 32 // bits == K
                 and w.ndim == 2)
 
-    def shape_key(self, x, w, scales, biases, group_size, bits, config=None, residual=None, swiglu=False):
-        # the code path depends on dtype, bits, group size, the geometry and the fusions (not on M: row-invariant)
-        key = (str(x.dtype), bits, group_size, int(w.shape[0]), int(w.shape[-1]) * 32 // bits)
-        flags = ("swiglu",) * bool(swiglu) + ("residual",) * (residual is not None)
-        return key + flags
+    def shape_key(self, x, w, scales, biases, group_size, bits, config=None, residual=None):
+        # the code path depends on dtype, bits, group size, the geometry and the residual (not on M: row-invariant)
+        key = (str(x.dtype), bits, group_size, int(w.shape[0]), int(x.shape[-1]))
+        return key + ("residual",) * (residual is not None)
 
     def sample(self, key):
         from .registry import backend
 
         dtype, bits, gs, n, k = key[:5]
-        swi, res = "swiglu" in key[5:], "residual" in key[5:]
+        res = "residual" in key[5:]
         dtype = getattr(mx, dtype.split(".")[-1])
         # the kernel's path depends on K and on the launch geometry chosen for the real N, not on N's
         # size: a slice of rows (keeping N's remainder mod 8, the ragged last tile) is checked
@@ -133,9 +123,9 @@ class QuantizedMatmul(KernelOp):
         r = mx.random.split(mx.random.key(n * 131 + k), 3)
         w = mx.random.normal((n_s, k), key=r[0]).astype(dtype) * 0.05
         wq, s, b = mx.quantize(w, group_size=gs, bits=bits)
-        x = mx.random.normal((MAX_ROWS, 2 * k if swi else k), key=r[1]).astype(dtype)
+        x = mx.random.normal((MAX_ROWS, k), key=r[1]).astype(dtype)
         config = qmm_config(backend(), n, k, gs, dtype)
-        kw = {"config": config, "swiglu": swi}
+        kw = {"config": config}
         if res:
             kw["residual"] = mx.random.normal((MAX_ROWS, n_s), key=r[2]).astype(dtype)
         return (x, wq, s.astype(dtype), b.astype(dtype), gs, bits), kw
@@ -153,20 +143,19 @@ class QuantizedMatmul(KernelOp):
         io = dict(inputs=[("x", "T"), ("w", "uint32"), ("scales", "T"), ("biases", "T"), ("res", "T"),
                           ("params", "int32")],
                   outputs=[("y", "T")])
-        ex = [dict(T=t, BITS=b, GS=g, NT=nt, WARPS=w, U=u, SWI=sw, RES=rs) for t in ("bfloat16", "float16", "float32")
-              for b in BITS for g in GROUP_SIZES for nt, w, u in ((1, 2, 1), (4, 8, 2)) for sw, rs in ((0, 0), (1, 1))]
+        ex = [dict(T=t, BITS=b, GS=g, NT=nt, WARPS=w, U=u, RES=rs) for t in ("bfloat16", "float16", "float32")
+              for b in BITS for g in GROUP_SIZES for nt, w, u in ((1, 2, 1), (4, 8, 2)) for rs in (0, 1)]
         if backend == "cuda":
             return {"qmm": KernelSpec(
                 "dflash_qmm", header="qmm.cu", examples=ex,
                 body="  __shared__ float part[WARPS][NT * 4][32];\n"
-                     "  dflash_qmm::qmm_block<T, BITS, GS, NT, WARPS, U, SWI, RES>(x, w, scales, biases, res, params, y,\n"
-                     "                                                           part);\n",
+                     "  dflash_qmm::qmm_block<T, BITS, GS, NT, WARPS, U, RES>(x, w, scales, biases, res, params, y, part);\n",
                 **io)}
         ex = [{("S" if k == "WARPS" else k): v for k, v in e.items() if k != "U"} for e in ex]
         return {"qmm": KernelSpec(
             "dflash_qmm", header="qmm.metal", examples=ex,
             body="  threadgroup float part[S * NT * 2 * 64];\n"
-                 "  dflash_qmm::qmm_block<T, BITS, GS, NT, S, SWI, RES>(x, w, scales, biases, res, params, y, part,\n"
+                 "  dflash_qmm::qmm_block<T, BITS, GS, NT, S, RES>(x, w, scales, biases, res, params, y, part,\n"
                  "      threadgroup_position_in_grid.x, simdgroup_index_in_threadgroup, thread_index_in_simdgroup);\n",
             **io)}
 
@@ -174,19 +163,19 @@ class QuantizedMatmul(KernelOp):
         x, w, scales, biases, group_size, bits = args[:6]
         r = kw.get("residual")
         return (x.shape, x.dtype, w.shape, w.dtype, scales.dtype, None if biases is None else biases.dtype,
-                group_size, bits, bool(kw.get("swiglu")), None if r is None else (r.shape, r.dtype))
+                group_size, bits, None if r is None else (r.shape, r.dtype))
 
-    def _geometry(self, backend, shape, N, group_size, bits, dtype, config=None, swiglu=False, residual=False):
+    def _geometry(self, backend, shape, N, group_size, bits, dtype, config=None, residual=False):
         """``(template, grid, threadgroup, output shapes, params)`` of a call signature (worked out once)."""
-        key = (backend, shape, N, group_size, bits, dtype, config, swiglu, residual)
+        key = (backend, shape, N, group_size, bits, dtype, config, residual)
         geo = self._geo.get(key)
         if geo is None:
-            K = shape[-1] // (2 if swiglu else 1)
+            K = shape[-1]
             M = math.prod(shape[:-1])
             nt, warps, u = config or qmm_config(backend, N, K, group_size, dtype)
             tmpl = [("T", dtype), ("BITS", bits), ("GS", group_size), ("NT", nt)]
             tmpl += [("WARPS", warps), ("U", u)] if backend == "cuda" else [("S", warps)]
-            tmpl += [("SWI", int(bool(swiglu))), ("RES", int(bool(residual)))]
+            tmpl += [("RES", int(bool(residual)))]
             blocks = -(-N // (8 * nt))
             # the kernel indexes rows flat (row r at r * K of x, r * N of y): x and y keep their leading axes,
             # no reshape nodes around the call (MLX copies a non-contiguous x first: ensure_row_contiguous)
@@ -194,14 +183,14 @@ class QuantizedMatmul(KernelOp):
                                     int_params(M, N, K))
         return geo
 
-    def launch(self, backend, x, w, scales, biases, group_size, bits, config=None, residual=None, swiglu=False):
+    def launch(self, backend, x, w, scales, biases, group_size, bits, config=None, residual=None):
         tmpl, grid, tg, out_shapes, params = self._geometry(backend, x.shape, w.shape[0], group_size, bits, x.dtype,
-                                                            config, swiglu, residual is not None)
+                                                            config, residual is not None)
         return self.kernel(backend, "qmm")(
             inputs=[x, w, scales, biases, x if residual is None else residual, params], template=tmpl, grid=grid,
             threadgroup=tg, output_shapes=out_shapes, output_dtypes=[x.dtype])[0]
 
-    def bind(self, x, w, scales, biases, group_size, bits, mode=None, residual=None, swiglu=False):
+    def bind(self, x, w, scales, biases, group_size, bits, mode=None, residual=None):
         """A function ``f(x)`` (``f(x, residual)`` where ``residual`` is given: an array of the call's residual
         shape) for calls shaped like ``x`` (shape, dtype) on these weights.
 
@@ -217,16 +206,14 @@ class QuantizedMatmul(KernelOp):
             KernelError: mode ``"kernel"`` and the kernel failed to build or disagreed.
         """
         be = backend_of_default()
-        kw = {"swiglu": swiglu} if swiglu else {}
-        if residual is not None:
-            kw["residual"] = residual
+        kw = {} if residual is None else {"residual": residual}
         if not self.decide(be, (x, w, scales, biases, group_size, bits), kw, mode):
-            ref, sw = self.reference, {"swiglu": True} if swiglu else {}
+            ref = self.reference
             if residual is None:
-                return lambda x: ref(x, w, scales, biases, group_size, bits, **sw)
-            return lambda x, r: ref(x, w, scales, biases, group_size, bits, residual=r, **sw)
+                return lambda x: ref(x, w, scales, biases, group_size, bits)
+            return lambda x, r: ref(x, w, scales, biases, group_size, bits, residual=r)
         tmpl, grid, tg, out_shapes, params = self._geometry(be, x.shape, w.shape[0], group_size, bits, x.dtype,
-                                                            None, swiglu, residual is not None)
+                                                            None, residual is not None)
         kern, dtypes = self.kernel(be, "qmm"), [x.dtype]
 
         if residual is None:
@@ -248,7 +235,7 @@ FUSE_ENV = "MLX_DFLASH2_QMM_FUSE"
 
 
 def fuse_enabled() -> bool:
-    """Whether routed layers fuse the MLP's SwiGLU and the residual adds into their ``qmm`` launches
+    """Whether routed layers fuse the residual adds into their ``qmm`` launches
     (:meth:`KernelQuantizedLinear.fused`): ``MLX_DFLASH2_QMM_FUSE`` = ``0`` turns it off (an A/B switch for
     benchmarks), read per call.
 
@@ -313,27 +300,19 @@ class KernelQuantizedLinear(nn.Module):
             y = y + self["bias"]
         return y
 
-    def fused(self, x, residual=None, swiglu: bool = False):
-        """``residual + self(swiglu(x))`` (each part where given) in one ``qmm`` launch (:class:`QuantizedMatmul`:
-        ``x`` ``[..., M, 2K]`` = ``[gate | up]`` with ``swiglu``; ``residual`` ``[..., M, N]`` or None). A layer with
-        an additive bias runs the parts as separate ops (the bias comes before the residual).
-        """
+    def fused(self, x, residual):
+        """``residual + self(x)`` in one ``qmm`` launch (:class:`QuantizedMatmul`; ``residual`` ``[..., M, N]``). A
+        layer with an additive bias (or ``MLX_DFLASH2_QMM_FUSE=0``) runs the two as separate ops."""
         if "bias" in self or not fuse_enabled():
-            if swiglu:
-                from mlx_lm.models.activations import swiglu as _swiglu
-
-                k = x.shape[-1] // 2
-                x = _swiglu(x[..., :k], x[..., k:])
-            y = self(x)
-            return y if residual is None else residual + y
-        key = (x.shape, x.dtype, mx.default_device().type, swiglu, residual is not None)
+            return residual + self(x)
+        key = (x.shape, x.dtype, mx.default_device().type, "residual")
         f = self._bound.get(key)
         if f is None:
             f = qmm.bind(x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits,
-                         mode=self.kernel_mode, residual=residual, swiglu=swiglu)
+                         mode=self.kernel_mode, residual=residual)
             if len(self._bound) < self.MAX_BOUND:
                 self._bound[key] = f
-        return f(x) if residual is None else f(x, residual)
+        return f(x, residual)
 
 
 # mlx-lm MLP classes whose __call__ is down_proj(swiglu(gate_proj(x), up_proj(x))) (checked by the target's probe)
@@ -382,17 +361,17 @@ class KernelMLP(Wrapper):
 
     def __call__(self, x, residual=None):
         """``down(silu(g) * u)`` (plus ``residual`` where given: the layer's ``h + mlp(norm(h))`` with ``h`` as the
-        residual), the SwiGLU and the residual inside the down projection's ``qmm`` launch where it is routed
-        (:meth:`KernelQuantizedLinear.fused`)."""
-        y = self.gate_up(x)
-        down = self.inner.down_proj
-        if isinstance(down, KernelQuantizedLinear):
-            return down.fused(y, residual, swiglu=True)
+        residual, added inside the down projection's ``qmm`` launch where it is routed:
+        :meth:`KernelQuantizedLinear.fused`)."""
         from mlx_lm.models.activations import swiglu
 
+        y = self.gate_up(x)
         n = self.hidden
-        out = down(swiglu(y[..., :n], y[..., n:]))
-        return out if residual is None else residual + out
+        a = swiglu(y[..., :n], y[..., n:])
+        down = self.inner.down_proj
+        if residual is None:
+            return down(a)
+        return down.fused(a, residual) if isinstance(down, KernelQuantizedLinear) else residual + down(a)
 
 
 class _Arrays(nn.Module):

@@ -468,6 +468,8 @@ def make_proposer(
     model.kernel_mode = kernels  # the per-round forward's fused ops (mlx_dflash2.kernels)
     if getattr(target, "kernels", "reference") != "reference":  # the target kept its kernels: the drafter's linears too
         model.route_kernels(kernels)
+    elif model.routed:  # a drafter routed beside another target runs MLX's layers beside this one, as its target does
+        model.unroute_kernels()
     min_confidence = check_confidence(min_confidence, "min_confidence")
     if min_confidence is None:
         min_confidence = default_min_confidence()

@@ -418,13 +418,16 @@ def test_target_routing_keeps_the_model(model_type):
     assert spec == plain
 
 
-def test_drafter_routing_keeps_its_proposals():
+def test_drafter_routing_keeps_its_proposals(tmp_path):
     """A quantized drafter's linear layers routed through the registry (forced on the CPU, where qmm is its
-    reference) draft exactly what MLX's layers draft; ``reference`` and ``unroute_kernels`` put MLX's layers back;
-    the loader routes a drafter only beside a target that kept its own kernels (the CPU: neither)."""
+    reference) draft exactly what MLX's layers draft; mode ``reference`` and ``unroute_kernels`` put MLX's layers
+    back; a routed drafter saves under its checkpoint's names (and stays routed), dequantizes unrouted; the loader
+    routes a drafter only beside a target that kept its own kernels (the CPU: neither)."""
     import mlx.nn as nn
 
-    from mlx_dflash2.drafter.io import init_drafter
+    from mlx.utils import tree_flatten
+
+    from mlx_dflash2.drafter.io import dequantize_drafter, init_drafter, is_quantized, load_drafter, save_drafter
     from mlx_dflash2.kernels import KernelMLP, KernelQuantizedLinear
     from mlx_dflash2.proposers import DFlashProposer
 
@@ -459,10 +462,21 @@ def test_drafter_routing_keeps_its_proposals():
     assert isinstance(d.layers[0].mlp, KernelMLP) and isinstance(d.fc, KernelQuantizedLinear) and linears == 0
     assert d.layers[0].self_attn._fused is not None  # the block's heads through qk_norm_rope
     assert drafts() == before
+    assert d.route_kernels("kernel", force=True) == n and d.routed  # again in the same mode: nothing more
+    path = save_drafter(d, tmp_path / "d")  # saved under the checkpoint's own names, still routed after
+    assert d.routed and isinstance(d.fc, KernelQuantizedLinear)
+    assert drafts() == before
     d.unroute_kernels()
     assert type(d.layers[0].mlp).__name__ == "DraftMLP" and isinstance(d.fc, nn.QuantizedLinear)
-    assert d.layers[0].self_attn._fused is None
+    assert d.layers[0].self_attn._fused is None and not d.routed
     assert drafts() == before
+    saved = dict(tree_flatten(d.parameters()))
+    loaded = dict(tree_flatten(load_drafter(path, t, Tok()).parameters()))
+    assert saved.keys() == loaded.keys() and all(mx.array_equal(saved[k], loaded[k]).item() for k in saved)
+    d.route_kernels("kernel", force=True)
+    assert d.route_kernels("reference") == 0 and not d.routed and isinstance(d.fc, nn.QuantizedLinear)
+    d.route_kernels("kernel", force=True)
+    assert is_quantized(d) and not dequantize_drafter(d).routed
 
 
 @pytest.mark.skipif(not emulate.available(), reason="no C++20 compiler")

@@ -306,8 +306,11 @@ def load_drafter(path: str | Path, target, tokenizer, dtype: mx.Dtype | None = N
 
 
 def is_quantized(model: DraftModel) -> bool:
-    """True if any layer of ``model`` is MLX-quantized."""
-    return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
+    """True if any layer of ``model`` is MLX-quantized (routed to the kernels or not)."""
+    from ..kernels.qmm import KernelQuantizedLinear
+
+    kinds = (nn.QuantizedLinear, nn.QuantizedEmbedding, KernelQuantizedLinear)
+    return any(isinstance(m, kinds) for _, m in model.named_modules())
 
 
 def dequantize_drafter(model: DraftModel) -> DraftModel:
@@ -315,7 +318,10 @@ def dequantize_drafter(model: DraftModel) -> DraftModel:
     (``mlx_lm.utils.dequantize_model``; the same values, in the scales' dtype).
     Used for training (quantized weights cannot be trained) and on MLX's CPU
     backend (a quantized matmul costs time linear in its rows). A model that is
-    not quantized is returned unchanged."""
+    not quantized is returned unchanged. A drafter routed to the kernels
+    (:meth:`DraftModel.route_kernels`) is unrouted first."""
+    if getattr(model, "routed", False):  # the kernels' modules out: the quantized layers themselves are expanded
+        model.unroute_kernels()
     if not is_quantized(model):
         return model
     from mlx_lm.utils import dequantize_model
@@ -354,9 +360,11 @@ def save_drafter(model: DraftModel, path: str | Path, overwrite: bool = False, m
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
-        cfg = model.config.to_dict()
-        weights = dict(tree_flatten(model.parameters()))
-        q = {m: (mod.group_size, mod.bits) for m, mod in model.named_modules() if isinstance(mod, nn.QuantizedLinear)}
+        with model.unrouted():  # a drafter routed to the kernels (DraftModel.route_kernels) saved under its own names
+            cfg = model.config.to_dict()
+            weights = dict(tree_flatten(model.parameters()))
+            q = {m: (mod.group_size, mod.bits) for m, mod in model.named_modules()
+                 if isinstance(mod, nn.QuantizedLinear)}
         if q:
             gs, bits = next(iter(q.values()))
             cfg["quantization"] = {"group_size": gs, "bits": bits}

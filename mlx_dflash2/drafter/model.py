@@ -23,6 +23,7 @@ Implements the published architectures ``DFlashDraftModel`` and
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -422,7 +423,8 @@ class DraftModel(nn.Module):
     ``kernel_mode``: the :mod:`mlx_dflash2.kernels` mode of the per-round forward
     (:meth:`__call__`: fused dynamic convolutions) and of the selector's greedy walk;
     ``None`` is the process default (``MLX_DFLASH2_KERNELS``). Training and replay
-    evaluation (:meth:`forward_blocks`) always run the MLX reference.
+    evaluation (:meth:`forward_blocks`) run the MLX reference ops, through the routed linear
+    layers where :meth:`route_kernels` routed them (the same function within rounding).
     """
 
     def __init__(self, cfg: DrafterConfig):
@@ -430,6 +432,7 @@ class DraftModel(nn.Module):
         self.config = cfg
         self.kernel_mode: str | None = None
         object.__setattr__(self, "_routes", [])  # route_kernels' swaps (not a module member)
+        object.__setattr__(self, "_routed", None)  # (mode, count) while routed
         D = cfg.hidden_size
         self.fc = nn.Linear(len(cfg.target_layer_ids) * D, D, bias=False)
         self.hidden_norm = nn.RMSNorm(D, eps=cfg.rms_norm_eps)
@@ -452,8 +455,10 @@ class DraftModel(nn.Module):
         has 28 such calls per round at the 8B shape). The drafter's numbers do not touch losslessness (the target
         verifies every token); each kernel still passes its numerics gate at first use, else MLX's op runs.
         Nothing is routed on the CPU backend (the references are MLX's ops) unless ``force``, nor in mode
-        ``"reference"``; a drafter with float weights has nothing to route. Inference only: a routed drafter's
-        MLPs are wrapped (their parameter names gain ``inner.``), so save a drafter before routing it.
+        ``"reference"`` (which puts MLX's layers back on a routed drafter); a drafter with float weights has nothing
+        to route. Calling it again with another mode routes again in that mode. A routed drafter's MLPs are wrapped
+        (their parameter names gain ``inner.``): :func:`~mlx_dflash2.drafter.io.save_drafter` and
+        :func:`~mlx_dflash2.drafter.io.dequantize_drafter` put the original modules back first (:meth:`unrouted`).
 
         Args:
             mode: kernel mode (``None``: ``MLX_DFLASH2_KERNELS``); it also becomes :attr:`kernel_mode`.
@@ -471,14 +476,39 @@ class DraftModel(nn.Module):
         from .. import kernels as K
 
         mode = K.check_mode(mode)
+        if self._routed is not None:
+            if self._routed[0] == mode:
+                self.kernel_mode = mode
+                return self._routed[1]
+            self.unroute_kernels()
         self.kernel_mode = mode
-        if self._routes or (not force and (mode == "reference" or K.backend() == "cpu")):
-            return len(self._routes)
+        if mode == "reference" or (not force and K.backend() == "cpu"):
+            return 0
         swaps = K.route_quantized_linears(self, mode)
         swaps += K.route_mlps(self.layers, mode)
         fused = sum(layer.self_attn.route(mode) for layer in self.layers)
         object.__setattr__(self, "_routes", swaps)
+        object.__setattr__(self, "_routed", (mode, len(swaps) + fused) if swaps or fused else None)
         return len(swaps) + fused
+
+    @property
+    def routed(self) -> bool:
+        """Whether :meth:`route_kernels` replaced modules of this drafter (and has not been undone)."""
+        return self._routed is not None
+
+    @contextmanager
+    def unrouted(self):
+        """A context in which this drafter holds its original modules (what its checkpoint names): the routes are
+        undone on entry and made again, in the same mode, on exit. A drafter that is not routed is left as is."""
+        state = self._routed
+        if state is None:
+            yield self
+            return
+        self.unroute_kernels()
+        try:
+            yield self
+        finally:
+            self.route_kernels(state[0], force=True)
 
     def unroute_kernels(self) -> None:
         """Put the modules :meth:`route_kernels` replaced back (the MLPs' gate and up layers keep their row views of
@@ -489,6 +519,7 @@ class DraftModel(nn.Module):
             layer.self_attn.unroute()
         K.undo_routes(self._routes)
         object.__setattr__(self, "_routes", [])
+        object.__setattr__(self, "_routed", None)
 
     # -- context ----------------------------------------------------------
     def fuse(self, features: mx.array) -> mx.array:

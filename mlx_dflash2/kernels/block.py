@@ -17,8 +17,11 @@ recorded graph in C++, so the layer becomes two compiled calls around the part t
 The hybrids' GatedDeltaNet layers (Qwen3-Next, Qwen3.5: ``linear_attn`` in place of ``self_attn``) keep their input
 norm and mixer eager and compile the same tail; layers with a mixture of experts are left as they are.
 
-The ops and their order are exactly those of the eager layer (compiling fuses elementwise ops, e.g. SwiGLU, without
-changing their arithmetic), so the plain step and the verify still compute every row the same way. A signature
+The ops and their order are those of the eager layer (compiling fuses elementwise ops, e.g. SwiGLU, without
+changing their arithmetic) except the two residual adds, which ``o_proj``'s and the down projection's ``qmm`` launches
+make themselves (one rounding of matmul + residual where the unrouted layer rounds twice: the result moves within
+rounding, ``MLX_DFLASH2_QMM_FUSE=0`` keeps them apart); the plain step and the verify run the same compiled tail, so
+they still compute every row the same way. A signature
 (activation shape and dtype) first runs eagerly: the kernels' numerics gates and bindings happen there, outside any
 trace (a gate evaluates arrays, which a trace may not); the compiled functions take over from its second call.
 

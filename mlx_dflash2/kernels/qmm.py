@@ -237,7 +237,8 @@ FUSE_ENV = "MLX_DFLASH2_QMM_FUSE"
 def fuse_enabled() -> bool:
     """Whether routed layers fuse the residual adds into their ``qmm`` launches
     (:meth:`KernelQuantizedLinear.fused`): ``MLX_DFLASH2_QMM_FUSE`` = ``0`` turns it off (an A/B switch for
-    benchmarks), read per call.
+    benchmarks), read per eager call: a compiled layer (:class:`~.block.KernelBlock`) keeps what it read when its
+    trace was made, so set it before loading.
 
     Raises:
         ValueError: set to anything but ``0`` or ``1``.
@@ -305,7 +306,7 @@ class KernelQuantizedLinear(nn.Module):
         layer with an additive bias (or ``MLX_DFLASH2_QMM_FUSE=0``) runs the two as separate ops."""
         if "bias" in self or not fuse_enabled():
             return residual + self(x)
-        key = (x.shape, x.dtype, mx.default_device().type, "residual")
+        key = (x.shape, x.dtype, mx.default_device().type, residual.shape, residual.dtype)
         f = self._bound.get(key)
         if f is None:
             f = qmm.bind(x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits,

@@ -417,6 +417,7 @@ class TargetAdapter:
         mode = K.check_mode(mode)
         compile_layers = compile_enabled(K.backend())  # a bad MLX_DFLASH2_COMPILE fails before any swap
         submit_every()  # and a bad MLX_DFLASH2_SUBMIT_EVERY
+        K.qmm_fuse_enabled()  # and a bad MLX_DFLASH2_QMM_FUSE
         if self._routes or (not force and (mode == "reference" or K.backend() == "cpu")):
             return len(self._routes)
         ref = self._probe_logits(own=False) if probe else None

@@ -634,6 +634,11 @@ def test_compile_switch_is_checked(monkeypatch):
     with pytest.raises(ValueError, match="MLX_DFLASH2_SUBMIT_EVERY must be a non-negative integer"):
         t.route_kernels("kernel", force=True)
     assert type(t.layers[0].mlp.down_proj) is nn.QuantizedLinear and not t._routes
+    monkeypatch.setenv("MLX_DFLASH2_SUBMIT_EVERY", "9")
+    monkeypatch.setenv("MLX_DFLASH2_QMM_FUSE", "2")
+    with pytest.raises(ValueError, match="MLX_DFLASH2_QMM_FUSE must be 0 or 1"):
+        t.route_kernels("kernel", force=True)
+    assert type(t.layers[0].mlp.down_proj) is nn.QuantizedLinear and not t._routes
 
 
 def test_target_routing_that_disagrees_is_undone(monkeypatch, caplog):

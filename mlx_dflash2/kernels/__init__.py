@@ -21,6 +21,7 @@ from .gated_delta_steps import gated_delta_final, gated_delta_steps, select_stat
 from .gdn import route_gated_delta
 from .greedy_accept import greedy_accept
 from .qmm import KernelMLP, KernelQuantizedLinear, qmm, route_mlps, route_quantized_linears, undo_routes
+from .qmm import fuse_enabled as qmm_fuse_enabled
 from .rope import qk_norm_rope
 from .registry import ENV, MODES, KernelError, KernelOp, backend, check_mode, default_mode
 from .selector_walk import selector_walk

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Issue 22 on the H200: bench_server.py with the SmolLM2 Q4_1 weights (converted once, bf16 scales) for ours and
 # mlx_lm.server; usage from the repository root on the device: bash benchmarks/gpu/server.sh [bench_server args...]
+# The device image has no fastapi/uvicorn/pydantic/httpx: bring their wheels as an EXTRA_FILE of ../shared/gpu/prepare,
+#   python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_17_x86_64 -d /tmp/srvwhl fastapi uvicorn "pydantic>=2.7" httpx && tar cf /tmp/srvwhl.tar -C /tmp/srvwhl .
+# (with the SmolLM2 GGUF, the gguf wheel and the drafters' /tmp/drafter.tgz; benchmarks/README.md, session 23).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MLX_CUDA_USE_CUDNN_SDPA=0 MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-$HOME/ptx}
 P=${PAYLOAD:-$HOME/payload}; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

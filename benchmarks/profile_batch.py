@@ -43,6 +43,7 @@ def run(model, tok, n: int, max_tokens: int, drafter: bool, profile: bool) -> di
     tokens = steps = rounds = row_rounds = 0
     caps: dict = {}
     by_cap: dict = {}
+    trace = []  # per step: ms, rows of the round, its width cap, tokens emitted, rows prefilled (spikes: compiles)
     while batch.active or batch.pending:
         t = time.perf_counter()
         evs = batch.step()
@@ -51,6 +52,7 @@ def run(model, tok, n: int, max_tokens: int, drafter: bool, profile: bool) -> di
         emitted = sum(len(e.tokens) for e in evs)
         tokens += emitted
         r = batch.last_round
+        trace.append((round(1e3 * dt, 2), r["rows"], r["cap"], emitted, batch.last_prefill["rows"]))
         if r["rows"]:
             rounds += 1
             row_rounds += r["rows"]
@@ -62,7 +64,8 @@ def run(model, tok, n: int, max_tokens: int, drafter: bool, profile: bool) -> di
            "tau": (tokens - n) / max(row_rounds, 1),
            # per cap: median ms of a full round (every row, no join) and mean tokens per row of those rounds
            "round_ms": {c: (1e3 * statistics.median(d for d, _ in v), sum(e for _, e in v) / len(v))
-                        for c, v in by_cap.items()}}
+                        for c, v in by_cap.items()},
+           "step_trace": trace}
     if getattr(batch, "timings", None) is not None:
         out["ms_per_step"] = {k: 1e3 * v / steps for k, v in batch.timings.items()}
     return out
@@ -92,6 +95,9 @@ def main(argv=None):
                       f"tau {r['tau']:.2f} caps {r['caps']} rounds "
                       + " ".join(f"[{c}: {ms:.0f} ms {e:.2f} tok/row]" for c, (ms, e) in r["round_ms"].items()) + " "
                       + " ".join(f"{k} {v:.1f}" for k, v in r.get("ms_per_step", {}).items()), flush=True)
+                slow = sorted(r["step_trace"], key=lambda t: -t[0])[:5]
+                print(f"    slowest steps (ms, rows, cap, tokens, prefilled): {slow}; median "
+                      f"{statistics.median(t[0] for t in r['step_trace']):.1f} ms", flush=True)
     print("\nmedians (ms per step by phase)")
     table = []
     for (n, drafter), rs in res.items():

@@ -685,9 +685,23 @@ class AdaptiveSchedule:
     ``False``: the lookup's tokens, or a plain one-token step), and picks the
     arm with the higher tokens/second. Every arm is tried ``min_samples`` times
     first (after ``warmup`` discarded rounds, which carry kernel compilation);
-    after that, one decision in ``explore_every * r`` takes the other arm, ``r``
-    being how many times slower it measured (clamped to 1..4), so a change of
-    regime is noticed at a bounded cost. (Adaptive speculation in the spirit of
+    after that, the other arm is explored for ``explore_run`` rounds in a row once
+    per ``explore_every * r * (explore_run - settle)`` decisions, ``r`` being how
+    many times slower it measured (clamped to 1..4), so a change of regime is
+    noticed at a bounded cost.
+
+    **Runs, not rounds**: the first ``settle`` rounds of every run of one arm (in
+    one context) are not measured. A round's cost depends on the round before it:
+    on a GPU the loop queues a plain step ahead of the host read from the second
+    plain round in a row on (``speculative_generate_step``), so a lone plain round
+    costs a synchronous step (SmolLM2-135M on the H200: 10.5 ms) and a run of them
+    a pipelined one (6.6 ms), and the first drafting round after plain ones drops
+    the step queued ahead. Measuring single exploratory plain rounds priced the
+    plain arm at its switch cost, so once the drafter had won, the schedule could
+    keep drafting where plain decoding was faster (the likely reason for MT-Bench
+    at 0.82x of plain on the H200, session 23, ``benchmarks/README.md``; the
+    effect is reproduced with a fake clock in ``tests/test_lookup.py``). A switch's
+    own cost is paid once per run, which the exploration's spacing keeps rare. (Adaptive speculation in the spirit of
     e.g. SpecDec++, arXiv 2405.19715, and "speculation is not always worth it"
     cost models; the rule here is this package's.)
 
@@ -705,7 +719,10 @@ class AdaptiveSchedule:
             both arms measure alike (>= 2).
         decay: discount per round of the sums, in ``(0, 1)``.
         min_samples: measured rounds of each arm before choosing by rate.
-        warmup: first rounds of each (context, arm) not measured.
+        warmup: first measured rounds of each (context, arm) discarded (kernel compilation).
+        settle: rounds at the start of each run of one (context, arm) that are not measured (>= 0; 2: a plain
+            round is pipelined from the third in a row on).
+        explore_run: rounds in a row an exploration of the other arm takes (> ``settle``).
         clock: seconds as a float (``time.perf_counter``; tests pass a fake).
         widths: a :class:`WidthPolicy` (from a calibration of this machine, :mod:`~.calibrate`) that picks how
             many tokens a round proposes (drafter rounds and lookup rounds), or ``None``: as many as the loop
@@ -713,15 +730,22 @@ class AdaptiveSchedule:
     """
 
     def __init__(self, explore_every: int = 16, decay: float = 0.9, min_samples: int = 3, warmup: int = 1,
-                 clock=time.perf_counter, widths: WidthPolicy | None = None):
+                 clock=time.perf_counter, widths: WidthPolicy | None = None, settle: int = 2, explore_run: int = 4):
         if explore_every < 2 or not 0.0 < decay < 1.0 or min_samples < 1 or warmup < 0:
             raise ValueError("explore_every >= 2, 0 < decay < 1, min_samples >= 1 and warmup >= 0 are required")
+        if settle < 0 or explore_run <= settle:
+            raise ValueError(f"settle >= 0 and explore_run > settle are required, got {settle} and {explore_run}")
         self.explore_every, self.decay, self.min_samples, self.warmup = explore_every, decay, min_samples, warmup
+        self.settle, self.explore_run = int(settle), int(explore_run)
         self.clock = clock
         self.widths = widths
         self._sums: dict[tuple[str, bool], list[float]] = {}  # (context, arm) -> discounted [tokens, seconds]
         self._seen: dict[tuple[str, bool], int] = {}
         self._decisions: dict[str, int] = {}
+        self._last: tuple[str, bool] | None = None  # the (context, arm) of the last decision
+        self._run = 0  # decisions in a row of that (context, arm)
+        self._pending: tuple[str, bool, bool] | None = None  # (context, arm, settling) of the decision not recorded
+        self._exploring: dict[str, list] = {}  # context -> [arm, decisions left] of an exploration under way
 
     def rate(self, context: str, arm: bool) -> float | None:
         """Measured tokens per second of ``arm`` in ``context`` (``None``: not measured)."""
@@ -729,24 +753,47 @@ class AdaptiveSchedule:
         return e[0] / e[1] if e and e[1] > 0 else None
 
     def choose(self, context: str) -> bool:
-        """Whether the next round in ``context`` drafts with the drafter."""
+        """Whether the next round in ``context`` drafts with the drafter (its :meth:`record` follows)."""
+        arm = self._decide(context)
+        key = (context, arm)
+        self._run = self._run + 1 if key == self._last else 1
+        self._last = key
+        self._pending = (context, arm, self._run <= self.settle)
+        return arm
+
+    def interrupt(self) -> None:
+        """A round the schedule did not choose ran (a long lookup match): the next decision starts a new run."""
+        self._last, self._run, self._pending = None, 0, None
+
+    def _decide(self, context: str) -> bool:
         for arm in (True, False):
             if self._seen.get((context, arm), 0) < self.warmup + self.min_samples:
                 return arm
+        ex = self._exploring.get(context)
+        if ex is not None and ex[1] > 0:
+            ex[1] -= 1
+            return ex[0]
         rd, ro = self.rate(context, True), self.rate(context, False)
         if rd is None or ro is None:  # not measurable (a clock that did not advance): draft
             return True
         best = rd >= ro
-        # explore the other arm less often the worse it measured (at most 4x less often)
+        # explore the other arm less often the worse it measured (at most 4x less often), for a run of rounds of
+        # which the last explore_run - settle are measured (the same share of measured exploratory rounds as one
+        # measured round per explore_every * ratio decisions)
         ratio = max(rd, ro) / max(min(rd, ro), 1e-12)
         k = self._decisions[context] = self._decisions.get(context, 0) + 1
-        if k >= self.explore_every * min(ratio, 4.0):
+        if k >= self.explore_every * min(ratio, 4.0) * (self.explore_run - self.settle):
             self._decisions[context] = 0
+            self._exploring[context] = [not best, self.explore_run - 1]
             return not best
         return best
 
     def record(self, context: str, arm: bool, tokens: int, seconds: float) -> None:
-        """One round of ``arm`` in ``context`` emitted ``tokens`` in ``seconds``."""
+        """One round of ``arm`` in ``context`` emitted ``tokens`` in ``seconds`` (not measured where it is one
+        of the first ``settle`` rounds of a run of :meth:`choose`'s decisions)."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[:2] == (context, arm) and pending[2]:
+            return  # a run's settling round: its cost is the switch's, not the arm's
         key = (context, arm)
         seconds = max(float(seconds), 1e-9)  # a coarse or faked clock may not advance
         seen = self._seen[key] = self._seen.get(key, 0) + 1
@@ -888,6 +935,8 @@ class _FusedSession(ProposerSession):
         self._width = None
         if m >= self.p.long_match and lt:
             # the lookup wins, known on the host: point masses, and no drafter forward at all
+            if scheduled:
+                sch.interrupt()  # not a round of the schedule's runs
             return self._lookup(lt[:n], "lookup", scheduled)
         if scheduled:
             ctx = "match" if lt else "none"

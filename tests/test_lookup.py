@@ -126,7 +126,7 @@ def test_adaptive_schedule_tries_both_arms_then_takes_the_faster_and_explores_le
 
     from mlx_dflash2.proposers import AdaptiveSchedule
 
-    sch = AdaptiveSchedule(explore_every=4, decay=0.5, min_samples=1, warmup=1)
+    sch = AdaptiveSchedule(explore_every=4, decay=0.5, min_samples=1, warmup=1, settle=0, explore_run=1)
     picks = []
     for _ in range(4):  # warm-up + one measured round of each arm, drafter first
         arm = sch.choose("none")
@@ -147,6 +147,48 @@ def test_adaptive_schedule_tries_both_arms_then_takes_the_faster_and_explores_le
         AdaptiveSchedule(explore_every=1)
     with pytest.raises(ValueError):
         AdaptiveSchedule(decay=1.0)
+    with pytest.raises(ValueError):
+        AdaptiveSchedule(settle=2, explore_run=2)
+
+
+def _run_schedule(sch, rounds, drafter_tokens, t):
+    """Drive ``sch`` in one context over ``rounds`` rounds whose costs depend on the round before, as on a GPU:
+    a plain round costs a synchronous step (10.5 ms) alone, 8.5 ms second in a row and a pipelined step (6.6 ms)
+    from the third on; a drafting round 13 ms for ``drafter_tokens(i)`` tokens. Returns the arms chosen."""
+    arms, streak = [], 0
+    for i in range(rounds):
+        arm = sch.choose("none")
+        streak = 0 if arm else streak + 1
+        dt, tokens = (0.013, drafter_tokens(i)) if arm else ({1: 0.0105, 2: 0.0085}.get(streak, 0.0066), 1)
+        t[0] += dt
+        sch.record("none", arm, tokens, dt)
+        arms.append(arm)
+    return arms
+
+
+def test_adaptive_schedule_measures_runs_so_pipelined_plain_rounds_win_where_they_are_faster():
+    """Session 23 on the H200: measured one exploratory round at a time, the plain arm was priced at a lone
+    plain round's synchronous cost (10.5 ms), not at the pipelined cost of plain rounds in a row (6.6 ms): once the
+    drafter had won (good drafts early in a reply), the schedule kept drafting at tau ~1.3 (100 tok/s) where plain
+    decoding ran at 150 tok/s (MT-Bench 0.82x of plain). Runs of ``explore_run`` rounds whose first ``settle`` are
+    not measured price each arm at what a run of it costs."""
+    from mlx_dflash2.proposers import AdaptiveSchedule
+
+    def tokens(i):  # 3 tokens per drafting round at first (230 tok/s), then 1, 2, 1, 2 (115 tok/s)
+        return 3 if i < 300 else 1 + i % 2
+
+    t = [0.0]
+    arms = _run_schedule(AdaptiveSchedule(clock=lambda: t[0]), 900, tokens, t)
+    assert sum(arms[:300]) >= 250  # drafting while it pays
+    assert sum(arms[-200:]) <= 30, sum(arms[-200:])  # then plain runs (and rare drafting explorations)
+    # one round at a time (the old rule) stays with the drafter
+    t = [0.0]
+    old = _run_schedule(AdaptiveSchedule(clock=lambda: t[0], settle=0, explore_run=1), 900, tokens, t)
+    assert sum(old[-200:]) >= 150
+    # and where the drafter keeps paying, it keeps drafting
+    t = [0.0]
+    good = _run_schedule(AdaptiveSchedule(clock=lambda: t[0]), 600, lambda i: 3, t)
+    assert sum(good[-200:]) >= 170
 
 
 def test_adaptive_schedule_weighs_every_measured_round():
@@ -168,7 +210,8 @@ def test_fused_adaptive_rounds_without_the_drafter():
     from mlx_dflash2.proposers import AdaptiveSchedule
 
     t = [0.0]
-    sch = AdaptiveSchedule(explore_every=8, decay=0.8, min_samples=1, warmup=0, clock=lambda: t[0])
+    sch = AdaptiveSchedule(explore_every=8, decay=0.8, min_samples=1, warmup=0, clock=lambda: t[0], settle=0,
+                           explore_run=1)  # every round measured
     sch.record("match", True, 1, 10.0)  # the drafter measured slow in both contexts
     sch.record("match", False, 1, 1.0)
     sch.record("none", True, 1, 10.0)
@@ -187,3 +230,25 @@ def test_fused_adaptive_rounds_without_the_drafter():
     assert abs(sch.rate("match", False) - 4.8 / 2.8) < 1e-9
     p = s.propose(77, 10)  # nothing matches "77": a plain step
     assert p.n == 0 and fp.drafter.calls == 0
+
+
+def test_a_round_the_schedule_did_not_choose_starts_a_new_run():
+    """A long lookup match runs a round without the schedule (``FusedProposer``): the run of decisions is broken,
+    so the next decision's round is a settling one again (not measured)."""
+    from mlx_dflash2.proposers import AdaptiveSchedule
+
+    sch = AdaptiveSchedule(min_samples=3, warmup=0, settle=1, explore_run=2)
+    for expect_measured in (False, True):  # the first round of the run settles, the second is measured
+        assert sch.choose("none") is True
+        sch.record("none", True, 2, 1.0)
+        assert (sch.rate("none", True) is not None) is expect_measured
+    sch.interrupt()
+    assert sch.choose("none") is True
+    sch.record("none", True, 100, 1.0)  # a settling round again: not measured
+    assert sch.rate("none", True) == 2.0
+    fp = FusedProposer(_Fixed([50, 51, 52]), LookupProposer(block_size=4), long_match=2, schedule=sch)
+    s = fp.start([])
+    s.extend([1, 2, 3, 1, 2], None)
+    sch.choose("none")  # a run under way ...
+    p = s.propose(3, 3)  # ... broken by a long match ([1, 2, 3] recurs)
+    assert p.source == "lookup" and sch._last is None

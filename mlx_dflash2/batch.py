@@ -1124,6 +1124,7 @@ class SpeculativeBatch:
             cap = self.schedule.choose(len(rows), max(r.block_size for r in rows))
         for r in rows:  # a lone row's rounds are the solo loop's (its adaptive schedule, where allowed)
             r.session.adaptive = r.adaptive and len(rows) == 1
+            r.session.plain_pipelined = False  # a batch queues nothing ahead
         props: list[Proposal | None] = []
         calls: dict = {}  # id(drafter) -> (drafter, [(row, DraftCall)])
         for i, (r, P) in enumerate(zip(rows, lengths)):

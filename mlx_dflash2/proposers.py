@@ -152,9 +152,13 @@ class ProposerSession:
 
     ``adaptive``: whether a proposer's adaptive schedule may choose this
     request's rounds (set by the loop; sessions without a schedule ignore it).
+    ``plain_pipelined``: whether the loop queues plain rounds ahead from the
+    second in a row on (``speculative_generate_step`` on a GPU with a greedy
+    verifier; set by the loop, read by an adaptive schedule's timing).
     """
 
     adaptive: bool = True
+    plain_pipelined: bool = False
 
     def extend(self, tokens: list[int], features: mx.array | None) -> None:
         """Commit tokens (positions ``offset..``) and their tap features ``[len, k*D]``."""
@@ -685,23 +689,25 @@ class AdaptiveSchedule:
     ``False``: the lookup's tokens, or a plain one-token step), and picks the
     arm with the higher tokens/second. Every arm is tried ``min_samples`` times
     first (after ``warmup`` discarded rounds, which carry kernel compilation);
-    after that, the other arm is explored for ``explore_run`` rounds in a row once
-    per ``explore_every * r * (explore_run - settle)`` decisions, ``r`` being how
-    many times slower it measured (clamped to 1..4), so a change of regime is
-    noticed at a bounded cost.
+    after that, one decision in ``explore_every * r`` takes the other arm, ``r``
+    being how many times slower it measured (clamped to 1..4), so a change of
+    regime is noticed at a bounded cost.
 
-    **Runs, not rounds**: the first ``settle`` rounds of every run of one arm (in
-    one context) are not measured. A round's cost depends on the round before it:
-    on a GPU the loop queues a plain step ahead of the host read from the second
-    plain round in a row on (``speculative_generate_step``), so a lone plain round
-    costs a synchronous step (SmolLM2-135M on the H200: 10.5 ms) and a run of them
-    a pipelined one (6.6 ms), and the first drafting round after plain ones drops
-    the step queued ahead. Measuring single exploratory plain rounds priced the
-    plain arm at its switch cost, so once the drafter had won, the schedule could
-    keep drafting where plain decoding was faster (the likely reason for MT-Bench
-    at 0.82x of plain on the H200, session 23, ``benchmarks/README.md``; the
-    effect is reproduced with a fake clock in ``tests/test_lookup.py``). A switch's
-    own cost is paid once per run, which the exploration's spacing keeps rare. (Adaptive speculation in the spirit of
+    **Pipelined plain rounds** (a request whose session says ``plain_pipelined``:
+    the solo loop on a GPU with a greedy verifier): the loop queues a plain step
+    ahead of the host read from the second plain round in a row on, so the first
+    ``settle`` plain rounds of a run cost a synchronous step each (SmolLM2-135M on
+    the H200: 10.5 ms) and the later ones a pipelined step (6.6 ms). Timed one
+    exploratory round at a time, the plain arm was priced at that synchronous
+    cost, so once the drafter had won, the schedule could keep drafting where plain
+    decoding was faster (the likely reason for MT-Bench at 0.82x of plain on the
+    H200, session 23, ``benchmarks/README.md``; reproduced with a fake clock in
+    ``tests/test_lookup.py``). So there the first ``settle`` plain rounds of a run
+    (as the loop counts them: rounds without drafts, whatever the arm) are not
+    measured, and an exploration takes the other arm ``explore_run`` rounds in a
+    row, once per ``explore_every * r * (explore_run - settle)`` decisions (the same
+    share of measured exploratory rounds). Elsewhere (the CPU, sampled requests, a
+    batch) nothing is pipelined and every round is measured, one at a time. (Adaptive speculation in the spirit of
     e.g. SpecDec++, arXiv 2405.19715, and "speculation is not always worth it"
     cost models; the rule here is this package's.)
 
@@ -720,9 +726,10 @@ class AdaptiveSchedule:
         decay: discount per round of the sums, in ``(0, 1)``.
         min_samples: measured rounds of each arm before choosing by rate.
         warmup: first measured rounds of each (context, arm) discarded (kernel compilation).
-        settle: rounds at the start of each run of one (context, arm) that are not measured (>= 0; 2: a plain
-            round is pipelined from the third in a row on).
-        explore_run: rounds in a row an exploration of the other arm takes (> ``settle``).
+        settle: plain rounds at the start of a run of them not measured where plain rounds are pipelined (>= 0;
+            2: the loop's plain rounds are pipelined from the third in a row on).
+        explore_run: rounds in a row an exploration of the other arm takes where plain rounds are pipelined
+            (> ``settle``).
         clock: seconds as a float (``time.perf_counter``; tests pass a fake).
         widths: a :class:`WidthPolicy` (from a calibration of this machine, :mod:`~.calibrate`) that picks how
             many tokens a round proposes (drafter rounds and lookup rounds), or ``None``: as many as the loop
@@ -742,9 +749,6 @@ class AdaptiveSchedule:
         self._sums: dict[tuple[str, bool], list[float]] = {}  # (context, arm) -> discounted [tokens, seconds]
         self._seen: dict[tuple[str, bool], int] = {}
         self._decisions: dict[str, int] = {}
-        self._last: tuple[str, bool] | None = None  # the (context, arm) of the last decision
-        self._run = 0  # decisions in a row of that (context, arm)
-        self._pending: tuple[str, bool, bool] | None = None  # (context, arm, settling) of the decision not recorded
         self._exploring: dict[str, list] = {}  # context -> [arm, decisions left] of an exploration under way
 
     def rate(self, context: str, arm: bool) -> float | None:
@@ -752,20 +756,9 @@ class AdaptiveSchedule:
         e = self._sums.get((context, arm))
         return e[0] / e[1] if e and e[1] > 0 else None
 
-    def choose(self, context: str) -> bool:
-        """Whether the next round in ``context`` drafts with the drafter (its :meth:`record` follows)."""
-        arm = self._decide(context)
-        key = (context, arm)
-        self._run = self._run + 1 if key == self._last else 1
-        self._last = key
-        self._pending = (context, arm, self._run <= self.settle)
-        return arm
-
-    def interrupt(self) -> None:
-        """A round the schedule did not choose ran (a long lookup match): the next decision starts a new run."""
-        self._last, self._run, self._pending = None, 0, None
-
-    def _decide(self, context: str) -> bool:
+    def choose(self, context: str, pipelined: bool = False) -> bool:
+        """Whether the next round in ``context`` drafts with the drafter (``pipelined``: the request's plain rounds
+        are pipelined, :class:`ProposerSession`'s ``plain_pipelined``; explorations then take runs of rounds)."""
         for arm in (True, False):
             if self._seen.get((context, arm), 0) < self.warmup + self.min_samples:
                 return arm
@@ -777,23 +770,25 @@ class AdaptiveSchedule:
         if rd is None or ro is None:  # not measurable (a clock that did not advance): draft
             return True
         best = rd >= ro
-        # explore the other arm less often the worse it measured (at most 4x less often), for a run of rounds of
-        # which the last explore_run - settle are measured (the same share of measured exploratory rounds as one
-        # measured round per explore_every * ratio decisions)
+        # explore the other arm less often the worse it measured (at most 4x less often); where plain rounds are
+        # pipelined, for a run of rounds of which the last explore_run - settle are measured
+        run, measured = (self.explore_run, self.explore_run - self.settle) if pipelined else (1, 1)
         ratio = max(rd, ro) / max(min(rd, ro), 1e-12)
         k = self._decisions[context] = self._decisions.get(context, 0) + 1
-        if k >= self.explore_every * min(ratio, 4.0) * (self.explore_run - self.settle):
+        if k >= self.explore_every * min(ratio, 4.0) * measured:
             self._decisions[context] = 0
-            self._exploring[context] = [not best, self.explore_run - 1]
+            self._exploring[context] = [not best, run - 1]
             return not best
         return best
 
+    def settling(self, plain_run: int, pipelined: bool) -> bool:
+        """Whether a round that is the ``plain_run``-th plain round in a row (0: it drafts) is held back: measured
+        only if its run ends before it is pipelined (then its synchronous cost is what plain rounds cost there),
+        dropped once the run reaches its pipelined rounds (the session, :class:`FusedProposer`, holds them)."""
+        return pipelined and 0 < plain_run <= self.settle
+
     def record(self, context: str, arm: bool, tokens: int, seconds: float) -> None:
-        """One round of ``arm`` in ``context`` emitted ``tokens`` in ``seconds`` (not measured where it is one
-        of the first ``settle`` rounds of a run of :meth:`choose`'s decisions)."""
-        pending, self._pending = self._pending, None
-        if pending is not None and pending[:2] == (context, arm) and pending[2]:
-            return  # a run's settling round: its cost is the switch's, not the arm's
+        """One round of ``arm`` in ``context`` emitted ``tokens`` in ``seconds``."""
         key = (context, arm)
         seconds = max(float(seconds), 1e-9)  # a coarse or faked clock may not advance
         seen = self._seen[key] = self._seen.get(key, 0) + 1
@@ -879,15 +874,20 @@ class FusedProposer(Proposer):
 class _FusedSession(ProposerSession):
     def __init__(self, p: FusedProposer, d: _DFlashSession, l: _LookupSession):
         self.p, self.d, self.l = p, d, l
-        self._round = None  # (context, arm, start time) of the round being verified (adaptive schedule)
+        self._round = None  # (context, arm, start time, settling) of the round being verified (adaptive schedule)
         self._width = None  # (kind, tokens proposed) of the round being verified (the schedule's width policy)
+        self._plain_run = 0  # plain rounds in a row proposed, the last one included (the loop's streak)
+        self._held: list = []  # (context, arm, tokens, seconds) of the settling rounds of the current plain run
 
     def verified(self, tokens):
         sch = self.p.schedule
         if self._round is not None:  # the round ends at its host synchronisation (consumer time excluded)
-            ctx, arm, t0 = self._round
+            ctx, arm, t0, settling = self._round
             self._round = None
-            sch.record(ctx, arm, tokens, sch.clock() - t0)
+            if settling:  # a pipelined plain run's first rounds: measured only if the run ends before its pipelined ones
+                self._held.append((ctx, arm, tokens, sch.clock() - t0))
+            else:
+                sch.record(ctx, arm, tokens, sch.clock() - t0)
         if self._width is not None:
             kind, proposed = self._width
             self._width = None
@@ -911,6 +911,9 @@ class _FusedSession(ProposerSession):
 
     def truncate(self, n):
         self._round = self._width = None
+        if self._held:
+            self._release(measured=True)
+        self._plain_run = 0  # a loop goes on from here with its streak at 0
         self.d.truncate(n)
         self.l.truncate(n)
 
@@ -929,18 +932,35 @@ class _FusedSession(ProposerSession):
         return Proposal(mx.array(tokens, dtype=mx.int32), source="lookup")
 
     def propose(self, anchor, n, temperature=0.0, key=None):
+        p = self._propose(anchor, n, temperature, key)
+        # the loop's streak of plain rounds (rounds without drafts, whichever arm chose them) and whether this round's
+        # time is a pipelined run's settling one (AdaptiveSchedule: not measured)
+        self._plain_run = self._plain_run + 1 if p.n == 0 else 0
+        sch = self.p.schedule
+        if self._held and (self._plain_run == 0 or self._plain_run > sch.settle):
+            self._release(measured=self._plain_run == 0)  # the run ended before its pipelined rounds, or reached them
+        if self._round is not None:
+            self._round = (*self._round[:3], sch.settling(self._plain_run, bool(self.plain_pipelined)))
+        return p
+
+    def _release(self, measured: bool) -> None:
+        """The held settling rounds recorded (their run ended while they were its last rounds) or dropped."""
+        held, self._held = self._held, []
+        if measured:
+            for r in held:
+                self.p.schedule.record(*r)
+
+    def _propose(self, anchor, n, temperature, key):
         m, lt = self.l.match(anchor, n)
         sch = self.p.schedule
         scheduled = sch is not None and self.adaptive
         self._width = None
         if m >= self.p.long_match and lt:
             # the lookup wins, known on the host: point masses, and no drafter forward at all
-            if scheduled:
-                sch.interrupt()  # not a round of the schedule's runs
             return self._lookup(lt[:n], "lookup", scheduled)
         if scheduled:
             ctx = "match" if lt else "none"
-            arm = sch.choose(ctx)
+            arm = sch.choose(ctx, bool(self.plain_pipelined))
             self._round = (ctx, arm, sch.clock())
             if not arm:
                 if not lt:
@@ -963,9 +983,12 @@ class _FusedSession(ProposerSession):
     def begin(self, anchor, n, temperature=0.0, key=None):
         if self.p.schedule is not None and self.adaptive:  # the schedule times its rounds one by one
             return self.propose(anchor, n, temperature, key)
-        # propose()'s unscheduled path, its drafter forward left to the caller
+        # propose()'s unscheduled path, its drafter forward left to the caller (a batch's rows: nothing pipelined)
         m, lt = self.l.match(anchor, n)
         self._width = None
+        if self._held:
+            self._release(measured=True)
+        self._plain_run = 0
         if m >= self.p.long_match and lt:
             return self._lookup(lt[:n], "lookup", False)
         call = self.d.begin(anchor, n, temperature, key)

@@ -565,6 +565,7 @@ def speculative_generate_step(
         chain = (verifier.greedy and not verifier.needs_history
                  and (RUN_AHEAD == "always" or (RUN_AHEAD == "gpu" and mx.default_device().type == mx.gpu)))
         streak = 0  # plain rounds in a row, the current one included
+        session.plain_pipelined = chain  # an adaptive schedule times pipelined plain runs by their steady rounds
 
         def ahead(vr, n_done: int):
             """Queue the plain step fed with ``vr``'s one (lazy) token, or None if no room after it."""

@@ -963,7 +963,7 @@ def test_a_batch_of_one_runs_the_solo_loops_adaptive_rounds(target, monkeypatch)
         sch = AdaptiveSchedule(clock=tick)
         choose = sch.choose
         asked.append([])
-        sch.choose = lambda ctx, log=asked[-1]: log.append(ctx) or choose(ctx)
+        sch.choose = lambda ctx, pipelined=False, log=asked[-1]: log.append(ctx) or choose(ctx, pipelined)
         return FusedProposer(DFlashProposer(drafter, target, VOCAB), LookupProposer(block_size=B), schedule=sch)
 
     def sampling():

@@ -151,57 +151,86 @@ def test_adaptive_schedule_tries_both_arms_then_takes_the_faster_and_explores_le
         AdaptiveSchedule(settle=2, explore_run=2)
 
 
-def _run_schedule(sch, rounds, drafter_tokens, t):
-    """Drive ``sch`` in one context over ``rounds`` rounds whose costs depend on the round before, as on a GPU:
-    a plain round costs a synchronous step (10.5 ms) alone, 8.5 ms second in a row and a pipelined step (6.6 ms)
-    from the third on; a drafting round 13 ms for ``drafter_tokens(i)`` tokens. Returns the arms chosen."""
+def _run_loop(sch, t, rounds, drafter_tokens, pipelined=True, contexts=None):
+    """A fake decoding loop over a :class:`FusedProposer` session with ``sch`` (its clock reads ``t[0]``): round
+    costs as on a GPU where ``pipelined``: a plain round (no drafts) costs a synchronous step (10.5 ms) first and
+    second in a row and a pipelined step (6.6 ms) from the third on (``speculative_generate_step``'s run-ahead); a
+    drafting round 13 ms for ``drafter_tokens(i)`` tokens. ``contexts(i)``: whether round ``i`` has a short lookup
+    match (default never). Returns whether each round drafted with the drafter."""
+    fp = FusedProposer(_Fixed(list(range(50, 66))), LookupProposer(block_size=4), long_match=99, short_match=99,
+                       schedule=sch)
+    s = fp.start([])
+    s.plain_pipelined = pipelined
+    fresh = iter(range(1000, 10**6))
+    s.extend([next(fresh) for _ in range(4)], None)
     arms, streak = [], 0
     for i in range(rounds):
-        arm = sch.choose("none")
-        streak = 0 if arm else streak + 1
-        dt, tokens = (0.013, drafter_tokens(i)) if arm else ({1: 0.0105, 2: 0.0085}.get(streak, 0.0066), 1)
+        if contexts is not None and contexts(i):
+            s.extend([7, 8, 9, 7, 8], None)  # "7 8" recurs: a 2-token match for the anchor 9 below
+            anchor = 9
+        else:
+            anchor = next(fresh)
+        calls = fp.drafter.calls
+        p = s.propose(anchor, 15)
+        drafted = fp.drafter.calls > calls
+        streak = 0 if p.n else streak + 1
+        if drafted:
+            dt, tokens = 0.013, drafter_tokens(i)
+        elif p.n:  # a lookup round
+            dt, tokens = 0.012, 1
+        else:
+            dt, tokens = (0.0105 if streak <= 2 or not pipelined else 0.0066), 1
         t[0] += dt
-        sch.record("none", arm, tokens, dt)
-        arms.append(arm)
+        s.verified(tokens)
+        s.extend([anchor] + [next(fresh) for _ in range(tokens - 1)], None)
+        arms.append(drafted)
     return arms
 
 
-def test_adaptive_schedule_measures_runs_so_pipelined_plain_rounds_win_where_they_are_faster():
+def test_adaptive_schedule_times_pipelined_plain_runs_by_their_steady_rounds():
     """Session 23 on the H200: measured one exploratory round at a time, the plain arm was priced at a lone
     plain round's synchronous cost (10.5 ms), not at the pipelined cost of plain rounds in a row (6.6 ms): once the
-    drafter had won (good drafts early in a reply), the schedule kept drafting at tau ~1.3 (100 tok/s) where plain
-    decoding ran at 150 tok/s (MT-Bench 0.82x of plain). Runs of ``explore_run`` rounds whose first ``settle`` are
-    not measured price each arm at what a run of it costs."""
+    drafter had won (good drafts early in a reply), the schedule kept drafting at ~115 tok/s where plain decoding
+    ran at 150 tok/s (MT-Bench 0.82x of plain). Where plain rounds are pipelined, a plain run's first two rounds are
+    held back (dropped once the run is pipelined) and explorations take four rounds in a row."""
     from mlx_dflash2.proposers import AdaptiveSchedule
 
     def tokens(i):  # 3 tokens per drafting round at first (230 tok/s), then 1, 2, 1, 2 (115 tok/s)
         return 3 if i < 300 else 1 + i % 2
 
     t = [0.0]
-    arms = _run_schedule(AdaptiveSchedule(clock=lambda: t[0]), 900, tokens, t)
+    arms = _run_loop(AdaptiveSchedule(clock=lambda: t[0]), t, 900, tokens)
     assert sum(arms[:300]) >= 250  # drafting while it pays
     assert sum(arms[-200:]) <= 30, sum(arms[-200:])  # then plain runs (and rare drafting explorations)
-    # one round at a time (the old rule) stays with the drafter
+    # one round at a time (the old rule: every round measured, explorations of one round) stays with the drafter
     t = [0.0]
-    old = _run_schedule(AdaptiveSchedule(clock=lambda: t[0], settle=0, explore_run=1), 900, tokens, t)
+    old = _run_loop(AdaptiveSchedule(clock=lambda: t[0], settle=0, explore_run=1), t, 900, tokens)
     assert sum(old[-200:]) >= 150
-    # and where the drafter keeps paying, it keeps drafting
+    # where the drafter keeps paying, it keeps drafting
     t = [0.0]
-    good = _run_schedule(AdaptiveSchedule(clock=lambda: t[0]), 600, lambda i: 3, t)
+    good = _run_loop(AdaptiveSchedule(clock=lambda: t[0]), t, 900, lambda i: 3)
     assert sum(good[-200:]) >= 170
 
 
-def test_adaptive_schedule_weighs_every_measured_round():
-    """The rate is a ratio of discounted sums: each measured round weighs decay ** age, the first one
-    too. (An EMA seeded with its first round gave that round 81 % of the weight after three rounds at
-    decay 0.9, so one lucky or unlucky trial round decided the arm: session 8, benchmarks/README.md.)"""
+def test_adaptive_schedule_measures_short_plain_runs_and_every_round_where_nothing_is_pipelined():
+    """Plain rounds held back as a run's settling ones are measured after all when the run ends before its pipelined
+    rounds (contexts alternating with lookup matches: no plain run gets long), so the plain arm is never left
+    unmeasured; where nothing is pipelined (the CPU, a batch) every round is measured and explorations take one
+    round, as before."""
     from mlx_dflash2.proposers import AdaptiveSchedule
 
-    sch = AdaptiveSchedule(decay=0.9, min_samples=3, warmup=0)
-    for tokens in (10, 1, 1):  # one long acceptance, then two one-token rounds, 1 s each
-        sch.record("none", True, tokens, 1.0)
-    w = [0.81, 0.9, 1.0]
-    assert abs(sch.rate("none", True) - (w[0] * 10 + w[1] + w[2]) / sum(w)) < 1e-9  # 3.69 tok/s, not ~8.2
+    t = [0.0]
+    sch = AdaptiveSchedule(clock=lambda: t[0])
+    _run_loop(sch, t, 400, lambda i: 1, contexts=lambda i: i % 2 == 1)
+    assert sch.rate("none", False) is not None and sch.rate("none", True) is not None
+    assert abs(sch.rate("none", False) - 1 / 0.0105) < 1e-6  # lone plain rounds: their synchronous cost
+    # nothing pipelined: identical choices to the old rule
+    runs = []
+    for kw in ({}, {"settle": 0, "explore_run": 1}):
+        t = [0.0]
+        runs.append(_run_loop(AdaptiveSchedule(clock=lambda: t[0], **kw), t, 600, lambda i: 1 + (i // 50) % 2,
+                              pipelined=False))
+    assert runs[0] == runs[1]
 
 
 def test_fused_adaptive_rounds_without_the_drafter():
@@ -232,23 +261,21 @@ def test_fused_adaptive_rounds_without_the_drafter():
     assert p.n == 0 and fp.drafter.calls == 0
 
 
-def test_a_round_the_schedule_did_not_choose_starts_a_new_run():
-    """A long lookup match runs a round without the schedule (``FusedProposer``): the run of decisions is broken,
-    so the next decision's round is a settling one again (not measured)."""
+def test_a_truncated_session_measures_its_held_plain_rounds_and_restarts_its_run():
+    """A loop that stops (``truncate``: a consumer's stop, a prompt-cache reuse) ends the plain run: the rounds held
+    back are measured, and the next loop's first plain rounds are settling ones again (its streak starts at 0)."""
     from mlx_dflash2.proposers import AdaptiveSchedule
 
-    sch = AdaptiveSchedule(min_samples=3, warmup=0, settle=1, explore_run=2)
-    for expect_measured in (False, True):  # the first round of the run settles, the second is measured
-        assert sch.choose("none") is True
-        sch.record("none", True, 2, 1.0)
-        assert (sch.rate("none", True) is not None) is expect_measured
-    sch.interrupt()
-    assert sch.choose("none") is True
-    sch.record("none", True, 100, 1.0)  # a settling round again: not measured
-    assert sch.rate("none", True) == 2.0
-    fp = FusedProposer(_Fixed([50, 51, 52]), LookupProposer(block_size=4), long_match=2, schedule=sch)
+    t = [0.0]
+    sch = AdaptiveSchedule(min_samples=1, warmup=0, clock=lambda: t[0])
+    sch.record("none", True, 1, 1.0)  # the drafter measured: the schedule now tries plain rounds
+    fp = FusedProposer(_Fixed([50, 51]), LookupProposer(block_size=4), long_match=99, short_match=99, schedule=sch)
     s = fp.start([])
-    s.extend([1, 2, 3, 1, 2], None)
-    sch.choose("none")  # a run under way ...
-    p = s.propose(3, 3)  # ... broken by a long match ([1, 2, 3] recurs)
-    assert p.source == "lookup" and sch._last is None
+    s.plain_pipelined = True
+    s.extend([1000, 1001], None)
+    assert s.propose(1002, 3).n == 0  # plain: held back
+    t[0] += 0.5
+    s.verified(1)
+    assert sch.rate("none", False) is None
+    s.truncate(2)
+    assert sch.rate("none", False) == 2.0 and s._plain_run == 0

@@ -69,8 +69,8 @@ def main(argv=None) -> int:
         out, st = run_once(target, ids, prop, getattr(prop, "block_size", 1), args.max_tokens)
         timed = sum(s for _, s in arms.values())
         actual = {("drafter" if a else "other"): round(t / s, 1) for a, (t, s) in arms.items() if s > 0}
-        est = {f"{c}/{'drafter' if a else 'other'}": round(sch.rate(c, a), 1)
-               for c in ("none", "match") for a in (True, False) if sch and sch.rate(c, a)}
+        est = {f"{c}/{name}": round(r, 1) for c, rates in (sch.summary() if sch else {}).items()
+               for name, r in rates.items() if r}
         print(f"request {i}: {st.decode_tps:.2f} tok/s ({st.decode_tps / ps.decode_tps:.2f}x), tau {st.tau:.2f}, "
               f"rounds {st.rounds_by_source}, timed {timed / max(st.decode_s, 1e-9):.0%} of decode, "
               f"actual tok/s {actual}, estimates {est}" + ("" if out == ref else "  OUTPUT DIFFERS FROM PLAIN"))

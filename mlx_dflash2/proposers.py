@@ -147,6 +147,12 @@ class DraftCall:
         return prop if self.finish is None else self.finish(prop)
 
 
+PLAIN_RUN_AHEAD_AFTER = 2
+"""Plain rounds in a row after which ``speculative_generate_step`` queues the next plain step ahead of its host read
+(on a GPU, greedy verifiers): the rounds up to this one cost a synchronous step, the later ones a pipelined one
+(:class:`AdaptiveSchedule`'s ``settle``)."""
+
+
 class ProposerSession:
     """Per-request proposer state (base class: proposes nothing).
 
@@ -159,6 +165,9 @@ class ProposerSession:
 
     adaptive: bool = True
     plain_pipelined: bool = False
+
+    def end_run(self) -> None:
+        """The loop stopped (whatever the reason): a session that times its rounds settles its bookkeeping."""
 
     def extend(self, tokens: list[int], features: mx.array | None) -> None:
         """Commit tokens (positions ``offset..``) and their tap features ``[len, k*D]``."""
@@ -704,10 +713,13 @@ class AdaptiveSchedule:
     H200, session 23, ``benchmarks/README.md``; reproduced with a fake clock in
     ``tests/test_lookup.py``). So there the first ``settle`` plain rounds of a run
     (as the loop counts them: rounds without drafts, whatever the arm) are not
-    measured, and an exploration takes the other arm ``explore_run`` rounds in a
-    row, once per ``explore_every * r * (explore_run - settle)`` decisions (the same
-    share of measured exploratory rounds). Elsewhere (the CPU, sampled requests, a
-    batch) nothing is pipelined and every round is measured, one at a time. (Adaptive speculation in the spirit of
+    measured, and an exploration of the other arm while the drafter is ahead takes
+    ``explore_run`` rounds in a row, once per ``explore_every * r * (explore_run -
+    settle)`` decisions (the same share of measured exploratory rounds). Such
+    requests have contexts of their own (``"none/pipelined"``, ``"match/pipelined"``):
+    their plain rounds cost what others' do not. Elsewhere (the CPU, sampled
+    requests, a batch) nothing is pipelined and every round is measured, one at a
+    time. (Adaptive speculation in the spirit of
     e.g. SpecDec++, arXiv 2405.19715, and "speculation is not always worth it"
     cost models; the rule here is this package's.)
 
@@ -737,7 +749,8 @@ class AdaptiveSchedule:
     """
 
     def __init__(self, explore_every: int = 16, decay: float = 0.9, min_samples: int = 3, warmup: int = 1,
-                 clock=time.perf_counter, widths: WidthPolicy | None = None, settle: int = 2, explore_run: int = 4):
+                 clock=time.perf_counter, widths: WidthPolicy | None = None, settle: int = PLAIN_RUN_AHEAD_AFTER,
+                 explore_run: int = 4):
         if explore_every < 2 or not 0.0 < decay < 1.0 or min_samples < 1 or warmup < 0:
             raise ValueError("explore_every >= 2, 0 < decay < 1, min_samples >= 1 and warmup >= 0 are required")
         if settle < 0 or explore_run <= settle:
@@ -770,9 +783,9 @@ class AdaptiveSchedule:
         if rd is None or ro is None:  # not measurable (a clock that did not advance): draft
             return True
         best = rd >= ro
-        # explore the other arm less often the worse it measured (at most 4x less often); where plain rounds are
-        # pipelined, for a run of rounds of which the last explore_run - settle are measured
-        run, measured = (self.explore_run, self.explore_run - self.settle) if pipelined else (1, 1)
+        # explore the other arm less often the worse it measured (at most 4x less often); plain rounds where they
+        # are pipelined for a run of rounds of which the last explore_run - settle are measured
+        run, measured = (self.explore_run, self.explore_run - self.settle) if pipelined and best else (1, 1)
         ratio = max(rd, ro) / max(min(rd, ro), 1e-12)
         k = self._decisions[context] = self._decisions.get(context, 0) + 1
         if k >= self.explore_every * min(ratio, 4.0) * measured:
@@ -943,6 +956,11 @@ class _FusedSession(ProposerSession):
             self._round = (*self._round[:3], sch.settling(self._plain_run, bool(self.plain_pipelined)))
         return p
 
+    def end_run(self) -> None:
+        if self._held:  # the run ended with the loop, before its pipelined rounds: what its rounds cost
+            self._release(measured=True)
+        self._plain_run = 0
+
     def _release(self, measured: bool) -> None:
         """The held settling rounds recorded (their run ended while they were its last rounds) or dropped."""
         held, self._held = self._held, []
@@ -959,7 +977,7 @@ class _FusedSession(ProposerSession):
             # the lookup wins, known on the host: point masses, and no drafter forward at all
             return self._lookup(lt[:n], "lookup", scheduled)
         if scheduled:
-            ctx = "match" if lt else "none"
+            ctx = ("match" if lt else "none") + ("/pipelined" if self.plain_pipelined else "")
             arm = sch.choose(ctx, bool(self.plain_pipelined))
             self._round = (ctx, arm, sch.clock())
             if not arm:

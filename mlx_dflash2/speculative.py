@@ -37,7 +37,7 @@ from typing import Callable, Generator, Iterable
 
 import mlx.core as mx
 
-from .proposers import Proposal, Proposer
+from .proposers import PLAIN_RUN_AHEAD_AFTER, Proposal, Proposer
 from .target import TargetAdapter, cache_length, trim_cache
 from .verify import GreedyVerifier, Verifier
 
@@ -581,7 +581,8 @@ def speculative_generate_step(
             prop, res, vr, anc = cur
             n = prop.n
             streak = streak + 1 if n == 0 else 0
-            pre = ahead(vr, n_out + 1) if chain and streak >= 2 else None  # queued before the read (above)
+            pre = ahead(vr, n_out + 1) if chain and streak >= PLAIN_RUN_AHEAD_AFTER else None  # queued before
+            # the read (above)
             a = int(vr.num_accepted.item())  # the round's one host synchronisation
             session.verified(a + 1)
             toks = vr.tokens[: a + 1].tolist()
@@ -625,6 +626,7 @@ def speculative_generate_step(
                 # positions; the rest were verified for nothing (counting them read 14 drafted for 10
                 # emitted, all accepted, as an acceptance rate of 0.714)
                 stats.record_round(min(n, i + 1), min(a, i + 1), i + 1, src, verified=n + 1)
+        session.end_run()  # the loop's run of rounds ends here (an adaptive schedule's held timings)
         stats.decode_s = time.perf_counter() - tic
         if state is not None:
             state.tokens = history[: cache_length(cache)]

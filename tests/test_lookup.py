@@ -222,8 +222,9 @@ def test_adaptive_schedule_measures_short_plain_runs_and_every_round_where_nothi
     t = [0.0]
     sch = AdaptiveSchedule(clock=lambda: t[0])
     _run_loop(sch, t, 400, lambda i: 1, contexts=lambda i: i % 2 == 1)
-    assert sch.rate("none", False) is not None and sch.rate("none", True) is not None
-    assert abs(sch.rate("none", False) - 1 / 0.0105) < 1e-6  # lone plain rounds: their synchronous cost
+    ctx = "none/pipelined"  # a pipelined request's own contexts
+    assert sch.rate(ctx, False) is not None and sch.rate(ctx, True) is not None and sch.rate("none", False) is None
+    assert abs(sch.rate(ctx, False) - 1 / 0.0105) < 1e-6  # lone plain rounds: their synchronous cost
     # nothing pipelined: identical choices to the old rule
     runs = []
     for kw in ({}, {"settle": 0, "explore_run": 1}):
@@ -268,7 +269,8 @@ def test_a_truncated_session_measures_its_held_plain_rounds_and_restarts_its_run
 
     t = [0.0]
     sch = AdaptiveSchedule(min_samples=1, warmup=0, clock=lambda: t[0])
-    sch.record("none", True, 1, 1.0)  # the drafter measured: the schedule now tries plain rounds
+    ctx = "none/pipelined"
+    sch.record(ctx, True, 1, 1.0)  # the drafter measured: the schedule now tries plain rounds
     fp = FusedProposer(_Fixed([50, 51]), LookupProposer(block_size=4), long_match=99, short_match=99, schedule=sch)
     s = fp.start([])
     s.plain_pipelined = True
@@ -276,6 +278,12 @@ def test_a_truncated_session_measures_its_held_plain_rounds_and_restarts_its_run
     assert s.propose(1002, 3).n == 0  # plain: held back
     t[0] += 0.5
     s.verified(1)
-    assert sch.rate("none", False) is None
+    assert sch.rate(ctx, False) is None
     s.truncate(2)
-    assert sch.rate("none", False) == 2.0 and s._plain_run == 0
+    assert sch.rate(ctx, False) == 2.0 and s._plain_run == 0
+    # a loop that ends (max_tokens) measures them too (speculative_generate_step calls end_run)
+    assert s.propose(1003, 3).n == 0
+    t[0] += 0.25
+    s.verified(1)
+    s.end_run()
+    assert abs(sch.rate(ctx, False) - (0.9 * 1 + 1) / (0.9 * 0.5 + 0.25)) < 1e-9 and not s._held

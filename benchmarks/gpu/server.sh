@@ -6,13 +6,16 @@
 #     --platform manylinux_2_17_x86_64 -d /tmp/srvwhl fastapi uvicorn "pydantic>=2.7" httpx && tar cf /tmp/srvwhl.tar -C /tmp/srvwhl .
 # (with the SmolLM2 GGUF, the gguf wheel and the drafters' /tmp/drafter.tgz; benchmarks/README.md, session 23).
 set -u
+PY=${PY:-python3}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MLX_CUDA_USE_CUDNN_SDPA=0 MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-$HOME/ptx}
 P=${PAYLOAD:-$HOME/payload}; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -c "import fastapi, uvicorn, pydantic, httpx" 2>/dev/null || { mkdir -p /tmp/srv && tar xf "$P/srvwhl.tar" -C /tmp/srv && python3 -m pip install -q --no-index --find-links /tmp/srv fastapi uvicorn pydantic httpx 2>&1 | tail -3; }
-python3 -c "import gguf" 2>/dev/null || python3 -m pip install -q --no-index --no-deps "$P"/gguf-*.whl
+$PY -c "import fastapi, uvicorn, pydantic, httpx" 2>/dev/null || { mkdir -p /tmp/srv && tar xf "$P/srvwhl.tar" -C /tmp/srv && $PY -m pip install -q --no-index --find-links /tmp/srv fastapi uvicorn pydantic httpx 2>&1 | tail -3; }
+$PY -c "import gguf" 2>/dev/null || $PY -m pip install -q --no-index --no-deps "$P"/gguf-*.whl
 [ -f mlx_dflash2/drafters/smollm2-135m-instruct/config.json ] || { mkdir -p mlx_dflash2/drafters && tar xzf "$P/drafter.tgz" -C mlx_dflash2/drafters; }
-M=${SMOL_MLX:-$HOME/smol-q4}; [ -d "$M" ] || python3 -m convert "$P/SmolLM2-135M-Instruct.Q4_1.gguf" "$M" --dtype bfloat16 --quiet
-timeout -k 10 "${T_SERVER:-540}" python3 benchmarks/bench_server.py --server ours:mlx_dflash2/drafters/smollm2-135m-instruct \
+M=${SMOL_MLX:-${TMPDIR:-/tmp}/smol-q4}; [ -d "$M" ] || $PY -m convert "${SMOL_GGUF:-$P/SmolLM2-135M-Instruct.Q4_1.gguf}" "$M" --dtype bfloat16 --quiet
+timeout -k 10 "${T_SERVER:-540}" $PY benchmarks/bench_server.py --server ours:mlx_dflash2/drafters/smollm2-135m-instruct \
   --server ours:none --server mlx_lm --model "$M" --mlx-model "$M" --no-dequantize --dtype bfloat16 --pool 24 --max-tokens 64 \
   --max-batch 32 --out "$OUT/server.json" "$@" 2>&1 | tee "$OUT/server.log"
-echo "server.sh: exit ${PIPESTATUS[0]}"
+rc=${PIPESTATUS[0]}
+echo "server.sh: exit $rc"
+exit "$rc"

@@ -81,7 +81,14 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-profile", action="store_true", help="no phase timings (no extra synchronisation)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--verbose", action="store_true",
+                    help="the package's INFO lines (kernel gates with their seconds, routing, calibration), timestamped")
     args = ap.parse_args(argv)
+    if args.verbose:
+        import logging
+
+        logging.basicConfig(format="%(asctime)s %(message)s")
+        logging.getLogger("mlx_dflash2").setLevel(logging.INFO)
     model, tok = load(args.model, args.drafter, dtype=args.dtype)
     levels = [int(x) for x in args.concurrency.split(",")]
     run(model, tok, 2, 8, True, False)  # warm-up (kernels, calibration)

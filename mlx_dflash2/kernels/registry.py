@@ -30,6 +30,7 @@ import logging
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -365,7 +366,11 @@ class KernelOp:
             with self._lock:
                 gate = self._gates.get(key)
                 if gate is None:
+                    t0 = time.perf_counter()
                     gate = self._gates[key] = self.gate(be, key)
+                    # at INFO: when a gate runs in a request's rounds it costs them its build and check
+                    logger.info("mlx_dflash2: kernel %s %s gated in %.2f s: %s", self.name, key,
+                                time.perf_counter() - t0, "ok" if gate.ok else gate.reason)
         if not gate.ok:
             if mode == "kernel":
                 raise KernelError(f"kernel {self.name} {key}: {gate.reason}")

@@ -15,7 +15,7 @@ $PY -c "import gguf" 2>/dev/null || $PY -m pip install -q --no-index --no-deps "
 M=${SMOL_MLX:-${TMPDIR:-/tmp}/smol-q4}; [ -d "$M" ] || $PY -m convert "${SMOL_GGUF:-$P/SmolLM2-135M-Instruct.Q4_1.gguf}" "$M" --dtype bfloat16 --quiet
 timeout -k 10 "${T_SERVER:-540}" $PY benchmarks/bench_server.py --server ours:mlx_dflash2/drafters/smollm2-135m-instruct \
   --server ours:none --server mlx_lm --model "$M" --mlx-model "$M" --no-dequantize --dtype bfloat16 --pool 24 --max-tokens 64 \
-  --max-batch 32 --out "$OUT/server.json" "$@" 2>&1 | tee "$OUT/server.log"
+  --max-batch 32 --server-arg=--log-level --server-arg=INFO --out "$OUT/server.json" "$@" 2>&1 | tee "$OUT/server.log"
 rc=${PIPESTATUS[0]}
 echo "server.sh: exit $rc"
 exit "$rc"

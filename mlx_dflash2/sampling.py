@@ -81,6 +81,8 @@ class SamplingParams:
                     bad("logit_bias", f"bad entry {k!r}: {v!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and not 0 <= self.seed <= 2**64 - 1:  # mx.random.key's range (a uint64)
+            bad("seed", f"must be an integer in [0, 18446744073709551615] (2**64 - 1), got {self.seed}")
         return self
 
     @property

@@ -117,6 +117,8 @@ def test_cli_errors_exit_2_from_their_own_process(case):
         (["--prefill-step-size", "0"], "--prefill-step-size must be >= 1"),
         (["--max-tokens", "-5"], "--max-tokens must be positive"),
         (["--top-p", "2"], "top_p"),
+        (["--seed", "-5"], "seed: must be an integer in [0, 18446744073709551615]"),
+        (["--seed", str(2**64)], "seed: must be an integer in [0, 18446744073709551615]"),
     ],
 )
 def test_cli_flags_are_checked_before_loading(args, msg, capsys):

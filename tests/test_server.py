@@ -13,6 +13,7 @@ import os
 import random
 import socket
 import statistics
+import signal
 import subprocess
 import sys
 import threading
@@ -1107,9 +1108,15 @@ def test_python_m_server_starts_and_serves(smol_f32):
         assert r.usage.completion_tokens <= 3 and r.model == MODEL_ID
         # the --chat-template and its --chat-template-args rendered the prompt
         assert r.usage.prompt_tokens == len(smol_f32[1].encode("[Hi!]", add_special_tokens=False))
+        # Ctrl-C (one SIGINT, an idle server): a clean exit, no traceback (uvicorn re-raises the signal it caught
+        # after its shutdown; a fresh user's finding, session 23)
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=60)[0].decode()
+        assert proc.returncode == 0 and "Traceback" not in out, out
     finally:
-        proc.terminate()
-        proc.wait(30)
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(30)
     bad = subprocess.run([sys.executable, "-m", "mlx_dflash2.server", "--max-tokens", "0"], cwd=root, env=env,
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "max-tokens" in bad.stderr

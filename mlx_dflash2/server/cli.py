@@ -203,5 +203,8 @@ def main(argv=None) -> int:
     )
     from .app import AppServer
 
-    AppServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower())).run()
+    try:
+        AppServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower())).run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it caught once its shutdown is done (as uvicorn.run,
+        pass  # which swallows it): the server has stopped cleanly, no traceback
     return 0

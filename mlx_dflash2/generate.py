@@ -41,7 +41,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None, help=CALIBRATE_HELP)
     p.add_argument("--prompt", "-p", default="Hello!", help="the prompt ('-' reads stdin)")
     p.add_argument("--system", default=None, help="system prompt (chat template)")
-    p.add_argument("--max-tokens", "-m", type=int, default=256, help="maximum tokens to generate (-1: no limit but the context)")
+    p.add_argument("--max-tokens", "-m", type=int, default=256,
+                   help="maximum tokens to generate (-1: no limit but the context)")
     p.add_argument("--block-size", "--num-draft-tokens", type=int, default=None,
                    help="block size B (verify width); default the drafter's")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")

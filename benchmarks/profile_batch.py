@@ -82,7 +82,8 @@ def main(argv=None):
     ap.add_argument("--no-profile", action="store_true", help="no phase timings (no extra synchronisation)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--verbose", action="store_true",
-                    help="the package's INFO lines (kernel gates with their seconds, routing, calibration), timestamped")
+                    help="the package's INFO lines (kernel gates with their seconds, routing, calibration), "
+                    "timestamped")
     args = ap.parse_args(argv)
     if args.verbose:
         import logging

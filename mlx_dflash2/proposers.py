@@ -897,7 +897,8 @@ class _FusedSession(ProposerSession):
         if self._round is not None:  # the round ends at its host synchronisation (consumer time excluded)
             ctx, arm, t0, settling = self._round
             self._round = None
-            if settling:  # a pipelined plain run's first rounds: measured only if the run ends before its pipelined ones
+            if settling:  # a pipelined plain run's first rounds: measured only if the run ends before its
+                # pipelined ones
                 self._held.append((ctx, arm, tokens, sch.clock() - t0))
             else:
                 sch.record(ctx, arm, tokens, sch.clock() - t0)

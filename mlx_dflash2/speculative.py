@@ -360,8 +360,9 @@ def start_request(prompt: list[int], target: TargetAdapter, proposer: Proposer |
     costs = getattr(proposer, "calibration", None) if adaptive else None  # the width policy's table
     if costs is not None:
         t1 = costs.verify(1, len(prompt))
-        stats.verify_cost = costs.ratios(len(prompt))
-        stats.drafter_cost = {n: t / t1 for n, t in sorted(costs.drafter_s.items())}
+        # the widths this request can verify (a cached table may hold wider ones, measured for a larger --block-size)
+        stats.verify_cost = {m: r for m, r in costs.ratios(len(prompt)).items() if m <= B}
+        stats.drafter_cost = {n: t / t1 for n, t in sorted(costs.drafter_s.items()) if n < B}
     reuse = 0
     snapshots = {}
     if state is not None and state.cache is not None and state.proposer is proposer and state.tokens:

@@ -420,6 +420,16 @@ def test_loop_reads_the_verify_cost_at_the_context_it_has(smol_f32, code_ref):
     assert stats.verify_cost[16] > 4 * stats.verify_cost[2]
 
 
+def test_stats_show_the_calibration_of_the_widths_this_request_can_verify(smol_f32, code_ref):
+    """A cached table may hold wider widths, measured by a run with a larger ``--block-size`` (a fresh user's demo
+    printed ``1000:93.07`` and ``n=999:34.62`` from another run's entry): a request's stats show the widths up to its
+    block only. Output equals plain."""
+    table = {**{m: 1.0 + m / 16 for m in DEFAULT_WIDTHS}, 1000: 93.0}
+    out, ref, stats, _ = _run_policy(smol_f32, code_ref, table, [15], n=8, drafter_s={1: 0.2, 15: 0.3, 999: 30.0})
+    assert out == ref
+    assert max(stats.verify_cost) == 16 and max(stats.drafter_cost) == 15, (stats.verify_cost, stats.drafter_cost)
+
+
 def test_without_calibration_drafter_rounds_draft_full_blocks(smol_f32, code_ref):
     """No width policy (adaptive schedule alone, today's behaviour): every drafter round is asked for B - 1
     (or what max_tokens leaves)."""

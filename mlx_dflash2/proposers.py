@@ -925,9 +925,7 @@ class _FusedSession(ProposerSession):
 
     def truncate(self, n):
         self._round = self._width = None
-        if self._held:
-            self._release(measured=True)
-        self._plain_run = 0  # a loop goes on from here with its streak at 0
+        self.end_run()  # a loop goes on from here with its streak at 0
         self.d.truncate(n)
         self.l.truncate(n)
 
@@ -958,7 +956,7 @@ class _FusedSession(ProposerSession):
         return p
 
     def end_run(self) -> None:
-        if self._held:  # the run ended with the loop, before its pipelined rounds: what its rounds cost
+        if self._held:  # the run ends before its pipelined rounds: what its rounds cost
             self._release(measured=True)
         self._plain_run = 0
 
@@ -1005,9 +1003,7 @@ class _FusedSession(ProposerSession):
         # propose()'s unscheduled path, its drafter forward left to the caller (a batch's rows: nothing pipelined)
         m, lt = self.l.match(anchor, n)
         self._width = None
-        if self._held:
-            self._release(measured=True)
-        self._plain_run = 0
+        self.end_run()  # no schedule times these rounds
         if m >= self.p.long_match and lt:
             return self._lookup(lt[:n], "lookup", False)
         call = self.d.begin(anchor, n, temperature, key)

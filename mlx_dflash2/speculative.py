@@ -582,8 +582,8 @@ def speculative_generate_step(
             prop, res, vr, anc = cur
             n = prop.n
             streak = streak + 1 if n == 0 else 0
-            pre = ahead(vr, n_out + 1) if chain and streak >= PLAIN_RUN_AHEAD_AFTER else None  # queued before
-            # the read (above)
+            # the next plain step queued before the read (above)
+            pre = ahead(vr, n_out + 1) if chain and streak >= PLAIN_RUN_AHEAD_AFTER else None
             a = int(vr.num_accepted.item())  # the round's one host synchronisation
             session.verified(a + 1)
             toks = vr.tokens[: a + 1].tolist()

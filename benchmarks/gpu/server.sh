@@ -3,16 +3,17 @@
 # mlx_lm.server; usage from the repository root on the device: bash benchmarks/gpu/server.sh [bench_server args...]
 # The device image has no fastapi/uvicorn/pydantic/httpx: bring their wheels as an EXTRA_FILE of ../shared/gpu/prepare,
 #   python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_17_x86_64 -d /tmp/srvwhl fastapi uvicorn "pydantic>=2.7" httpx && tar cf /tmp/srvwhl.tar -C /tmp/srvwhl .
-# (with the SmolLM2 GGUF, the gguf wheel and the drafters' /tmp/drafter.tgz; benchmarks/README.md, session 23).
+#     --platform manylinux_2_17_x86_64 -d "$TMPDIR/srvwhl" fastapi uvicorn "pydantic>=2.7" httpx &&
+#   tar cf "$TMPDIR/srvwhl.tar" -C "$TMPDIR/srvwhl" .
+# (with the SmolLM2 GGUF, the gguf wheel and slim.sh's drafter.tgz; benchmarks/README.md, session 23).
 set -u
 PY=${PY:-python3}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MLX_CUDA_USE_CUDNN_SDPA=0 MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-$HOME/ptx}
-P=${PAYLOAD:-$HOME/payload}; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-$PY -c "import fastapi, uvicorn, pydantic, httpx" 2>/dev/null || { mkdir -p /tmp/srv && tar xf "$P/srvwhl.tar" -C /tmp/srv && $PY -m pip install -q --no-index --find-links /tmp/srv fastapi uvicorn pydantic httpx 2>&1 | tail -3; }
+T=${TMPDIR:-/tmp}; P=${PAYLOAD:-$HOME/payload}; OUT=${OUT:-$T/out}; mkdir -p "$OUT"
+$PY -c "import fastapi, uvicorn, pydantic, httpx" 2>/dev/null || { mkdir -p "$T/srv" && tar xf "$P/srvwhl.tar" -C "$T/srv" && $PY -m pip install -q --no-index --find-links "$T/srv" fastapi uvicorn pydantic httpx 2>&1 | tail -3; }
 $PY -c "import gguf" 2>/dev/null || $PY -m pip install -q --no-index --no-deps "$P"/gguf-*.whl
 [ -f mlx_dflash2/drafters/smollm2-135m-instruct/config.json ] || { mkdir -p mlx_dflash2/drafters && tar xzf "$P/drafter.tgz" -C mlx_dflash2/drafters; }
-M=${SMOL_MLX:-${TMPDIR:-/tmp}/smol-q4}; [ -d "$M" ] || $PY -m convert "${SMOL_GGUF:-$P/SmolLM2-135M-Instruct.Q4_1.gguf}" "$M" --dtype bfloat16 --quiet
+M=${SMOL_MLX:-$T/smol-q4}; [ -d "$M" ] || $PY -m convert "${SMOL_GGUF:-$P/SmolLM2-135M-Instruct.Q4_1.gguf}" "$M" --dtype bfloat16 --quiet
 timeout -k 10 "${T_SERVER:-540}" $PY benchmarks/bench_server.py --server ours:mlx_dflash2/drafters/smollm2-135m-instruct \
   --server ours:none --server mlx_lm --model "$M" --mlx-model "$M" --no-dequantize --dtype bfloat16 --pool 24 --max-tokens 64 \
   --max-batch 32 --server-arg=--log-level --server-arg=INFO --out "$OUT/server.json" "$@" 2>&1 | tee "$OUT/server.log"

@@ -81,6 +81,9 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-profile", action="store_true", help="no phase timings (no extra synchronisation)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--cprofile", action="store_true",
+                    help="one more drafter run per concurrency under cProfile: its top functions (cumulative and own "
+                    "time) printed and written beside --out as .prof.txt")
     ap.add_argument("--verbose", action="store_true",
                     help="the package's INFO lines (kernel gates with their seconds, routing, calibration), "
                     "timestamped")
@@ -106,6 +109,24 @@ def main(argv=None):
                 slow = sorted(r["step_trace"], key=lambda t: -t[0])[:5]
                 print(f"    slowest steps (ms, rows, cap, tokens, prefilled): {slow}; median "
                       f"{statistics.median(t[0] for t in r['step_trace']):.1f} ms", flush=True)
+    if args.cprofile:
+        import cProfile
+        import io
+        import pstats
+
+        text = []
+        for n in levels:
+            pr = cProfile.Profile()
+            pr.enable()
+            r = run(model, tok, n, args.max_tokens, True, False)
+            pr.disable()
+            for key in ("cumulative", "tottime"):
+                buf = io.StringIO()
+                pstats.Stats(pr, stream=buf).sort_stats(key).print_stats(30)
+                text.append(f"N={n} drafter, {r['tok_s']:.1f} tok/s, sorted by {key}\n{buf.getvalue()}")
+        print("\n".join(text), flush=True)
+        if args.out:
+            Path(args.out).with_suffix(".prof.txt").write_text("\n".join(text))
     print("\nmedians (ms per step by phase)")
     table = []
     for (n, drafter), rs in res.items():

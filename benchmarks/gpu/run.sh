@@ -109,7 +109,7 @@ for p in "$@"; do
     build)     cmd=($PY benchmarks/gpu/profile_build.py $([ "$SMOKE" = 1 ] && echo --shape tiny --repeats 3) --out "$OUT/build.json") ;;
     long)      cmd=($PY benchmarks/bench_long_context.py --model "$GGUF" $([ "$SMOKE" = 1 ] && echo --lengths 256,512 --max-tokens 16 --repeats 1) --out "$OUT/long.json") ;;
     probe)     cmd=($PY benchmarks/gpu/probe_routes.py $(printf -- '--shape %s ' ${PSHAPES//,/ }) --out "$OUT/probe.json") ;;
-    batch)     cmd=($PY benchmarks/profile_batch.py --model "$GGUF" $([ "$SMOKE" = 1 ] && echo --concurrency 2 --max-tokens 8 --repeats 1 || echo --dtype bfloat16 --concurrency 8 --repeats 2) --verbose --out "$OUT/batch.json") ;;
+    batch)     cmd=($PY benchmarks/profile_batch.py --model "$GGUF" $([ "$SMOKE" = 1 ] && echo --concurrency 2 --max-tokens 8 --repeats 1 || echo --dtype bfloat16 --concurrency 8 --repeats 2 --cprofile) --verbose --out "$OUT/batch.json") ;;
     server)    cmd=(env T_SERVER="$b" PAYLOAD="$PAYLOAD" OUT="$OUT" SMOL_GGUF="$GGUF" bash benchmarks/gpu/server.sh $([ "$SMOKE" = 1 ] && echo --concurrency 1,2 --requests 1 --pool 2 --max-tokens 4 --dtype float32 || echo --concurrency 1,2,4,8,16,32 --requests 2)) ;;
   esac
   [ "$SMOKE" = 1 ] && [ "$p" = kernels ] && cmd=("${cmd[@]}" --rows 1,16 --kv 1024 --repeats 2)

@@ -27,7 +27,7 @@ import mlx_dflash2  # noqa: F401,E402  (before MLX: loads the optimized OpenBLAS
 
 from bench_server import prompts  # noqa: E402
 
-from mlx_dflash2.batch import SpeculativeBatch  # noqa: E402
+from mlx_dflash2.batch import SpeculativeBatch, warm_up_shapes  # noqa: E402
 from mlx_dflash2.loading import load  # noqa: E402
 
 
@@ -81,6 +81,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-profile", action="store_true", help="no phase timings (no extra synchronisation)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--no-warm-up", action="store_true",
+                    help="skip SpeculativeBatch.warm_up (the server's start-up run of every batch shape)")
     ap.add_argument("--cprofile", action="store_true",
                     help="one more drafter run per concurrency under cProfile: its top functions (cumulative and own "
                     "time) printed and written beside --out as .prof.txt")
@@ -96,6 +98,10 @@ def main(argv=None):
     model, tok = load(args.model, args.drafter, dtype=args.dtype)
     levels = [int(x) for x in args.concurrency.split(",")]
     run(model, tok, 2, 8, True, False)  # warm-up (kernels, calibration)
+    if not args.no_warm_up:  # what the server runs at start on a GPU backend (every batch shape once)
+        w = SpeculativeBatch(model.target).warm_up(*warm_up_shapes(max(levels), model.block_size),
+                                                   proposer=model.proposer, block_size=model.block_size)
+        print(f"warm-up: {w['shapes']} batch shapes in {w['seconds']:.1f} s", flush=True)
     res: dict = {}
     for n in levels:
         for rep in range(args.repeats):

@@ -158,7 +158,7 @@ from .speculative import GenerationState, SpecStats, start_request
 from .target import TargetAdapter, TargetCompatibilityError
 from .verify import GreedyVerifier, Verifier
 
-__all__ = ["RaggedKVCache", "RaggedRecurrentCache", "BatchEvent", "SpeculativeBatch", "WidthSchedule"]
+__all__ = ["RaggedKVCache", "RaggedRecurrentCache", "BatchEvent", "SpeculativeBatch", "WidthSchedule", "warm_up_shapes"]
 
 
 class RaggedKVCache:
@@ -722,6 +722,16 @@ class WidthSchedule:
             self.strikes[(b, cap)] = min(self.strikes.get((b, cap), 0) + 1, self.max_backoff) if lost else 0
 
 
+def warm_up_shapes(max_batch: int, block_size: int) -> tuple[list[int], list[int]]:
+    """The row counts and verify widths a server's start-up :meth:`SpeculativeBatch.warm_up` runs: rows 2, 3,
+    4, 6, 8, 12, ... up to ``max_batch`` (and it), widths the :class:`WidthSchedule`'s caps up to
+    ``block_size`` (and it). Returns ``(rows, widths)`` (rows empty below 2)."""
+    rows = sorted({r for r in (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if r <= max_batch}
+                  | ({max_batch} if max_batch >= 2 else set()))
+    widths = sorted({c for c in WidthSchedule().caps if c <= block_size} | {max(1, block_size)})
+    return rows, widths
+
+
 class SpeculativeBatch:
     """A batch of speculative requests (greedy or sampled) on one target (dense, hybrid GatedDeltaNet or
     sliding-window), advanced one round at a time.
@@ -1060,6 +1070,60 @@ class SpeculativeBatch:
                 main.add_rows([c.row(i) for i in moved])
             self._rows.extend(J[i].req for i in moved)
         self._drop_joins(moved + gone)
+
+    def warm_up(self, rows: Sequence[int], widths: Sequence[int], *, proposer: Proposer | None = None,
+                block_size: int | None = None, prompt_len: int = 16) -> dict:
+        """Run the batched round's shapes once, on scratch caches, before any request meets them.
+
+        Why: MLX's CUDA backend builds some of its own kernels (NVRTC) the first time a shape class of
+        an op is met; a verify block of 8 rows x 4 tokens, first met mid-serving, stalled one round for
+        24 s on the H200 (session 24: a server at 16 clients ran at 39 tok/s where it runs at ~600).
+        This method meets them up front: for every row count ``r`` of ``rows`` (those >= 2: one row
+        runs the solo loop's path, which the width calibration warms), ``r`` scratch requests of a
+        ``prompt_len``-token prompt join a scratch batch (the joins' prefill), run one round with
+        ``proposer`` at ``block_size`` (the batched drafter forward and a verify), then the target
+        verifies a ``[r, M]`` block for every ``M`` of ``widths`` (the logits of every row, the
+        proposer's taps), its K/V rolled back. Nothing of this batch (``self``) changes; the scratch
+        batch is dropped. Outputs do not change (a warm-up only moves compile time to here).
+
+        Args:
+            rows: batch sizes to warm (rows per round), e.g. ``2 .. max_batch``.
+            widths: verify widths ``M`` (tokens per row, anchor included, >= 1), e.g. the
+                :class:`WidthSchedule`'s caps up to the block size.
+            proposer: the proposer of the scratch requests (default: the batch's; ``None``: plain rounds).
+            block_size: their block size B (default: the batch's, else the proposer's).
+            prompt_len: scratch prompt length (tokens, >= 1).
+
+        Returns:
+            ``{"shapes": verify blocks run, "seconds": wall time}``.
+
+        Raises:
+            ValueError: a width < 1 or ``prompt_len`` < 1.
+        """
+        widths = sorted({int(m) for m in widths})
+        if not widths or widths[0] < 1 or prompt_len < 1:
+            raise ValueError(f"warm_up: widths must be >= 1 and prompt_len >= 1, got {widths}, {prompt_len}")
+        proposer = proposer if proposer is not None else self.proposer
+        B = block_size if block_size is not None else self.block_size
+        t0, shapes = time.perf_counter(), 0
+        for r in sorted({int(n) for n in rows if int(n) >= 2}):
+            scratch = SpeculativeBatch(self.target, proposer, block_size=B, prefill_step_size=self.prefill_step_size)
+            for i in range(r):  # distinct small ids per row (any valid id will do)
+                scratch.add([1 + (i + k) % 64 for k in range(prompt_len)], 1 + max(widths) + (B or 1))
+            scratch.step()  # the joins' prefill, then one round at the requests' own widths
+            if not scratch._rows:
+                continue
+            n = len(scratch._rows)
+            tap_ids = tuple(dict.fromkeys(t for q in scratch._rows for t in q.tap_ids))
+            for M in widths:
+                block = mx.zeros((n, M), mx.int32)
+                h, taps = self.target._call(lambda: self.target.inner(block, cache=scratch.cache), tap_ids)
+                logits = self.target.logits(h.reshape(n * M, -1))
+                mx.eval([mx.argmax(logits, axis=-1)] + [taps[t].out for t in tap_ids])
+                for c in scratch.cache:
+                    c.trim_rows([M] * n)
+                shapes += 1
+        return {"shapes": shapes, "seconds": time.perf_counter() - t0}
 
     @staticmethod
     def _flush(sessions) -> list:

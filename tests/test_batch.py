@@ -1056,3 +1056,43 @@ def test_plain_rounds_leave_drafter_contexts_alone_until_a_flush(target, monkeyp
     while batch.active or batch.pending:
         step()
     assert [out[i] for i in range(3)] == [_plain(target, p, 12) for p in prompts]
+
+
+def test_warm_up_runs_every_shape_and_changes_nothing(target):
+    """``SpeculativeBatch.warm_up`` (run by the server at start on a GPU backend, so that MLX's CUDA backend builds
+    its kernels before serving) verifies one ``[r, M]`` block per row count >= 2 and width, on scratch caches: the
+    batch's own rows, caches and the outputs of its requests (one decoding across the warm-up) are those without
+    it."""
+    drafter = _dflash(target)
+    spec = {"a": (_prompt(9, 1), 12), "b": (_prompt(4, 2), 9), "c": (_prompt(6, 3), 10)}
+    refs = {k: _plain(target, p, n) for k, (p, n) in spec.items()}
+    batch = SpeculativeBatch(target, drafter, schedule="auto")
+    key_of = {batch.add(spec["c"][0], spec["c"][1]): "c"}
+    out = {k: [] for k in spec}
+    for _ in range(2):  # "c" joins, then decodes a round
+        for ev in batch.step():
+            out[key_of[ev.uid]] += ev.tokens
+    before = (batch.lengths(), [c.rows for c in batch.cache], list(out["c"]))
+    res = batch.warm_up([1, 2, 3], [1, 2, 4], prompt_len=5)
+    assert res["shapes"] == 2 * 3 and res["seconds"] >= 0  # rows 2 and 3 (one row: the solo path), 3 widths
+    assert (batch.lengths(), [c.rows for c in batch.cache], out["c"]) == before
+    assert batch.warm_up([2], [1], proposer=None, block_size=1)["shapes"] == 1  # plain rounds too
+    for k in ("a", "b"):
+        key_of[batch.add(spec[k][0], spec[k][1])] = k
+    for _ in range(100):
+        for ev in batch.step():
+            out[key_of[ev.uid]] += ev.tokens
+        if not batch.active and not batch.pending:
+            break
+    for k, (p, n) in spec.items():
+        assert out[k] == refs[k][:n], k
+    with pytest.raises(ValueError, match="widths must be >= 1"):
+        batch.warm_up([2], [0])
+
+
+def test_warm_up_shapes_cover_the_row_counts_and_the_schedules_widths():
+    from mlx_dflash2.batch import warm_up_shapes
+
+    assert warm_up_shapes(8, 16) == ([2, 3, 4, 6, 8], [1, 2, 4, 8, 16])
+    assert warm_up_shapes(10, 6) == ([2, 3, 4, 6, 8, 10], [1, 2, 4, 6])
+    assert warm_up_shapes(1, 1) == ([], [1])

@@ -556,3 +556,22 @@ def test_ragged_recurrent_cache_refuses_mlx_lm_row_edits():
                  lambda: RaggedRecurrentCache.merge([c])):
         with pytest.raises(NotImplementedError, match="RaggedRecurrentCache"):
             call()
+
+
+def test_warm_up_on_a_hybrid_target_changes_nothing(targets):
+    """The server's start-up warm-up on a hybrid target: each verify block's recurrent state rolled back whole
+    (the scratch rows' record), the batch's own row untouched, its output that of plain decoding."""
+    target, tok = targets("qwen3_5")
+    prop = make_proposer("init", target, tok, "t", adaptive=False)
+    p = _prompt(8, 21)
+    batch = SpeculativeBatch(target, prop)
+    u = batch.add(p, 9)
+    toks = []
+    for ev in batch.step():
+        toks += ev.tokens
+    assert batch.warm_up([2, 3], [1, B], block_size=B)["shapes"] == 4
+    while batch.active or batch.pending:
+        for ev in batch.step():
+            assert ev.uid == u
+            toks += ev.tokens
+    assert toks == _plain(target, p, 9)

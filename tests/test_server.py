@@ -1160,11 +1160,14 @@ def test_hybrid_and_window_targets_served_with_prompt_cache(tmp_path, kind):
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "gemma3"])
-def test_hybrid_target_requests_share_batched_rounds(tmp_path, kind):
+def test_hybrid_target_requests_share_batched_rounds(tmp_path, kind, caplog):
     """A hybrid GatedDeltaNet target (tiny Qwen3.5) and a sliding-window one (tiny Gemma 3, windows of 8
     tokens) are served with batched rounds: concurrent requests (greedy ones of different lengths, a stop
     string, a seeded sampled one) share rounds (/metrics: more than one row per round) and each equals its
-    solo output (the same model behind ``--max-batch 0``)."""
+    solo output (the same model behind ``--max-batch 0``), the batched server warmed up at start (what a GPU
+    backend does by default: every row count and verify width once, outputs unchanged)."""
+    import logging
+
     import mlx.core as mx
     from tiny_models import tiny_hybrid_dir
 
@@ -1175,7 +1178,8 @@ def test_hybrid_target_requests_share_batched_rounds(tmp_path, kind):
     model = SpeculativeModel(target, proposer, 4, MODEL_ID, target.config)
 
     def serve(max_batch):
-        engine = Engine(model, tok, EngineConfig(max_context=MAX_CONTEXT, prefill_step_size=16, max_batch=max_batch))
+        engine = Engine(model, tok, EngineConfig(max_context=MAX_CONTEXT, prefill_step_size=16, max_batch=max_batch,
+                                                 warmup=max_batch > 0))
         return LiveServer(create_app(engine, ServerSettings(model_id=MODEL_ID, max_tokens=16)))
 
     bodies = [{"prompt": "The capital of France is", "max_tokens": 12},
@@ -1193,7 +1197,9 @@ def test_hybrid_target_requests_share_batched_rounds(tmp_path, kind):
     finally:
         rr.stop()
     assert solo[-1][1] == "stop" and solo[-1][0] == text[: text.index(stop)]
-    s = serve(8)
+    with caplog.at_level(logging.INFO, logger="mlx_dflash2.server"):
+        s = serve(8)
+    assert "warmed the batched rounds up" in caplog.text and "widths 1,2,4" in caplog.text
     try:
         assert s.engine._batch is not None  # hybrid and window targets batch (they went round-robin before)
         assert _run_together(s.url, bodies) == solo

@@ -106,6 +106,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="verify widths of batched rounds: auto = each round's width capped by measured "
                    "throughput (never much slower than plain batched decoding); full = every request verifies "
                    "its whole draft (default auto)")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the batched rounds' shapes (2 .. --max-batch rows, verify widths up to the block "
+                   "size) once at start, so that the GPU backend builds its kernels for them before serving "
+                   "(default: on a GPU backend; a CUDA machine's first start compiles for a minute or more)")
     p.add_argument("--prefill-step-size", type=_positive, default=2048, help="prompt chunk size (tokens)")
     p.add_argument("--keepalive-interval", type=float, default=5.0,
                    help="seconds of silence before an SSE ': keep-alive' comment (default 5)")
@@ -164,6 +168,7 @@ def build_app(args: argparse.Namespace, model=None, tokenizer=None):
             decode_concurrency=args.decode_concurrency,
             max_batch=args.max_batch,
             batch_schedule=args.batch_schedule,
+            warmup=args.warmup,
             prefill_step_size=args.prefill_step_size,
             chat_template_args=args.chat_template_args,
         ),

@@ -55,8 +55,10 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import mlx.core as mx
+
 from ..api import TextStream, request_sampling, stream_generate
-from ..batch import SpeculativeBatch
+from ..batch import SpeculativeBatch, warm_up_shapes
 from ..loading import SpeculativeModel, materialize
 from ..sampling import SamplingParams
 from ..speculative import PLAIN_PROPOSER, GenerationState
@@ -364,6 +366,10 @@ class EngineConfig:
         prefill_step_size: prompt chunk (tokens) between prefill progress events.
         batch_schedule: verify widths of batched rounds: ``"auto"`` (capped by measured throughput,
             :class:`~mlx_dflash2.batch.WidthSchedule`) or ``"full"`` (every row its whole proposal).
+        warmup: run the batched rounds' shapes once at start (:meth:`~mlx_dflash2.batch.SpeculativeBatch.warm_up`:
+            2 .. ``max_batch`` rows, the schedule's widths up to B), so that a GPU backend builds its kernels
+            for them before serving (MLX's CUDA backend stalled a round for 24 s on a shape class first met
+            mid-serving); ``None`` (default): on a GPU backend only.
         chat_template_args: default chat template arguments.
     """
 
@@ -375,6 +381,7 @@ class EngineConfig:
     max_batch: int = 8
     prefill_step_size: int = 2048
     batch_schedule: str = "auto"
+    warmup: Optional[bool] = None
     chat_template_args: dict = field(default_factory=dict)
 
 
@@ -437,8 +444,31 @@ class Engine:
                 self._batch = self._new_batch()
             except TargetCompatibilityError as e:
                 log.info("batched rounds off: %s", e)
+        warm = self.config.warmup
+        if warm is None:
+            warm = mx.default_device().type == mx.DeviceType.gpu
+        if self._batch is not None and warm and self.config.max_batch >= 2:
+            self.warm_up()
         self._batch_queue: deque = deque()  # batched jobs not yet joined (FIFO)
         self._batched: dict = {}  # row uid -> job
+
+    def warm_up(self) -> dict:
+        """Run the batched rounds' shapes once (:meth:`~mlx_dflash2.batch.SpeculativeBatch.warm_up`): row counts
+        2, 3, 4, 6, 8, 12, ... up to ``max_batch``, verify widths 1, 2, 4, ... up to the block size B (1 only
+        without a proposer), the model's proposer drafting; logged with its seconds.
+
+        Returns:
+            ``{"shapes": ..., "seconds": ...}`` (nothing run without batching).
+        """
+        if self._batch is None:
+            return {"shapes": 0, "seconds": 0.0}
+        m, mb = self.model, self.config.max_batch
+        B = (self.config.block_size or m.block_size) if m.proposer is not None else 1
+        rows, widths = warm_up_shapes(mb, B)
+        out = self._batch.warm_up(rows, widths, proposer=m.proposer, block_size=B)
+        log.info("warmed the batched rounds up in %.1f s: %d row counts (2 .. %d) x widths %s",
+                 out["seconds"], len(rows), mb, ",".join(map(str, widths)))
+        return out
 
     def _new_batch(self) -> SpeculativeBatch:
         return SpeculativeBatch(self.model.target, prefill_step_size=self.config.prefill_step_size,

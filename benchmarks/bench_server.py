@@ -89,7 +89,7 @@ def start_server(server: str, args) -> tuple[subprocess.Popen, str]:
         env.update(_blas.subprocess_env())
     proc = subprocess.Popen(cmd, cwd=root, env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
+    deadline = time.time() + args.start_timeout
     while True:
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
@@ -204,6 +204,9 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=5, help="requests per client in each phase")
     ap.add_argument("--pool", type=int, default=40, help="distinct prompts (each answered alone first)")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--start-timeout", type=float, default=900,
+                    help="seconds a server may take to answer /health (a fresh CUDA machine's first start builds "
+                    "kernels and warms the batch shapes up: session 24's passed 300 s)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-batch", type=int, default=None,
                     help="our server's --max-batch (default: its default; 0: round-robin, no batching)")

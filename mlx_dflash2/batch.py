@@ -579,7 +579,9 @@ class WidthSchedule:
     until that extra time is at most ``budget`` of the rounds since its last measurement; a wider cap
     must measure ``margin`` faster than the one below it to be chosen (a noisy round alone does not
     widen the rounds), and a cap narrower than the best (a cheaper round) is re-measured after a quarter
-    of the wait (one stalled round measured at it does not hold the batch at a wider cap); and a bucket met for the first time (rows joined or left) starts at the best cap
+    of the wait (one stalled round measured at it does not hold the batch at a wider cap); a round
+    :attr:`outlier` times slower than its cap's average (or the best cap's, scaled by width) is left out
+    once (a stall, e.g. a GPU backend building kernels); and a bucket met for the first time (rows joined or left) starts at the best cap
     of the nearest bucket measured, trying the narrower neighbour at once (a cheaper round) and the
     wider one once its extra cost, as that bucket measured it, fits in the budget (no fresh costly
     trial rounds at every change of the batch size).
@@ -606,6 +608,11 @@ class WidthSchedule:
     """
 
     max_backoff = 5  # a losing neighbour is re-measured at most every explore_every * 2**5 rounds (or budget)
+    #: a round this many times slower than its cap's own average (else the best cap's, scaled by the widths) is
+    #: left out once: a stall (a GPU backend building kernels for a shape met for the first time: 24 s for one
+    #: round on the H200, session 24) must not price a cap out for thousands of rounds; a second one in a row
+    #: counts (the cap really is that slow)
+    outlier = 8.0
 
     def __init__(self, caps: Sequence[int] = (1, 2, 4, 8, 16), explore_every: int = 16, decay: float = 0.7,
                  budget: float = 0.03, margin: float = 0.05):
@@ -622,6 +629,7 @@ class WidthSchedule:
         self.strikes: dict = {}  # (bucket, cap) -> re-measurements in a row that lost to the best cap
         self.rounds: dict = {}  # bucket -> rounds run
         self.seeds: dict = {}  # bucket -> (start cap, {cap: (strikes, seconds / best's)}) from its nearest bucket
+        self.doubted: set = set()  # (bucket, cap) whose last round was left out as a stall (outlier)
 
     @staticmethod
     def bucket(n_rows: int) -> int:
@@ -712,6 +720,12 @@ class WidthSchedule:
         x = emitted / seconds
         known = [c for (bb, c) in self.rate if bb == b]
         best = self._best(b, known) if known else None
+        if best is not None:
+            expect = self.secs.get((b, cap)) or self.secs[(b, best)] * max(1.0, cap / best)
+            if seconds > self.outlier * expect and (b, cap) not in self.doubted:
+                self.doubted.add((b, cap))  # a stall: not measured (an untried cap is tried again next)
+                return
+        self.doubted.discard((b, cap))
         old = self.rate.get((b, cap))
         self.rate[(b, cap)] = x if old is None else self.decay * old + (1.0 - self.decay) * x
         old = self.secs.get((b, cap))
@@ -1081,8 +1095,9 @@ class SpeculativeBatch:
         This method meets them up front: for every row count ``r`` of ``rows`` (those >= 2: one row
         runs the solo loop's path, which the width calibration warms), ``r`` scratch requests of a
         ``prompt_len``-token prompt join a scratch batch (the joins' prefill), run one round with
-        ``proposer`` at ``block_size`` (the batched drafter forward and a verify), then the target
-        verifies a ``[r, M]`` block for every ``M`` of ``widths`` (the logits of every row, the
+        ``proposer`` at ``block_size`` (the batched drafter forward and a verify), the drafter proposes
+        ``M - 1`` drafts for every row for every ``M`` of ``widths`` (its fitted blocks, e.g. 2, 4, 8, 16
+        slots), then the target verifies a ``[r, M]`` block for every ``M`` (the logits of every row, the
         proposer's taps), its K/V rolled back. Nothing of this batch (``self``) changes; the scratch
         batch is dropped. Outputs do not change (a warm-up only moves compile time to here).
 
@@ -1115,6 +1130,14 @@ class SpeculativeBatch:
                 continue
             n = len(scratch._rows)
             tap_ids = tuple(dict.fromkeys(t for q in scratch._rows for t in q.tap_ids))
+            for M in widths:  # the drafters' forwards of M - 1 drafts (a fitted block per width)
+                calls: dict = {}
+                for q in scratch._rows:
+                    prop = q.session.begin(q.history[-1], M - 1) if M > 1 else None
+                    if isinstance(prop, DraftCall):
+                        calls.setdefault(id(prop.proposer), (prop.proposer, []))[1].append(prop)
+                for drafter, cs in calls.values():
+                    mx.eval([p.tokens for p in drafter.propose_many(cs)])
             for M in widths:
                 block = mx.zeros((n, M), mx.int32)
                 h, taps = self.target._call(lambda: self.target.inner(block, cache=scratch.cache), tap_ids)

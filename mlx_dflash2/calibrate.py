@@ -54,8 +54,9 @@ DEFAULT_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)  # verify widths M (rows of one targ
 CACHE_ENV = "MLX_DFLASH2_CALIBRATION_CACHE"
 CACHE_VERSION = 1  # of the file's layout: a file of another version is measured again (and rewritten)
 # of the measurement (part of the fingerprint, so entries of either protocol live side by side in one file and
-# an older package simply does not find the newer entries): 2 adds the verify costs after a long context
-PROTOCOL = 2
+# an older package simply does not find the newer entries): 2 adds the verify costs after a long context, 3 the
+# fitted drafter blocks' costs (n = 1, 3, 7, ..., B - 1)
+PROTOCOL = 3
 DEFAULT_LONG_CONTEXT = 1024  # the second context the verify costs are measured after (tokens)
 
 
@@ -140,8 +141,16 @@ class VerifyCosts:
         return short + slope * (context - self.context)
 
     def drafter(self, n: int) -> float:
-        """Seconds of a proposal of ``n >= 1`` drafts (interpolated as :meth:`verify`; 0 without a drafter)."""
-        return _interp(self.drafter_s, n) if self.drafter_s else 0.0
+        """Seconds of a proposal of ``n >= 1`` drafts: the cost measured at the smallest ``n' >= n`` (a
+        drafter block's cost is the same for every ``n`` it holds: a fitted block of 2, 4, 8, 16 slots is
+        measured at ``n`` = 1, 3, 7, 15, a whole block at ``1`` and ``B - 1``), past the largest extended as
+        :meth:`verify`; 0 without a drafter."""
+        if not self.drafter_s:
+            return 0.0
+        if n < 1:
+            raise ValueError(f"a draft length must be >= 1, got {n}")
+        up = [k for k in self.drafter_s if k >= n]
+        return self.drafter_s[min(up)] if up else _interp(self.drafter_s, n)
 
     def ratios(self, context: int | None = None) -> dict[int, float]:
         """``{M: T(M) / T(1)}`` over the measured widths (at ``context``, as :meth:`verify`)."""
@@ -309,7 +318,13 @@ def measure_verify_costs(
     start_passes = time.perf_counter()
     anchor = ids_list[context - 1]
     block = widths[-1]
-    draft_ns = sorted({1, block - 1}) if dp is not None and block > 1 else []
+    # a fitted drafter block (DFlashProposer.fit_blocks) costs the same for every n of one block size: one
+    # proposal at the top of each (n = 1, 3, 7, ...: blocks of 2, 4, 8, ...), read upwards by VerifyCosts.drafter
+    if dp is not None and block > 1:
+        draft_ns = sorted({(1 << k) - 1 for k in range(1, block.bit_length() + 1) if (1 << k) - 1 < block}
+                          | {1, block - 1}) if getattr(dp, "fit_blocks", False) else sorted({1, block - 1})
+    else:
+        draft_ns = []
 
     def forward(m: int, at: int) -> float:
         c, base = caches[at]
@@ -461,7 +476,8 @@ def _processor_name() -> str:
 
 def fingerprint(target, target_name: str, drafter=None) -> dict:
     """What a calibration depends on: the target (its name or path, shape, weight kinds and dtype, kernel
-    mode), the drafter whose proposal was timed (shape, weight kinds, kernel mode, dynamic draft length),
+    mode), the drafter whose proposal was timed (shape, weight kinds, kernel mode, dynamic draft length, fitted
+    blocks),
     the MLX and mlx-lm versions and the device (MLX's description; on the CPU the processor, the cores
     this process may use and the BLAS). A JSON-serialisable dict; :func:`cache_key` hashes it."""
     import mlx_lm
@@ -495,6 +511,7 @@ def fingerprint(target, target_name: str, drafter=None) -> dict:
             "weights": _weights(dp.model),
             "kernels": getattr(dp.model, "kernel_mode", None),
             "min_confidence": dp.min_confidence,
+            "fit_blocks": getattr(dp, "fit_blocks", False),
         }
     return fp
 

@@ -150,7 +150,7 @@ def test_entries_of_the_first_protocol_stay_in_the_file_and_are_measured_again(t
            "meta": {"context": 128}}
     cache.write_text(json.dumps({"version": C.CACHE_VERSION, "entries": {C.cache_key(fp1): old}}))
     costs = C.calibrate(target, name, drafter, block_size=4, progress=False, repeats=1, max_repeats=1)
-    assert costs.verify_long_s and costs.fingerprint["protocol"] == C.PROTOCOL == 2
+    assert costs.verify_long_s and costs.fingerprint["protocol"] == C.PROTOCOL == 3
     entries = json.loads(cache.read_text())["entries"]
     assert len(entries) == 2 and entries[C.cache_key(fp1)] == old
 
@@ -177,7 +177,8 @@ def test_measurement_runs_in_bounded_time(tiny):
     t0 = time.perf_counter()
     costs = C.measure_verify_costs(_Slow(target, 0.03), drafter=drafter, repeats=5, time_budget=0.3, progress=False)
     took = time.perf_counter() - t0
-    assert sorted(costs.verify_s) == list(DEFAULT_WIDTHS) and sorted(costs.drafter_s) == [1, 15]
+    # a fitted drafter block is measured at the top of each block size (2, 4, 8, 16 slots)
+    assert sorted(costs.verify_s) == list(DEFAULT_WIDTHS) and sorted(costs.drafter_s) == [1, 3, 7, 15]
     # the budget stopped the passes after the first (a wall-clock bound here would only measure the host's load)
     assert costs.meta["passes"] == 1 and not costs.meta["settled"], (costs.meta, took)
     assert all(t >= 0.03 for t in costs.verify_s.values())
@@ -199,7 +200,11 @@ def test_verify_costs_interpolate_and_validate():
     c = VerifyCosts({1: 1.0, 4: 2.5, 8: 2.0}, {1: 0.3, 15: 0.6})
     assert c.verify(4) == 2.5 and c.verify(2) == 1.5 and c.verify(6) == 2.25
     assert c.verify(15) == pytest.approx(2.0 + (2.0 - 1.0) / 7 * 7)  # past the widest: the mean slope
-    assert c.drafter(8) == pytest.approx(0.45) and c.ratios() == {1: 1.0, 4: 2.5, 8: 2.0}
+    # a drafter proposal costs what the smallest measured n' >= n cost (the block that holds n drafts)
+    assert c.drafter(8) == c.drafter(15) == 0.6 and c.drafter(1) == 0.3 and c.ratios() == {1: 1.0, 4: 2.5, 8: 2.0}
+    assert c.drafter(29) == pytest.approx(0.6 + 0.3 / 14 * 14)  # past the largest: the mean slope
+    fitted = VerifyCosts({1: 1.0}, {1: 0.1, 3: 0.2, 7: 0.4, 15: 0.8})
+    assert [fitted.drafter(n) for n in (1, 2, 3, 4, 7, 8, 15)] == [0.1, 0.2, 0.2, 0.4, 0.4, 0.8, 0.8]
     assert VerifyCosts.from_json(json.loads(json.dumps(c.to_json()))).verify_s == c.verify_s
     for bad in ({2: 1.0}, {1: 0.0}, {1: float("nan")}, {1: 1.0, 0: 1.0}):
         with pytest.raises(ValueError):

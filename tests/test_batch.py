@@ -35,6 +35,16 @@ def _tiny(model_type: str, seed: int = 0, max_pos: int = 2048) -> TargetAdapter:
     return TargetAdapter(model, cfg)
 
 
+@pytest.fixture(autouse=True, params=[False, True], ids=["unpipelined", "pipelined"])
+def pipelined(request, monkeypatch):
+    """Every test of this module twice: plain steps unqueued (the CPU's default) and queued ahead (the GPU's:
+    ``SpeculativeBatch(pipeline=...)``), with the same outputs, statistics and states."""
+    import mlx_dflash2.batch as batch_mod
+
+    monkeypatch.setattr(batch_mod, "_pipeline_default", lambda: request.param)
+    return request.param
+
+
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
 def target(request):
     return _tiny(request.param, seed=1)
@@ -1159,3 +1169,61 @@ def test_width_schedule_leaves_one_stalled_round_out():
     assert s.secs[(WidthSchedule.bucket(8), 2)] == 0.015
     s.record(8, 2, 12, 5.0)  # a second in a row: that slow now
     assert s.secs[(WidthSchedule.bucket(8), 2)] > 1.0
+
+
+def test_queued_plain_steps_change_no_output_or_state(target, pipelined):
+    """``pipeline``: plain rounds queue the next step on their lazy tokens. Plain requests of different lengths
+    join mid-run (the queued step rolled back), one is cancelled and one removed with its state between rounds
+    (rolled back), others end at max_tokens or an EOS (their queued position cut, the rest kept); a drafter row
+    whose width cap flips between plain steps and drafts (queued steps used or rolled back). Each gets exactly its
+    solo output; the removed request's state holds exactly its tokens; the queue was used when pipelined."""
+    from mlx_dflash2.batch import WidthSchedule
+
+    prompts = {k: _prompt(4 + 3 * k, 40 + k) for k in range(6)}
+    refs = {k: _plain(target, p, 24) for k, p in prompts.items()}
+    eos = refs[3][9]  # request 3 stops at its first EOS (its 10th token, or earlier if it repeats)
+    stop3 = refs[3].index(eos) + 1
+    batch = SpeculativeBatch(target)
+    uid = {k: batch.add(prompts[k], n) for k, n in ((0, 20), (1, 7), (2, 24))}
+    out = {k: [] for k in prompts}
+    key_of = {u: k for k, u in uid.items()}
+    state = None
+    for rnd in range(60):
+        if rnd == 3:
+            for k, n in ((3, 24), (4, 15)):
+                uid[k] = batch.add(prompts[k], n, eos_token_ids=[eos] if k == 3 else ())
+                key_of[uid[k]] = k
+        if rnd == 6:
+            assert batch.cancel(uid[0])
+        if rnd == 8:
+            state = batch.remove(uid[2])  # not kept: None
+            uid[5] = batch.add(prompts[5], 12, keep_state=True)
+            key_of[uid[5]] = 5
+        for ev in batch.step():
+            out[key_of[ev.uid]] += ev.tokens
+        if rnd > 8 and not batch.active and not batch.pending:
+            break
+    assert state is None
+    assert out[1] == refs[1][:7] and out[3] == refs[3][:stop3] and out[4] == refs[4][:15] and out[5] == refs[5][:12]
+    assert out[0] == refs[0][: len(out[0])] and 0 < len(out[0]) < 20  # cancelled at round 6
+    assert out[2] == refs[2][: len(out[2])] and 0 < len(out[2]) < 24  # removed at round 8
+    st = batch.take_state(uid[5])
+    assert st.tokens == prompts[5] + refs[5][:11] and all(c.offset == len(st.tokens) for c in st.cache)
+    assert (batch.pipelined_rounds > 10) == pipelined and batch.discarded_steps >= (2 if pipelined else 0)
+    # a drafter row beside plain ones, its width cap flipping: queued steps used at cap 1, rolled back at 2
+    flips = iter([1, 2] * 40)
+
+    class Flip(WidthSchedule):
+        def choose(self, n_rows, max_width):
+            return next(flips) if n_rows > 1 else None
+
+    batch = SpeculativeBatch(target, schedule=Flip())
+    d = _dflash(target)
+    a = batch.add(prompts[1], 16, proposer=d)
+    b = batch.add(prompts[4], 16)
+    got = {a: [], b: []}
+    while batch.active or batch.pending:
+        for ev in batch.step():
+            got[ev.uid] += ev.tokens
+    assert got[a] == refs[1][:16] and got[b] == refs[4][:16]
+    assert (batch.discarded_steps > 0) == pipelined

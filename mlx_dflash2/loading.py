@@ -385,10 +385,15 @@ def draft_confidence_arg(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text!r}") from None
 
 
-def _check_adaptive(adaptive, lookup: bool) -> None:
-    """Raises ValueError for ``adaptive`` without ``lookup`` (the schedule's cheaper rounds are lookup's)."""
+def _check_adaptive(adaptive, lookup: bool, drafter="auto") -> None:
+    """Raises ValueError for ``adaptive`` without ``lookup`` (the schedule's cheaper rounds are lookup's), or
+    with a ``drafter`` that has no drafter to schedule (``"lookup"``, ``"none"``, ``None``: ``--adaptive`` was
+    accepted and silently did nothing, a fresh user's find)."""
     if adaptive and not lookup:
         raise ValueError("the adaptive schedule chooses between the drafter and lookup: it needs lookup on")
+    if adaptive and (drafter is None or (isinstance(drafter, str) and drafter in ("lookup", "none"))):
+        raise ValueError(f"the adaptive schedule chooses between a drafter and lookup: --drafter {drafter} has no "
+                         "drafter to schedule (drop --adaptive, or use --drafter auto / a drafter path)")
 
 
 DRAFTER_KEYWORDS = ("auto", "shipped", "none", "lookup", "init")  # drafter specs that are not checkpoint paths
@@ -540,7 +545,7 @@ def load(
     # everything that can be checked without the weights is checked before the (slow) loading
     draft_confidence = check_confidence(draft_confidence)
     drafter_window = check_drafter_window(drafter_window)
-    _check_adaptive(adaptive, lookup)
+    _check_adaptive(adaptive, lookup, drafter)
     if calibrate is not None and not isinstance(calibrate, bool):
         raise ValueError(f"calibrate must be None, True or False, got {calibrate!r}")
     if block_size is not None:

@@ -119,6 +119,9 @@ def test_cli_errors_exit_2_from_their_own_process(case):
         (["--top-p", "2"], "top_p"),
         (["--seed", "-5"], "seed: must be an integer in [0, 18446744073709551615]"),
         (["--seed", str(2**64)], "seed: must be an integer in [0, 18446744073709551615]"),
+        # a fresh user's find (session 23): accepted and silently ignored
+        (["--drafter", "lookup", "--adaptive"], "--drafter lookup has no drafter to schedule"),
+        (["--drafter", "none", "--adaptive"], "--drafter none has no drafter to schedule"),
     ],
 )
 def test_cli_flags_are_checked_before_loading(args, msg, capsys):

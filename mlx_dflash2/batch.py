@@ -154,7 +154,7 @@ from mlx_lm.models.cache import KVCache
 
 from . import speculative
 from .caches import RaggedRecurrentCache, RecurrentCache, WindowKVCache
-from .proposers import DraftCall, Proposal, Proposer
+from .proposers import PLAIN_RUN_AHEAD_AFTER, DraftCall, Proposal, Proposer
 from .speculative import GenerationState, SpecStats, start_request
 from .target import TargetAdapter, TargetCompatibilityError
 from .verify import GreedyVerifier, Verifier
@@ -709,6 +709,21 @@ class WidthSchedule:
         return self.rate[(b, c)] * (1.0 - self.margin) ** self.caps.index(c) if c in self.caps \
             else self.rate[(b, c)] * (1.0 - self.margin) ** len(self.caps)
 
+    def _expected(self, b: int, cap: int) -> float | None:
+        """Seconds a round of ``cap`` in bucket ``b`` (none measured there) should take at most, from the
+        nearest measured bucket: its cap's average (else its best cap's, scaled by width), doubled per bucket
+        step (a bucket holds up to twice the rows of the one below); None if no bucket is measured."""
+        measured = sorted({bb for bb, _ in self.rate if bb != b}, key=lambda bb: (abs(bb - b), bb))
+        if not measured:
+            return None
+        nb = measured[0]
+        if (nb, cap) in self.secs:
+            e = self.secs[(nb, cap)]
+        else:
+            best = self._best(nb, [c for bb, c in self.rate if bb == nb])
+            e = self.secs[(nb, best)] * max(1.0, cap / best)
+        return e * 2.0 ** abs(b - nb)
+
     def _best(self, b: int, known) -> int:
         return max(known, key=lambda c: (self._score(b, c), -c))
 
@@ -724,9 +739,11 @@ class WidthSchedule:
         best = self._best(b, known) if known else None
         if best is not None:
             expect = self.secs.get((b, cap)) or self.secs[(b, best)] * max(1.0, cap / best)
-            if seconds > self.outlier * expect and (b, cap) not in self.doubted:
-                self.doubted.add((b, cap))  # a stall: not measured (an untried cap is tried again next)
-                return
+        else:  # the bucket's first round (rows joined or left: a new shape): from the nearest measured bucket
+            expect = self._expected(b, cap)
+        if expect is not None and seconds > self.outlier * expect and (b, cap) not in self.doubted:
+            self.doubted.add((b, cap))  # a stall: not measured (an untried cap is tried again next)
+            return
         self.doubted.discard((b, cap))
         old = self.rate.get((b, cap))
         self.rate[(b, cap)] = x if old is None else self.decay * old + (1.0 - self.decay) * x
@@ -798,7 +815,8 @@ class SpeculativeBatch:
             rounds with two rows or more by measured throughput: what the server runs), or a
             :class:`WidthSchedule`.
         pipeline: queue plain rounds ahead: when every row's round is a plain greedy step (no drafts: no
-            proposer, or the width cap at 1) the next plain step's forward is built on this round's lazy
+            proposer, or the width cap at 1), from the second such round in a row on, while some row goes on
+            and no join is about to complete, the next plain step's forward is built on this round's lazy
             argmax and queued before this round's tokens are read, as ``mlx_lm.generate_step`` does for one
             sequence, so the device computes while the host commits (the forward and its tokens are the
             same: outputs do not change). A queued step that is not used (the next round drafts, a row
@@ -835,6 +853,7 @@ class SpeculativeBatch:
         self.prefill_step_size = int(prefill_step_size)
         self.pipeline = bool(_pipeline_default() if pipeline is None else pipeline)
         self._ahead: _Ahead | None = None  # the queued plain step of every row (pipeline)
+        self._plain_run = 0  # rounds in a row in which every row stepped plainly
         #: rounds served by a queued plain step / queued steps rolled back unused (pipeline)
         self.pipelined_rounds = 0
         self.discarded_steps = 0
@@ -1335,8 +1354,14 @@ class SpeculativeBatch:
         if ahead is None:
             best = mx.argmax(logits, axis=-1).astype(mx.int32) if any(plain) else None
         drafts = [p.tokens.astype(mx.int32) for p, pl in zip(props, plain) if pl and p.n]
-        if self.pipeline and all(plain) and not any(n > 0 for n in ns):
-            # every row steps plainly: queue the next plain step on this one's lazy tokens before reading them
+        self._plain_run = self._plain_run + 1 if not any(n > 0 for n in ns) else 0
+        if (self.pipeline and all(plain) and self._plain_run >= PLAIN_RUN_AHEAD_AFTER
+                and any((r.max_tokens < 0 or r.n_out + 1 < r.max_tokens) and (limit is None or P + 1 < limit)
+                        for r, P in zip(rows, lengths))
+                and not any(len(j.todo) <= self.prefill_step_size for j in self._joining)):
+            # every row steps plainly, from the second such round in a row on (a lone plain round between drafting
+            # ones, e.g. a width schedule's trial, is not followed by another), some row goes on and no join
+            # completes its prefill next: queue the next plain step on this one's lazy tokens before reading them
             nxt = best.reshape(len(rows), 1)
             h2, taps2 = self.target._call(lambda: self.target.inner(nxt, cache=self.cache), tap_ids)
             best2 = mx.argmax(self.target.logits(h2.reshape(len(rows), -1)), axis=-1).astype(mx.int32)

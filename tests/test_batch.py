@@ -1169,6 +1169,16 @@ def test_width_schedule_leaves_one_stalled_round_out():
     assert s.secs[(WidthSchedule.bucket(8), 2)] == 0.015
     s.record(8, 2, 12, 5.0)  # a second in a row: that slow now
     assert s.secs[(WidthSchedule.bucket(8), 2)] > 1.0
+    # a bucket's first round (rows joined: a shape met for the first time) is judged by the nearest measured
+    # bucket (a review's find: it was always taken as measured, and 24 s priced its cap out for ~57,000 rounds)
+    s = WidthSchedule()
+    for cap, sec, em in ((1, 0.010, 2), (2, 0.012, 3.6), (4, 0.014, 5.0)):
+        s.record(2, cap, em, sec)
+    c = s.choose(8, 16)
+    s.record(8, c, 20, 24.0)
+    assert (WidthSchedule.bucket(8), c) not in s.rate and s.choose(8, 16) == c  # left out, tried again
+    s.record(8, c, 20, 0.016)
+    assert s.secs[(WidthSchedule.bucket(8), c)] == 0.016
 
 
 def test_queued_plain_steps_change_no_output_or_state(target, pipelined):
@@ -1210,6 +1220,17 @@ def test_queued_plain_steps_change_no_output_or_state(target, pipelined):
     st = batch.take_state(uid[5])
     assert st.tokens == prompts[5] + refs[5][:11] and all(c.offset == len(st.tokens) for c in st.cache)
     assert (batch.pipelined_rounds > 10) == pipelined and batch.discarded_steps >= (2 if pipelined else 0)
+    # no step is queued that cannot be used: rows that all finish this round, rows at the context limit (the
+    # queued forward would run past it), a lone plain round (a width schedule's trial between drafting rounds)
+    short = _tiny(target.config["model_type"], seed=1, max_pos=24)
+    forwards, call = [], short._call
+    short._call = lambda fn, taps: (forwards.append(1), call(fn, taps))[1]  # this instance only
+    batch = SpeculativeBatch(short)
+    for k in (1, 2):
+        batch.add(_prompt(18, k), -1)  # both run into the 24-token context limit
+    while batch.active or batch.pending:
+        batch.step()
+    assert batch.discarded_steps == 0 and len(forwards) == 7  # 1 prefill + 6 steps: none queued for nothing
     # a drafter row beside plain ones, its width cap flipping: queued steps used at cap 1, rolled back at 2
     flips = iter([1, 2] * 40)
 
@@ -1226,4 +1247,14 @@ def test_queued_plain_steps_change_no_output_or_state(target, pipelined):
         for ev in batch.step():
             got[ev.uid] += ev.tokens
     assert got[a] == refs[1][:16] and got[b] == refs[4][:16]
-    assert (batch.discarded_steps > 0) == pipelined
+    assert batch.discarded_steps == 0  # lone plain rounds between drafting ones queue nothing
+    flips = iter([1, 1, 1, 2] * 20)  # runs of plain rounds: queued from the second on, the last one rolled back
+    batch = SpeculativeBatch(target, schedule=Flip())
+    a = batch.add(prompts[1], 16, proposer=d)
+    b = batch.add(prompts[4], 16)
+    got = {a: [], b: []}
+    while batch.active or batch.pending:
+        for ev in batch.step():
+            got[ev.uid] += ev.tokens
+    assert got[a] == refs[1][:16] and got[b] == refs[4][:16]
+    assert (batch.pipelined_rounds > 0 and batch.discarded_steps > 0) == pipelined

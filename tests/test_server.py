@@ -1295,3 +1295,22 @@ def test_a_second_ctrl_c_ends_requests_in_flight_with_an_error_not_a_cancelled_h
     assert lines[-1] == "data: [DONE]" and events[-1]["error"]["code"] == "server_shutdown", lines[-3:]
     assert plain["status"] == 503 and json.loads(plain["body"])["error"]["code"] == "server_shutdown", plain
     assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
+
+
+def test_a_failing_warm_up_is_logged_and_the_server_serves(smol_f32, monkeypatch, caplog):
+    """The start-up warm-up is an optimisation: if it fails (a review's find: nothing caught it, so any error in it
+    kept the server from starting), the engine logs it and serves."""
+    import logging
+
+    from mlx_dflash2.batch import SpeculativeBatch
+
+    def broken(self, *a, **kw):
+        raise RuntimeError("no kernels today")
+
+    monkeypatch.setattr(SpeculativeBatch, "warm_up", broken)
+    target, tokenizer = smol_f32
+    p = make_proposer("lookup", target, tokenizer, MODEL_ID)
+    model = SpeculativeModel(target, p, p.block_size, MODEL_ID, target.config)
+    with caplog.at_level(logging.WARNING, logger="mlx_dflash2.server"):
+        engine = Engine(model, tokenizer, EngineConfig(max_context=MAX_CONTEXT, max_batch=4, warmup=True))
+    assert engine._batch is not None and "warm-up failed (RuntimeError: no kernels today)" in caplog.text

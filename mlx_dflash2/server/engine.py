@@ -448,7 +448,11 @@ class Engine:
         if warm is None:
             warm = mx.default_device().type == mx.DeviceType.gpu
         if self._batch is not None and warm and self.config.max_batch >= 2:
-            self.warm_up()
+            try:
+                self.warm_up()
+            except Exception as e:  # an optimisation only: serve without it (named in the log)
+                log.warning("the batched rounds' warm-up failed (%s: %s); serving without it",
+                            type(e).__name__, e)
         self._batch_queue: deque = deque()  # batched jobs not yet joined (FIFO)
         self._batched: dict = {}  # row uid -> job
 

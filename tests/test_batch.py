@@ -1231,30 +1231,25 @@ def test_queued_plain_steps_change_no_output_or_state(target, pipelined):
     while batch.active or batch.pending:
         batch.step()
     assert batch.discarded_steps == 0 and len(forwards) == 7  # 1 prefill + 6 steps: none queued for nothing
-    # a drafter row beside plain ones, its width cap flipping: queued steps used at cap 1, rolled back at 2
-    flips = iter([1, 2] * 40)
-
-    class Flip(WidthSchedule):
-        def choose(self, n_rows, max_width):
-            return next(flips) if n_rows > 1 else None
-
-    batch = SpeculativeBatch(target, schedule=Flip())
+    # a drafter row beside a plain one, its width cap flipping between plain rounds and drafting ones
     d = _dflash(target)
-    a = batch.add(prompts[1], 16, proposer=d)
-    b = batch.add(prompts[4], 16)
-    got = {a: [], b: []}
-    while batch.active or batch.pending:
-        for ev in batch.step():
-            got[ev.uid] += ev.tokens
-    assert got[a] == refs[1][:16] and got[b] == refs[4][:16]
-    assert batch.discarded_steps == 0  # lone plain rounds between drafting ones queue nothing
-    flips = iter([1, 1, 1, 2] * 20)  # runs of plain rounds: queued from the second on, the last one rolled back
-    batch = SpeculativeBatch(target, schedule=Flip())
-    a = batch.add(prompts[1], 16, proposer=d)
-    b = batch.add(prompts[4], 16)
-    got = {a: [], b: []}
-    while batch.active or batch.pending:
-        for ev in batch.step():
-            got[ev.uid] += ev.tokens
-    assert got[a] == refs[1][:16] and got[b] == refs[4][:16]
+
+    def flipping(caps):
+        flips = iter(caps * 40)
+
+        class Flip(WidthSchedule):
+            def choose(self, n_rows, max_width):
+                return next(flips) if n_rows > 1 else None
+
+        batch = SpeculativeBatch(target, schedule=Flip())
+        a, b = batch.add(prompts[1], 16, proposer=d), batch.add(prompts[4], 16)
+        got = {a: [], b: []}
+        while batch.active or batch.pending:
+            for ev in batch.step():
+                got[ev.uid] += ev.tokens
+        assert got[a] == refs[1][:16] and got[b] == refs[4][:16]
+        return batch
+
+    assert flipping([1, 2]).discarded_steps == 0  # lone plain rounds between drafting ones queue nothing
+    batch = flipping([1, 1, 1, 2])  # runs of plain rounds: queued from the second on, the last one rolled back
     assert (batch.pipelined_rounds > 0 and batch.discarded_steps > 0) == pipelined

@@ -1210,6 +1210,34 @@ def test_hybrid_target_requests_share_batched_rounds(tmp_path, kind, caplog):
         s.stop()
 
 
+@pytest.mark.parametrize("flags,msg", [
+    (["--temp", "-1"], "--temp: must be a number >= 0, got -1.0"),
+    (["--top-p", "0"], "--top-p: must be in (0, 1], got 0.0"),
+    (["--chat-template", "/nonexistent/template.jinja"], "--chat-template: no such file: /nonexistent/template.jinja"),
+])
+def test_bad_server_defaults_are_refused_before_loading(capsys, flags, msg):
+    """A fresh user's finds (session 24): ``--temp -1`` started a server that answered every request without a
+    ``temperature`` with a 400 blaming the client; a ``--chat-template`` file that does not exist became the
+    template itself (the answers ignored the user's message). Both are now one error line before loading (the
+    model path does not exist either: its error would come later)."""
+    from mlx_dflash2.server.cli import main
+
+    assert main(["--model", "/nonexistent/model", *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {msg}" in err and "not found" not in err.replace("no such file", "")
+
+
+def test_keepalive_interval_must_be_positive(capsys):
+    """``--keepalive-interval 0`` made every stream an endless run of keep-alive comments (a fresh user's find)."""
+    from mlx_dflash2.server.cli import setup_arg_parser
+
+    for bad in ("0", "-1", "inf", "nan"):
+        with pytest.raises(SystemExit):
+            setup_arg_parser().parse_args(["--keepalive-interval", bad])
+        assert "seconds > 0" in capsys.readouterr().err
+    assert setup_arg_parser().parse_args(["--keepalive-interval", "0.5"]).keepalive_interval == 0.5
+
+
 @pytest.mark.parametrize("port", ["99999", "-1"])
 def test_a_port_out_of_range_is_refused_before_loading(capsys, port):
     """``--port 99999`` was an OverflowError traceback after the model had loaded (a fresh user's run,

@@ -43,6 +43,35 @@ def _non_negative(text: str) -> int:
     return v
 
 
+def _positive_seconds(text: str) -> float:
+    v = float(text)
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return v
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """What argparse cannot check alone, before anything loads (a fresh user's finds, session 24: ``--temp -1``
+    started a server that answered every request without ``temperature`` with a 400 blaming the client, and
+    ``--chat-template`` with a missing file served the path itself as the template).
+
+    Raises:
+        ValueError: bad default sampling settings, or a ``--chat-template`` that is neither a Jinja template
+            (it holds ``{``) nor an existing file.
+    """
+    from ..sampling import SamplingParams
+
+    try:
+        SamplingParams(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p).validate()
+    except ValueError as e:  # "top_p: must be ..." -> "--top-p: must be ..."
+        name, _, why = str(e).partition(":")
+        raise ValueError(f"--{name.replace('_', '-')}:{why}") from None
+    t = args.chat_template
+    if t and "{" not in t and not Path(t).is_file():
+        raise ValueError(f"--chat-template: no such file: {t} "
+                         "(a template given inline is Jinja text, with {% or {{)")
+
+
 def _port(text: str) -> int:
     v = int(text)
     if not 0 <= v <= 65535:
@@ -111,7 +140,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    "size) once at start, so that the GPU backend builds its kernels for them before serving "
                    "(default: on a GPU backend; a CUDA machine's first start compiles for a minute or more)")
     p.add_argument("--prefill-step-size", type=_positive, default=2048, help="prompt chunk size (tokens)")
-    p.add_argument("--keepalive-interval", type=float, default=5.0,
+    p.add_argument("--keepalive-interval", type=_positive_seconds, default=5.0,
                    help="seconds of silence before an SSE ': keep-alive' comment (default 5)")
     p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
                    help="dtype of non-packed weights/scales (auto: float32 on CPU)")
@@ -131,12 +160,14 @@ def build_app(args: argparse.Namespace, model=None, tokenizer=None):
         ``(app, engine)``.
 
     Raises:
-        FileNotFoundError, ValueError: the model or drafter cannot be loaded.
+        FileNotFoundError, ValueError: the model or drafter cannot be loaded; :func:`check_args`'s errors
+            (before loading).
     """
     from ..loading import load
     from .app import ServerSettings, create_app
     from .engine import Engine, EngineConfig
 
+    check_args(args)
     if model is None:
         model, tokenizer = load(
             args.model,

@@ -16,11 +16,27 @@ from mlx_dflash2.loading import ModelNotFoundError, SpeculativeModel, load_targe
 from mlx_dflash2.proposers import LookupProposer
 
 
-def cli(*args, stdin=None, module="mlx_dflash2.generate"):
+def cli(*args, stdin=None, module="mlx_dflash2.generate", timeout=300):
+    """Run the CLI in a subprocess: a ``CompletedProcess``. A run past ``timeout`` seconds (one hung once in CI,
+    session 24, every thread waiting on a futex) gets SIGABRT first, so that Python's faulthandler (``-X
+    faulthandler``) prints every thread's stack into the failure message."""
+    import signal
+
     env = dict(os.environ)
-    return subprocess.run(
-        [sys.executable, "-m", module, *args], input=stdin, capture_output=True, text=True, env=env, timeout=600
-    )
+    cmd = [sys.executable, "-X", "faulthandler", "-m", module, *args]
+    with subprocess.Popen(cmd, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
+        try:
+            out, err = proc.communicate(stdin, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            try:
+                out, err = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            raise AssertionError(f"{' '.join(cmd)} hung for {timeout} s; its threads:\n{err[-6000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,8 @@ statistics (:class:`~.speculative.SpecStats`) on every response.
 
 from __future__ import annotations
 
+import numbers
+
 import time
 from dataclasses import dataclass, field
 from typing import Generator, List, Optional, Sequence, Union
@@ -254,11 +256,13 @@ def stream_generate(
         :class:`GenerationResponse`; the last one has ``finish_reason`` set.
 
     Raises:
-        ValueError: empty prompt, ``max_tokens == 0``, or an invalid sampling
+        ValueError: empty prompt, ``max_tokens`` not an integer >= 1 or -1, or an invalid sampling
             parameter (the message starts with the parameter's name).
     """
-    if max_tokens == 0:
-        raise ValueError("max_tokens must be non-zero (use -1 for no limit)")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral) or max_tokens == 0 \
+            or max_tokens < -1:
+        # as the CLI and the server: -3 was taken as "no limit", "x" a TypeError deep in the loop (a fresh user's find)
+        raise ValueError(f"max_tokens must be an integer >= 1, or -1 for no limit; got {max_tokens!r}")
     params = SamplingParams(
         temp=temp,
         top_p=top_p,

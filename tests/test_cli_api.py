@@ -310,6 +310,10 @@ def test_python_api(smol_f32):
     assert [x.token for x in resps] == ref[: len(resps)]
     with pytest.raises(ValueError, match="temp"):
         list(mlx_dflash2.stream_generate(model, tok, prompt, temp=-0.5))
+    # max_tokens as the CLI and the server take it (-3 was "no limit", "x" a TypeError deep in the loop)
+    for bad in (0, -3, "x", 2.5, True):
+        with pytest.raises(ValueError, match="max_tokens must be an integer >= 1, or -1 for no limit"):
+            mlx_dflash2.generate(model, tok, prompt, max_tokens=bad)
     # a bad block size is refused with or without a drafter (as the CLI's --block-size is)
     plain = SpeculativeModel(target, None, 1, "smollm2", target.config)
     for m, B in ((plain, 0), (plain, -2), (model, 0)):

@@ -278,15 +278,18 @@ class DFlashProposer(Proposer):
             a narrow round (the adaptive schedule's or a batch's width cap) then
             pays for the slots it verifies, not for ``B`` (on a compute-bound CPU
             a block of 2 slots costs ~1/8 of 16). The drafter attends within its
-            block both ways, so the drafts may move slightly; measured with the
-            shipped SmolLM2 drafter on 8 chat requests, the tokens per row-round
-            at widths 2 / 3 / 4: 1.418 / 1.657 / 1.687 fitted vs 1.432 / 1.647 /
-            1.677 with whole blocks. Verification stays exact either way.
-            ``False``: always ``B`` slots (the trained geometry).
+            block both ways, so a narrower block is a different input: with the
+            shipped SmolLM2 drafter the tokens per row-round at widths 2 / 4 / 8
+            were 1.418 / 1.687 / 1.708 fitted vs 1.432 / 1.677 / 1.698 whole
+            (``benchmarks/bench_fit_blocks.py``), but a Qwen2.5-Coder drafter's
+            slot-1 acceptance read 0.08 at a block of 4 against 0.29 at its trained
+            16 (session 15), so it is off by default (``False``: always ``B``
+            slots, the trained geometry, which the training's replay evaluation
+            also runs). Verification stays exact either way.
     """
 
     def __init__(self, model: DraftModel, target, valid_vocab: int, min_confidence: float = 0.0,
-                 context_window: int = DEFAULT_CONTEXT_WINDOW, fit_blocks: bool = True):
+                 context_window: int = DEFAULT_CONTEXT_WINDOW, fit_blocks: bool = False):
         self.fit_blocks = bool(fit_blocks)
         self.min_confidence = check_confidence(min_confidence, "min_confidence") or 0.0
         self.context_window = check_drafter_window(context_window)

@@ -1115,15 +1115,15 @@ def test_warm_up_shapes_cover_the_row_counts_and_the_schedules_widths():
 
 
 def test_drafter_blocks_fit_the_drafts(target, monkeypatch):
-    """A proposal of ``n`` drafts runs the drafter over ``draft_block(n, B)`` slots (2, 4, ... up to B), alone and
-    in a batch whose width cap cuts the drafts (the same block either way, so a row's drafts are its solo ones);
-    ``fit_blocks=False`` keeps whole blocks. Outputs stay those of plain decoding."""
+    """With ``fit_blocks`` a proposal of ``n`` drafts runs the drafter over ``draft_block(n, B)`` slots (2, 4, ...
+    up to B), alone and in a batch whose width cap cuts the drafts (the same block either way, so a row's drafts
+    are its solo ones); by default whole blocks (the trained geometry). Outputs stay those of plain decoding."""
     from mlx_dflash2.batch import WidthSchedule
     from mlx_dflash2.drafter.model import DraftModel
     from mlx_dflash2.proposers import draft_block
 
-    d = _dflash(target)
-    whole = DFlashProposer(d.model, target, VOCAB, fit_blocks=False)
+    whole = _dflash(target)  # the default: the trained block
+    d = DFlashProposer(whole.model, target, VOCAB, fit_blocks=True)
     assert [d.block_for(n, B) for n in (1, 2, 3, 4, 6)] == [2, 4, 4, 5, 7]
     assert [whole.block_for(n, B) for n in (1, 2, 3, 4, 6)] == [5, 5, 5, 5, 7]
     assert [draft_block(n, 16) for n in (1, 3, 4, 7, 8, 15)] == [2, 4, 8, 8, 16, 16]

@@ -177,8 +177,14 @@ def test_measurement_runs_in_bounded_time(tiny):
     t0 = time.perf_counter()
     costs = C.measure_verify_costs(_Slow(target, 0.03), drafter=drafter, repeats=5, time_budget=0.3, progress=False)
     took = time.perf_counter() - t0
-    # a fitted drafter block is measured at the top of each block size (2, 4, 8, 16 slots)
-    assert sorted(costs.verify_s) == list(DEFAULT_WIDTHS) and sorted(costs.drafter_s) == [1, 3, 7, 15]
+    # a whole-block drafter (the default) at 1 and B - 1 drafts; a fitted one at the top of each block size
+    assert sorted(costs.verify_s) == list(DEFAULT_WIDTHS) and sorted(costs.drafter_s) == [1, 15]
+    drafter.fit_blocks = True
+    try:
+        fitted = C.measure_verify_costs(target, (1, 16), drafter=drafter, repeats=1, long_context=0, progress=False)
+    finally:
+        drafter.fit_blocks = False
+    assert sorted(fitted.drafter_s) == [1, 3, 7, 15]
     # the budget stopped the passes after the first (a wall-clock bound here would only measure the host's load)
     assert costs.meta["passes"] == 1 and not costs.meta["settled"], (costs.meta, took)
     assert all(t >= 0.03 for t in costs.verify_s.values())

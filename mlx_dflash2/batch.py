@@ -1170,7 +1170,7 @@ class SpeculativeBatch:
         runs the solo loop's path, which the width calibration warms), ``r`` scratch requests of a
         ``prompt_len``-token prompt join a scratch batch (the joins' prefill), run one round with
         ``proposer`` at ``block_size`` (the batched drafter forward and a verify), the drafter proposes
-        ``M - 1`` drafts for every row for every ``M`` of ``widths`` (its fitted blocks, e.g. 2, 4, 8, 16
+        ``M - 1`` drafts for every row for every ``M`` of ``widths`` (with ``fit_blocks`` a block per width, 2, 4, 8, 16
         slots), then the target verifies a ``[r, M]`` block for every ``M`` (the logits of every row, the
         proposer's taps), its K/V rolled back. Nothing of this batch (``self``) changes; the scratch
         batch is dropped. Outputs do not change (a warm-up only moves compile time to here).
@@ -1205,7 +1205,7 @@ class SpeculativeBatch:
                 continue
             n = len(scratch._rows)
             tap_ids = tuple(dict.fromkeys(t for q in scratch._rows for t in q.tap_ids))
-            for M in widths:  # the drafters' forwards of M - 1 drafts (a fitted block per width)
+            for M in widths:  # the drafters' forwards of M - 1 drafts (with fit_blocks, a block per width)
                 calls: dict = {}
                 for q in scratch._rows:
                     prop = q.session.begin(q.history[-1], M - 1) if M > 1 else None

@@ -1170,9 +1170,9 @@ class SpeculativeBatch:
         runs the solo loop's path, which the width calibration warms), ``r`` scratch requests of a
         ``prompt_len``-token prompt join a scratch batch (the joins' prefill), run one round with
         ``proposer`` at ``block_size`` (the batched drafter forward and a verify), the drafter proposes
-        ``M - 1`` drafts for every row for every ``M`` of ``widths`` (with ``fit_blocks`` a block per width, 2, 4, 8, 16
-        slots), then the target verifies a ``[r, M]`` block for every ``M`` (the logits of every row, the
-        proposer's taps), its K/V rolled back. Nothing of this batch (``self``) changes; the scratch
+        ``M - 1`` drafts for every row for every ``M`` of ``widths`` (with ``fit_blocks`` a block per
+        width, 2, 4, 8, 16 slots), then the target verifies a ``[r, M]`` block for every ``M`` (the logits
+        of every row, the proposer's taps), its K/V rolled back. Nothing of this batch (``self``) changes; the scratch
         batch is dropped. Outputs do not change (a warm-up only moves compile time to here).
 
         Args:

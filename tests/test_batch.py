@@ -35,10 +35,26 @@ def _tiny(model_type: str, seed: int = 0, max_pos: int = 2048) -> TargetAdapter:
     return TargetAdapter(model, cfg)
 
 
-@pytest.fixture(autouse=True, params=[False, True], ids=["unpipelined", "pipelined"])
+PIPELINED = {"test_batch_equals_solo_with_joins_and_leaves",
+             "test_eos_inside_an_accepted_block_ends_only_that_request", "test_cancel_mid_batch_leaves_the_others_exact", "test_first_token_finishes_and_zero_tokens",
+             "test_context_limit_per_row", "test_long_prompt_prefills_in_chunks_between_the_rounds_of_others",
+             "test_cancel_or_remove_during_prefill_and_cached_state_joins",
+             "test_queued_plain_steps_change_no_output_or_state",
+             "test_scheduled_widths_keep_every_row_exact", "test_warm_up_runs_every_shape_and_changes_nothing"}
+
+
+def pytest_generate_tests(metafunc):
+    """The tests of ``PIPELINED`` (joins, leaves, cancels, stops, context limits, states, width caps) run twice:
+    plain steps unqueued (the CPU's default) and queued ahead (the GPU's: ``SpeculativeBatch(pipeline=...)``),
+    with the same outputs, statistics and states; the others unqueued."""
+    if "pipelined" in metafunc.fixturenames:
+        both = metafunc.function.__name__ in PIPELINED
+        metafunc.parametrize("pipelined", [False, True] if both else [False],
+                             ids=["unpipelined", "pipelined"] if both else ["unpipelined"], indirect=True)
+
+
+@pytest.fixture(autouse=True)
 def pipelined(request, monkeypatch):
-    """Every test of this module twice: plain steps unqueued (the CPU's default) and queued ahead (the GPU's:
-    ``SpeculativeBatch(pipeline=...)``), with the same outputs, statistics and states."""
     import mlx_dflash2.batch as batch_mod
 
     monkeypatch.setattr(batch_mod, "_pipeline_default", lambda: request.param)

@@ -36,7 +36,9 @@ def _tiny(model_type: str, seed: int = 0, max_pos: int = 2048) -> TargetAdapter:
 
 
 PIPELINED = {"test_batch_equals_solo_with_joins_and_leaves",
-             "test_eos_inside_an_accepted_block_ends_only_that_request", "test_cancel_mid_batch_leaves_the_others_exact", "test_first_token_finishes_and_zero_tokens",
+             "test_eos_inside_an_accepted_block_ends_only_that_request",
+             "test_cancel_mid_batch_leaves_the_others_exact",
+             "test_first_token_finishes_and_zero_tokens",
              "test_context_limit_per_row", "test_long_prompt_prefills_in_chunks_between_the_rounds_of_others",
              "test_cancel_or_remove_during_prefill_and_cached_state_joins",
              "test_queued_plain_steps_change_no_output_or_state",

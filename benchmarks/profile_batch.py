@@ -82,8 +82,8 @@ def main(argv=None):
     ap.add_argument("--no-profile", action="store_true", help="no phase timings (no extra synchronisation)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--pipeline", choices=["auto", "on", "off", "both"], default="auto",
-                    help="SpeculativeBatch(pipeline=...): plain steps queued ahead (auto: on a GPU); both: every "
-                    "configuration with and without (use --no-profile: phase timings synchronise)")
+                    help="SpeculativeBatch(pipeline=...): plain steps queued ahead (auto: off, the default); both: "
+                    "every configuration with and without (use --no-profile: phase timings synchronise)")
     ap.add_argument("--no-warm-up", action="store_true",
                     help="skip SpeculativeBatch.warm_up (the server's start-up run of every batch shape)")
     ap.add_argument("--cprofile", action="store_true",

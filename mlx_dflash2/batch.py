@@ -756,11 +756,11 @@ class WidthSchedule:
 
 
 def _pipeline_default() -> bool:
-    """Whether a batch queues plain steps ahead by default: on a GPU backend, where a small target's step is bound
-    by the host and the launches (the solo loop's queued plain steps: 6.6 ms against 10.5 ms for SmolLM2 on the
-    H200). Not on MLX's CPU backend, where it bought nothing (session 24, 8 plain rows of SmolLM2 on 2 cores: 70.6
-    tok/s queued, 72.0 not)."""
-    return mx.default_device().type == mx.DeviceType.gpu
+    """Whether a batch queues plain steps ahead by default: no, on every backend. Measured: MLX's CPU backend, 8
+    plain rows of SmolLM2 on 2 cores, 70.6 tok/s queued vs 72.0 not (session 24); the H200, SmolLM2 Q4_1 bf16, 8
+    requests in process (`profile_batch.py --pipeline both`), queued / not 0.92 without a drafter and 0.86 with it
+    (session 25). ``pipeline=True`` keeps it available."""
+    return False
 
 
 @dataclass
@@ -822,7 +822,7 @@ class SpeculativeBatch:
             same: outputs do not change). A queued step that is not used (the next round drafts, a row
             joins, is cancelled or removed) is rolled back; a row that finishes has its queued position
             cut. Targets with GatedDeltaNet layers never queue (their state cannot be cut by one
-            position). ``None`` (default): on a GPU backend.
+            position). ``None`` (default): off (it cost 8-14 % on the H200, session 25).
 
     Raises:
         TargetCompatibilityError: a target with a cache kind other than these (named).

@@ -632,6 +632,8 @@ class WidthSchedule:
         self.rounds: dict = {}  # bucket -> rounds run
         self.seeds: dict = {}  # bucket -> (start cap, {cap: (strikes, seconds / best's)}) from its nearest bucket
         self.doubted: set = set()  # (bucket, cap) whose last round was left out as a stall (outlier)
+        self.count: dict = {}  # (bucket, cap) -> rounds measured
+        self.stalls: dict = {}  # (bucket, cap) -> rounds left out as stalls
 
     @staticmethod
     def bucket(n_rows: int) -> int:
@@ -727,6 +729,26 @@ class WidthSchedule:
     def _best(self, b: int, known) -> int:
         return max(known, key=lambda c: (self._score(b, c), -c))
 
+    def summary(self) -> dict:
+        """What the schedule has measured, per batch-size bucket (for ``GET /metrics`` and benchmarks).
+
+        Returns:
+            ``{"2-2 rows" | "3-4 rows" | ...: {"best_cap": int, "rounds": int, "caps": {"1": {"rounds": int,
+            "stalls": int, "ms_per_round": float, "tokens_per_s": float}, ...}}}``: rounds measured at each cap
+            (stalls: rounds left out as :attr:`outlier`), the moving averages of seconds per round (in ms) and
+            of emitted tokens per second that :meth:`choose` compares, and the cap it prefers now.
+        """
+        rate, secs, count, stalls = dict(self.rate), dict(self.secs), dict(self.count), dict(self.stalls)
+        out = {}
+        for b in sorted({bb for bb, _ in rate}):
+            known = sorted(c for bb, c in rate if bb == b)
+            lo, hi = (2, 2) if b == 1 else (2 ** (b - 1) + 1, 2 ** b)
+            out[f"{lo}-{hi} rows"] = {
+                "best_cap": self._best(b, known), "rounds": self.rounds.get(b, 0),
+                "caps": {str(c): {"rounds": count.get((b, c), 0), "stalls": stalls.get((b, c), 0),
+                                  "ms_per_round": 1e3 * secs[(b, c)], "tokens_per_s": rate[(b, c)]} for c in known}}
+        return out
+
     def record(self, n_rows: int, cap: int, emitted: int, seconds: float) -> None:
         """Account one round: ``emitted`` tokens in ``seconds`` under ``cap`` with ``n_rows`` rows."""
         if seconds <= 0:
@@ -743,8 +765,10 @@ class WidthSchedule:
             expect = self._expected(b, cap)
         if expect is not None and seconds > self.outlier * expect and (b, cap) not in self.doubted:
             self.doubted.add((b, cap))  # a stall: not measured (an untried cap is tried again next)
+            self.stalls[(b, cap)] = self.stalls.get((b, cap), 0) + 1
             return
         self.doubted.discard((b, cap))
+        self.count[(b, cap)] = self.count.get((b, cap), 0) + 1
         old = self.rate.get((b, cap))
         self.rate[(b, cap)] = x if old is None else self.decay * old + (1.0 - self.decay) * x
         old = self.secs.get((b, cap))

@@ -547,6 +547,29 @@ def test_width_schedule_climbs_to_the_fastest_cap():
         SpeculativeBatch(_tiny("qwen3", seed=1), schedule="fast")
 
 
+def test_width_schedule_summary_reports_what_it_measured():
+    """``WidthSchedule.summary`` (the server's ``/metrics`` JSON): per batch-size bucket the rounds, stalls left
+    out, ms per round and tokens/s measured at each cap, and the cap preferred now."""
+    from mlx_dflash2.batch import WidthSchedule
+
+    s = WidthSchedule(caps=(1, 2, 4), decay=0.5)
+    assert s.summary() == {}
+    s.record(6, 1, 6, 0.010)
+    s.record(6, 2, 9, 0.020)
+    s.record(6, 2, 9, 0.020)
+    s.record(6, 4, 12, 5.0)  # a stall: left out, counted
+    s.record(2, 1, 2, 0.004)
+    got = s.summary()
+    assert list(got) == ["2-2 rows", "5-8 rows"]
+    five = got["5-8 rows"]
+    assert five["best_cap"] == 1 and five["rounds"] == 4
+    assert five["caps"]["1"] == {"rounds": 1, "stalls": 0, "ms_per_round": pytest.approx(10.0),
+                                 "tokens_per_s": pytest.approx(600.0)}
+    assert five["caps"]["2"]["rounds"] == 2 and five["caps"]["2"]["tokens_per_s"] == pytest.approx(450.0)
+    assert "4" not in five["caps"] and s.stalls[(WidthSchedule.bucket(6), 4)] == 1
+    assert got["2-2 rows"]["caps"]["1"]["rounds"] == 1
+
+
 def test_width_schedule_bounds_its_trial_rounds():
     """A cap whose rounds cost k times the best cap's is re-measured no sooner than its extra cost fits in
     ``budget`` of the rounds since (a drafting trial of many rows costs several plain rounds), and a

@@ -612,6 +612,9 @@ def test_batched_concurrent_greedy_requests_equal_solo(srv, rr_srv, http):
     rows = after["batch_rows_total"] - before["batch_rows_total"]
     assert rounds > 0 and rows / rounds > 1.5, (rows, rounds)  # they really shared rounds
     assert after["batch_verified_tokens_per_round"] > 1 and after["batch_size"] == 0
+    sched = after["batch_schedule"]  # what the width schedule measured, per batch size
+    assert sched and all(v["caps"] and str(v["best_cap"]) in v["caps"] for v in sched.values()), sched
+    assert sum(c["rounds"] for v in sched.values() for c in v["caps"].values()) > 0
     assert after["requests_active"] == 0
     assert "mlx_dflash2_batch_size_mean" in http.get("/metrics").text
 

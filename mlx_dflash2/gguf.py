@@ -6,7 +6,8 @@ the converter (``mlx_dflash2.convert``).
 
 What it does (see ``shared/research/offline-assets.md`` §3 for the derivation):
 
-* Reads the header (metadata and tensor types) with the ``gguf`` package.
+* Reads the header (metadata and tensor table) with :func:`parse_gguf_header` (``struct``, no
+  ``gguf.GGUFReader``), also what :func:`~.assets.gguf_file_size` reads.
 * Quantized tensors are loaded **natively packed** (``QuantizedLinear``/``QuantizedEmbedding``,
   MLX affine, group size 32, one bit width per layer):
 
@@ -49,10 +50,14 @@ from mlx.utils import tree_map
 
 __all__ = [
     "GGUFError",
+    "GGUFTruncatedError",
     "GGUFHeader",
+    "GGUFLayout",
+    "GGUFTensorEntry",
     "GGUFFile",
     "GGUFTensorInfo",
     "GGUFTensor",
+    "parse_gguf_header",
     "read_gguf_header",
     "gguf_model_config",
     "gguf_tensors",
@@ -130,8 +135,196 @@ class GGUFTensorInfo:
     data: np.ndarray
 
 
+class GGUFTruncatedError(GGUFError):
+    """A GGUF header runs past the end of the bytes given: a cut-short file, or a prefix shorter than its header."""
+
+
+@dataclass
+class GGUFTensorEntry:
+    """One row of a GGUF tensor table, as :func:`parse_gguf_header` reads it (no data is touched).
+
+    Attributes:
+        name: the GGUF tensor name.
+        dims: uint64 ``[n_dims]``, GGUF order (fastest-varying dimension first).
+        tensor_type: its ``gguf.GGMLQuantizationType``.
+        offset: where its data starts, in bytes from the start of the data section.
+        n_bytes: how many bytes its data takes (whole blocks of its type).
+    """
+
+    name: str
+    dims: np.ndarray
+    tensor_type: Any
+    offset: int
+    n_bytes: int
+
+
+@dataclass
+class GGUFLayout:
+    """What a GGUF header says (:func:`parse_gguf_header`): metadata, tensor table and where the data starts.
+
+    Attributes:
+        version: the GGUF version (2 or 3).
+        fields: metadata key -> Python value (str, int, float, bool, or a list of them), in file order.
+        tensors: the :class:`GGUFTensorEntry` of every tensor, in file order.
+        alignment: ``general.alignment`` (default 32), a power of two.
+        data_offset: the byte where the data section starts (the header's end rounded up to ``alignment``).
+    """
+
+    version: int
+    fields: dict[str, Any]
+    tensors: list[GGUFTensorEntry]
+    alignment: int
+    data_offset: int
+
+    @property
+    def file_size(self) -> int:
+        """The file's size in bytes as the header implies it: the end of the tensor data furthest in, rounded
+        up to ``alignment`` (llama.cpp's writer pads every tensor, the last one included)."""
+        end = self.data_offset + max((t.offset + t.n_bytes for t in self.tensors), default=0)
+        return end + (-end % self.alignment)
+
+
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_ARRAYS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
+                12: "<f8"}
+
+
+def parse_gguf_header(source: Any, name: str | None = None) -> GGUFLayout:
+    """Parse a GGUF header (magic, version, metadata, tensor table) with ``struct``; tensor data is not read.
+
+    The one GGUF header walker of the project: :class:`GGUFFile` runs it over a memory map of the whole file,
+    :func:`~.assets.gguf_file_size` over a file object that may hold only the start of the file (the first chunk
+    of a split model).
+
+    Args:
+        source: the file's bytes from its start (``bytes``, ``mmap.mmap``, anything ``struct.unpack_from`` and
+            ``np.frombuffer`` take; tensor data may be missing), or a binary file object positioned at the start
+            of a GGUF file, read in growing pieces until the header is complete (it is left positioned somewhere
+            after the header).
+        name: what error messages call the source (default: the file object's ``name``, else ``"GGUF data"``).
+
+    Returns:
+        A :class:`GGUFLayout`.
+
+    Raises:
+        GGUFTruncatedError: the header runs past the end of the bytes given (a ``GGUFError``).
+        GGUFError: not a GGUF file, an unsupported version or byte order, bad UTF-8, an unknown value or tensor
+            type, a duplicate tensor name, a quantized tensor whose rows are not whole blocks, or a bad
+            ``general.alignment``; the message reads ``NAME: not a readable GGUF file (...)``.
+        OSError: reading the file object failed.
+    """
+    if name is None:
+        name = str(getattr(source, "name", None) or "GGUF data")
+    if not hasattr(source, "read"):
+        return _parse_gguf_header(source, name)
+    buf = source.read(1 << 20)
+    while True:
+        try:
+            return _parse_gguf_header(buf, name)
+        except GGUFTruncatedError:
+            more = source.read(max(len(buf), 1 << 20))  # doubling: at most about twice the header is parsed
+            if not more:
+                raise
+            buf += more
+
+
+def _parse_gguf_header(buf: Any, name: str) -> GGUFLayout:
+    """:func:`parse_gguf_header` over a buffer (the caller's ``bytes`` or memory map)."""
+    import struct
+
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    size = len(buf)
+    unpack = struct.unpack_from
+
+    def fail(msg, error=GGUFError):
+        raise error(f"{name}: not a readable GGUF file ({msg})")
+
+    def short(what, off):
+        fail(f"header cut short: {what} at byte {off} runs past the end of the {size} bytes given",
+             GGUFTruncatedError)
+
+    def read_str(off):
+        (n,) = unpack("<Q", buf, off)
+        end = off + 8 + n
+        if end > size:
+            short("a string", off)
+        return bytes(buf[off + 8 : end]).decode("utf-8"), end
+
+    def read_value(vtype, off):
+        if vtype == 8:
+            return read_str(off)
+        if vtype == 9:
+            sub, count = unpack("<IQ", buf, off)
+            off += 12
+            if sub in _GGUF_ARRAYS:
+                dt = np.dtype(_GGUF_ARRAYS[sub])
+                if off + count * dt.itemsize > size:
+                    short("an array", off)
+                values = np.frombuffer(buf, dt, count, off).tolist()
+                return values, off + count * dt.itemsize
+            values = []
+            for _ in range(count):
+                v, off = read_value(sub, off)
+                values.append(v)
+            return values, off
+        if vtype in _GGUF_SCALARS:
+            fmt = _GGUF_SCALARS[vtype]
+            return unpack(fmt, buf, off)[0], off + struct.calcsize(fmt)
+        fail(f"unknown metadata value type {vtype}")
+
+    if size >= 4 and bytes(buf[:4]) != b"GGUF":
+        fail("no GGUF magic")
+    if size < 24:
+        fail(f"header cut short: {size} bytes are too short for a GGUF header", GGUFTruncatedError)
+    (version,) = unpack("<I", buf, 4)
+    if version not in (2, 3):
+        why = "big-endian files are not supported" if version & 0xFFFF == 0 else "only 2 and 3 are"
+        fail(f"GGUF version {version} ({why})")
+    n_tensors, n_kv = unpack("<QQ", buf, 8)
+    off = 24
+    fields: dict[str, Any] = {}
+    raw = []
+    try:
+        for _ in range(n_kv):
+            key, off = read_str(off)
+            (vtype,) = unpack("<I", buf, off)
+            fields[key], off = read_value(vtype, off + 4)
+        for _ in range(n_tensors):
+            tname, off = read_str(off)
+            (n_dims,) = unpack("<I", buf, off)
+            dims = np.array(unpack(f"<{n_dims}Q", buf, off + 4), dtype=np.uint64)
+            ttype, offset = unpack("<IQ", buf, off + 4 + 8 * n_dims)
+            off += 4 + 8 * n_dims + 12
+            raw.append((tname, dims, ttype, offset))
+    except struct.error as e:  # unpack_from past the end of the buffer (its formats are fixed)
+        fail(f"header cut short: {e}", GGUFTruncatedError)
+    except (UnicodeDecodeError, OverflowError, MemoryError) as e:
+        fail(f"{type(e).__name__}: {e}")
+    align = fields.get("general.alignment", 32)
+    if not isinstance(align, int) or align <= 0 or align & (align - 1):
+        fail(f"bad general.alignment {align!r}")
+    tensors: list[GGUFTensorEntry] = []
+    seen = set()
+    for tname, dims, ttype, offset in raw:
+        if tname in seen:
+            fail(f"tensor {tname} appears twice")
+        seen.add(tname)
+        try:
+            qtype = GGMLQuantizationType(ttype)
+        except ValueError:
+            fail(f"tensor {tname} has unknown type {ttype}")
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        row = int(dims[0]) if len(dims) else 1
+        if row % block:
+            fail(f"tensor {tname}: rows of {row} are not whole blocks of {block}")
+        n = int(np.prod(dims)) if len(dims) else 1
+        tensors.append(GGUFTensorEntry(tname, dims, qtype, int(offset), n * type_size // block))
+    return GGUFLayout(version, fields, tensors, align, off + (-off % align))
+
+
 class GGUFFile:
-    """A GGUF file's metadata and tensor table, parsed with ``struct`` over a memory map.
+    """A GGUF file's metadata and tensor table (:func:`parse_gguf_header` over a memory map) and its data views.
 
     Why not ``gguf.GGUFReader`` (which reads the same format): it builds a numpy view per metadata item, and
     a Qwen2.5 tokenizer's 151,936 tokens and 151,387 merges took 12.8 s of a 0.5B model's 38.7 s load (session
@@ -142,118 +335,44 @@ class GGUFFile:
         fields: metadata key -> Python value (str, int, float, bool, or a list of them), in file order.
         tensors: the :class:`GGUFTensorInfo` of every tensor, in file order.
         version: the GGUF version (2 or 3); little-endian files only.
+        layout: the :class:`GGUFLayout` its header gives.
 
     Raises:
-        GGUFError: not a GGUF file, an unsupported version or byte order, a header running past the end of
-            the file, bad UTF-8, an unknown value or tensor type, a duplicate tensor name, or tensor data past
-            the end of the file (``truncated or corrupt``).
+        GGUFError: what :func:`parse_gguf_header` raises (a header running past the end of the file is a
+            :class:`GGUFTruncatedError`), or tensor data past the end of the file (``truncated or corrupt``).
     """
-
-    _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-    _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
-              12: "<f8"}
 
     def __init__(self, path: str | Path):
         import mmap
-        import struct
 
-        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+        from gguf.constants import GGML_QUANT_SIZES
 
         self.path = Path(path)
         size = self.path.stat().st_size
         with open(self.path, "rb") as f:
             buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
         self._buf = buf
-        unpack = struct.unpack_from
-
-        def fail(msg):
-            raise GGUFError(f"{self.path}: not a readable GGUF file ({msg})")
-
-        def read_str(off):
-            (n,) = unpack("<Q", buf, off)
-            end = off + 8 + n
-            if end > size:
-                fail(f"a string at byte {off} runs past the end of the file")
-            return bytes(buf[off + 8 : end]).decode("utf-8"), end
-
-        def read_value(vtype, off):
-            if vtype == 8:
-                return read_str(off)
-            if vtype == 9:
-                sub, count = unpack("<IQ", buf, off)
-                off += 12
-                if sub in self._NUMPY:
-                    dt = np.dtype(self._NUMPY[sub])
-                    if off + count * dt.itemsize > size:
-                        fail(f"an array at byte {off} runs past the end of the file")
-                    values = np.frombuffer(buf, dt, count, off).tolist()
-                    return values, off + count * dt.itemsize
-                values = []
-                for _ in range(count):
-                    v, off = read_value(sub, off)
-                    values.append(v)
-                return values, off
-            if vtype in self._SCALARS:
-                fmt = self._SCALARS[vtype]
-                return unpack(fmt, buf, off)[0], off + struct.calcsize(fmt)
-            fail(f"unknown metadata value type {vtype}")
-
-        try:
-            if size < 24 or bytes(buf[:4]) != b"GGUF":
-                fail("no GGUF magic" if size >= 4 else "file too short")
-            (version,) = unpack("<I", buf, 4)
-            if version not in (2, 3):
-                fail(f"GGUF version {version} ({'big-endian files are not supported' if version & 0xFFFF == 0 else 'only 2 and 3 are'})")
-            n_tensors, n_kv = unpack("<QQ", buf, 8)
-            off = 24
-            self.version = version
-            self.fields: dict[str, Any] = {}
-            for _ in range(n_kv):
-                key, off = read_str(off)
-                (vtype,) = unpack("<I", buf, off)
-                self.fields[key], off = read_value(vtype, off + 4)
-            infos = []
-            for _ in range(n_tensors):
-                name, off = read_str(off)
-                (n_dims,) = unpack("<I", buf, off)
-                dims = np.array(unpack(f"<{n_dims}Q", buf, off + 4), dtype=np.uint64)
-                ttype, offset = unpack("<IQ", buf, off + 4 + 8 * n_dims)
-                off += 4 + 8 * n_dims + 12
-                infos.append((name, dims, ttype, offset))
-        except (struct.error, UnicodeDecodeError, OverflowError, MemoryError) as e:
-            fail(f"{type(e).__name__}: {e}")
-        align = self.fields.get("general.alignment", 32)
-        if not isinstance(align, int) or align <= 0 or align & (align - 1):
-            fail(f"bad general.alignment {align!r}")
-        start = off + (-off % align)
+        self.layout = layout = parse_gguf_header(buf, str(self.path))
+        self.version = layout.version
+        self.fields: dict[str, Any] = layout.fields
         floats = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
                   "I32": np.int32, "I64": np.int64}
         self.tensors: list[GGUFTensorInfo] = []
-        seen = set()
-        for name, dims, ttype, offset in infos:
-            if name in seen:
-                fail(f"tensor {name} appears twice")
-            seen.add(name)
-            try:
-                qtype = GGMLQuantizationType(ttype)
-            except ValueError:
-                fail(f"tensor {name} has unknown type {ttype}")
-            n = int(np.prod(dims)) if len(dims) else 1
-            block, type_size = GGML_QUANT_SIZES[qtype]
-            n_bytes = n * type_size // block
-            at = start + int(offset)
-            if at + n_bytes > size:
+        for t in layout.tensors:
+            at = layout.data_offset + t.offset
+            if at + t.n_bytes > size:
                 raise GGUFError(f"{self.path}: truncated or corrupt GGUF file: its header describes more tensor data "
-                                f"than the file's {size} bytes hold (tensor {name} ends at byte {at + n_bytes})")
-            np_dims = tuple(int(d) for d in reversed(dims.tolist()))
+                                f"than the file's {size} bytes hold (tensor {t.name} ends at byte {at + t.n_bytes})")
+            np_dims = tuple(reversed(t.dims.tolist()))
+            qtype = t.tensor_type
             if qtype.name in floats:
-                data = np.frombuffer(buf, floats[qtype.name], n, at).reshape(np_dims)
+                dt = np.dtype(floats[qtype.name])
+                data = np.frombuffer(buf, dt, t.n_bytes // dt.itemsize, at).reshape(np_dims)
             else:
-                if np_dims[-1] % block:
-                    fail(f"tensor {name}: rows of {np_dims[-1]} are not whole blocks of {block}")
-                data = np.frombuffer(buf, np.uint8, n_bytes, at).reshape(
+                block, type_size = GGML_QUANT_SIZES[qtype]
+                data = np.frombuffer(buf, np.uint8, t.n_bytes, at).reshape(
                     (*np_dims[:-1], np_dims[-1] // block * type_size))
-            self.tensors.append(GGUFTensorInfo(name, qtype, dims.astype(np.int64), data))
+            self.tensors.append(GGUFTensorInfo(t.name, qtype, t.dims.astype(np.int64), data))
 
 
 def read_gguf_header(path: str | Path) -> GGUFHeader:

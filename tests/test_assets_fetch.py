@@ -142,6 +142,50 @@ def test_gguf_file_size_reads_only_the_header(tmp_path, DATA):
         assets.gguf_file_size(io.BytesIO(DATA[:40]))
 
 
+def _reader_layout(path):
+    """gguf-py's GGUFReader's view of a tensor table: (name, type, dims, absolute data offset, bytes), and the
+    end of the data furthest in."""
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    table = [(t.name, int(t.tensor_type), t.shape.tolist(), int(t.data_offset), int(t.n_bytes)) for t in r.tensors]
+    return table, max(off + n for *_, off, n in table)
+
+
+def test_gguf_file_size_and_gguf_file_agree(tmp_path, DATA):
+    """One header walker: gguf_file_size (a file object, or the header alone) and GGUFFile (a memory map) read the
+    same header, and the size both imply is the file's: on a fixture and on the embedded model (a 1.8 MB header,
+    so the file object is read in more than one piece); gguf-py's reader places the data alike; half a header is
+    a GGUFTruncatedError."""
+    import io
+
+    from mlx_dflash2.gguf import GGUFFile, GGUFTruncatedError, parse_gguf_header
+
+    fixture = tmp_path / "m.gguf"
+    fixture.write_bytes(DATA)
+    for path in (fixture, assets.embedded_model_path()):
+        size = path.stat().st_size
+        g = GGUFFile(path)
+        with open(path, "rb") as f:
+            assert assets.gguf_file_size(f) == g.layout.file_size == size
+        with open(path, "rb") as f:
+            from_file = parse_gguf_header(f)
+        table = [(t.name, int(t.tensor_type), t.shape.tolist(), g.layout.data_offset + e.offset, t.data.nbytes)
+                 for t, e in zip(g.tensors, g.layout.tensors)]
+        want, end = _reader_layout(path)
+        assert table == want and -(-end // g.layout.alignment) * g.layout.alignment == size
+        assert from_file.fields == g.fields and from_file.data_offset == g.layout.data_offset
+        assert [(t.name, t.tensor_type, t.dims.tolist(), t.offset, t.n_bytes) for t in from_file.tensors] == [
+            (t.name, t.tensor_type, t.dims.tolist(), t.offset, t.n_bytes) for t in g.layout.tensors]
+        head = path.read_bytes()[: g.layout.data_offset]  # the header alone, no tensor data
+        assert parse_gguf_header(head).file_size == size
+        assert assets.gguf_file_size(io.BytesIO(head)) == size
+        with pytest.raises(GGUFTruncatedError, match="cut short"):
+            parse_gguf_header(head[: len(head) // 2])
+        with pytest.raises(GGUFTruncatedError, match="cut short"):
+            assets.gguf_file_size(io.BytesIO(head[: len(head) // 2]))
+
+
 def test_cache_dir_env(monkeypatch, tmp_path):
     monkeypatch.setenv("MLX_DFLASH2_CACHE", str(tmp_path / "c"))
     assert assets.cache_dir() == tmp_path / "c"

@@ -36,7 +36,8 @@
 #   server     benchmarks/gpu/server.sh -> server.json, server.log (issue 22: ours with/without the drafter vs
 #              mlx_lm.server on SmolLM2 converted once; needs $PAYLOAD/srvwhl.tar, see server.sh)
 # Env: OUT (the device tool sets it), PAYLOAD (~/payload), GGUF, PY (python3), MLX_PTX_CACHE_DIR (default ~/ptx: it stays for
-# the machine's lease, so only the first MLX process compiles), RUN_BUDGET (default 570), T_SELFTEST (300: on a fresh machine NVRTC compiles every instantiation at
+# the machine's lease, so only the first MLX process compiles; restored from $PAYLOAD/ptx*.tgz when empty; SAVE_PTX=1
+# writes it to $OUT/ptx.tgz), RUN_BUDGET (default 570), T_SELFTEST (300: on a fresh machine NVRTC compiles every instantiation at
 # first use, ~20 s each: session 18's 150 s reached 6 of the qmm cases; ARGS_SELFTEST=--quick halves the cases),
 # T_CHECK (150), T_KERNELS (180), T_SCALING (420), T_EXACTNESS (240), T_SETS (300), T_HYBRID (400), T_PROBE (300), T_TRACE (240), T_BATCH (240), T_SERVER (400), PROBE_SHAPES (hybrid-27b,dense-27b), KERNEL_SHAPES
 # (qwen3-8b), KERNEL_SWEEP (--sweep: the qmm geometry sweep; empty: none), SCALING_SHAPES (qwen3-8b,dense-27b), HYBRID_SHAPES (hybrid-27b,dense-27b), HYBRID_CONTEXTS
@@ -67,6 +68,14 @@ $PY -c "import gguf" 2>/dev/null || $PY -m pip install -q --no-index --no-deps "
 # the device's copy of an ignored folder does not survive the next call's sync (session 18 lost a part to that)
 if [ ! -f mlx_dflash2/drafters/smollm2-135m-instruct/config.json ] && [ -f "$PAYLOAD/drafter.tgz" ]; then
   mkdir -p mlx_dflash2/drafters && tar xzf "$PAYLOAD/drafter.tgz" -C mlx_dflash2/drafters
+fi
+# a PTX cache carried from an earlier machine ($PAYLOAD/ptx*.tgz, from SAVE_PTX=1 below): a fresh machine's first
+# server spent 8 minutes building MLX's CUDA kernels in session 25 (the same server 2 s of gates with the cache)
+if [ -z "$(ls -A "$MLX_PTX_CACHE_DIR" 2>/dev/null)" ]; then
+  for f in "$PAYLOAD"/ptx*.tgz; do
+    [ -f "$f" ] && tar xzf "$f" -C "$MLX_PTX_CACHE_DIR" --strip-components=1 \
+      && say "PTX cache: $(ls "$MLX_PTX_CACHE_DIR" | wc -l) files from $(basename "$f")"
+  done
 fi
 if [ ! -f "$GGUF" ]; then  # elsewhere (a CPU smoke run): the embedded model's GGUF, if installed
   GGUF=$($PY -c "from mlx_dflash2.assets import embedded_model_path as p; print(p())" 2>/dev/null || echo "$GGUF")
@@ -123,6 +132,10 @@ for p in "$@"; do
   smi
 done
 
+if [ "${SAVE_PTX:-0}" = 1 ]; then  # the PTX cache for the next machine (carry it as an EXTRA_FILE named ptx*.tgz)
+  tar czf "$OUT/ptx.tgz" -C "$(dirname "$MLX_PTX_CACHE_DIR")" "$(basename "$MLX_PTX_CACHE_DIR")" \
+    && say "PTX cache saved: $OUT/ptx.tgz, $(du -k "$OUT/ptx.tgz" | cut -f1) KiB"
+fi
 n=$(find "$OUT" -maxdepth 1 -type f ! -name results.tar.gz | wc -l)
 if [ "$n" -gt 8 ]; then
   say "$n files in $OUT (the device tool returns 8): packing them into results.tar.gz (run.log stays beside it)"

@@ -281,6 +281,15 @@ BAD = [
     ({"min_p": 2}, "min_p"),
     ({"stop": 5}, "stop"),
     ({"stop": ["ok", 3]}, "stop"),
+    # a fresh user's finds (session 25): accepted and silently ignored
+    ({"stop": [""]}, "stop"),
+    ({"stop": ""}, "stop"),
+    ({"stop": ["ok", ""]}, "stop"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "system", "content": None}, {"role": "user", "content": "Hi"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "tool", "content": None}]}, "messages[1].content"),
+    ({"best_of": 2}, "best_of"),
     ({"stream": "yes"}, "stream"),
     ({"logprobs": "yes"}, "logprobs"),
     ({"top_logprobs": 50, "logprobs": True}, "top_logprobs"),
@@ -331,6 +340,29 @@ def test_bad_payload_messages_name_what_to_send(http):
     assert http.post("/v1/chat/completions", json={**body, "seed": 2**64 - 1}).status_code == 200
 
 
+def test_unsupported_values_are_named_and_openai_defaults_accepted(http):
+    """A fresh user's finds (session 25): best_of was ignored, an empty stop string and a user message with null
+    content were accepted; each is a 400 that says what to send. n=1, best_of=1 and an assistant message with
+    null content (OpenAI's tool-call turn) are fine."""
+    body = {"messages": chat_msgs("Hi"), "max_tokens": 1}
+    for path, b in (("/v1/chat/completions", body), ("/v1/completions", {"prompt": "Hi", "max_tokens": 1})):
+        for field in ("n", "best_of"):
+            r = http.post(path, json={**b, field: 2})
+            assert r.status_code == 400 and f"only {field}=1 is supported" in r.json()["error"]["message"], r.text
+            assert http.post(path, json={**b, field: 1}).status_code == 200
+        r = http.post(path, json={**b, "stop": ["ok", ""]})
+        assert r.status_code == 400 and "stop strings must be non-empty" in r.json()["error"]["message"], r.text
+    r = http.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": None}]})
+    assert r.status_code == 400, r.text
+    assert "a user message needs content" in r.json()["error"]["message"]
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    turns = chat_msgs("Hi") + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                               {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+                               {"role": "user", "content": "And?"}]
+    r = http.post("/v1/chat/completions", json={**body, "messages": turns})
+    assert r.status_code == 200, r.text
+
+
 def test_unknown_model_is_404_model_not_found(http, client):
     """OpenAI answers an unknown model with 404, invalid_request_error, code model_not_found (was 400); the
     served id, its aliases and null are accepted; the OpenAPI schema documents the 404."""
@@ -366,6 +398,9 @@ BAD_COMPLETIONS = [
     ({"logprobs": True}, "logprobs"),
     ({"echo": True}, "echo"),
     ({"suffix": "x"}, "suffix"),
+    ({"best_of": 3}, "best_of"),
+    ({"n": 2}, "n"),
+    ({"stop": [""]}, "stop"),
     ({"max_tokens": 0}, "max_tokens"),
 ]
 

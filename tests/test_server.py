@@ -1257,7 +1257,7 @@ def test_bad_server_defaults_are_refused_before_loading(capsys, flags, msg):
     model path does not exist either: its error would come later)."""
     from mlx_dflash2.server.cli import main
 
-    assert main(["--model", "/nonexistent/model", *flags]) == 2
+    assert main(["--model", "/nonexistent/model", "--port", "0", *flags]) == 2  # port 0: 8080 may be taken
     err = capsys.readouterr().err
     assert f"error: {msg}" in err and "not found" not in err.replace("no such file", "")
 
@@ -1284,6 +1284,31 @@ def test_a_port_out_of_range_is_refused_before_loading(capsys, port):
     assert e.value.code == 2 and "0..65535" in capsys.readouterr().err
 
 
+def test_a_host_or_port_it_cannot_listen_on_is_refused_before_loading(monkeypatch, capsys):
+    """A fresh user's find (session 25): ``--host 999.1.1.1`` loaded the model, logged "serving ..." and only
+    then failed to bind. A host that does not resolve or is not this machine's, or a port in use, is now one
+    error line (exit status 2) before anything loads."""
+    from mlx_dflash2.server import cli
+
+    def no_load(args):
+        raise AssertionError("the model was loaded before the address was checked")
+
+    monkeypatch.setattr(cli, "build_app", no_load)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for flags, msg in ((["--host", "999.1.1.1"], "--host 999.1.1.1: not an IP address or a host name that "
+                                                     "resolves"),
+                           (["--host", "192.0.2.1"], "--host 192.0.2.1: not an address of this machine"),
+                           (["--port", str(port)], f"--port {port}: already in use on 127.0.0.1")):
+            assert cli.main(flags) == 2
+            err = capsys.readouterr().err
+            assert f"error: {msg}" in err and "Traceback" not in err, err
+    cli.check_listen("127.0.0.1", port)  # free again
+    cli.check_listen("127.0.0.1", 0)
+
+
 def test_ctrl_c_while_loading_is_one_line(monkeypatch, capsys):
     """A fresh user's run: Ctrl-C during the model's load printed a KeyboardInterrupt traceback from inside a
     loader; now one line and exit status 130."""
@@ -1293,7 +1318,7 @@ def test_ctrl_c_while_loading_is_one_line(monkeypatch, capsys):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(cli, "build_app", interrupted)
-    assert cli.main([]) == 130
+    assert cli.main(["--port", "0"]) == 130  # port 0: whichever port is free (8080 may be taken here)
     assert "interrupted while loading" in capsys.readouterr().err
 
 

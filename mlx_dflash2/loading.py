@@ -396,6 +396,21 @@ def _check_adaptive(adaptive, lookup: bool, drafter="auto") -> None:
                          "drafter to schedule (drop --adaptive, or use --drafter auto / a drafter path)")
 
 
+def _check_no_drafter_flags(drafter, lookup: bool, draft_confidence) -> None:
+    """Raises ValueError for settings that contradict a ``drafter`` without a drafter model or do nothing with it
+    (``"lookup"``, ``"none"``, ``None``): ``lookup=False`` with ``"lookup"``, a ``draft_confidence`` (the
+    drafter's dynamic draft length) with any of them. Both were accepted silently (a fresh user's find, session
+    25)."""
+    if not (drafter is None or (isinstance(drafter, str) and drafter in ("lookup", "none"))):
+        return
+    if drafter == "lookup" and not lookup:
+        raise ValueError("--drafter lookup drafts by lookup only: --no-lookup contradicts it (drop --no-lookup, or "
+                         "use --drafter none for no drafting)")
+    if draft_confidence is not None:
+        raise ValueError(f"--draft-confidence sets when a drafter's draft stops: --drafter {drafter} has no drafter "
+                         "to stop early (drop --draft-confidence, or use --drafter auto / a drafter path)")
+
+
 DRAFTER_KEYWORDS = ("auto", "shipped", "none", "lookup", "init")  # drafter specs that are not checkpoint paths
 
 
@@ -540,12 +555,14 @@ def load(
 
     Raises:
         ValueError: a bad block size, ``draft_confidence`` outside ``[0, 1)`` or ``drafter_window < 0``;
-            and what :func:`load_target` and :func:`make_proposer` raise.
+            ``lookup=False`` with ``drafter="lookup"``, a ``draft_confidence`` with ``"lookup"`` or
+            ``"none"`` (they would do nothing); and what :func:`load_target` and :func:`make_proposer` raise.
     """
     # everything that can be checked without the weights is checked before the (slow) loading
     draft_confidence = check_confidence(draft_confidence)
     drafter_window = check_drafter_window(drafter_window)
     _check_adaptive(adaptive, lookup, drafter)
+    _check_no_drafter_flags(drafter, lookup, draft_confidence)
     if calibrate is not None and not isinstance(calibrate, bool):
         raise ValueError(f"calibrate must be None, True or False, got {calibrate!r}")
     if block_size is not None:

@@ -138,6 +138,10 @@ def test_cli_errors_exit_2_from_their_own_process(case):
         # a fresh user's find (session 23): accepted and silently ignored
         (["--drafter", "lookup", "--adaptive"], "--drafter lookup has no drafter to schedule"),
         (["--drafter", "none", "--adaptive"], "--drafter none has no drafter to schedule"),
+        # a fresh user's finds (session 25): accepted though they contradict the drafter or do nothing with it
+        (["--drafter", "lookup", "--no-lookup"], "--drafter lookup drafts by lookup only: --no-lookup contradicts"),
+        (["--drafter", "lookup", "--draft-confidence", "0.1"], "--drafter lookup has no drafter to stop early"),
+        (["--drafter", "none", "--draft-confidence", "0"], "--drafter none has no drafter to stop early"),
     ],
 )
 def test_cli_flags_are_checked_before_loading(args, msg, capsys):
@@ -524,6 +528,22 @@ def test_bad_draft_confidence_is_refused_before_loading(bad):
 
     with pytest.raises(ValueError, match="draft_confidence must be a number in"):
         load("/nonexistent/model", drafter="none", draft_confidence=bad)
+
+
+def test_flags_that_do_nothing_without_a_drafter_are_refused_by_load_and_the_server(capsys):
+    """load() refuses lookup=False with drafter="lookup" and a draft_confidence without a drafter before loading
+    anything (as the generate CLI: test_cli_flags_are_checked_before_loading); so does the server's command."""
+    from mlx_dflash2 import load
+    from mlx_dflash2.server.cli import main
+
+    with pytest.raises(ValueError, match="--no-lookup contradicts it"):
+        load("/nonexistent/model", drafter="lookup", lookup=False)
+    for drafter in ("lookup", "none", None):
+        with pytest.raises(ValueError, match=f"--drafter {drafter} has no drafter to stop early"):
+            load("/nonexistent/model", drafter=drafter, draft_confidence=0.2)
+    assert main(["--model", "/nonexistent/model", "--port", "0", "--drafter", "lookup", "--no-lookup"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --drafter lookup drafts by lookup only" in err and "not found" not in err
 
 
 @pytest.mark.parametrize("prog", ["mlx_dflash2.generate", "mlx_dflash2.server"])

@@ -281,6 +281,15 @@ BAD = [
     ({"min_p": 2}, "min_p"),
     ({"stop": 5}, "stop"),
     ({"stop": ["ok", 3]}, "stop"),
+    # a fresh user's finds (session 25): accepted and silently ignored
+    ({"stop": [""]}, "stop"),
+    ({"stop": ""}, "stop"),
+    ({"stop": ["ok", ""]}, "stop"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "system", "content": None}, {"role": "user", "content": "Hi"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "tool", "content": None}]}, "messages[1].content"),
+    ({"best_of": 2}, "best_of"),
     ({"stream": "yes"}, "stream"),
     ({"logprobs": "yes"}, "logprobs"),
     ({"top_logprobs": 50, "logprobs": True}, "top_logprobs"),
@@ -331,6 +340,29 @@ def test_bad_payload_messages_name_what_to_send(http):
     assert http.post("/v1/chat/completions", json={**body, "seed": 2**64 - 1}).status_code == 200
 
 
+def test_unsupported_values_are_named_and_openai_defaults_accepted(http):
+    """A fresh user's finds (session 25): best_of was ignored, an empty stop string and a user message with null
+    content were accepted; each is a 400 that says what to send. n=1, best_of=1 and an assistant message with
+    null content (OpenAI's tool-call turn) are fine."""
+    body = {"messages": chat_msgs("Hi"), "max_tokens": 1}
+    for path, b in (("/v1/chat/completions", body), ("/v1/completions", {"prompt": "Hi", "max_tokens": 1})):
+        for field in ("n", "best_of"):
+            r = http.post(path, json={**b, field: 2})
+            assert r.status_code == 400 and f"only {field}=1 is supported" in r.json()["error"]["message"], r.text
+            assert http.post(path, json={**b, field: 1}).status_code == 200
+        r = http.post(path, json={**b, "stop": ["ok", ""]})
+        assert r.status_code == 400 and "stop strings must be non-empty" in r.json()["error"]["message"], r.text
+    r = http.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": None}]})
+    assert r.status_code == 400, r.text
+    assert "a user message needs content" in r.json()["error"]["message"]
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    turns = chat_msgs("Hi") + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                               {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+                               {"role": "user", "content": "And?"}]
+    r = http.post("/v1/chat/completions", json={**body, "messages": turns})
+    assert r.status_code == 200, r.text
+
+
 def test_unknown_model_is_404_model_not_found(http, client):
     """OpenAI answers an unknown model with 404, invalid_request_error, code model_not_found (was 400); the
     served id, its aliases and null are accepted; the OpenAPI schema documents the 404."""
@@ -366,6 +398,9 @@ BAD_COMPLETIONS = [
     ({"logprobs": True}, "logprobs"),
     ({"echo": True}, "echo"),
     ({"suffix": "x"}, "suffix"),
+    ({"best_of": 3}, "best_of"),
+    ({"n": 2}, "n"),
+    ({"stop": [""]}, "stop"),
     ({"max_tokens": 0}, "max_tokens"),
 ]
 
@@ -1225,7 +1260,7 @@ def test_bad_server_defaults_are_refused_before_loading(capsys, flags, msg):
     model path does not exist either: its error would come later)."""
     from mlx_dflash2.server.cli import main
 
-    assert main(["--model", "/nonexistent/model", *flags]) == 2
+    assert main(["--model", "/nonexistent/model", "--port", "0", *flags]) == 2  # port 0: 8080 may be taken
     err = capsys.readouterr().err
     assert f"error: {msg}" in err and "not found" not in err.replace("no such file", "")
 
@@ -1252,6 +1287,31 @@ def test_a_port_out_of_range_is_refused_before_loading(capsys, port):
     assert e.value.code == 2 and "0..65535" in capsys.readouterr().err
 
 
+def test_a_host_or_port_it_cannot_listen_on_is_refused_before_loading(monkeypatch, capsys):
+    """A fresh user's find (session 25): ``--host 999.1.1.1`` loaded the model, logged "serving ..." and only
+    then failed to bind. A host that does not resolve or is not this machine's, or a port in use, is now one
+    error line (exit status 2) before anything loads."""
+    from mlx_dflash2.server import cli
+
+    def no_load(args):
+        raise AssertionError("the model was loaded before the address was checked")
+
+    monkeypatch.setattr(cli, "build_app", no_load)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for flags, msg in ((["--host", "999.1.1.1"], "--host 999.1.1.1: not an IP address or a host name that "
+                                                     "resolves"),
+                           (["--host", "192.0.2.1"], "--host 192.0.2.1: not an address of this machine"),
+                           (["--port", str(port)], f"--port {port}: already in use on 127.0.0.1")):
+            assert cli.main(flags) == 2
+            err = capsys.readouterr().err
+            assert f"error: {msg}" in err and "Traceback" not in err, err
+    cli.check_listen("127.0.0.1", port)  # free again
+    cli.check_listen("127.0.0.1", 0)
+
+
 def test_ctrl_c_while_loading_is_one_line(monkeypatch, capsys):
     """A fresh user's run: Ctrl-C during the model's load printed a KeyboardInterrupt traceback from inside a
     loader; now one line and exit status 130."""
@@ -1261,7 +1321,7 @@ def test_ctrl_c_while_loading_is_one_line(monkeypatch, capsys):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(cli, "build_app", interrupted)
-    assert cli.main([]) == 130
+    assert cli.main(["--port", "0"]) == 130  # port 0: whichever port is free (8080 may be taken here)
     assert "interrupted while loading" in capsys.readouterr().err
 
 

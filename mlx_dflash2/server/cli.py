@@ -8,9 +8,11 @@ uvicorn.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import re
+import socket
 import sys
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from ..drafter.model import DEFAULT_CONTEXT_WINDOW
 from ..loading import (ADAPTIVE_HELP, CALIBRATE_HELP, DRAFT_CONFIDENCE_HELP, DRAFTER_HELP, DRAFTER_WINDOW_HELP,
                        KERNELS_HELP, draft_confidence_arg, drafter_window_arg)
 
-__all__ = ["main", "setup_arg_parser", "build_app"]
+__all__ = ["main", "setup_arg_parser", "build_app", "check_listen"]
 
 
 def _size(text: str) -> int:
@@ -70,6 +72,37 @@ def check_args(args: argparse.Namespace) -> None:
     if t and "{" not in t and not Path(t).is_file():
         raise ValueError(f"--chat-template: no such file: {t} "
                          "(a template given inline is Jinja text, with {% or {{)")
+
+
+def check_listen(host: str, port: int) -> None:
+    """Bind (then close) a socket on every address of ``host`` at ``port``, as uvicorn's listening socket will be
+    made (asyncio's ``create_server``: address reuse, IPv6 sockets IPv6-only): what would fail there fails here,
+    before the model loads (a fresh user's find, session 25: ``--host 999.1.1.1`` loaded the model, logged
+    "serving ..." and only then failed to bind).
+
+    Raises:
+        ValueError: ``host`` does not resolve or is not an address of this machine; ``port`` is in use or not
+            allowed.
+    """
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: not an IP address or a host name that resolves ({e.strerror})") from None
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(addr)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    why = f"--port {port}: already in use on {addr[0]} (another server? pick another --port)"
+                elif e.errno == errno.EADDRNOTAVAIL:
+                    why = f"--host {host}: not an address of this machine ({e.strerror})"
+                else:
+                    why = f"cannot listen on {addr[0]} port {port}: {e.strerror or e}"
+                raise ValueError(why) from None
 
 
 def _port(text: str) -> int:
@@ -225,6 +258,7 @@ def main(argv=None) -> int:
     import uvicorn
 
     try:
+        check_listen(args.host, args.port)  # before the (slow) load, and before "serving ..." is logged
         app, engine = build_app(args)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

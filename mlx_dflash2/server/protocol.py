@@ -4,7 +4,9 @@ The request models validate every field the server reads and give the OpenAPI
 schema (``GET /openapi.json``). Field names, defaults and ranges follow
 ``mlx_lm.server`` and OpenAI's API; ``null`` always means "the server default"
 (the ``--temp`` / ``--max-tokens`` ... flags). Unknown fields are ignored, as
-OpenAI clients send fields this server has no use for (``user``, ``n=1`` ...).
+OpenAI clients send fields this server has no use for (``user``, ``store`` ...);
+a known field asking for what the server does not do (``n`` or ``best_of`` > 1,
+``echo``, ``suffix``) is a 400 that names it.
 
 Errors are returned in OpenAI's format (:class:`ErrorResponse`)::
 
@@ -15,7 +17,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictStr, field_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictStr, WithJsonSchema,
+                      field_validator)
 
 __all__ = [
     "APIError",
@@ -84,6 +87,8 @@ def _json_int(v):
 
 #: An integer as JSON Schema defines it (``8`` or ``8.0``; not ``"8"``, ``true`` or ``8.5``).
 StrictInt = Annotated[int, BeforeValidator(_json_int)]
+#: A stop string: non-empty (the schema says so; the field's validator gives the message).
+StopString = Annotated[StrictStr, WithJsonSchema({"type": "string", "minLength": 1})]
 Penalty = Optional[StrictFloat]
 
 
@@ -100,14 +105,31 @@ class TextPart(_Request):
 
 
 class ChatMessage(_Request):
-    """One chat message. ``developer`` is read as ``system``; ``content`` may be a
-    string or a list of text parts (missing or ``null``: empty, as mlx_lm.server)."""
+    """One chat message. ``developer`` is read as ``system``; ``content`` is a string
+    or a list of text parts. As OpenAI's, only an assistant message may leave it out
+    (missing or ``null``: a tool-call turn; read as empty)."""
+
+    # the schema says it too: a message of another role has non-null content
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"properties": {"role": {"const": "assistant"}}},
+        {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+    ]})
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[Union[StrictStr, List[TextPart]]] = None
+    content: Optional[Union[StrictStr, List[TextPart]]] = Field(None, validate_default=True)
     name: Optional[StrictStr] = None
     tool_calls: Optional[List[Dict[str, Any]]] = None
     tool_call_id: Optional[StrictStr] = None
+
+    @field_validator("content")
+    @classmethod
+    def _check_content(cls, v, info):
+        # a user message with null content was taken as an empty one (a fresh user's find, session 25)
+        role = info.data.get("role")  # absent when the role itself is invalid (that error is reported)
+        if v is None and role not in (None, "assistant"):
+            raise ValueError(f"a {role} message needs content (a string or a list of text parts); "
+                             "only an assistant message may leave it out or null")
+        return v
 
 
 class StreamOptions(_Request):
@@ -138,10 +160,12 @@ class _GenerationFields(_Request):
         None, description='token id (as a string) -> bias in [-100, 100], e.g. {"1234": -100}'
     )
     seed: Optional[StrictInt] = Field(None, description="random seed, an integer in [0, 2**64 - 1]")
-    stop: Optional[Union[StrictStr, List[StrictStr]]] = Field(
+    stop: Optional[Union[StopString, List[StopString]]] = Field(
         None, description="stop string(s); generation ends at the first, which is not returned"
     )
     n: Optional[StrictInt] = Field(None, ge=1, le=1, description="number of choices (only 1)")
+    best_of: Optional[StrictInt] = Field(None, ge=1, le=1, description="candidates generated for the one "
+                                         "returned (only 1)")
     num_draft_tokens: Optional[StrictInt] = Field(
         None, ge=1, le=64, description="block size B for this request (1: no drafting; default --block-size)"
     )
@@ -152,6 +176,23 @@ class _GenerationFields(_Request):
         # a Field(le=2**64 - 1) prints its bound as a rounded float (18446744073709552000)
         if v is not None and not 0 <= v <= 2**64 - 1:
             raise ValueError(f"must be an integer in [0, 18446744073709551615] (2**64 - 1), got {v}")
+        return v
+
+    @field_validator("n", "best_of", mode="before")
+    @classmethod
+    def _check_one(cls, v, info):
+        # best_of was accepted and ignored (a fresh user's find, session 25); n's message said only "<= 1".
+        # Before the type check: 1, 1.0 and null go on to it (and true, which it refuses).
+        if v is not None and v != 1:
+            raise ValueError(f"only {info.field_name}=1 is supported (one choice per request), got {v}")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v):
+        # an empty stop string was accepted and silently dropped (a fresh user's find, session 25)
+        if v is not None and "" in ([v] if isinstance(v, str) else v):
+            raise ValueError("stop strings must be non-empty")
         return v
 
     @field_validator("logit_bias")

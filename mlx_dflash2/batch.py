@@ -733,7 +733,7 @@ class WidthSchedule:
         """What the schedule has measured, per batch-size bucket (for ``GET /metrics`` and benchmarks).
 
         Returns:
-            ``{"2-2 rows" | "3-4 rows" | ...: {"best_cap": int, "rounds": int, "caps": {"1": {"rounds": int,
+            ``{"2 rows" | "3-4 rows" | ...: {"best_cap": int, "rounds": int, "caps": {"1": {"rounds": int,
             "stalls": int, "ms_per_round": float, "tokens_per_s": float}, ...}}}``: rounds measured at each cap
             (stalls: rounds left out as :attr:`outlier`), the moving averages of seconds per round (in ms) and
             of emitted tokens per second that :meth:`choose` compares, and the cap it prefers now.
@@ -743,7 +743,7 @@ class WidthSchedule:
         for b in sorted({bb for bb, _ in rate}):
             known = sorted(c for bb, c in rate if bb == b)
             lo, hi = (2, 2) if b == 1 else (2 ** (b - 1) + 1, 2 ** b)
-            out[f"{lo}-{hi} rows"] = {
+            out[f"{lo} rows" if lo == hi else f"{lo}-{hi} rows"] = {
                 "best_cap": self._best(b, known), "rounds": self.rounds.get(b, 0),
                 "caps": {str(c): {"rounds": count.get((b, c), 0), "stalls": stalls.get((b, c), 0),
                                   "ms_per_round": 1e3 * secs[(b, c)], "tokens_per_s": rate[(b, c)]} for c in known}}

@@ -560,14 +560,14 @@ def test_width_schedule_summary_reports_what_it_measured():
     s.record(6, 4, 12, 5.0)  # a stall: left out, counted
     s.record(2, 1, 2, 0.004)
     got = s.summary()
-    assert list(got) == ["2-2 rows", "5-8 rows"]
+    assert list(got) == ["2 rows", "5-8 rows"]
     five = got["5-8 rows"]
     assert five["best_cap"] == 1 and five["rounds"] == 4
     assert five["caps"]["1"] == {"rounds": 1, "stalls": 0, "ms_per_round": pytest.approx(10.0),
                                  "tokens_per_s": pytest.approx(600.0)}
     assert five["caps"]["2"]["rounds"] == 2 and five["caps"]["2"]["tokens_per_s"] == pytest.approx(450.0)
     assert "4" not in five["caps"] and s.stalls[(WidthSchedule.bucket(6), 4)] == 1
-    assert got["2-2 rows"]["caps"]["1"]["rounds"] == 1
+    assert got["2 rows"]["caps"]["1"]["rounds"] == 1
 
 
 def test_width_schedule_bounds_its_trial_rounds():

@@ -350,6 +350,8 @@ def test_unsupported_values_are_named_and_openai_defaults_accepted(http):
             r = http.post(path, json={**b, field: 2})
             assert r.status_code == 400 and f"only {field}=1 is supported" in r.json()["error"]["message"], r.text
             assert http.post(path, json={**b, field: 1}).status_code == 200
+            r = http.post(path, json={**b, field: "1"})  # the value as sent: "got 1" contradicted "only 1"
+            assert r.status_code == 400 and "got '1'" in r.json()["error"]["message"], r.text
         r = http.post(path, json={**b, "stop": ["ok", ""]})
         assert r.status_code == 400 and "stop strings must be non-empty" in r.json()["error"]["message"], r.text
     r = http.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": None}]})
@@ -361,6 +363,10 @@ def test_unsupported_values_are_named_and_openai_defaults_accepted(http):
                                {"role": "user", "content": "And?"}]
     r = http.post("/v1/chat/completions", json={**body, "messages": turns})
     assert r.status_code == 200, r.text
+    for bad in ("JSON", "", "xml"):  # a query parameter's error names it (it blamed a missing JSON body)
+        r = http.get("/metrics", params={"format": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "format", r.text
+        assert "Invalid value for 'format'" in r.json()["error"]["message"], r.text
 
 
 def test_unknown_model_is_404_model_not_found(http, client):
@@ -1304,6 +1310,7 @@ def test_a_host_or_port_it_cannot_listen_on_is_refused_before_loading(monkeypatc
         for flags, msg in ((["--host", "999.1.1.1"], "--host 999.1.1.1: not an IP address or a host name that "
                                                      "resolves"),
                            (["--host", "192.0.2.1"], "--host 192.0.2.1: not an address of this machine"),
+                           (["--host", ""], "--host is empty"),  # getaddrinfo took it as every interface
                            (["--port", str(port)], f"--port {port}: already in use on 127.0.0.1")):
             assert cli.main(flags) == 2
             err = capsys.readouterr().err

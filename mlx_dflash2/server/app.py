@@ -85,7 +85,10 @@ def model_not_found(name: str, served: str) -> APIError:
 
 
 def _param_from_loc(loc) -> Optional[str]:
-    """``('body', 'messages', 0, 'role')`` -> ``'messages[0].role'`` (type tags of unions dropped)."""
+    """``('body', 'messages', 0, 'role')`` -> ``'messages[0].role'`` (type tags of unions dropped); a query
+    parameter's loc ``('query', 'format')`` -> ``'format'``."""
+    if len(loc) >= 2 and loc[0] == "query":  # e.g. GET /metrics?format=JSON: it was blamed on a missing body
+        return str(loc[1])
     parts: list[str] = []
     for p in list(loc)[1:] if loc and loc[0] == "body" else list(loc):
         if isinstance(p, int):

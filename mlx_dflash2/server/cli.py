@@ -81,11 +81,14 @@ def check_listen(host: str, port: int) -> None:
     "serving ..." and only then failed to bind).
 
     Raises:
-        ValueError: ``host`` does not resolve or is not an address of this machine; ``port`` is in use or not
-            allowed.
+        ValueError: ``host`` is empty, does not resolve or is not an address of this machine; ``port`` is in use
+            or not allowed.
     """
+    if not host.strip():  # getaddrinfo would take "" as every interface: an unset $HOST must not expose the server
+        raise ValueError("--host is empty: give an address (127.0.0.1 for this machine only, 0.0.0.0 for every "
+                         "interface)")
     try:
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
         raise ValueError(f"--host {host}: not an IP address or a host name that resolves ({e.strerror})") from None
     for family, kind, proto, _, addr in infos:
@@ -105,7 +108,8 @@ def check_listen(host: str, port: int) -> None:
                 raise ValueError(why) from None
 
 
-def _port(text: str) -> int:
+def tcp_port(text: str) -> int:
+    """``--port``'s argparse type (its name is in argparse's "invalid tcp_port value" message): an int in 0..65535."""
     v = int(text)
     if not 0 <= v <= 65535:
         raise argparse.ArgumentTypeError(f"a TCP port is 0..65535, got {v}")
@@ -141,7 +145,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", "--num-draft-tokens", type=_positive, default=None,
                    help="block size B (verify width; 1 = no drafting); default the drafter's")
     p.add_argument("--host", default="127.0.0.1", help="host to listen on (default: 127.0.0.1)")
-    p.add_argument("--port", type=_port, default=8080, help="port, 0..65535 (default: 8080)")
+    p.add_argument("--port", type=tcp_port, default=8080, help="port, 0..65535 (default: 8080)")
     p.add_argument("--allowed-origins", type=lambda x: x.split(","), default=["*"],
                    help="comma-separated CORS origins (default: *)")
     p.add_argument("--temp", type=float, default=0.0, help="default sampling temperature (0 = greedy)")

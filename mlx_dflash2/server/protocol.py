@@ -184,7 +184,7 @@ class _GenerationFields(_Request):
         # best_of was accepted and ignored (a fresh user's find, session 25); n's message said only "<= 1".
         # Before the type check: 1, 1.0 and null go on to it (and true, which it refuses).
         if v is not None and v != 1:
-            raise ValueError(f"only {info.field_name}=1 is supported (one choice per request), got {v}")
+            raise ValueError(f"only {info.field_name}=1 is supported (one choice per request), got {v!r}")
         return v
 
     @field_validator("stop")

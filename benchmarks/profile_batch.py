@@ -43,7 +43,9 @@ def run(model, tok, n: int, max_tokens: int, drafter: bool, profile: bool, pipel
     tokens = steps = rounds = row_rounds = 0
     caps: dict = {}
     by_cap: dict = {}
-    trace = []  # per step: ms, rows of the round, its width cap, tokens emitted, rows prefilled (spikes: compiles)
+    # per step: ms, rows of the round, its width cap, tokens emitted, rows prefilled (spikes: compiles), tokens
+    # verified (rows + drafts: a drafting round that verified no drafts shows as verified == rows)
+    trace = []
     while batch.active or batch.pending:
         t = time.perf_counter()
         evs = batch.step()
@@ -52,7 +54,7 @@ def run(model, tok, n: int, max_tokens: int, drafter: bool, profile: bool, pipel
         emitted = sum(len(e.tokens) for e in evs)
         tokens += emitted
         r = batch.last_round
-        trace.append((round(1e3 * dt, 2), r["rows"], r["cap"], emitted, batch.last_prefill["rows"]))
+        trace.append((round(1e3 * dt, 2), r["rows"], r["cap"], emitted, batch.last_prefill["rows"], r["verified"]))
         if r["rows"]:
             rounds += 1
             row_rounds += r["rows"]
@@ -118,7 +120,7 @@ def main(argv=None):
                       + " ".join(f"[{c}: {ms:.0f} ms {e:.2f} tok/row]" for c, (ms, e) in r["round_ms"].items()) + " "
                       + " ".join(f"{k} {v:.1f}" for k, v in r.get("ms_per_step", {}).items()), flush=True)
                 slow = sorted(r["step_trace"], key=lambda t: -t[0])[:5]
-                print(f"    slowest steps (ms, rows, cap, tokens, prefilled): {slow}; median "
+                print(f"    slowest steps (ms, rows, cap, tokens, prefilled, verified): {slow}; median "
                       f"{statistics.median(t[0] for t in r['step_trace']):.1f} ms", flush=True)
     if args.cprofile:
         import cProfile

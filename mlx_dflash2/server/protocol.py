@@ -88,7 +88,12 @@ def _json_int(v):
 #: An integer as JSON Schema defines it (``8`` or ``8.0``; not ``"8"``, ``true`` or ``8.5``).
 StrictInt = Annotated[int, BeforeValidator(_json_int)]
 #: A stop string: non-empty (the schema says so; the field's validator gives the message).
-StopString = Annotated[StrictStr, WithJsonSchema({"type": "string", "minLength": 1})]
+#: stop strings a request may give, and their length: the engine thread checks every emitted token of a request
+#: against its stop strings, so 100,000 of them (a fresh user's find, session 25) cost ~60 ms per token to every
+#: request batched with it (OpenAI allows 4; agents rarely send more than a few dozen)
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 2048
+StopString = Annotated[StrictStr, WithJsonSchema({"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS})]
 Penalty = Optional[StrictFloat]
 
 
@@ -160,7 +165,9 @@ class _GenerationFields(_Request):
         None, description='token id (as a string) -> bias in [-100, 100], e.g. {"1234": -100}'
     )
     seed: Optional[StrictInt] = Field(None, description="random seed, an integer in [0, 2**64 - 1]")
-    stop: Optional[Union[StopString, List[StopString]]] = Field(
+    stop: Optional[Union[StopString, Annotated[List[StopString], WithJsonSchema(
+        {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
+         "maxItems": MAX_STOP_STRINGS})]]] = Field(
         None, description="stop string(s); generation ends at the first, which is not returned"
     )
     n: Optional[StrictInt] = Field(None, ge=1, le=1, description="number of choices (only 1)")
@@ -191,8 +198,13 @@ class _GenerationFields(_Request):
     @classmethod
     def _check_stop(cls, v):
         # an empty stop string was accepted and silently dropped (a fresh user's find, session 25)
-        if v is not None and "" in ([v] if isinstance(v, str) else v):
+        stops = [] if v is None else [v] if isinstance(v, str) else v
+        if "" in stops:
             raise ValueError("stop strings must be non-empty")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
         return v
 
     @field_validator("logit_bias")

@@ -9,7 +9,10 @@ each request alone, the solo reference), then, for each concurrency ``c`` of ``-
 errors and no cross-talk (each output equals its solo output; greedy) and reports, per server and
 concurrency: aggregate completion tokens/s (all tokens / wall time), request latency p50/p95 and time
 to first token p50 (seconds), plus a plot of aggregate tokens/s and p50 latency against concurrency.
-The request loops are bounded; the servers are stopped at the end.
+Where an output differs from its solo one (bf16 on a GPU: batched matmuls round differently), one more solo request
+with ``top_logprobs`` gives the target's margin (top-1 minus top-2 log-probability) at the token where it departs:
+the lossless contract allows a departure only at a near-tie. The request loops are bounded; the servers are
+stopped at the end.
 
     scripts/run python benchmarks/bench_server.py                      # ours lookup / none, c = 1 and 8
     scripts/run python -m convert mlx_dflash2/... .cache/smollm2-f32 --no-quantize --dtype float32
@@ -128,6 +131,35 @@ def one_request(url: str, prompt: str, max_tokens: int) -> dict:
             "tokens": ntok if ntok is not None else max_tokens, "tau": spec["acceptance_length"] if spec else 1.0}
 
 
+def solo_margins(url: str, prompt: str, max_tokens: int) -> list[tuple[str, float]]:
+    """The solo greedy answer's tokens, each with the target's margin there: top-1 minus top-2 log-probability
+    (nats; ``inf`` with one candidate), by one non-streaming request with ``logprobs`` and ``top_logprobs: 2``."""
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0.0,
+            "logprobs": True, "top_logprobs": 2}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600)
+    r.raise_for_status()
+    out = []
+    for c in r.json()["choices"][0]["logprobs"]["content"]:
+        top = sorted((t["logprob"] for t in c.get("top_logprobs") or []), reverse=True)
+        out.append((c["token"], top[0] - top[1] if len(top) > 1 else float("inf")))
+    return out
+
+
+def divergence_margin(solo: str, other: str, tokens: list[tuple[str, float]]) -> float | None:
+    """The solo run's margin (:func:`solo_margins`) at the token where ``other`` first departs from ``solo``
+    (a near-tie there, e.g. < 0.1 nats, is what batched bf16 matmuls may decide the other way); None if the
+    texts are equal or the tokens do not spell ``solo`` that far."""
+    i = next((k for k, (a, b) in enumerate(zip(solo, other)) if a != b), min(len(solo), len(other)))
+    if solo == other:
+        return None
+    pos = 0
+    for tok, margin in tokens:
+        pos += len(tok)
+        if pos > i:
+            return margin
+    return None
+
+
 def run_phase(url: str, plist: list[str], clients: int, max_tokens: int) -> tuple[list[dict], float]:
     """``clients`` threads share the prompts in order (client c takes prompts c, c+clients, ...)."""
     results: list = [None] * len(plist)
@@ -230,6 +262,7 @@ def main(argv=None) -> int:
     for server in servers:
         proc, url = start_server(server, args)
         r: dict = {"errors": 0, "mismatches": {}}
+        diverged: dict = {}  # concurrency -> [(prompt, text)] of the outputs unlike the solo ones
         try:
             one_request(url, "Hello!", 4)  # warm-up
             solo, wall1 = run_phase(url, pool, 1, args.max_tokens)
@@ -242,7 +275,22 @@ def main(argv=None) -> int:
                 bad = [i for i, (p, x) in enumerate(zip(plist, res)) if x["text"] != ref[p]]
                 if bad:
                     r["mismatches"][f"c{c}"] = bad
+                    diverged[c] = [(plist[i], res[i]["text"]) for i in bad]
                 print(f"{server} c={c}: {r[f'c{c}']['aggregate_tps']:.1f} tok/s, {len(bad)} mismatches", flush=True)
+            if diverged:  # after the timed phases: is each divergence a near-tie of the solo run?
+                try:
+                    margins = {p: solo_margins(url, p, args.max_tokens) for p in {p for v in diverged.values()
+                                                                                   for p, _ in v}}
+                    r["divergence_margins"] = {f"c{c}": [divergence_margin(ref[p], t, margins[p]) for p, t in v]
+                                               for c, v in diverged.items()}
+                    for c, ms in r["divergence_margins"].items():
+                        known = sorted(m for m in ms if m is not None)
+                        print(f"{server} {c}: {len(ms)} outputs unlike the solo ones; the solo run's margin where "
+                              f"they depart (nats): median {statistics.median(known) if known else float('nan'):.3f}, "
+                              f"max {max(known) if known else float('nan'):.3f}, under 0.1: "
+                              f"{sum(m < 0.1 for m in known)} of {len(known)}", flush=True)
+                except (httpx.HTTPError, KeyError, IndexError, TypeError) as e:  # no logprobs on this server
+                    print(f"{server}: divergence margins not measured ({type(e).__name__}: {e})", flush=True)
             if server != "mlx_lm":
                 metrics = httpx.get(f"{url}/metrics", params={"format": "json"}).json()
                 r["errors"] = metrics["request_errors_total"]

@@ -6,6 +6,9 @@ noise, stalls of a fixed cost, extra cost on rounds after the row set changed, r
 Reported per scenario: the schedule's tokens/s as a fraction of the best fixed cap's under the same draws (min .. max
 over seeds) and the rounds it ran at each cap. A fraction well under 1 is a way the real schedule can lose; session
 25 found none of these (0.93-1.00), while the H200 server chose drafting rounds that ran at half the plain rate.
+Session 26 added the H200's in-process trace of 16 drafting rows (drafts all rejected, plain rounds after drafting
+ones measured 2x): the schedule then ran width 4 for nothing (0.5x), until plain's seconds per round were bounded by
+a wider cap's (``WidthSchedule._rate``).
 
     scripts/run python benchmarks/schedule_sim.py                   # every scenario
     scripts/run python benchmarks/schedule_sim.py --rounds 2000 --seeds 2 --out sim.json
@@ -26,31 +29,37 @@ import mlx_dflash2  # noqa: F401,E402  (before MLX: loads the optimized OpenBLAS
 from mlx_dflash2.batch import WidthSchedule  # noqa: E402
 
 # ms per round and tokens per row per round, by width cap: the H200 step traces of session 25 (SmolLM2, 8 rows:
-# drafting loses ~20 % per round) and a target where drafting wins (cap 4 best)
+# drafting loses ~20 % per round), a target where drafting wins (cap 4 best), and the H200's 16 drafting rows of
+# session 25 whose drafts were all rejected (rounds of any width ~11 ms, 1.0 token per row)
 TARGETS = {
     "gpu-drafting-loses": ({1: 15, 2: 29, 4: 31, 8: 43, 16: 60}, {1: 1.0, 2: 1.44, 4: 1.55, 8: 1.62, 16: 1.7}),
     "gpu-drafting-wins": ({1: 15, 2: 17, 4: 19, 8: 26, 16: 40}, {1: 1.0, 2: 1.44, 4: 1.75, 8: 2.1, 16: 2.3}),
+    "gpu-drafts-rejected": ({1: 11, 2: 11.5, 4: 11, 8: 13, 16: 18}, {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0}),
 }
 # sigma: log-normal noise of a round's cost; stall_p / stall_ms: rounds with a fixed extra cost; change_p /
-# change_ms: rounds after the row set changed (the row count steps by one) and what they cost more; rows: range
+# change_ms: rounds after the row set changed (the row count steps by one) and what they cost more; rows: range;
+# after_draft_ms: what a plain round right after a drafting one costs more (the H200's 16 drafting rows measured
+# their plain rounds at 21-24 ms, plain rounds without a drafter at 11 ms)
 SCENARIOS = {
     "quiet": dict(sigma=0.05),
     "noisy": dict(sigma=0.5),
     "stalls": dict(sigma=0.1, stall_p=0.1, stall_ms=40.0),
     "rows-wander-17-32": dict(sigma=0.1, change_p=0.5, rows=(17, 32)),
     "row-changes-cost": dict(sigma=0.1, change_p=0.3, change_ms=15.0, rows=(17, 32)),
+    "plain-after-drafting": dict(sigma=0.1, after_draft_ms=11.0, rows=(16, 16)),
 }
 
 
 def simulate(cost: dict, toks: dict, rounds: int, seed: int, fixed: int | None = None, sigma: float = 0.1,
              stall_p: float = 0.0, stall_ms: float = 0.0, change_p: float = 0.0, change_ms: float = 0.0,
-             rows: tuple = (8, 8)) -> tuple[float, dict]:
+             rows: tuple = (8, 8), after_draft_ms: float = 0.0) -> tuple[float, dict]:
     """One run: tokens/s and rounds per cap; ``fixed``: every round at that cap (no schedule)."""
     rnd = random.Random(seed)
     s = WidthSchedule()
     total_ms = total_tokens = 0.0
     caps: dict = {}
     n = rows[1]
+    last = 1
     for _ in range(rounds):
         changed = rnd.random() < change_p
         if changed:
@@ -58,6 +67,8 @@ def simulate(cost: dict, toks: dict, rounds: int, seed: int, fixed: int | None =
         c = fixed or s.choose(n, max(cost))
         ms = cost[c] * math.exp(rnd.gauss(0.0, sigma)) + (stall_ms if rnd.random() < stall_p else 0.0)
         ms += change_ms if changed else 0.0
+        ms += after_draft_ms if c == 1 and last > 1 else 0.0
+        last = c
         emitted = round(n * toks[c])
         if fixed is None:
             s.record(n, c, emitted, ms / 1e3)
@@ -83,7 +94,7 @@ def main(argv=None) -> int:
                 fracs.append(rate / best)
                 caps = caps if caps is not None else caps_seen
             results[f"{tname}/{sname}"] = {"fraction_of_best_fixed_cap": fracs, "rounds_by_cap_seed0": caps}
-            print(f"{tname:<20} {sname:<18} schedule / best fixed cap {min(fracs):.2f} .. {max(fracs):.2f}; "
+            print(f"{tname:<20} {sname:<20} schedule / best fixed cap {min(fracs):.2f} .. {max(fracs):.2f}; "
                   f"rounds by cap (seed 0) {dict(sorted(caps.items()))}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "scenarios": SCENARIOS, "results": results},

@@ -575,6 +575,13 @@ class WidthSchedule:
     and lengths change), so a cap past a slower one costs no trial round. A batch of one is never capped (the solo
     behaviour: its proposer's adaptive schedule, where the request allows it, chooses its rounds instead).
 
+    **Plain rounds are priced as what they are**: the narrowest cap's seconds per round are bounded by those of
+    any wider cap (a narrower round does part of a wider one's work on the same rows, so it costs no more), and
+    its first round right after a wider one is left out as settling, the next round running it again, measured
+    (on the H200, plain rounds of 16 drafting rows measured 21-32 ms right after drafting ones and rounds of width
+    4 whose drafts were all rejected 11 ms: width 4 looked twice as fast as plain and the batch drafted for
+    nothing; session 25's trace).
+
     **Trial rounds are bounded**: a re-measurement of a losing cap costs what its round costs more than
     a round of the best cap (on a CPU a drafting round of 32 rows costs ~2.6 plain ones), so it waits
     until that extra time is at most ``budget`` of the rounds since its last measurement; a wider cap
@@ -634,6 +641,9 @@ class WidthSchedule:
         self.doubted: set = set()  # (bucket, cap) whose last round was left out as a stall (outlier)
         self.count: dict = {}  # (bucket, cap) -> rounds measured
         self.stalls: dict = {}  # (bucket, cap) -> rounds left out as stalls
+        self.settling: dict = {}  # (bucket, cap) -> rounds left out as settling (the narrowest cap after a wider)
+        self._last_cap: int | None = None  # the cap of the last round recorded (any bucket)
+        self._settle: int | None = None  # a bucket whose next round runs the narrowest cap again, measured
 
     @staticmethod
     def bucket(n_rows: int) -> int:
@@ -681,6 +691,8 @@ class WidthSchedule:
             return None
         b = self.bucket(n_rows)
         arms = [c for c in self.caps if c < max_width] + [max_width]
+        if self._settle == b:  # the narrowest cap's round after a wider one settled: now the measured one
+            return arms[0]
         known = [c for c in arms if (b, c) in self.rate]
         seed = self._seed(b) if not self.rounds.get(b) else self.seeds.get(b)
         if not known:
@@ -704,12 +716,27 @@ class WidthSchedule:
             return min(due, key=lambda c: self.last[(b, c)])
         return best
 
+    def _rate(self, b: int, c: int, rate: dict | None = None, secs: dict | None = None) -> float:
+        """The rate (tokens/s) of cap ``c`` in bucket ``b`` as :meth:`choose` compares it. For the narrowest cap
+        (plain rounds), its seconds per round are bounded by the fewest any wider cap measured there: a plain round
+        does part of a wider round's work on the same rows (no drafter forward, fewer tokens verified), so where
+        its rounds measured more (a cost they do not cause: work queued before them, stalls) its tokens per round
+        are priced at the wider cap's seconds. Only the narrowest cap is bounded: bounding every cap by a lucky
+        round of a wider one made the comparison one of tokens per round, which favours wide caps
+        (``benchmarks/schedule_sim.py``, noisy costs: 0.81 of the best fixed cap against 0.97).
+        ``rate``/``secs``: copies of the moving averages (:meth:`summary`, read from another thread)."""
+        rate, secs = (self.rate if rate is None else rate), (self.secs if secs is None else secs)
+        own = secs[(b, c)]
+        if c != self.caps[0]:
+            return rate[(b, c)]
+        floor = min((s for (bb, w), s in secs.items() if bb == b and w > c), default=own)
+        return rate[(b, c)] * own / min(own, floor)
+
     def _score(self, b: int, c: int) -> float:
-        """The rate of cap ``c`` in bucket ``b`` as compared: handicapped by ``margin`` per cap below it
-        (a wider cap must measure that much faster than a narrower one to be chosen: a wider round
+        """The rate of cap ``c`` in bucket ``b`` as compared (:meth:`_rate`): handicapped by ``margin`` per cap
+        below it (a wider cap must measure that much faster than a narrower one to be chosen: a wider round
         costs more, and a noisy measurement alone should not move the batch to it)."""
-        return self.rate[(b, c)] * (1.0 - self.margin) ** self.caps.index(c) if c in self.caps \
-            else self.rate[(b, c)] * (1.0 - self.margin) ** len(self.caps)
+        return self._rate(b, c) * (1.0 - self.margin) ** (self.caps.index(c) if c in self.caps else len(self.caps))
 
     def _expected(self, b: int, cap: int) -> float | None:
         """Seconds a round of ``cap`` in bucket ``b`` (none measured there) should take at most, from the
@@ -734,11 +761,14 @@ class WidthSchedule:
 
         Returns:
             ``{"2 rows" | "3-4 rows" | ...: {"best_cap": int, "rounds": int, "caps": {"1": {"rounds": int,
-            "stalls": int, "ms_per_round": float, "tokens_per_s": float}, ...}}}``: rounds measured at each cap
-            (stalls: rounds left out as :attr:`outlier`), the moving averages of seconds per round (in ms) and
-            of emitted tokens per second that :meth:`choose` compares, and the cap it prefers now.
+            "stalls": int, "settling": int, "ms_per_round": float, "tokens_per_s": float,
+            "compared_tokens_per_s": float}, ...}}}``: rounds measured at each cap (stalls: rounds left out as
+            :attr:`outlier`; settling: the narrowest cap's rounds right after a wider one, left out), the moving
+            averages of seconds per round (in ms) and of emitted tokens per second, the rate :meth:`choose`
+            compares (seconds per round bounded by a wider cap's: :meth:`_rate`), and the cap it prefers now.
         """
         rate, secs, count, stalls = dict(self.rate), dict(self.secs), dict(self.count), dict(self.stalls)
+        settling = dict(self.settling)
         out = {}
         for b in sorted({bb for bb, _ in rate}):
             known = sorted(c for bb, c in rate if bb == b)
@@ -746,7 +776,9 @@ class WidthSchedule:
             out[f"{lo} rows" if lo == hi else f"{lo}-{hi} rows"] = {
                 "best_cap": self._best(b, known), "rounds": self.rounds.get(b, 0),
                 "caps": {str(c): {"rounds": count.get((b, c), 0), "stalls": stalls.get((b, c), 0),
-                                  "ms_per_round": 1e3 * secs[(b, c)], "tokens_per_s": rate[(b, c)]} for c in known}}
+                                  "settling": settling.get((b, c), 0),
+                                  "ms_per_round": 1e3 * secs[(b, c)], "tokens_per_s": rate[(b, c)],
+                                  "compared_tokens_per_s": self._rate(b, c, rate, secs)} for c in known}}
         return out
 
     def record(self, n_rows: int, cap: int, emitted: int, seconds: float) -> None:
@@ -756,6 +788,15 @@ class WidthSchedule:
         b = self.bucket(n_rows)
         r = self.rounds.get(b, 0)
         self.rounds[b] = r + 1
+        prev, self._last_cap = self._last_cap, cap
+        if cap == self.caps[0] and prev is not None and prev > cap and self._settle != b:
+            # the narrowest (plain) round right after a wider one: not measured, the next round runs it again and
+            # is. On the H200 such rounds cost 2x the plain rounds that follow plain ones (session 25's trace of 16
+            # drafting rows: 21-32 ms against 11 ms), so a lone trial priced plain out while drafting lost
+            self._settle = b
+            self.settling[(b, cap)] = self.settling.get((b, cap), 0) + 1
+            return
+        self._settle = None
         x = emitted / seconds
         known = [c for (bb, c) in self.rate if bb == b]
         best = self._best(b, known) if known else None

@@ -529,10 +529,12 @@ def test_width_schedule_climbs_to_the_fastest_cap():
         return s, seen
 
     s, seen = run({1: 10.0, 2: 30.0, 4: 20.0, 8: 5.0})  # tokens/s per cap (8: the rows' own widest block)
-    # 8 (past the slower 4) is never tried; the narrower 1 is re-measured after explore_every / 4 rounds
-    assert seen[:13] == [1, 2, 4, 1, 2, 1, 2, 2, 2, 1, 4, 2, 2]
-    trials = [i for i, c in enumerate(seen) if c == 1]
-    assert 8 not in seen and [b - a for a, b in zip(trials, trials[1:])][1:] == [2, 4, 8, 16]  # backing off
+    # 8 (past the slower 4) is never tried; the narrower 1 is re-measured after explore_every / 4 rounds, each time
+    # in two rounds (the first, right after a wider round, settles and is not measured)
+    assert seen[:13] == [1, 2, 4, 1, 1, 2, 1, 1, 2, 2, 4, 1, 1]
+    trials = [i for i, c in enumerate(seen) if c == 1 and seen[i - 1] == 1]  # the measured ones
+    assert 8 not in seen and [b - a for a, b in zip(trials, trials[1:])] == [3, 5, 9, 17]  # backing off (+ settling)
+    assert s.settling[(WidthSchedule.bucket(6), 1)] == len(trials)
     gpu = run({1: 10.0, 2: 20.0, 4: 40.0, 8: 80.0})[1]  # a GPU-like target: up to the top
     assert gpu[:4] == [1, 2, 4, 8] and gpu.count(8) > 30
     # rates are assumed unimodal in the cap: a slower 2 keeps it at 1 (4 and 8 are never tried)
@@ -554,20 +556,69 @@ def test_width_schedule_summary_reports_what_it_measured():
 
     s = WidthSchedule(caps=(1, 2, 4), decay=0.5)
     assert s.summary() == {}
+    s.record(2, 1, 2, 0.004)
     s.record(6, 1, 6, 0.010)
     s.record(6, 2, 9, 0.020)
     s.record(6, 2, 9, 0.020)
     s.record(6, 4, 12, 5.0)  # a stall: left out, counted
-    s.record(2, 1, 2, 0.004)
+    s.record(6, 1, 6, 0.030)  # plain right after a wider round: settling, left out, counted
     got = s.summary()
     assert list(got) == ["2 rows", "5-8 rows"]
     five = got["5-8 rows"]
-    assert five["best_cap"] == 1 and five["rounds"] == 4
-    assert five["caps"]["1"] == {"rounds": 1, "stalls": 0, "ms_per_round": pytest.approx(10.0),
-                                 "tokens_per_s": pytest.approx(600.0)}
+    assert five["best_cap"] == 1 and five["rounds"] == 5
+    assert five["caps"]["1"] == {"rounds": 1, "stalls": 0, "settling": 1, "ms_per_round": pytest.approx(10.0),
+                                 "tokens_per_s": pytest.approx(600.0), "compared_tokens_per_s": pytest.approx(600.0)}
     assert five["caps"]["2"]["rounds"] == 2 and five["caps"]["2"]["tokens_per_s"] == pytest.approx(450.0)
     assert "4" not in five["caps"] and s.stalls[(WidthSchedule.bucket(6), 4)] == 1
     assert got["2 rows"]["caps"]["1"]["rounds"] == 1
+
+
+def test_width_schedule_prices_a_narrow_cap_no_higher_than_a_wider_one():
+    """A narrower round does part of a wider one's work on the same rows, so the schedule bounds its seconds per
+    round by a wider cap's: the H200's 16 drafting rows (session 25) measured plain rounds at 21-24 ms and rounds
+    of width 4 whose drafts were all rejected (1.0 token per row) at 11 ms; width 4 then looked 2x faster than
+    plain and the batch drafted for nothing. Bounded, the two tie and the margin keeps plain; a wider cap that
+    emits more per round than its extra cost still wins."""
+    from mlx_dflash2.batch import WidthSchedule
+
+    def run(cost, toks, rounds=60):
+        s = WidthSchedule(caps=(1, 2, 4), explore_every=4, decay=0.5)
+        seen = []
+        for _ in range(rounds):
+            c = s.choose(16, 8)
+            seen.append(c)
+            s.record(16, c, toks[c], cost[c])
+        return s, seen
+
+    s, seen = run({1: 0.022, 2: 0.012, 4: 0.011, 8: 0.012}, {1: 16, 2: 16, 4: 16, 8: 16})  # nothing accepted
+    assert seen[-20:].count(1) >= 15 and s.choose(16, 8) == 1
+    summary = s.summary()["9-16 rows"]["caps"]
+    assert summary["1"]["compared_tokens_per_s"] == pytest.approx(16 / min(summary[c]["ms_per_round"] / 1e3
+                                                                            for c in summary), rel=0.01)
+    s, seen = run({1: 0.022, 2: 0.012, 4: 0.011, 8: 0.012}, {1: 16, 2: 22, 4: 30, 8: 30})  # drafts accepted
+    assert s.choose(16, 8) == 4 and seen[-20:].count(4) >= 15
+    s, seen = run({1: 0.010, 2: 0.020, 4: 0.030, 8: 0.040}, {1: 16, 2: 24, 4: 30, 8: 32})  # a CPU: widths cost
+    assert s.choose(16, 8) == 1
+
+
+def test_width_schedule_measures_plain_rounds_after_one_settles():
+    """A plain round right after a drafting one can cost more than the plain rounds that follow plain ones (the
+    H200's 16 drafting rows, session 25: 21-32 ms against 11 ms): such a round is left out (``settling``) and the
+    next round runs plain again, measured. Drafting at 1.2 tokens per row for 1.3x a plain round's time then loses
+    to plain (without settling, plain measured 2x and the batch kept drafting)."""
+    from mlx_dflash2.batch import WidthSchedule
+
+    s = WidthSchedule(caps=(1, 2, 4), explore_every=4, decay=0.5)
+    seen, last = [], 1
+    for _ in range(80):
+        c = s.choose(8, 4)
+        seen.append(c)
+        cost = {1: 0.010, 2: 0.013, 4: 0.016}[c] + (0.010 if c == 1 and last > 1 else 0.0)
+        s.record(8, c, {1: 8, 2: 10, 4: 11}[c], cost)
+        last = c
+    assert s.choose(8, 4) == 1 and seen[-30:].count(1) >= 25
+    assert s.settling[(WidthSchedule.bucket(8), 1)] >= 1
+    assert s.secs[(WidthSchedule.bucket(8), 1)] == pytest.approx(0.010)  # the settled rounds only
 
 
 def test_width_schedule_bounds_its_trial_rounds():

@@ -149,7 +149,8 @@ def part_accept(target, drafter, prompts, eos, args, solo_cache) -> dict:
 
 def part_verify(target, prompts, eos, args, solo_cache) -> dict:
     """Plain batched rounds and oracle drafts vs each prompt alone: where rows depart and at what margins."""
-    solo = solo_runs(solo_cache, "plain", prompts, lambda p: decode(target, [p], args.max_tokens, eos, logprobs=True)[0][0])
+    solo = solo_runs(solo_cache, "plain", prompts,
+                     lambda p: decode(target, [p], args.max_tokens, eos, logprobs=True)[0][0])
     V = target.vocab_size
     res = {}
     for B in [1] + list(args.blocks):

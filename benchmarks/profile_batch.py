@@ -31,9 +31,9 @@ from mlx_dflash2.batch import SpeculativeBatch, warm_up_shapes  # noqa: E402
 from mlx_dflash2.loading import load  # noqa: E402
 
 
-def run(model, tok, n: int, max_tokens: int, drafter: bool, profile: bool, pipeline: bool | None = None) -> dict:
+def run(model, tok, n: int, max_tokens: int, drafter: bool, profile: bool) -> dict:
     ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in prompts(n)]
-    batch = SpeculativeBatch(model.target, schedule="auto", pipeline=pipeline)
+    batch = SpeculativeBatch(model.target, schedule="auto")
     if profile and hasattr(batch, "timings"):
         batch.timings = {}
     for p in ids:
@@ -83,9 +83,6 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-profile", action="store_true", help="no phase timings (no extra synchronisation)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
-    ap.add_argument("--pipeline", choices=["auto", "on", "off", "both"], default="auto",
-                    help="SpeculativeBatch(pipeline=...): plain steps queued ahead (auto: off, the default); both: "
-                    "every configuration with and without (use --no-profile: phase timings synchronise)")
     ap.add_argument("--no-warm-up", action="store_true",
                     help="skip SpeculativeBatch.warm_up (the server's start-up run of every batch shape)")
     ap.add_argument("--cprofile", action="store_true",
@@ -108,14 +105,12 @@ def main(argv=None):
                                                    proposer=model.proposer, block_size=model.block_size)
         print(f"warm-up: {w['shapes']} batch shapes in {w['seconds']:.1f} s", flush=True)
     res: dict = {}
-    pipes = {"auto": [None], "on": [True], "off": [False], "both": [True, False]}[args.pipeline]
     for n in levels:
         for rep in range(args.repeats):
-            for drafter, pipe in [(d, p) for d in (True, False) for p in pipes]:
-                r = run(model, tok, n, args.max_tokens, drafter, not args.no_profile, pipe)
-                res.setdefault((n, drafter, pipe), []).append(r)
-                mode = "" if pipe is None else " pipelined" if pipe else " unpipelined"
-                print(f"N={n:3d} {'drafter' if drafter else 'none   '}{mode} rep {rep}: {r['tok_s']:6.1f} tok/s "
+            for drafter in (True, False):
+                r = run(model, tok, n, args.max_tokens, drafter, not args.no_profile)
+                res.setdefault((n, drafter), []).append(r)
+                print(f"N={n:3d} {'drafter' if drafter else 'none   '} rep {rep}: {r['tok_s']:6.1f} tok/s "
                       f"tau {r['tau']:.2f} caps {r['caps']} rounds "
                       + " ".join(f"[{c}: {ms:.0f} ms {e:.2f} tok/row]" for c, (ms, e) in r["round_ms"].items()) + " "
                       + " ".join(f"{k} {v:.1f}" for k, v in r.get("ms_per_step", {}).items()), flush=True)
@@ -142,25 +137,19 @@ def main(argv=None):
             Path(args.out).with_suffix(".prof.txt").write_text("\n".join(text))
     print("\nmedians (ms per step by phase)")
     table = []
-    for (n, drafter, pipe), rs in res.items():
-        row = {"n": n, "drafter": drafter, "pipeline": pipe, "tok_s": statistics.median(r["tok_s"] for r in rs),
+    for (n, drafter), rs in res.items():
+        row = {"n": n, "drafter": drafter, "tok_s": statistics.median(r["tok_s"] for r in rs),
                "tau": statistics.median(r["tau"] for r in rs)}
         for k in rs[0].get("ms_per_step", {}):
             row[k] = statistics.median(r["ms_per_step"].get(k, 0.0) for r in rs)
         table.append(row)
         print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
     for n in levels:
-        for pipe in pipes:
-            on = next(r for r in table if r["n"] == n and r["drafter"] and r["pipeline"] == pipe)
-            off = next(r for r in table if r["n"] == n and not r["drafter"] and r["pipeline"] == pipe)
-            print(f"N={n}{'' if pipe is None else f' pipeline={pipe}'}: drafter / none = "
-                  f"{on['tok_s'] / off['tok_s']:.2f}")
-        if len(pipes) == 2:
-            t = {(r["drafter"], r["pipeline"]): r["tok_s"] for r in table if r["n"] == n}
-            print(f"N={n}: pipelined / unpipelined = {t[(False, True)] / t[(False, False)]:.2f} (none), "
-                  f"{t[(True, True)] / t[(True, False)]:.2f} (drafter)")
+        on = next(r for r in table if r["n"] == n and r["drafter"])
+        off = next(r for r in table if r["n"] == n and not r["drafter"])
+        print(f"N={n}: drafter / none = {on['tok_s'] / off['tok_s']:.2f}")
     if args.out:
-        runs = {f"{n}-{d}-{p}": rs for (n, d, p), rs in res.items()}
+        runs = {f"{n}-{d}": rs for (n, d), rs in res.items()}
         Path(args.out).write_text(json.dumps({"args": vars(args), "runs": runs,
                                               "medians": table}, indent=1))
 

@@ -146,7 +146,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Sequence
 
 import mlx.core as mx
@@ -154,7 +153,7 @@ from mlx_lm.models.cache import KVCache
 
 from . import speculative
 from .caches import RaggedRecurrentCache, RecurrentCache, WindowKVCache
-from .proposers import PLAIN_RUN_AHEAD_AFTER, DraftCall, Proposal, Proposer
+from .proposers import DraftCall, Proposal, Proposer
 from .speculative import GenerationState, SpecStats, start_request
 from .target import TargetAdapter, TargetCompatibilityError
 from .verify import GreedyVerifier, Verifier
@@ -820,31 +819,6 @@ class WidthSchedule:
             self.strikes[(b, cap)] = min(self.strikes.get((b, cap), 0) + 1, self.max_backoff) if lost else 0
 
 
-def _pipeline_default() -> bool:
-    """Whether a batch queues plain steps ahead by default: no, on every backend. Measured: MLX's CPU backend, 8
-    plain rows of SmolLM2 on 2 cores, 70.6 tok/s queued vs 72.0 not (session 24); the H200, SmolLM2 Q4_1 bf16, 8
-    requests in process (`profile_batch.py --pipeline both`), queued / not 0.92 without a drafter and 0.86 with it
-    (session 25). ``pipeline=True`` keeps it available."""
-    return False
-
-
-@dataclass
-class _Ahead:
-    """A plain step queued for every row (:class:`SpeculativeBatch` ``pipeline``): its rows' ids in row order,
-    their lazy argmax tokens ``[N]`` and the taps' outputs (``.out`` ``[N, 1, D]``) of its forward, whose K/V
-    positions the cache already holds."""
-
-    uids: list
-    best: mx.array
-    taps: dict
-
-    def select(self, keep: list[int]) -> "_Ahead":
-        """The queued step of rows ``keep`` only (the others left the batch)."""
-        idx = mx.array(keep, mx.int32)
-        return _Ahead([self.uids[i] for i in keep], self.best[idx],
-                      {t: SimpleNamespace(out=o.out[idx]) for t, o in self.taps.items()})
-
-
 def warm_up_shapes(max_batch: int, block_size: int) -> tuple[list[int], list[int]]:
     """The row counts and verify widths a server's start-up :meth:`SpeculativeBatch.warm_up` runs: rows 2, 3,
     4, 6, 8, 12, ... up to ``max_batch`` (and it), widths the :class:`WidthSchedule`'s caps up to
@@ -879,24 +853,13 @@ class SpeculativeBatch:
             statistics equal its solo ones) or ``"auto"`` (a :class:`WidthSchedule` caps the width of
             rounds with two rows or more by measured throughput: what the server runs), or a
             :class:`WidthSchedule`.
-        pipeline: queue plain rounds ahead: when every row's round is a plain greedy step (no drafts: no
-            proposer, or the width cap at 1), from the second such round in a row on, while some row goes on
-            and no join is about to complete, the next plain step's forward is built on this round's lazy
-            argmax and queued before this round's tokens are read, as ``mlx_lm.generate_step`` does for one
-            sequence, so the device computes while the host commits (the forward and its tokens are the
-            same: outputs do not change). A queued step that is not used (the next round drafts, a row
-            joins, is cancelled or removed) is rolled back; a row that finishes has its queued position
-            cut. Targets with GatedDeltaNet layers never queue (their state cannot be cut by one
-            position). ``None`` (default): off (it cost 8-14 % on the H200, session 25).
-
     Raises:
         TargetCompatibilityError: a target with a cache kind other than these (named).
         ValueError: an unknown ``schedule``.
     """
 
     def __init__(self, target: TargetAdapter, proposer: Proposer | None = None, *, block_size: int | None = None,
-                 prefill_step_size: int = 2048, schedule: "str | WidthSchedule" = "full",
-                 pipeline: bool | None = None):
+                 prefill_step_size: int = 2048, schedule: "str | WidthSchedule" = "full"):
         kinds = target.make_cache()
         bad = sorted({type(c).__name__ for c in kinds
                       if type(c) is not KVCache and not isinstance(c, (RecurrentCache, WindowKVCache))})
@@ -916,14 +879,7 @@ class SpeculativeBatch:
         self.proposer = proposer
         self.block_size = block_size
         self.prefill_step_size = int(prefill_step_size)
-        self.pipeline = bool(_pipeline_default() if pipeline is None else pipeline)
-        self._ahead: _Ahead | None = None  # the queued plain step of every row (pipeline)
-        self._plain_run = 0  # rounds in a row in which every row stepped plainly
-        #: rounds served by a queued plain step / queued steps rolled back unused (pipeline)
-        self.pipelined_rounds = 0
-        self.discarded_steps = 0
         self._recurrent = [i for i, c in enumerate(kinds) if isinstance(c, RecurrentCache)]  # GatedDeltaNet layers
-        self.pipeline = self.pipeline and not self._recurrent
         self.cache = self._make_caches(kinds)
         self._rows: list[_Request] = []  # row i of the cache is self._rows[i]
         self._jcache = self._make_caches(kinds)  # requests being prefilled (joins)
@@ -969,18 +925,8 @@ class SpeculativeBatch:
         return bool(self._events) or bool(self._joining) or any(r.out for r in self._rows)
 
     def lengths(self) -> list[int]:
-        """Per-row committed cache lengths (row order = join order of the active requests; a queued plain
-        step's position is not counted)."""
-        held = self._row_lengths(self.cache)
-        return [h - 1 for h in held] if self._ahead is not None else held
-
-    def _settle_ahead(self) -> None:
-        """Roll the queued plain step back (every row's position) and drop it."""
-        if self._ahead is not None:
-            for c in self.cache:
-                c.trim_rows([1] * len(self._rows))
-            self._ahead = None
-            self.discarded_steps += 1
+        """Per-row committed cache lengths (row order = join order of the active requests)."""
+        return self._row_lengths(self.cache)
 
     def stats(self, uid: int) -> SpecStats:
         """The statistics of an active request.
@@ -1093,7 +1039,6 @@ class SpeculativeBatch:
                 return True
         for i, r in enumerate(self._rows):
             if r.uid == uid:
-                self._settle_ahead()
                 self._drop([i])
                 self._events.append(r.event("cancelled"))
                 return True
@@ -1111,7 +1056,6 @@ class SpeculativeBatch:
                 return None
         for i, r in enumerate(self._rows):
             if r.uid == uid:
-                self._settle_ahead()
                 st = self._row_state(i) if r.keep_state else None
                 self._drop([i])
                 return st
@@ -1218,7 +1162,6 @@ class SpeculativeBatch:
                                                       snapshots=r.snapshots)
             gone.append(i)
         if moved:
-            self._settle_ahead()  # a queued step covers the rows before these
             for main, c in zip(self.cache, self._jcache):
                 main.add_rows([c.row(i) for i in moved])
             self._rows.extend(J[i].req for i in moved)
@@ -1261,8 +1204,7 @@ class SpeculativeBatch:
         B = block_size if block_size is not None else self.block_size
         t0, shapes = time.perf_counter(), 0
         for r in sorted({int(n) for n in rows if int(n) >= 2}):
-            scratch = SpeculativeBatch(self.target, proposer, block_size=B, prefill_step_size=self.prefill_step_size,
-                                       pipeline=False)
+            scratch = SpeculativeBatch(self.target, proposer, block_size=B, prefill_step_size=self.prefill_step_size)
             for i in range(r):  # distinct small ids per row (any valid id will do)
                 scratch.add([1 + (i + k) % 64 for k in range(prompt_len)], 1 + max(widths) + (B or 1))
             scratch.step()  # the joins' prefill, then one round at the requests' own widths
@@ -1364,11 +1306,6 @@ class SpeculativeBatch:
             if limit is not None:
                 n = min(n, limit - P - 1)
             ns.append(n)
-        # a plain step queued by the last round (pipeline): this round's, if every row steps plainly again
-        ahead = self._ahead
-        if ahead is not None and (any(n > 0 for n in ns) or ahead.uids != [r.uid for r in rows]):
-            self._settle_ahead()
-            ahead = None
         for i, (r, n) in enumerate(zip(rows, ns)):
             prop = Proposal.empty()
             if n > 0:
@@ -1388,24 +1325,19 @@ class SpeculativeBatch:
         M = max(widths)
         self.last_round = {"rows": len(rows), "verified": sum(widths), "width": M, "cap": cap}
 
-        # 2. one target forward over the padded block (padding after each row's real tokens), or the queued one
+        # 2. one target forward over the padded block (padding after each row's real tokens)
         tap_ids = tuple(dict.fromkeys(t for r in rows for t in r.tap_ids))
-        if ahead is not None:
-            logits, taps, best = None, ahead.taps, ahead.best
-            self._ahead = None
-            self.pipelined_rounds += 1
+        block = mx.stack([
+            mx.concatenate([mx.array([r.history[-1]], mx.int32), p.tokens.astype(mx.int32),
+                            mx.zeros((M - w,), mx.int32)])
+            for r, p, w in zip(rows, props, widths)])
+        h, taps = self.target._call(lambda: self.target.inner(block, cache=self.cache), tap_ids)
+        # the LM head on the real rows only ([sum(w), V]; padding never reaches it)
+        if all(w == M for w in widths):
+            logits = self.target.logits(h.reshape(len(rows) * M, -1))
         else:
-            block = mx.stack([
-                mx.concatenate([mx.array([r.history[-1]], mx.int32), p.tokens.astype(mx.int32),
-                                mx.zeros((M - w,), mx.int32)])
-                for r, p, w in zip(rows, props, widths)])
-            h, taps = self.target._call(lambda: self.target.inner(block, cache=self.cache), tap_ids)
-            # the LM head on the real rows only ([sum(w), V]; padding never reaches it)
-            if all(w == M for w in widths):
-                logits = self.target.logits(h.reshape(len(rows) * M, -1))
-            else:
-                real = mx.array([i * M + j for i, w in enumerate(widths) for j in range(w)], mx.int32)
-                logits = self.target.logits(h.reshape(len(rows) * M, -1)[real])
+            real = mx.array([i * M + j for i, w in enumerate(widths) for j in range(w)], mx.int32)
+            logits = self.target.logits(h.reshape(len(rows) * M, -1)[real])
         starts = [sum(widths[:i]) for i in range(len(widths))]
 
         # 3. per-request accept; one host synchronisation for the batch. Plain greedy rows (no logits
@@ -1416,22 +1348,8 @@ class SpeculativeBatch:
                  for r in rows]
         results = [None if pl else r.verifier.verify(logits[s0 : s0 + w], p, r.history)
                    for r, p, w, s0, pl in zip(rows, props, widths, starts, plain)]
-        if ahead is None:
-            best = mx.argmax(logits, axis=-1).astype(mx.int32) if any(plain) else None
+        best = mx.argmax(logits, axis=-1).astype(mx.int32) if any(plain) else None
         drafts = [p.tokens.astype(mx.int32) for p, pl in zip(props, plain) if pl and p.n]
-        self._plain_run = self._plain_run + 1 if not any(n > 0 for n in ns) else 0
-        if (self.pipeline and all(plain) and self._plain_run >= PLAIN_RUN_AHEAD_AFTER
-                and any((r.max_tokens < 0 or r.n_out + 1 < r.max_tokens) and (limit is None or P + 1 < limit)
-                        for r, P in zip(rows, lengths))
-                and not any(len(j.todo) <= self.prefill_step_size for j in self._joining)):
-            # every row steps plainly, from the second such round in a row on (a lone plain round between drafting
-            # ones, e.g. a width schedule's trial, is not followed by another), some row goes on and no join
-            # completes its prefill next: queue the next plain step on this one's lazy tokens before reading them
-            nxt = best.reshape(len(rows), 1)
-            h2, taps2 = self.target._call(lambda: self.target.inner(nxt, cache=self.cache), tap_ids)
-            best2 = mx.argmax(self.target.logits(h2.reshape(len(rows), -1)), axis=-1).astype(mx.int32)
-            self._ahead = _Ahead([r.uid for r in rows], best2, {t: taps2[t] for t in tap_ids})
-            mx.async_eval([best2] + [taps2[t].out for t in tap_ids])
         mx.eval(([best] if best is not None else []) + drafts
                 + [x for vr in results if vr is not None for x in (vr.num_accepted, vr.tokens)]
                 + [vr.logprobs for r, vr in zip(rows, results) if r.want_logprobs])
@@ -1486,11 +1404,6 @@ class SpeculativeBatch:
                 done.append(i)
         for c in self.cache:
             c.trim_rows(trims)
-        if self._ahead is not None and done:  # leaving rows give their queued position back; the others keep theirs
-            for c in self.cache:
-                c.trim_rows([1 if i in done else 0 for i in range(len(rows))])
-            keep = [i for i in range(len(rows)) if i not in done]
-            self._ahead = self._ahead.select(keep) if keep else None
         # drafter contexts that queued many rounds (e.g. plain rounds under load) are appended together,
         # so a queue never holds on to many rounds' target features
         due = [r.session for i, r in enumerate(rows) if i not in done and r.session.drafter_session is not None
@@ -1500,9 +1413,8 @@ class SpeculativeBatch:
         if self.timings is not None:
             self._mark("commit", t_commit)
         after = self._row_lengths(self.cache)
-        queued = self._ahead is not None
         for i, r in enumerate(rows):
-            want = len(r.history) - 1 + (1 if queued and i not in done else 0)
+            want = len(r.history) - 1
             if after[i] != want:
                 raise RuntimeError(f"batch invariant broken: row {i} holds {after[i]} positions, "
                                    f"its request {want}")

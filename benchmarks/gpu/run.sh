@@ -30,9 +30,8 @@
 #              shipped drafter at 1K / 4K / 8K-token prompts: plain, the default schedule, the drafter every round)
 #   trace      benchmarks/gpu/trace_chain.py --trace --forward -> trace.json (issue 19: a routed matmul's per-call
 #              cost split into host build, encode + GPU and GPU kernel time; MLX's custom-kernel path itself)
-#   batch      benchmarks/profile_batch.py --model $GGUF --dtype bfloat16 --concurrency 8 --pipeline both -> batch.json
-#              (issue 22: batched rounds with the drafter on and off, plain steps queued ahead or not, every
-#              step's time, rows and width)
+#   batch      benchmarks/profile_batch.py --model $GGUF --dtype bfloat16 --concurrency 8 -> batch.json
+#              (issue 22: batched rounds with the drafter on and off, every step's time, rows and width)
 #   server     benchmarks/gpu/server.sh -> server.json, server.log (issue 22: ours with/without the drafter vs
 #              mlx_lm.server on SmolLM2 converted once; needs $PAYLOAD/srvwhl.tar, see server.sh)
 #   scripted   benchmarks/bench_batch_scripted.py -> batch-scripted.json, .png (issue 22 at the random Qwen3-8B shape:
@@ -125,7 +124,7 @@ for p in "$@"; do
     build)     cmd=($PY benchmarks/gpu/profile_build.py $([ "$SMOKE" = 1 ] && echo --shape tiny --repeats 3) --out "$OUT/build.json") ;;
     long)      cmd=($PY benchmarks/bench_long_context.py --model "$GGUF" $([ "$SMOKE" = 1 ] && echo --lengths 256,512 --max-tokens 16 --repeats 1) --out "$OUT/long.json") ;;
     probe)     cmd=($PY benchmarks/gpu/probe_routes.py $(printf -- '--shape %s ' ${PSHAPES//,/ }) --out "$OUT/probe.json") ;;
-    batch)     cmd=($PY benchmarks/profile_batch.py --model "$GGUF" $([ "$SMOKE" = 1 ] && echo --concurrency 2 --max-tokens 8 --repeats 1 || echo --dtype bfloat16 --concurrency 8 --repeats 2 --pipeline both --no-profile) --verbose --out "$OUT/batch.json") ;;
+    batch)     cmd=($PY benchmarks/profile_batch.py --model "$GGUF" $([ "$SMOKE" = 1 ] && echo --concurrency 2 --max-tokens 8 --repeats 1 || echo --dtype bfloat16 --concurrency 8 --repeats 2 --no-profile) --verbose --out "$OUT/batch.json") ;;
     scripted)  cmd=($PY benchmarks/bench_batch_scripted.py $([ "$SMOKE" = 1 ] && echo --shape tiny --concurrency 1,4 --max-tokens 16 --repeats 1 --dtype float32) --budget "$((b - 60))" --out "$OUT/batch-scripted.json") ;;
     batchx)    cmd=($PY benchmarks/gpu/batch_exactness.py --model "$GGUF" $([ "$SMOKE" = 1 ] && echo --rows 2 --max-tokens 8 --blocks 4 --lengths 3 || echo --dtype bfloat16 --rows 8,16,32) --budget "$b" --out "$OUT/batch-exactness.json") ;;
     server)    cmd=(env T_SERVER="$b" PAYLOAD="$PAYLOAD" OUT="$OUT" SMOL_GGUF="$GGUF" bash benchmarks/gpu/server.sh $([ "$SMOKE" = 1 ] && echo --concurrency 1,2 --requests 1 --pool 2 --max-tokens 4 --dtype float32 || echo --concurrency 1,2,4,8,16,32 --requests 2)) ;;

@@ -1212,6 +1212,75 @@ def test_drafter_blocks_fit_the_drafts(target, monkeypatch):
         assert out[k] == (_plain(target, _prompt(6 + k, k), 8), "length")
 
 
+def test_plain_rows_joining_leaving_and_a_flipping_width_cap_keep_solo_outputs(target):
+    """Plain requests of different lengths join mid-run, one is cancelled and one removed with its state between
+    rounds, others end at max_tokens or an EOS; two rows run into the context limit; a drafter row beside a plain
+    one has its width cap flip between plain rounds and drafting ones. Each gets exactly its solo output, the
+    kept state holds exactly its tokens, and rows at the context limit cost one forward per round (no more)."""
+    from mlx_dflash2.batch import WidthSchedule
+
+    prompts = {k: _prompt(4 + 3 * k, 40 + k) for k in range(6)}
+    refs = {k: _plain(target, p, 24) for k, p in prompts.items()}
+    eos = refs[3][9]  # request 3 stops at its first EOS (its 10th token, or earlier if it repeats)
+    stop3 = refs[3].index(eos) + 1
+    batch = SpeculativeBatch(target)
+    uid = {k: batch.add(prompts[k], n) for k, n in ((0, 20), (1, 7), (2, 24))}
+    out = {k: [] for k in prompts}
+    key_of = {u: k for k, u in uid.items()}
+    state = None
+    for rnd in range(60):
+        if rnd == 3:
+            for k, n in ((3, 24), (4, 15)):
+                uid[k] = batch.add(prompts[k], n, eos_token_ids=[eos] if k == 3 else ())
+                key_of[uid[k]] = k
+        if rnd == 6:
+            assert batch.cancel(uid[0])
+        if rnd == 8:
+            state = batch.remove(uid[2])  # not kept: None
+            uid[5] = batch.add(prompts[5], 12, keep_state=True)
+            key_of[uid[5]] = 5
+        for ev in batch.step():
+            out[key_of[ev.uid]] += ev.tokens
+        if rnd > 8 and not batch.active and not batch.pending:
+            break
+    assert state is None
+    assert out[1] == refs[1][:7] and out[3] == refs[3][:stop3] and out[4] == refs[4][:15] and out[5] == refs[5][:12]
+    assert out[0] == refs[0][: len(out[0])] and 0 < len(out[0]) < 20  # cancelled at round 6
+    assert out[2] == refs[2][: len(out[2])] and 0 < len(out[2]) < 24  # removed at round 8
+    st = batch.take_state(uid[5])
+    assert st.tokens == prompts[5] + refs[5][:11] and all(c.offset == len(st.tokens) for c in st.cache)
+    # rows at the context limit: one forward per round, none past it
+    short = _tiny(target.config["model_type"], seed=1, max_pos=24)
+    forwards, call = [], short._call
+    short._call = lambda fn, taps: (forwards.append(1), call(fn, taps))[1]  # this instance only
+    batch = SpeculativeBatch(short)
+    for k in (1, 2):
+        batch.add(_prompt(18, k), -1)  # both run into the 24-token context limit
+    while batch.active or batch.pending:
+        batch.step()
+    assert len(forwards) == 7  # 1 prefill + 6 steps
+    # a drafter row beside a plain one, its width cap flipping between plain rounds and drafting ones
+    d = _dflash(target)
+
+    def flipping(caps):
+        flips = iter(caps * 40)
+
+        class Flip(WidthSchedule):
+            def choose(self, n_rows, max_width):
+                return next(flips) if n_rows > 1 else None
+
+        batch = SpeculativeBatch(target, schedule=Flip())
+        a, b = batch.add(prompts[1], 16, proposer=d), batch.add(prompts[4], 16)
+        got = {a: [], b: []}
+        while batch.active or batch.pending:
+            for ev in batch.step():
+                got[ev.uid] += ev.tokens
+        assert got[a] == refs[1][:16] and got[b] == refs[4][:16]
+
+    flipping([1, 2])  # lone plain rounds between drafting ones
+    flipping([1, 1, 1, 2])  # runs of plain rounds
+
+
 def test_width_schedule_leaves_one_stalled_round_out():
     """Session 24 on the H200: the first round of 8 rows at cap 4 took 24 s (MLX's CUDA backend building kernels
     for the new shape) where its neighbours took 25 ms; taken as measured it priced cap 4 out for ~30,000 rounds.

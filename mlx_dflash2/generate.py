@@ -14,7 +14,6 @@ from pathlib import Path
 
 from .api import GenerationResponse, _consume, generate, stream_generate
 from .sampling import SamplingParams
-from .drafter.model import DEFAULT_CONTEXT_WINDOW
 from .loading import (ADAPTIVE_HELP, DRAFTER_KEYWORDS, CALIBRATE_HELP, DRAFT_CONFIDENCE_HELP, DRAFTER_HELP, DRAFTER_WINDOW_HELP,
                       KERNELS_HELP, check_block_size, draft_confidence_arg, drafter_window_arg, load)
 
@@ -35,7 +34,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-lookup", action="store_true", help="do not fuse lookup proposals with the drafter's")
     p.add_argument("--draft-confidence", type=draft_confidence_arg, default=None, metavar="C",
                    help=DRAFT_CONFIDENCE_HELP)
-    p.add_argument("--drafter-window", type=drafter_window_arg, default=DEFAULT_CONTEXT_WINDOW, metavar="N",
+    p.add_argument("--drafter-window", type=drafter_window_arg, default=None, metavar="N",
                    help=DRAFTER_WINDOW_HELP)
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None, help=ADAPTIVE_HELP)
     p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None, help=CALIBRATE_HELP)

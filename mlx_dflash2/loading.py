@@ -396,13 +396,24 @@ def _check_adaptive(adaptive, lookup: bool, drafter="auto") -> None:
                          "drafter to schedule (drop --adaptive, or use --drafter auto / a drafter path)")
 
 
-def _check_no_drafter_flags(drafter, lookup: bool, draft_confidence) -> None:
+def _check_no_drafter_flags(drafter, lookup: bool, draft_confidence, block_size: int | None = None,
+                            calibrate: bool | None = None, drafter_window: int | None = None) -> None:
     """Raises ValueError for settings that contradict a ``drafter`` without a drafter model or do nothing with it
-    (``"lookup"``, ``"none"``, ``None``): ``lookup=False`` with ``"lookup"``, a ``draft_confidence`` (the
-    drafter's dynamic draft length) with any of them. Both were accepted silently (a fresh user's find, session
-    25)."""
+    (``"lookup"``, ``"none"``, ``None``): ``lookup=False`` with ``"lookup"``; a ``draft_confidence`` (the
+    drafter's dynamic draft length), ``calibrate=True`` (the adaptive schedule's verify widths) or a
+    ``drafter_window`` (the drafter's context) with any of them; a ``block_size`` other than 1 with ``"none"``
+    (plain decoding verifies nothing). All were accepted silently (a fresh user's finds, sessions 25-26)."""
     if not (drafter is None or (isinstance(drafter, str) and drafter in ("lookup", "none"))):
         return
+    if drafter != "lookup" and block_size not in (None, 1):
+        raise ValueError(f"--block-size sets how many tokens a round drafts and verifies: --drafter {drafter} "
+                         "decodes plainly, one token per step (drop --block-size, or use --drafter lookup / auto)")
+    if calibrate:
+        raise ValueError(f"--calibrate measures the verify widths of a drafter's adaptive schedule: --drafter "
+                         f"{drafter} has none (drop --calibrate, or use --drafter auto)")
+    if drafter_window is not None:
+        raise ValueError(f"--drafter-window bounds a drafter's context: --drafter {drafter} has no drafter (drop "
+                         "--drafter-window, or use --drafter auto / a drafter path)")
     if drafter == "lookup" and not lookup:
         raise ValueError("--drafter lookup drafts by lookup only: --no-lookup contradicts it (drop --no-lookup, or "
                          "use --drafter none for no drafting)")
@@ -521,7 +532,7 @@ def load(
     adaptive: bool | None = None,
     kernels: str | None = None,
     calibrate: bool | None = None,
-    drafter_window: int = DEFAULT_CONTEXT_WINDOW,
+    drafter_window: int | None = None,
 ):
     """Load a target and its drafter (mirrors ``mlx_lm.load``).
 
@@ -545,24 +556,27 @@ def load(
             (:mod:`mlx_dflash2.calibrate`): ``None`` (default) uses the cached calibration and measures it
             once (a few seconds) when missing, ``True`` measures again and replaces it, ``False`` verifies
             full blocks. Nothing is measured without the adaptive schedule (a note is logged for ``True``).
-        drafter_window: the drafter's context window ``W`` (default 4096): a block attends to the K/V of
-            the last ``W`` committed positions only, and the drafter keeps ``~W`` rows per layer whatever the
-            prompt length (the target's cache still holds the whole context). ``0``: unbounded. Lossless
-            either way; a smaller window can cost acceptance on long prompts.
+        drafter_window: the drafter's context window ``W`` (``None``: 4096, ``DEFAULT_CONTEXT_WINDOW``): a
+            block attends to the K/V of the last ``W`` committed positions only, and the drafter keeps ``~W`` rows
+            per layer whatever the prompt length (the target's cache still holds the whole context). ``0``:
+            unbounded. Lossless either way; a smaller window can cost acceptance on long prompts.
 
     Returns:
         ``(SpeculativeModel, TokenizerWrapper)``.
 
     Raises:
         ValueError: a bad block size, ``draft_confidence`` outside ``[0, 1)`` or ``drafter_window < 0``;
-            ``lookup=False`` with ``drafter="lookup"``, a ``draft_confidence`` with ``"lookup"`` or
-            ``"none"`` (they would do nothing); and what :func:`load_target` and :func:`make_proposer` raise.
+            ``lookup=False`` with ``drafter="lookup"``; a ``draft_confidence``, ``calibrate=True`` or a
+            ``drafter_window`` with ``"lookup"`` or ``"none"``, a ``block_size`` other than 1 with ``"none"``
+            (they would do nothing); and what :func:`load_target` and :func:`make_proposer` raise.
     """
     # everything that can be checked without the weights is checked before the (slow) loading
     draft_confidence = check_confidence(draft_confidence)
-    drafter_window = check_drafter_window(drafter_window)
+    if drafter_window is not None:
+        drafter_window = check_drafter_window(drafter_window)
     _check_adaptive(adaptive, lookup, drafter)
-    _check_no_drafter_flags(drafter, lookup, draft_confidence)
+    _check_no_drafter_flags(drafter, lookup, draft_confidence, block_size, calibrate, drafter_window)
+    drafter_window = DEFAULT_CONTEXT_WINDOW if drafter_window is None else drafter_window
     if calibrate is not None and not isinstance(calibrate, bool):
         raise ValueError(f"calibrate must be None, True or False, got {calibrate!r}")
     if block_size is not None:

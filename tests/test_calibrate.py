@@ -489,10 +489,13 @@ def test_load_checks_calibrate_before_loading_and_notes_a_flag_with_nothing_to_c
 
     with pytest.raises(ValueError, match="calibrate"):
         load("/nonexistent/model", drafter="none", calibrate="yes")
+    for drafter in ("lookup", "none"):  # no drafter, no adaptive schedule: refused before loading (session 26)
+        with pytest.raises(ValueError, match=f"--drafter {drafter} has none"):
+            load("/nonexistent/model", drafter=drafter, calibrate=True)
     monkeypatch.setenv(C.CACHE_ENV, str(tmp_path / "cal.json"))
-    with caplog.at_level("WARNING", logger="mlx_dflash2"):
-        model, _ = load(str(tiny[0]), drafter="lookup", calibrate=True)
-    assert model.proposer.name == "lookup" and "nothing measured" in caplog.text
+    with caplog.at_level("WARNING", logger="mlx_dflash2"):  # a drafter without the adaptive schedule: a note
+        model, _ = load(str(tiny[0]), drafter="init", calibrate=True)
+    assert model.proposer.calibration is None and "nothing measured" in caplog.text
     assert not (tmp_path / "cal.json").exists()
 
 

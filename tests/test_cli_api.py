@@ -142,6 +142,12 @@ def test_cli_errors_exit_2_from_their_own_process(case):
         (["--drafter", "lookup", "--no-lookup"], "--drafter lookup drafts by lookup only: --no-lookup contradicts"),
         (["--drafter", "lookup", "--draft-confidence", "0.1"], "--drafter lookup has no drafter to stop early"),
         (["--drafter", "none", "--draft-confidence", "0"], "--drafter none has no drafter to stop early"),
+        # session 26: accepted and silently ignored
+        (["--drafter", "none", "--block-size", "4"], "--drafter none decodes plainly"),
+        (["--drafter", "none", "--calibrate"], "--drafter none has none"),
+        (["--drafter", "lookup", "--calibrate"], "--drafter lookup has none"),
+        (["--drafter", "none", "--drafter-window", "64"], "--drafter-window bounds a drafter's context"),
+        (["--drafter", "lookup", "--drafter-window", "0"], "--drafter lookup has no drafter"),
     ],
 )
 def test_cli_flags_are_checked_before_loading(args, msg, capsys):

@@ -163,7 +163,7 @@ def test_drafter_window_flag_and_load_argument():
     from mlx_dflash2.server.cli import setup_arg_parser as srv_parser
 
     for parser in (gen_parser(), srv_parser()):
-        assert parser.parse_args([]).drafter_window == DEFAULT_CONTEXT_WINDOW == 4096
+        assert parser.parse_args([]).drafter_window is None  # load(): DEFAULT_CONTEXT_WINDOW == 4096
         assert parser.parse_args(["--drafter-window", "0"]).drafter_window == 0
         assert parser.parse_args(["--drafter-window", "2048"]).drafter_window == 2048
     with pytest.raises(argparse.ArgumentTypeError):

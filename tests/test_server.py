@@ -364,6 +364,17 @@ def test_unsupported_values_are_named_and_openai_defaults_accepted(http):
     r = http.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": None}]})
     assert r.status_code == 400, r.text
     assert "a user message needs content" in r.json()["error"]["message"]
+    # content parts other than text ones: which part and what is supported (was "Input should be a valid string")
+    for parts, msg in (([{"type": "text", "text": "Hi"}, {"type": "image_url", "image_url": {"url": "x"}}],
+                        "content part 1 has type 'image_url': only text parts"),
+                       ([{"type": "text"}], 'content part 0 needs "text": a string'),
+                       (["Hi"], "content part 0 must be an object")):
+        r = http.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": parts}]})
+        assert r.status_code == 400 and msg in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "messages[0].content"
+    ok = [{"type": "text", "text": "Hi"}, {"type": "text", "text": " there"}]
+    assert http.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": ok}]}
+                     ).status_code == 200
     call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     turns = chat_msgs("Hi") + [{"role": "assistant", "content": None, "tool_calls": [call]},
                                {"role": "tool", "tool_call_id": "call_1", "content": "42"},

@@ -16,7 +16,6 @@ import socket
 import sys
 from pathlib import Path
 
-from ..drafter.model import DEFAULT_CONTEXT_WINDOW
 from ..loading import (ADAPTIVE_HELP, CALIBRATE_HELP, DRAFT_CONFIDENCE_HELP, DRAFTER_HELP, DRAFTER_WINDOW_HELP,
                        KERNELS_HELP, draft_confidence_arg, drafter_window_arg)
 
@@ -138,7 +137,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-lookup", action="store_true", help="do not fuse lookup proposals with the drafter's")
     p.add_argument("--draft-confidence", type=draft_confidence_arg, default=None, metavar="C",
                    help=DRAFT_CONFIDENCE_HELP)
-    p.add_argument("--drafter-window", type=drafter_window_arg, default=DEFAULT_CONTEXT_WINDOW, metavar="N",
+    p.add_argument("--drafter-window", type=drafter_window_arg, default=None, metavar="N",
                    help=DRAFTER_WINDOW_HELP)
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None, help=ADAPTIVE_HELP)
     p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None, help=CALIBRATE_HELP)

@@ -126,6 +126,25 @@ class ChatMessage(_Request):
     tool_calls: Optional[List[Dict[str, Any]]] = None
     tool_call_id: Optional[StrictStr] = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _check_parts(cls, v):
+        # a list of parts that are not all text parts: say which part and what is supported (pydantic's union error
+        # was "Input should be a valid string", about the other branch; a fresh user's find, session 25)
+        if isinstance(v, list):
+            for j, part in enumerate(v):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if not isinstance(part, dict):
+                    raise ValueError(f'content part {j} must be an object {{"type": "text", "text": "..."}}, '
+                                     f"got {type(part).__name__}")
+                if kind != "text":
+                    raise ValueError(f"content part {j} has type {kind!r}: only text parts "
+                                     '({"type": "text", "text": "..."}) are supported; this server serves a text '
+                                     "model (images, audio and files are not read)")
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f'content part {j} needs "text": a string')
+        return v
+
     @field_validator("content")
     @classmethod
     def _check_content(cls, v, info):

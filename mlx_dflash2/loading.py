@@ -204,13 +204,27 @@ def load_target(
     return target, tokenizer, name
 
 
-CPU_DEQUANTIZE_LIMIT = 2 << 30  # bytes
+def cpu_dequantize_limit() -> int:
+    """Bytes of dense weights up to which MLX's CPU backend expands a quantized target by default
+    (:func:`auto_dequantize`): 40 % of this machine's physical memory, at least 2 GiB (2 GiB where the size
+    is unknown). Dense float32 is the CPU's fast path: Qwen2.5-Coder-0.5B-Instruct (2.5 GB dense) on a 2-core
+    host decodes a token in 178 ms dense against 393 ms packed, and verifies 16 tokens for 1.67 steps dense
+    against 14.2 packed (session 26; ``benchmarks/README.md``); a 24 GiB machine now runs it, and the 1.5B
+    (6.2 GB), dense."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return 2 << 30
+    return max(2 << 30, int(0.4 * ram)) if ram > 0 else 2 << 30
+
+
+CPU_DEQUANTIZE_LIMIT = cpu_dequantize_limit()  # bytes
 
 
 def auto_dequantize(model, dtype: mx.Dtype | None) -> bool:
     """Whether ``dequantize=None`` expands a quantized target: on MLX's CPU backend only, and only
     when the dense weights (at ``dtype``, float32 if ``None``) take at most :data:`CPU_DEQUANTIZE_LIMIT`
-    bytes (2 GiB).
+    bytes (:func:`cpu_dequantize_limit`: 40 % of the machine's memory, at least 2 GiB).
 
     On the CPU backend a quantized matmul costs time linear in its rows, so a verify of B tokens
     costs about B decode steps, and even plain decoding is slower than with dense weights: the
@@ -243,9 +257,9 @@ def gguf_auto_dequantize(header, dtype: mx.Dtype | None) -> bool:
         dtype: the load's floating dtype.
 
     Returns:
-        True to load dense: e.g. SmolLM2-135M (0.54 GB float32) on CPU; False for
-        Qwen2.5-Coder-0.5B-Instruct (its untied output makes 630 M parameters, 2.5 GB) and
-        larger, and always on a GPU.
+        True to load dense: e.g. SmolLM2-135M (0.54 GB float32) on CPU, and Qwen2.5-Coder-0.5B-Instruct
+        (its untied output makes 630 M parameters, 2.5 GB) and -1.5B (6.2 GB) on a machine of 16 / 24 GiB;
+        False past the limit, and always on a GPU.
     """
     if mx.default_device() != mx.cpu:
         return False

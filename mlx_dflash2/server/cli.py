@@ -182,7 +182,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="dtype of non-packed weights/scales (auto: float32 on CPU)")
     p.add_argument("--dequantize", action=argparse.BooleanOptionalAction, default=None,
                    help="expand quantized weights (target and drafter) to dense --dtype (default: only on "
-                   "the CPU backend for a target of at most 2 GiB dense, where quantized matmuls are slow)")
+                   "the CPU backend for a target whose dense weights fit in 40%% of the memory, where quantized "
+                   "matmuls are slow)")
     p.add_argument("--kernels", choices=["auto", "reference", "kernel"], default=None, help=KERNELS_HELP)
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                    help="logging level (default: INFO)")

@@ -40,6 +40,7 @@ import sys
 import time
 from pathlib import Path
 
+sys.path[:0] = [str(Path(__file__).resolve().parents[1])]  # this checkout (the docstring's commands run from it)
 import mlx_dflash2  # noqa: F401,E402  (before MLX: loads the optimized OpenBLAS, mlx_dflash2/_blas.py)
 import mlx.core as mx
 

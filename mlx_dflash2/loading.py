@@ -581,8 +581,9 @@ def load(
     Raises:
         ValueError: a bad block size, ``draft_confidence`` outside ``[0, 1)`` or ``drafter_window < 0``;
             ``lookup=False`` with ``drafter="lookup"``; a ``draft_confidence``, ``calibrate=True`` or a
-            ``drafter_window`` with ``"lookup"`` or ``"none"``, a ``block_size`` other than 1 with ``"none"``
-            (they would do nothing); and what :func:`load_target` and :func:`make_proposer` raise.
+            ``drafter_window`` with ``"lookup"`` or ``"none"``, a ``block_size`` other than 1 with ``"none"``,
+            ``calibrate=True`` without the adaptive schedule (they would do nothing); and what
+            :func:`load_target` and :func:`make_proposer` raise.
     """
     # everything that can be checked without the weights is checked before the (slow) loading
     draft_confidence = check_confidence(draft_confidence)
@@ -590,6 +591,12 @@ def load(
         drafter_window = check_drafter_window(drafter_window)
     _check_adaptive(adaptive, lookup, drafter)
     _check_no_drafter_flags(drafter, lookup, draft_confidence, block_size, calibrate, drafter_window)
+    if calibrate and not (lookup and (adaptive or (adaptive is None and drafter == "auto"))):
+        # a drafter without the adaptive schedule (--drafter shipped or a path without --adaptive, --no-adaptive,
+        # --no-lookup): nothing to calibrate (it loaded, then logged "nothing measured"; a fresh user's find)
+        raise ValueError("--calibrate measures the verify widths of the adaptive schedule, which this drafter runs "
+                         "without (--drafter shipped or a path without --adaptive, --no-adaptive or --no-lookup): "
+                         "drop --calibrate, or add --adaptive")
     drafter_window = DEFAULT_CONTEXT_WINDOW if drafter_window is None else drafter_window
     if calibrate is not None and not isinstance(calibrate, bool):
         raise ValueError(f"calibrate must be None, True or False, got {calibrate!r}")

@@ -492,10 +492,14 @@ def test_load_checks_calibrate_before_loading_and_notes_a_flag_with_nothing_to_c
     for drafter in ("lookup", "none"):  # no drafter, no adaptive schedule: refused before loading (session 26)
         with pytest.raises(ValueError, match=f"--drafter {drafter} has none"):
             load("/nonexistent/model", drafter=drafter, calibrate=True)
+    for kw in (dict(drafter="init"), dict(drafter="shipped"), dict(drafter="auto", adaptive=False),
+               dict(drafter="auto", lookup=False)):  # a drafter without the adaptive schedule: refused too
+        with pytest.raises(ValueError, match="--calibrate measures the verify widths of the adaptive schedule"):
+            load("/nonexistent/model", calibrate=True, **kw)
     monkeypatch.setenv(C.CACHE_ENV, str(tmp_path / "cal.json"))
-    with caplog.at_level("WARNING", logger="mlx_dflash2"):  # a drafter without the adaptive schedule: a note
-        model, _ = load(str(tiny[0]), drafter="init", calibrate=True)
-    assert model.proposer.calibration is None and "nothing measured" in caplog.text
+    with caplog.at_level("WARNING", logger="mlx_dflash2"):  # auto where no drafter ships (lookup): a note
+        model, _ = load(str(tiny[0]), drafter="auto", calibrate=True)
+    assert model.proposer.name == "lookup" and "nothing measured" in caplog.text
     assert not (tmp_path / "cal.json").exists()
 
 

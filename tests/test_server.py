@@ -372,6 +372,16 @@ def test_unsupported_values_are_named_and_openai_defaults_accepted(http):
         r = http.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": parts}]})
         assert r.status_code == 400 and msg in r.json()["error"]["message"], r.text
         assert r.json()["error"]["param"] == "messages[0].content"
+    # a lone surrogate ("\ud800" in the JSON) reached the tokenizer: a 500 for a prompt (session 26)
+    for path, b, param in (("/v1/completions", {"prompt": "Hi \ud800"}, "prompt"),
+                           ("/v1/completions", {"prompt": ["\udfff"]}, "prompt"),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800"}]},
+                            "messages[0].content"),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+                               {"type": "text", "text": "\ud800"}]}]}, "messages[0].content")):
+        r = http.post(path, content=json.dumps({**b, "max_tokens": 1}), headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "lone surrogate (U+D" in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == param, r.text
     ok = [{"type": "text", "text": "Hi"}, {"type": "text", "text": " there"}]
     assert http.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": ok}]}
                      ).status_code == 200

@@ -97,6 +97,18 @@ StopString = Annotated[StrictStr, WithJsonSchema({"type": "string", "minLength":
 Penalty = Optional[StrictFloat]
 
 
+def check_text(s: str, what: str) -> str:
+    """``s`` if it is text a tokenizer can encode; a lone UTF-16 surrogate (JSON ``"\ud800"``, which Python's parser
+    accepts) raises ValueError naming ``what`` and its position (it reached the tokenizer: a 500 for a completion's
+    prompt, a cryptic 400 for a chat message; a fresh user's find, session 26)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} holds a lone surrogate (U+{ord(s[e.start]):04X}) at character {e.start}: "
+                         "not valid Unicode text (encode the text as UTF-8 JSON strings)") from None
+    return s
+
+
 class _Request(BaseModel):
     # non-finite numbers (JSON's Infinity / NaN, which Python's parser accepts) are refused by name
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
@@ -107,6 +119,11 @@ class TextPart(_Request):
 
     type: Literal["text"]
     text: StrictStr
+
+    @field_validator("text")
+    @classmethod
+    def _check_text(cls, v):
+        return check_text(v, "the text part")
 
 
 class ChatMessage(_Request):
@@ -143,6 +160,9 @@ class ChatMessage(_Request):
                                      "model (images, audio and files are not read)")
                 if not isinstance(part.get("text"), str):
                     raise ValueError(f'content part {j} needs "text": a string')
+                check_text(part["text"], f"content part {j}")
+        elif isinstance(v, str):
+            check_text(v, "the content")
         return v
 
     @field_validator("content")
@@ -288,6 +308,8 @@ class CompletionRequest(_GenerationFields):
                 raise ValueError("the prompt is empty")
             if isinstance(v[0], str) and len(v) != 1:
                 raise ValueError("only one prompt per request is supported")
+        for text in [v] if isinstance(v, str) else [x for x in v if isinstance(x, str)]:
+            check_text(text, "the prompt")
         return v
 
 

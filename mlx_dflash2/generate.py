@@ -154,6 +154,11 @@ def main(argv=None) -> int:
         )
         text, stats = _consume(stream_generate(model, tokenizer, prompt, **kwargs), echo=True,
                                show_stats=args.verbose, return_stats=True)
+        if args.verbose:  # which weights ran (the CPU rule's choice shows otherwise only in speed and memory)
+            q = model.target.config.get("quantization")
+            print(f"Target weights: {'packed %s-bit' % q.get('bits', '?') if isinstance(q, dict) else 'dense'}"
+                  + (" (expanded by the CPU rule; --no-dequantize keeps them packed)"
+                     if args.dequantize is None and q is None and _file_quantized(args.model) else ""))
         if args.compare:
             print(_compare(model, tokenizer, prompt, kwargs, text, stats))
     except (NotImplementedError, ValueError, FileNotFoundError) as e:
@@ -163,6 +168,22 @@ def main(argv=None) -> int:
         print("\ninterrupted", file=sys.stderr)
         return 130
     return 0
+
+
+def _file_quantized(model_arg) -> bool:
+    """Whether the target file named by ``--model`` (``None``: the embedded GGUF) holds quantized tensors (GGUF
+    files only; False for anything else)."""
+    from . import assets
+    from .gguf import read_gguf_header
+
+    try:
+        path = Path(model_arg) if model_arg else assets.embedded_model_path()
+        if path.suffix.lower() != ".gguf" or not path.is_file():
+            return False
+        tensors = read_gguf_header(path).reader.tensors
+        return any(t.tensor_type.name not in ("F32", "F16", "BF16", "F64") for t in tensors)
+    except (OSError, ValueError):
+        return False
 
 
 def _compare(model, tokenizer, prompt, kwargs, text: str, stats) -> str:

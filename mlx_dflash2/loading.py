@@ -164,6 +164,7 @@ def load_target(
     if isinstance(dtype, str):
         dtype = _default_dtype() if dtype == "auto" else getattr(mx, dtype)
     name = path_or_hf_repo or assets.DEFAULT_MODEL
+    auto = dequantize is None
     if assets.is_embedded_name(name):
         path = assets.embedded_model_path(name.lower())
     else:
@@ -199,6 +200,10 @@ def load_target(
         _cast(model, dtype)
         config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
     mx.eval(model.parameters())
+    # which weights the target runs (--verbose): the CPU rule's choice is otherwise visible only in speed and memory
+    logger.info("target %s: %s weights%s", Path(str(name)).name, "packed" if "quantization" in config else "dense",
+                f" (expanded by the CPU rule: dense weights up to {CPU_DEQUANTIZE_LIMIT / 1e9:.1f} GB; "
+                "--no-dequantize keeps them packed)" if auto and dequantize else "")
     target = TargetAdapter(model, config, vocab_size=len(tokenizer), kernels=kernels)  # no padding row is ever emitted
     materialize(target)  # whatever the model holds besides its parameters (it may run on another thread)
     return target, tokenizer, name

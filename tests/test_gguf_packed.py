@@ -145,7 +145,7 @@ def test_fast_pack_equals_the_bit_stream():
         assert np.array_equal(got, _pack_stream(codes.reshape(7, -1), bits)), bits
 
 
-def test_load_target_packed_dense_and_the_cpu_rule(mixed, monkeypatch):
+def test_load_target_packed_dense_and_the_cpu_rule(mixed, monkeypatch, caplog):
     """load_target: dequantize=False keeps the GGUF packed, True expands it, None follows the CPU
     rule decided from the header (dense for a small target, packed past the limit)."""
     from mlx_dflash2 import loading
@@ -155,9 +155,11 @@ def test_load_target_packed_dense_and_the_cpu_rule(mixed, monkeypatch):
     assert isinstance(packed.model.model.layers[0].mlp.gate_proj, nn.QuantizedLinear)
     assert "quantization" in packed.config
     assert loading.gguf_auto_dequantize(read_gguf_header(f), mx.float32) is (mx.default_device() == mx.cpu)
-    auto = loading.load_target(str(f), dtype=mx.float32, dequantize=None)[0]
-    if mx.default_device() == mx.cpu:  # tiny: dense
+    with caplog.at_level("INFO", logger="mlx_dflash2"):
+        auto = loading.load_target(str(f), dtype=mx.float32, dequantize=None)[0]
+    if mx.default_device() == mx.cpu:  # tiny: dense, and --verbose says why
         assert type(auto.model.model.layers[0].mlp.gate_proj) is nn.Linear
+        assert "dense weights (expanded by the CPU rule" in caplog.text
         monkeypatch.setattr(loading, "CPU_DEQUANTIZE_LIMIT", 1000)
         assert not loading.gguf_auto_dequantize(read_gguf_header(f), mx.float32)
         auto = loading.load_target(str(f), dtype=mx.float32, dequantize=None)[0]

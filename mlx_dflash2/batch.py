@@ -731,11 +731,12 @@ class WidthSchedule:
         floor = min((s for (bb, w), s in secs.items() if bb == b and w > c), default=own)
         return rate[(b, c)] * own / min(own, floor)
 
-    def _score(self, b: int, c: int) -> float:
+    def _score(self, b: int, c: int, rate: dict | None = None, secs: dict | None = None) -> float:
         """The rate of cap ``c`` in bucket ``b`` as compared (:meth:`_rate`): handicapped by ``margin`` per cap
         below it (a wider cap must measure that much faster than a narrower one to be chosen: a wider round
         costs more, and a noisy measurement alone should not move the batch to it)."""
-        return self._rate(b, c) * (1.0 - self.margin) ** (self.caps.index(c) if c in self.caps else len(self.caps))
+        k = self.caps.index(c) if c in self.caps else len(self.caps)
+        return self._rate(b, c, rate, secs) * (1.0 - self.margin) ** k
 
     def _expected(self, b: int, cap: int) -> float | None:
         """Seconds a round of ``cap`` in bucket ``b`` (none measured there) should take at most, from the
@@ -761,10 +762,12 @@ class WidthSchedule:
         Returns:
             ``{"2 rows" | "3-4 rows" | ...: {"best_cap": int, "rounds": int, "caps": {"1": {"rounds": int,
             "stalls": int, "settling": int, "ms_per_round": float, "tokens_per_s": float,
-            "compared_tokens_per_s": float}, ...}}}``: rounds measured at each cap (stalls: rounds left out as
+            "compared_tokens_per_s": float, "score": float}, ...}}}``: rounds measured at each cap (stalls: rounds left out as
             :attr:`outlier`; settling: the narrowest cap's rounds right after a wider one, left out), the moving
             averages of seconds per round (in ms) and of emitted tokens per second, the rate :meth:`choose`
-            compares (seconds per round bounded by a wider cap's: :meth:`_rate`), and the cap it prefers now.
+            compares (seconds per round bounded by a wider cap's: :meth:`_rate`), that rate handicapped by
+            ``margin`` per narrower cap (``score``: the cap with the highest is ``best_cap``), and the cap it
+            prefers now.
         """
         rate, secs, count, stalls = dict(self.rate), dict(self.secs), dict(self.count), dict(self.stalls)
         settling = dict(self.settling)
@@ -777,7 +780,8 @@ class WidthSchedule:
                 "caps": {str(c): {"rounds": count.get((b, c), 0), "stalls": stalls.get((b, c), 0),
                                   "settling": settling.get((b, c), 0),
                                   "ms_per_round": 1e3 * secs[(b, c)], "tokens_per_s": rate[(b, c)],
-                                  "compared_tokens_per_s": self._rate(b, c, rate, secs)} for c in known}}
+                                  "compared_tokens_per_s": self._rate(b, c, rate, secs),
+                                  "score": self._score(b, c, rate, secs)} for c in known}}
         return out
 
     def record(self, n_rows: int, cap: int, emitted: int, seconds: float) -> None:

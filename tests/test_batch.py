@@ -539,7 +539,10 @@ def test_width_schedule_summary_reports_what_it_measured():
     five = got["5-8 rows"]
     assert five["best_cap"] == 1 and five["rounds"] == 5
     assert five["caps"]["1"] == {"rounds": 1, "stalls": 0, "settling": 1, "ms_per_round": pytest.approx(10.0),
-                                 "tokens_per_s": pytest.approx(600.0), "compared_tokens_per_s": pytest.approx(600.0)}
+                                 "tokens_per_s": pytest.approx(600.0), "compared_tokens_per_s": pytest.approx(600.0),
+                                 "score": pytest.approx(600.0)}
+    assert five["caps"]["2"]["score"] == pytest.approx(five["caps"]["2"]["compared_tokens_per_s"] * 0.95)
+    assert five["best_cap"] == int(max(five["caps"], key=lambda c: five["caps"][c]["score"]))
     assert five["caps"]["2"]["rounds"] == 2 and five["caps"]["2"]["tokens_per_s"] == pytest.approx(450.0)
     assert "4" not in five["caps"] and s.stalls[(WidthSchedule.bucket(6), 4)] == 1
     assert got["2 rows"]["caps"]["1"]["rounds"] == 1

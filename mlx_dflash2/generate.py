@@ -175,13 +175,13 @@ def _file_quantized(model_arg) -> bool:
     files only; False for anything else)."""
     from . import assets
     from .gguf import read_gguf_header
+    from .loading import gguf_quantized
 
     try:
         path = Path(model_arg) if model_arg else assets.embedded_model_path()
         if path.suffix.lower() != ".gguf" or not path.is_file():
             return False
-        tensors = read_gguf_header(path).reader.tensors
-        return any(t.tensor_type.name not in ("F32", "F16", "BF16", "F64") for t in tensors)
+        return gguf_quantized(read_gguf_header(path))
     except (OSError, ValueError):
         return False
 

@@ -269,11 +269,13 @@ def gguf_auto_dequantize(header, dtype: mx.Dtype | None) -> bool:
     if mx.default_device() != mx.cpu:
         return False
     width = (dtype or mx.float32).size
-    dense, packed = 0, False
-    for t in header.reader.tensors:
-        packed |= t.tensor_type.name not in ("F32", "F16", "BF16", "F64")
-        dense += math.prod(int(x) for x in t.shape) * width
-    return packed and dense <= CPU_DEQUANTIZE_LIMIT
+    dense = sum(math.prod(int(x) for x in t.shape) for t in header.reader.tensors) * width
+    return gguf_quantized(header) and dense <= CPU_DEQUANTIZE_LIMIT
+
+
+def gguf_quantized(header) -> bool:
+    """Whether a GGUF (its :class:`~.gguf.GGUFHeader`) holds quantized tensors (any type but F32/F16/BF16/F64)."""
+    return any(t.tensor_type.name not in ("F32", "F16", "BF16", "F64") for t in header.reader.tensors)
 
 
 def drafter_dequantize(dequantize: bool | None, target: TargetAdapter) -> bool:

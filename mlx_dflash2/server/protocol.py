@@ -118,12 +118,7 @@ class TextPart(_Request):
     """A text content part (``{"type": "text", "text": "..."}``); other part types are refused."""
 
     type: Literal["text"]
-    text: StrictStr
-
-    @field_validator("text")
-    @classmethod
-    def _check_text(cls, v):
-        return check_text(v, "the text part")
+    text: StrictStr  # checked as text by ChatMessage (check_text, naming the part)
 
 
 class ChatMessage(_Request):

@@ -397,6 +397,29 @@ def test_unsupported_values_are_named_and_openai_defaults_accepted(http):
         assert "Invalid value for 'format'" in r.json()["error"]["message"], r.text
 
 
+def test_wrong_content_and_prompt_types_say_what_is_accepted(http):
+    """A fresh user's finds: a message's content 5 and a prompt [[1, 2], [3]] (OpenAI's batch form) were 400s saying
+    only pydantic's "Input should be a valid string"; each now names the field and what it accepts (still a 400)."""
+    content = "the content must be a string or a list of text parts"
+    for value, got in ((5, "got a number"), ({"text": "Hi"}, "got an object"), (True, "got a boolean")):
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": value}], "max_tokens": 1})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "messages[0].content" and "'messages[0].content'" in err["message"], err
+        assert content in err["message"] and got in err["message"] and "valid string" not in err["message"], err
+    accepted = "the prompt must be a string, a list of one string, or a list of token ids (integers)"
+    for value, got in (([[1, 2], [3]], "got a list of lists (a batch of prompts): send one prompt per request"),
+                       ([[1, 2]], "got a list of lists"), (5, "got a number"), (None, "got null"),
+                       ([1, "a"], "a list mixing strings and other values"),
+                       ([1, 2.5], "item 1 is 2.5, not a token id"), ([True], "item 0 is a boolean")):
+        r = http.post("/v1/completions", json={"prompt": value, "max_tokens": 1})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "prompt" and accepted in err["message"] and got in err["message"], err
+    for value in ("Hi", ["Hi"], [1, 2, 3.0]):  # what is accepted still is
+        assert http.post("/v1/completions", json={"prompt": value, "max_tokens": 1}).status_code == 200
+
+
 def test_unknown_model_is_404_model_not_found(http, client):
     """OpenAI answers an unknown model with 404, invalid_request_error, code model_not_found (was 400); the
     served id, its aliases and null are accepted; the OpenAPI schema documents the 404."""

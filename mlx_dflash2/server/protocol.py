@@ -109,6 +109,17 @@ def check_text(s: str, what: str) -> str:
     return s
 
 
+def json_kind(v) -> str:
+    """The JSON type of a parsed JSON value, as a request's error message names it (``"a number"``, ``"null"``)."""
+    if v is None:
+        return "null"
+    for t, name in ((bool, "a boolean"), ((int, float), "a number"), (str, "a string"), (list, "an array"),
+                    (dict, "an object")):
+        if isinstance(v, t):
+            return name
+    return type(v).__name__
+
+
 class _Request(BaseModel):
     # non-finite numbers (JSON's Infinity / NaN, which Python's parser accepts) are refused by name
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
@@ -158,6 +169,9 @@ class ChatMessage(_Request):
                 check_text(part["text"], f"content part {j}")
         elif isinstance(v, str):
             check_text(v, "the content")
+        elif v is not None:  # pydantic's union error was "Input should be a valid string" (a fresh user's find)
+            raise ValueError('the content must be a string or a list of text parts ({"type": "text", "text": "..."})'
+                             f", got {json_kind(v)}")
         return v
 
     @field_validator("content")
@@ -294,6 +308,30 @@ class CompletionRequest(_GenerationFields):
     logprobs: Optional[StrictInt] = Field(None, ge=0, le=20, description="top log-probabilities per token")
     echo: Optional[StrictBool] = Field(None, description="only false is supported")
     suffix: Optional[StrictStr] = Field(None, description="only null is supported")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt_type(cls, v):
+        # pydantic's union error was "Input should be a valid string" for a number, a list of lists (OpenAI's batch
+        # of token-id prompts) or a list mixing ids and strings (a fresh user's find); say what is accepted
+        accepted = "the prompt must be a string, a list of one string, or a list of token ids (integers)"
+        if not isinstance(v, list):
+            if isinstance(v, str):
+                return v  # its text is checked below
+            raise ValueError(f"{accepted}, got {json_kind(v)}")
+        if any(isinstance(x, list) for x in v):
+            raise ValueError(f"{accepted}, got a list of lists (a batch of prompts): send one prompt per request, "
+                             "its token ids as one flat list")
+        strings = sum(isinstance(x, str) for x in v)
+        if strings == len(v):
+            return v  # one string, none ("the prompt is empty") or several ("only one prompt") are checked below
+        if strings:
+            raise ValueError(f"{accepted}, got a list mixing strings and other values")
+        for j, x in enumerate(v):
+            if isinstance(x, bool) or not (isinstance(x, int) or isinstance(x, float) and x.is_integer()):
+                got = x if isinstance(x, float) else json_kind(x)
+                raise ValueError(f"{accepted}; item {j} is {got}, not a token id (an integer)")
+        return v
 
     @field_validator("prompt")
     @classmethod

@@ -1370,6 +1370,60 @@ def test_a_host_or_port_it_cannot_listen_on_is_refused_before_loading(monkeypatc
     cli.check_listen("127.0.0.1", 0)
 
 
+def test_the_start_up_line_gives_the_bound_port_and_a_valid_ipv6_url(monkeypatch, caplog):
+    """A fresh user's find: started with ``--port 0`` the server logged "serving ... on http://127.0.0.1:0/v1" (the
+    port asked for, not the one bound) and ``--host ::1`` gave ``http://::1:8080/v1`` (not a valid URL). The line
+    now comes once the server listens, with the bound port and an IPv6 host in brackets."""
+    import asyncio
+    import logging
+    import types
+
+    from mlx_dflash2.server import app as app_module
+    from mlx_dflash2.server import cli
+
+    assert app_module.http_url("::1", 8080) == "http://[::1]:8080"
+    assert app_module.http_url("127.0.0.1", 8080) == "http://127.0.0.1:8080"
+
+    async def asgi(scope, receive, send):  # a bare app: the line is the CLI's, not the model's
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                await send({"type": message["type"] + ".complete"})
+                if message["type"] == "lifespan.shutdown":
+                    return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    engine = types.SimpleNamespace(model=types.SimpleNamespace(name="m", proposer=None, block_size=16))
+    monkeypatch.setattr(cli, "build_app", lambda args: (asgi, engine))
+    bound = []
+
+    class OneShot(app_module.AppServer):  # stops once started
+        async def startup(self, sockets=None):
+            await super().startup(sockets=sockets)
+            port = self.servers[0].sockets[0].getsockname()[1]
+            reply = await asyncio.to_thread(httpx.get, f"{self.url()}/", timeout=10)  # the URL is the server's
+            assert port != 0 and reply.text == "ok"
+            bound.append(port)
+            self.should_exit = True
+
+    monkeypatch.setattr(app_module, "AppServer", OneShot)
+    caplog.set_level(logging.INFO, logger="mlx_dflash2.server")
+    hosts = ["127.0.0.1"]
+    try:
+        with socket.socket(socket.AF_INET6) as s6:
+            s6.bind(("::1", 0))
+        hosts.append("::1")
+    except OSError:  # no IPv6 loopback here
+        pass
+    for host in hosts:
+        caplog.clear()
+        assert cli.main(["--host", host, "--port", "0"]) == 0
+        url = app_module.http_url(host, bound[-1])
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("serving ")]
+        assert lines == [f"serving m (drafter none, block size 16) on {url}/v1"], lines
+
+
 def test_ctrl_c_while_loading_is_one_line(monkeypatch, capsys):
     """A fresh user's run: Ctrl-C during the model's load printed a KeyboardInterrupt traceback from inside a
     loader; now one line and exit status 130."""

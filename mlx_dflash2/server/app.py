@@ -19,7 +19,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Callable, Literal, Optional
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -124,6 +124,12 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     return bad_request(f"Invalid value for '{param}': {msg}", param)
 
 
+def http_url(host: str, port: int) -> str:
+    """The URL of ``host`` and ``port``: ``http://127.0.0.1:8080``, an IPv6 address in brackets
+    (``http://[::1]:8080``; without them the URL is not valid)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 class AppServer(uvicorn.Server):
     """uvicorn's server for an app of :func:`create_app`, with a clean force quit.
 
@@ -135,14 +141,34 @@ class AppServer(uvicorn.Server):
     JSON body) and its handler is given up to ``drain_s`` seconds to send it; then the app's lifespan
     shutdown runs (the engine stops), which uvicorn skips on a force quit.
 
+    Once it listens, ``on_started`` (if given) is called with its URL (:meth:`url`: the port it bound, which for
+    ``--port 0`` is not the one asked for).
+
     Args:
         config: a ``uvicorn.Config`` whose app was made by :func:`create_app`.
         drain_s: seconds to wait for the handlers after a force quit.
+        on_started: called with :meth:`url` once the server listens and the app has started.
     """
 
-    def __init__(self, config: "uvicorn.Config", drain_s: float = 3.0):
+    def __init__(self, config: "uvicorn.Config", drain_s: float = 3.0,
+                 on_started: Optional[Callable[[str], None]] = None):
         super().__init__(config)
         self.drain_s = drain_s
+        self.on_started = on_started
+
+    def url(self) -> str:
+        """``http://HOST:PORT`` of the listening server: the host asked for (``config.host``; the socket's own
+        address without one) and the port bound (the first listening socket's)."""
+        socks = [sock for server in getattr(self, "servers", []) for sock in (server.sockets or ())]
+        if not socks:
+            raise RuntimeError("the server is not listening")
+        addr, port = socks[0].getsockname()[:2]
+        return http_url(self.config.host or addr, port)
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and self.on_started is not None:  # not started: it failed to bind, or the app to start
+            self.on_started(self.url())
 
     async def shutdown(self, sockets=None) -> None:
         await super().shutdown(sockets=sockets)

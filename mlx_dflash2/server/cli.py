@@ -271,14 +271,18 @@ def main(argv=None) -> int:
         print("interrupted while loading the model", file=sys.stderr)
         return 130
     p = engine.model.proposer
-    logging.getLogger("mlx_dflash2.server").info(
-        "serving %s (drafter %s, block size %d) on http://%s:%d/v1",
-        engine.model.name, p.name if p else "none", args.block_size or engine.model.block_size, args.host, args.port,
-    )
+
+    def serving(url: str) -> None:  # once listening: the port bound (--port 0 asks for any), an IPv6 host in [...]
+        logging.getLogger("mlx_dflash2.server").info(
+            "serving %s (drafter %s, block size %d) on %s/v1",
+            engine.model.name, p.name if p else "none", args.block_size or engine.model.block_size, url,
+        )
+
     from .app import AppServer
 
     try:
-        AppServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower())).run()
+        AppServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower()),
+                  on_started=serving).run()
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it caught once its shutdown is done (as uvicorn.run,
         pass  # which swallows it): the server has stopped cleanly, no traceback
     return 0

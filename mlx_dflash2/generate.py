@@ -138,6 +138,7 @@ def main(argv=None) -> int:
             kernels=args.kernels,
             calibrate=args.calibrate,
             drafter_window=args.drafter_window,
+            names="cli",  # its errors name the flags (--no-lookup), not load()'s arguments
         )
         prompt = _build_prompt(args, tokenizer)
         kwargs = dict(

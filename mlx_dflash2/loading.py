@@ -16,7 +16,9 @@ import logging
 import math
 import os
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Literal
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -203,7 +205,7 @@ def load_target(
     # which weights the target runs (--verbose): the CPU rule's choice is otherwise visible only in speed and memory
     logger.info("target %s: %s weights%s", Path(str(name)).name, "packed" if "quantization" in config else "dense",
                 f" (expanded by the CPU rule: dense weights up to {CPU_DEQUANTIZE_LIMIT / 1e9:.1f} GB; "
-                "--no-dequantize keeps them packed)" if auto and dequantize else "")
+                "dequantize=False, --no-dequantize, keeps them packed)" if auto and dequantize else "")
     target = TargetAdapter(model, config, vocab_size=len(tokenizer), kernels=kernels)  # no padding row is ever emitted
     materialize(target)  # whatever the model holds besides its parameters (it may run on another thread)
     return target, tokenizer, name
@@ -406,41 +408,69 @@ def draft_confidence_arg(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text!r}") from None
 
 
-def _check_adaptive(adaptive, lookup: bool, drafter="auto") -> None:
+#: how :func:`load`'s messages name its settings: ``"python"``, its arguments (``drafter="lookup"``,
+#: ``lookup=False``), or ``"cli"``, the generate and server commands' flags (``--drafter lookup``, ``--no-lookup``)
+Names = Literal["python", "cli"]
+
+
+def _setting(name: str, value=..., names: Names = "python") -> str:
+    """A setting of :func:`load` as a message names it: ``_setting("lookup", False)`` is ``lookup=False`` for
+    ``names="python"`` and ``--no-lookup`` for ``names="cli"``; ``_setting("drafter", "none")`` ``drafter="none"`` /
+    ``--drafter none``; without a value, the setting itself (``block_size`` / ``--block-size``). A Python caller
+    was told of flags it never gave (``--no-lookup``; a fresh user's find)."""
+    if names == "cli":
+        flag = "--" + name.replace("_", "-")
+        if value is ... or value is True:
+            return flag
+        return f"--no-{flag[2:]}" if value is False else f"{flag} {value}"
+    if value is ...:
+        return name
+    return f'{name}="{value}"' if isinstance(value, (str, Path)) else f"{name}={value!r}"
+
+
+def _check_adaptive(adaptive, lookup: bool, drafter="auto", names: Names = "python") -> None:
     """Raises ValueError for ``adaptive`` without ``lookup`` (the schedule's cheaper rounds are lookup's), or
     with a ``drafter`` that has no drafter to schedule (``"lookup"``, ``"none"``, ``None``: ``--adaptive`` was
-    accepted and silently did nothing, a fresh user's find)."""
+    accepted and silently did nothing, a fresh user's find). ``names``: how the message names the settings
+    (:func:`_setting`)."""
     if adaptive and not lookup:
         raise ValueError("the adaptive schedule chooses between the drafter and lookup: it needs lookup on")
     if adaptive and (drafter is None or (isinstance(drafter, str) and drafter in ("lookup", "none"))):
-        raise ValueError(f"the adaptive schedule chooses between a drafter and lookup: --drafter {drafter} has no "
-                         "drafter to schedule (drop --adaptive, or use --drafter auto / a drafter path)")
+        s = partial(_setting, names=names)
+        raise ValueError(f"the adaptive schedule chooses between a drafter and lookup: {s('drafter', drafter)} has "
+                         f"no drafter to schedule (drop {s('adaptive', True)}, or use {s('drafter', 'auto')} / a "
+                         "drafter path)")
 
 
 def _check_no_drafter_flags(drafter, lookup: bool, draft_confidence, block_size: int | None = None,
-                            calibrate: bool | None = None, drafter_window: int | None = None) -> None:
+                            calibrate: bool | None = None, drafter_window: int | None = None,
+                            names: Names = "python") -> None:
     """Raises ValueError for settings that contradict a ``drafter`` without a drafter model or do nothing with it
     (``"lookup"``, ``"none"``, ``None``): ``lookup=False`` with ``"lookup"``; a ``draft_confidence`` (the
     drafter's dynamic draft length), ``calibrate=True`` (the adaptive schedule's verify widths) or a
     ``drafter_window`` (the drafter's context) with any of them; a ``block_size`` other than 1 with ``"none"``
-    (plain decoding verifies nothing). All were accepted silently (a fresh user's finds, sessions 25-26)."""
+    (plain decoding verifies nothing). All were accepted silently (a fresh user's finds, sessions 25-26).
+    ``names``: how the message names the settings (:func:`_setting`)."""
     if not (drafter is None or (isinstance(drafter, str) and drafter in ("lookup", "none"))):
         return
+    s = partial(_setting, names=names)
+    this = s("drafter", drafter)
     if drafter != "lookup" and block_size not in (None, 1):
-        raise ValueError(f"--block-size sets how many tokens a round drafts and verifies: --drafter {drafter} "
-                         "decodes plainly, one token per step (drop --block-size, or use --drafter lookup / auto)")
+        raise ValueError(f"{s('block_size')} sets how many tokens a round drafts and verifies: {this} decodes "
+                         f"plainly, one token per step (drop {s('block_size')}, or use {s('drafter', 'lookup')} / "
+                         f"{s('drafter', 'auto')})")
     if calibrate:
-        raise ValueError(f"--calibrate measures the verify widths of a drafter's adaptive schedule: --drafter "
-                         f"{drafter} has none (drop --calibrate, or use --drafter auto)")
+        raise ValueError(f"{s('calibrate', True)} measures the verify widths of a drafter's adaptive schedule: "
+                         f"{this} has none (drop {s('calibrate', True)}, or use {s('drafter', 'auto')})")
     if drafter_window is not None:
-        raise ValueError(f"--drafter-window bounds a drafter's context: --drafter {drafter} has no drafter (drop "
-                         "--drafter-window, or use --drafter auto / a drafter path)")
+        raise ValueError(f"{s('drafter_window')} bounds a drafter's context: {this} has no drafter (drop "
+                         f"{s('drafter_window')}, or use {s('drafter', 'auto')} / a drafter path)")
     if drafter == "lookup" and not lookup:
-        raise ValueError("--drafter lookup drafts by lookup only: --no-lookup contradicts it (drop --no-lookup, or "
-                         "use --drafter none for no drafting)")
+        raise ValueError(f"{this} drafts by lookup only: {s('lookup', False)} contradicts it (drop "
+                         f"{s('lookup', False)}, or use {s('drafter', 'none')} for no drafting)")
     if draft_confidence is not None:
-        raise ValueError(f"--draft-confidence sets when a drafter's draft stops: --drafter {drafter} has no drafter "
-                         "to stop early (drop --draft-confidence, or use --drafter auto / a drafter path)")
+        raise ValueError(f"{s('draft_confidence')} sets when a drafter's draft stops: {this} has no drafter to stop "
+                         f"early (drop {s('draft_confidence')}, or use {s('drafter', 'auto')} / a drafter path)")
 
 
 DRAFTER_KEYWORDS = ("auto", "shipped", "none", "lookup", "init")  # drafter specs that are not checkpoint paths
@@ -554,6 +584,7 @@ def load(
     kernels: str | None = None,
     calibrate: bool | None = None,
     drafter_window: int | None = None,
+    names: Names = "python",
 ):
     """Load a target and its drafter (mirrors ``mlx_lm.load``).
 
@@ -581,6 +612,9 @@ def load(
             block attends to the K/V of the last ``W`` committed positions only, and the drafter keeps ``~W`` rows
             per layer whatever the prompt length (the target's cache still holds the whole context). ``0``:
             unbounded. Lossless either way; a smaller window can cost acceptance on long prompts.
+        names: how the errors below name the settings: ``"python"`` (default), these arguments
+            (``lookup=False``); ``"cli"``, the command-line flags (``--no-lookup``; the generate and server
+            commands).
 
     Returns:
         ``(SpeculativeModel, TokenizerWrapper)``.
@@ -596,14 +630,16 @@ def load(
     draft_confidence = check_confidence(draft_confidence)
     if drafter_window is not None:
         drafter_window = check_drafter_window(drafter_window)
-    _check_adaptive(adaptive, lookup, drafter)
-    _check_no_drafter_flags(drafter, lookup, draft_confidence, block_size, calibrate, drafter_window)
+    _check_adaptive(adaptive, lookup, drafter, names)
+    _check_no_drafter_flags(drafter, lookup, draft_confidence, block_size, calibrate, drafter_window, names)
     if calibrate and not (lookup and (adaptive or (adaptive is None and drafter == "auto"))):
         # a drafter without the adaptive schedule (--drafter shipped or a path without --adaptive, --no-adaptive,
         # --no-lookup): nothing to calibrate (it loaded, then logged "nothing measured"; a fresh user's find)
-        raise ValueError("--calibrate measures the verify widths of the adaptive schedule, which this drafter runs "
-                         "without (--drafter shipped or a path without --adaptive, --no-adaptive or --no-lookup): "
-                         "drop --calibrate, or add --adaptive")
+        s = partial(_setting, names=names)
+        raise ValueError(f"{s('calibrate', True)} measures the verify widths of the adaptive schedule, which this "
+                         f"drafter runs without ({s('drafter', 'shipped')} or a path without {s('adaptive', True)}, "
+                         f"{s('adaptive', False)} or {s('lookup', False)}): drop {s('calibrate', True)}, or add "
+                         f"{s('adaptive', True)}")
     drafter_window = DEFAULT_CONTEXT_WINDOW if drafter_window is None else drafter_window
     if calibrate is not None and not isinstance(calibrate, bool):
         raise ValueError(f"calibrate must be None, True or False, got {calibrate!r}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -490,12 +491,17 @@ def test_load_checks_calibrate_before_loading_and_notes_a_flag_with_nothing_to_c
     with pytest.raises(ValueError, match="calibrate"):
         load("/nonexistent/model", drafter="none", calibrate="yes")
     for drafter in ("lookup", "none"):  # no drafter, no adaptive schedule: refused before loading (session 26)
-        with pytest.raises(ValueError, match=f"--drafter {drafter} has none"):
+        with pytest.raises(ValueError, match=f'drafter="{drafter}" has none'):
             load("/nonexistent/model", drafter=drafter, calibrate=True)
     for kw in (dict(drafter="init"), dict(drafter="shipped"), dict(drafter="auto", adaptive=False),
                dict(drafter="auto", lookup=False)):  # a drafter without the adaptive schedule: refused too
-        with pytest.raises(ValueError, match="--calibrate measures the verify widths of the adaptive schedule"):
+        with pytest.raises(ValueError, match="^calibrate=True measures the verify widths of the adaptive schedule"):
             load("/nonexistent/model", calibrate=True, **kw)
+    cli = ("--calibrate measures the verify widths of the adaptive schedule, which this drafter runs without "
+           "(--drafter shipped or a path without --adaptive, --no-adaptive or --no-lookup): drop --calibrate, or add "
+           "--adaptive")  # the commands' message names their flags
+    with pytest.raises(ValueError, match="^" + re.escape(cli) + "$"):
+        load("/nonexistent/model", drafter="init", calibrate=True, names="cli")
     monkeypatch.setenv(C.CACHE_ENV, str(tmp_path / "cal.json"))
     with caplog.at_level("WARNING", logger="mlx_dflash2"):  # auto where no drafter ships (lookup): a note
         model, _ = load(str(tiny[0]), drafter="auto", calibrate=True)

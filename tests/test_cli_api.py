@@ -570,15 +570,26 @@ def test_bad_draft_confidence_is_refused_before_loading(bad):
 
 def test_flags_that_do_nothing_without_a_drafter_are_refused_by_load_and_the_server(capsys):
     """load() refuses lookup=False with drafter="lookup" and a draft_confidence without a drafter before loading
-    anything (as the generate CLI: test_cli_flags_are_checked_before_loading); so does the server's command."""
+    anything (as the generate CLI: test_cli_flags_are_checked_before_loading); so does the server's command.
+    load()'s messages name its arguments, the commands' their flags (a fresh user's find: load() named
+    ``--no-lookup``, a flag its caller never gave)."""
     from mlx_dflash2 import load
     from mlx_dflash2.server.cli import main
 
-    with pytest.raises(ValueError, match="--no-lookup contradicts it"):
+    with pytest.raises(ValueError) as e:
         load("/nonexistent/model", drafter="lookup", lookup=False)
-    for drafter in ("lookup", "none", None):
-        with pytest.raises(ValueError, match=f"--drafter {drafter} has no drafter to stop early"):
+    assert str(e.value) == ('drafter="lookup" drafts by lookup only: lookup=False contradicts it (drop lookup=False, '
+                            'or use drafter="none" for no drafting)')
+    for drafter, named in (("lookup", 'drafter="lookup"'), ("none", 'drafter="none"'), (None, "drafter=None")):
+        with pytest.raises(ValueError, match=f"^draft_confidence sets .*: {named} has no drafter to stop early") as e:
             load("/nonexistent/model", drafter=drafter, draft_confidence=0.2)
+        assert "--" not in str(e.value)
+    for kw in (dict(drafter="none", adaptive=True), dict(drafter="none", block_size=4),
+               dict(drafter="lookup", drafter_window=0), dict(drafter="lookup", calibrate=True),
+               dict(drafter="shipped", calibrate=True)):
+        with pytest.raises(ValueError) as e:
+            load("/nonexistent/model", **kw)
+        assert "--" not in str(e.value) and "drafter=" in str(e.value), (kw, str(e.value))
     assert main(["--model", "/nonexistent/model", "--port", "0", "--drafter", "lookup", "--no-lookup"]) == 2
     err = capsys.readouterr().err
     assert "error: --drafter lookup drafts by lookup only" in err and "not found" not in err

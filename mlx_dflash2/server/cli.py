@@ -218,6 +218,7 @@ def build_app(args: argparse.Namespace, model=None, tokenizer=None):
             kernels=args.kernels,
             calibrate=args.calibrate,
             drafter_window=args.drafter_window,
+            names="cli",  # its errors name the flags (--no-lookup), not load()'s arguments
         )
     if args.chat_template:
         template = args.chat_template

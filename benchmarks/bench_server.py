@@ -297,9 +297,10 @@ def main(argv=None) -> int:
                 r["server_metrics"] = {k: v for k, v in metrics.items() if k.startswith(("batch_", "busy"))}
                 for rows, v in (metrics.get("batch_schedule") or {}).items():  # what the width schedule measured
                     print(f"{server} schedule {rows}: best cap {v['best_cap']}, " + ", ".join(
-                        f"cap {c}: {x['rounds']} rounds ({x['stalls']} stalls, {x['settling']} settling) "
-                        f"{x['ms_per_round']:.1f} ms {x['tokens_per_s']:.0f} tok/s (compared "
-                        f"{x['compared_tokens_per_s']:.0f}, score {x['score']:.0f})"
+                        f"cap {c}: {x['rounds']} rounds ({x['stalls']} stalls, {x['settling']} settling, "
+                        f"{x.get('joined', 0)} with joins) {x['ms_per_round']:.1f} ms {x['tokens_per_s']:.0f} tok/s "
+                        f"(per row {x['tokens_per_row_s']:.1f}, compared {x['compared_tokens_per_row_s']:.1f}, "
+                        f"score {x['score']:.1f})"
                         for c, x in v["caps"].items()), flush=True)
         except RuntimeError as e:  # an HTTP or stream error: counted, the run goes on with the next server
             r["errors"] += 1

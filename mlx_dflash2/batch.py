@@ -568,10 +568,12 @@ class WidthSchedule:
     round's width ``M`` (each row's drafts are cut to ``M - 1``) at one of ``caps`` (``1``: a plain
     batched step, no proposer call) and learns, per batch size bucket (``N`` = 2, 3-4, 5-8, 9-16, ...),
     the cap with the most emitted tokens per second: an exponential moving average of each round's
-    ``emitted / seconds`` per (bucket, cap), found by hill climbing from the smallest cap (a neighbour
-    of the best cap is tried, the best kept, and its neighbours re-measured after ``explore_every``
-    rounds of the bucket, less often while they keep losing: the best cap moves as the rows' acceptance
-    and lengths change), so a cap past a slower one costs no trial round. A batch of one is never capped (the solo
+    ``emitted / (seconds * rows)`` per (bucket, cap) (per row: a bucket's rounds have different row counts, and a
+    cap measured at 8 rows must not look faster than plain measured later at 5), found by hill climbing from the
+    smallest cap (a neighbour of the best cap is tried, the best kept, and its neighbours re-measured after
+    ``explore_every`` rounds of the bucket, less often while they keep losing: the best cap moves as the rows'
+    acceptance and lengths change), so a cap past a slower one costs no trial round. A round in a step where
+    requests joined is counted, not measured (:meth:`record`). A batch of one is never capped (the solo
     behaviour: its proposer's adaptive schedule, where the request allows it, chooses its rounds instead).
 
     **Plain rounds are priced as what they are**: the narrowest cap's seconds per round are bounded by those of
@@ -631,7 +633,7 @@ class WidthSchedule:
             raise ValueError("explore_every must be >= 2, decay in [0, 1), budget > 0 and margin in [0, 1)")
         self.caps, self.explore_every, self.decay, self.budget = caps, int(explore_every), float(decay), float(budget)
         self.margin = float(margin)
-        self.rate: dict = {}  # (bucket, cap) -> EMA of emitted tokens / s
+        self.rate: dict = {}  # (bucket, cap) -> EMA of emitted tokens / s per row (what choose compares)
         self.secs: dict = {}  # (bucket, cap) -> EMA of seconds per round
         self.last: dict = {}  # (bucket, cap) -> round number of its last measurement
         self.strikes: dict = {}  # (bucket, cap) -> re-measurements in a row that lost to the best cap
@@ -641,6 +643,8 @@ class WidthSchedule:
         self.count: dict = {}  # (bucket, cap) -> rounds measured
         self.stalls: dict = {}  # (bucket, cap) -> rounds left out as stalls
         self.settling: dict = {}  # (bucket, cap) -> rounds left out as settling (the narrowest cap after a wider)
+        self.joined: dict = {}  # (bucket, cap) -> rounds left out because requests joined in their step
+        self.agg: dict = {}  # (bucket, cap) -> EMA of emitted tokens / s (the batch's, for summary)
         self._last_cap: int | None = None  # the cap of the last round recorded (any bucket)
         self._settle: int | None = None  # a bucket whose next round runs the narrowest cap again, measured
 
@@ -761,16 +765,17 @@ class WidthSchedule:
 
         Returns:
             ``{"2 rows" | "3-4 rows" | ...: {"best_cap": int, "rounds": int, "caps": {"1": {"rounds": int,
-            "stalls": int, "settling": int, "ms_per_round": float, "tokens_per_s": float,
-            "compared_tokens_per_s": float, "score": float}, ...}}}``: rounds measured at each cap (stalls: rounds left out as
-            :attr:`outlier`; settling: the narrowest cap's rounds right after a wider one, left out), the moving
-            averages of seconds per round (in ms) and of emitted tokens per second, the rate :meth:`choose`
-            compares (seconds per round bounded by a wider cap's: :meth:`_rate`), that rate handicapped by
-            ``margin`` per narrower cap (``score``: the cap with the highest is ``best_cap``), and the cap it
-            prefers now.
+            "stalls": int, "settling": int, "joined": int, "ms_per_round": float, "tokens_per_s": float,
+            "tokens_per_row_s": float, "compared_tokens_per_row_s": float, "score": float}, ...}}}``: rounds
+            measured at each cap (stalls: rounds left out as :attr:`outlier`; settling: the narrowest cap's rounds
+            right after a wider one, left out; joined: rounds of steps where requests joined, left out), the moving
+            averages of seconds per round (in ms), of emitted tokens per second (the batch's) and per row and second
+            (what :meth:`choose` measures), the per-row rate it compares (seconds per round bounded by a wider
+            cap's: :meth:`_rate`), that rate handicapped by ``margin`` per narrower cap (``score``: the cap with the
+            highest is ``best_cap``), and the cap it prefers now.
         """
         rate, secs, count, stalls = dict(self.rate), dict(self.secs), dict(self.count), dict(self.stalls)
-        settling = dict(self.settling)
+        settling, joined, agg = dict(self.settling), dict(self.joined), dict(self.agg)
         out = {}
         for b in sorted({bb for bb, _ in rate}):
             known = sorted(c for bb, c in rate if bb == b)
@@ -778,20 +783,30 @@ class WidthSchedule:
             out[f"{lo} rows" if lo == hi else f"{lo}-{hi} rows"] = {
                 "best_cap": self._best(b, known), "rounds": self.rounds.get(b, 0),
                 "caps": {str(c): {"rounds": count.get((b, c), 0), "stalls": stalls.get((b, c), 0),
-                                  "settling": settling.get((b, c), 0),
-                                  "ms_per_round": 1e3 * secs[(b, c)], "tokens_per_s": rate[(b, c)],
-                                  "compared_tokens_per_s": self._rate(b, c, rate, secs),
+                                  "settling": settling.get((b, c), 0), "joined": joined.get((b, c), 0),
+                                  "ms_per_round": 1e3 * secs[(b, c)], "tokens_per_s": agg[(b, c)],
+                                  "tokens_per_row_s": rate[(b, c)],
+                                  "compared_tokens_per_row_s": self._rate(b, c, rate, secs),
                                   "score": self._score(b, c, rate, secs)} for c in known}}
         return out
 
-    def record(self, n_rows: int, cap: int, emitted: int, seconds: float) -> None:
-        """Account one round: ``emitted`` tokens in ``seconds`` under ``cap`` with ``n_rows`` rows."""
+    def record(self, n_rows: int, cap: int, emitted: int, seconds: float, measured: bool = True) -> None:
+        """Account one round: ``emitted`` tokens in ``seconds`` under ``cap`` with ``n_rows`` rows.
+
+        ``measured=False``: a round whose seconds hold other work, counted but not measured (the step's
+        prefill of joining requests: MLX evaluates its lazy cache writes in the round's forward, and on this
+        CPU the first round of 8 rows after their joins measured 127 ms against 95, so plain looked slower
+        than a drafting trial and the batch tried widths 2 and 4 for nothing; session 27). A measured plain
+        round that a settling one asked for is then still due."""
         if seconds <= 0:
             return
         b = self.bucket(n_rows)
         r = self.rounds.get(b, 0)
         self.rounds[b] = r + 1
         prev, self._last_cap = self._last_cap, cap
+        if not measured:
+            self.joined[(b, cap)] = self.joined.get((b, cap), 0) + 1
+            return
         if cap == self.caps[0] and prev is not None and prev > cap and self._settle != b:
             # the narrowest (plain) round right after a wider one: not measured, the next round runs it again and
             # is. On the H200 such rounds cost 2x the plain rounds that follow plain ones (session 25's trace of 16
@@ -800,7 +815,9 @@ class WidthSchedule:
             self.settling[(b, cap)] = self.settling.get((b, cap), 0) + 1
             return
         self._settle = None
-        x = emitted / seconds
+        x = emitted / (seconds * max(1, n_rows))  # per row: a bucket's rounds have 5 to 8 rows, and so on
+        old, a = self.agg.get((b, cap)), emitted / seconds
+        self.agg[(b, cap)] = a if old is None else self.decay * old + (1.0 - self.decay) * a
         known = [c for (bb, c) in self.rate if bb == b]
         best = self._best(b, known) if known else None
         if best is not None:
@@ -1426,8 +1443,8 @@ class SpeculativeBatch:
             raise RuntimeError("batch invariant broken: the layers' caches disagree on the rows' lengths")
 
         dt = time.perf_counter() - tic
-        if cap is not None:
-            self.schedule.record(len(rows), cap, total, dt)
+        if cap is not None:  # a step that prefilled joins: its cache writes ran in this round (not measured)
+            self.schedule.record(len(rows), cap, total, dt, measured=not self.last_prefill["rows"])
         for i, r in enumerate(rows):
             r.stats.decode_s += dt  # the rounds it took part in
             if r.out or r.finish is not None:

@@ -677,9 +677,11 @@ class WidthSchedule:
             self.seeds[b] = seed
         return self.seeds[b]
 
-    def choose(self, n_rows: int, max_width: int) -> int | None:
+    def choose(self, n_rows: int, max_width: int, explore: bool = True) -> int | None:
         """The width cap of the next round (``None``: no cap) for ``n_rows`` rows whose widest
-        block is ``max_width`` tokens.
+        block is ``max_width`` tokens; ``explore=False`` for a round that will not be measured (requests joined
+        in its step, :meth:`record`): the best cap measured, no trial (an untried cap would otherwise be tried
+        at every step of a long prompt's chunked prefill).
 
         Hill climbing over the caps in ascending order (each one costlier to try than the last on a
         compute-bound target): start at the smallest (or at the best cap of the nearest bucket measured),
@@ -703,6 +705,8 @@ class WidthSchedule:
                 return arms[0]
             return max([c for c in arms if c <= seed[0]], default=arms[0])
         i = arms.index(self._best(b, known))
+        if not explore:
+            return arms[i]
         near = [arms[j] for j in (i - 1, i + 1) if 0 <= j < len(arms)]
         r = self.rounds.get(b, 0)
         for c in near:
@@ -1311,7 +1315,9 @@ class SpeculativeBatch:
         # forwards of every request that drafts with the same DFlash drafter run as one
         cap = None
         if self.schedule is not None:
-            cap = self.schedule.choose(len(rows), max(r.block_size for r in rows))
+            # a step that prefilled joins is not measured (record): it runs the best cap, no trial
+            cap = self.schedule.choose(len(rows), max(r.block_size for r in rows),
+                                       explore=not self.last_prefill["rows"])
         for r in rows:  # a lone row's rounds are the solo loop's (its adaptive schedule, where allowed)
             r.session.adaptive = r.adaptive and len(rows) == 1
             r.session.plain_pipelined = False  # a batch queues nothing ahead

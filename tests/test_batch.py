@@ -538,7 +538,8 @@ def test_width_schedule_summary_reports_what_it_measured():
     assert list(got) == ["2 rows", "5-8 rows"]
     five = got["5-8 rows"]
     assert five["best_cap"] == 1 and five["rounds"] == 5
-    assert five["caps"]["1"] == {"rounds": 1, "stalls": 0, "settling": 1, "joined": 0, "ms_per_round": pytest.approx(10.0),
+    assert five["caps"]["1"] == {"rounds": 1, "stalls": 0, "settling": 1, "joined": 0,
+                                 "ms_per_round": pytest.approx(10.0),
                                  "tokens_per_s": pytest.approx(600.0), "tokens_per_row_s": pytest.approx(100.0),
                                  "compared_tokens_per_row_s": pytest.approx(100.0), "score": pytest.approx(100.0)}
     assert five["caps"]["2"]["score"] == pytest.approx(five["caps"]["2"]["compared_tokens_per_row_s"] * 0.95)
@@ -588,9 +589,20 @@ def test_width_schedule_leaves_rounds_out_where_requests_joined():
     assert s.choose(8, 16) == 1 and s.joined[(b, 1)] == 2
     s.record(8, 1, 8, 0.095)
     assert s.secs[(b, 1)] == pytest.approx(0.095) and s.summary()["5-8 rows"]["caps"]["1"]["joined"] == 2
+    # a round that will not be measured runs the best cap, no trial: an untried cap (4, next to a winning 2) would
+    # otherwise be tried at every step of a long prompt's chunked prefill
+    w = WidthSchedule(caps=(1, 2, 4), explore_every=4, decay=0.5)
+    w.record(8, 1, 8, 0.010)
+    w.record(8, 2, 16, 0.011)
+    assert w.choose(8, 16) == 4 and w.choose(8, 16, explore=False) == 2
 
     class Spy(WidthSchedule):
         calls: list = []
+        explored: list = []
+
+        def choose(self, n_rows, max_width, explore=True):
+            self.explored.append(explore)
+            return super().choose(n_rows, max_width, explore)
 
         def record(self, n_rows, cap, emitted, seconds, measured=True):
             self.calls.append((n_rows, measured))
@@ -601,7 +613,7 @@ def test_width_schedule_leaves_rounds_out_where_requests_joined():
         batch.add(_prompt(6, 3 + i), 6, proposer=LookupProposer(block_size=B))
     batch.step()  # the joins' prefill and the first round
     batch.step()
-    assert Spy.calls[:2] == [(3, False), (3, True)]
+    assert Spy.calls[:2] == [(3, False), (3, True)] and Spy.explored[:2] == [False, True]
 
 
 def test_width_schedule_prices_a_narrow_cap_no_higher_than_a_wider_one():
@@ -720,7 +732,7 @@ def _cycling(caps):
             super().__init__()
             self.cycle, self.i, self.recorded = list(caps), 0, []
 
-        def choose(self, n_rows, max_width):
+        def choose(self, n_rows, max_width, explore=True):
             if n_rows < 2:
                 return None
             self.i += 1
@@ -1325,7 +1337,7 @@ def test_plain_rows_joining_leaving_and_a_flipping_width_cap_keep_solo_outputs(t
         flips = iter(caps * 40)
 
         class Flip(WidthSchedule):
-            def choose(self, n_rows, max_width):
+            def choose(self, n_rows, max_width, explore=True):
                 return next(flips) if n_rows > 1 else None
 
         batch = SpeculativeBatch(target, schedule=Flip())

@@ -602,7 +602,9 @@ class WidthSchedule:
     Lossless: a greedy row's output does not depend on how many drafts it verifies (a cut draft is a
     shorter proposal; verification stays exact). Rows with a sampling verifier keep their own widths
     (a seeded sampled request's tokens then do not depend on its neighbours; capping them would keep
-    the target distribution but change which random numbers meet which positions).
+    the target distribution but change which random numbers meet which positions); a round without a greedy
+    row is neither chosen nor measured (every cap would be the same round: a fresh user's find, all caps of two
+    sampled rows measured at the same 177-193 ms and the best reported as 2).
 
     Args:
         caps: candidate widths (tokens verified per row, anchor included), ascending, >= 1.
@@ -1314,9 +1316,10 @@ class SpeculativeBatch:
         # 1. proposals, one per request (greedy rows cut to the schedule's width cap); the drafter
         # forwards of every request that drafts with the same DFlash drafter run as one
         cap = None
-        if self.schedule is not None:
+        greedy = [r for r in rows if isinstance(r.verifier, GreedyVerifier)]
+        if self.schedule is not None and greedy:  # the cap cuts greedy rows only: without any, nothing to choose
             # a step that prefilled joins is not measured (record): it runs the best cap, no trial
-            cap = self.schedule.choose(len(rows), max(r.block_size for r in rows),
+            cap = self.schedule.choose(len(rows), max(r.block_size for r in greedy),
                                        explore=not self.last_prefill["rows"])
         for r in rows:  # a lone row's rounds are the solo loop's (its adaptive schedule, where allowed)
             r.session.adaptive = r.adaptive and len(rows) == 1

@@ -616,6 +616,38 @@ def test_width_schedule_leaves_rounds_out_where_requests_joined():
     assert Spy.calls[:2] == [(3, False), (3, True)] and Spy.explored[:2] == [False, True]
 
 
+def test_width_schedule_skips_rounds_without_a_greedy_row():
+    """The cap cuts greedy rows only, so a round of sampled rows is the same round whatever the cap: it is neither
+    chosen nor measured (a fresh user's find: two sampled requests had every cap measured at 177-193 ms and the
+    schedule reported cap 2 best). A greedy row beside them brings the schedule back."""
+    from mlx_dflash2.api import request_sampling
+    from mlx_dflash2.batch import WidthSchedule
+    from mlx_dflash2.sampling import SamplingParams
+
+    class Spy(WidthSchedule):
+        chosen: list = []
+
+        def choose(self, n_rows, max_width, explore=True):
+            self.chosen.append(n_rows)
+            return super().choose(n_rows, max_width, explore)
+
+    def sampled(seed):
+        rs = request_sampling(SamplingParams(temp=1.0, seed=seed))
+        return dict(proposer=LookupProposer(block_size=B), verifier=rs.verifier, draft_temperature=1.0,
+                    draft_key=rs.draft_key)
+
+    sch = Spy(caps=(1, 2))
+    batch = SpeculativeBatch(_tiny("qwen3", seed=1), schedule=sch)
+    batch.add(_prompt(6, 3) * 2, 5, **sampled(1))
+    batch.add(_prompt(6, 4) * 2, 5, **sampled(2))
+    for _ in range(3):
+        batch.step()
+    assert sch.chosen == [] and sch.rounds == {} and sch.summary() == {}
+    batch.add(_prompt(6, 5) * 2, 5, proposer=LookupProposer(block_size=B))
+    batch.step()
+    assert sch.chosen and sch.chosen[-1] >= 2
+
+
 def test_width_schedule_prices_a_narrow_cap_no_higher_than_a_wider_one():
     """A narrower round does part of a wider one's work on the same rows, so the schedule bounds its seconds per
     round by a wider cap's: the H200's 16 drafting rows (session 25) measured plain rounds at 21-24 ms and rounds

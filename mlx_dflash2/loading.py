@@ -163,8 +163,7 @@ def load_target(
             unsupported ``rope_parameters.rope_type``).
         TargetCompatibilityError: architecture or parity probe refused.
     """
-    if isinstance(dtype, str):
-        dtype = _default_dtype() if dtype == "auto" else getattr(mx, dtype)
+    dtype = check_dtype(dtype)
     name = path_or_hf_repo or assets.DEFAULT_MODEL
     auto = dequantize is None
     if assets.is_embedded_name(name):
@@ -664,11 +663,29 @@ def load(
     return SpeculativeModel(target, proposer, B, name, target.config, kernels), tokenizer
 
 
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def check_dtype(dtype):
+    """A target's ``dtype`` argument resolved: ``"auto"`` (float32 on the CPU, the file's dtypes on a GPU), ``None``
+    (the file's), or a floating ``mx.Dtype`` / its name (``"float32"``, ``"float16"``, ``"bfloat16"``).
+
+    Raises:
+        ValueError: anything else, naming the choices (``dtype="float8"`` raised an ``AttributeError`` of
+            ``mlx.core`` and ``dtype="int8"`` an error of MLX's dequantize: a fresh user's find).
+    """
+    if dtype is None or isinstance(dtype, mx.Dtype) and dtype in (mx.float32, mx.float16, mx.bfloat16):
+        return dtype
+    if isinstance(dtype, str) and dtype in ("auto", *FLOAT_DTYPES):
+        return _default_dtype() if dtype == "auto" else getattr(mx, dtype)
+    raise ValueError(f"dtype must be one of auto, {', '.join(FLOAT_DTYPES)} (or None: the file's), got {dtype!r}")
+
+
 def check_block_size(value) -> int:
     """Validate a block size B (verify width, tokens): an integer >= 1.
 
     Raises:
-        ValueError: anything else (``"block size must be >= 1, got ..."``).
+        ValueError: anything else (``"block size must be an integer >= 1, got ..."``).
     """
     import operator
 
@@ -677,5 +694,5 @@ def check_block_size(value) -> int:
     except TypeError:
         v = None
     if v is None or v < 1:
-        raise ValueError(f"block size must be >= 1, got {value!r}")
+        raise ValueError(f"block size must be an integer >= 1, got {value!r}")
     return v

@@ -345,7 +345,7 @@ def start_request(prompt: list[int], target: TargetAdapter, proposer: Proposer |
     verifier = verifier or GreedyVerifier()
     B = int(block_size if block_size is not None else (proposer.block_size or 1))
     if B < 1:
-        raise ValueError(f"block size must be >= 1, got {B}")
+        raise ValueError(f"block size must be an integer >= 1, got {B}")
     if B == 1:
         proposer = PLAIN_PROPOSER  # nothing to draft: plain decoding
     proposer.check_block_size(B)

@@ -107,7 +107,7 @@ CLI_ERRORS = [
     (["--temp", "-1"], "temp"),
     (["--model", "/nonexistent/model"], "not found"),
     (["--max-tokens", "0"], "max-tokens"),
-    (["--block-size", "0"], "block size must be >= 1"),
+    (["--block-size", "0"], "block size must be an integer >= 1"),
     (["--chat-template-args", "notjson"], "--chat-template-args: not valid JSON"),
     (["--chat-template-args", "[1]"], "--chat-template-args: must be a JSON object"),
 ]
@@ -141,7 +141,7 @@ def test_cli_errors_exit_2_from_their_own_process(case):
 @pytest.mark.parametrize(
     "args,msg",
     [
-        (["--block-size", "0"], "block size must be >= 1"),
+        (["--block-size", "0"], "block size must be an integer >= 1"),
         (["--prefill-step-size", "0"], "--prefill-step-size must be >= 1"),
         (["--max-tokens", "-5"], "--max-tokens must be positive"),
         (["--top-p", "2"], "top_p"),
@@ -339,8 +339,23 @@ def test_python_api(smol_f32):
     # a bad block size is refused with or without a drafter (as the CLI's --block-size is)
     plain = SpeculativeModel(target, None, 1, "smollm2", target.config)
     for m, B in ((plain, 0), (plain, -2), (model, 0)):
-        with pytest.raises(ValueError, match="block size must be >= 1"):
+        with pytest.raises(ValueError, match="block size must be an integer >= 1"):
             list(mlx_dflash2.stream_generate(m, tok, prompt, max_tokens=3, block_size=B))
+
+
+def test_load_refuses_a_dtype_or_block_size_it_cannot_use_before_loading():
+    """``load(dtype=...)`` takes auto, None or a floating dtype (``"float8"`` raised an ``AttributeError`` of
+    ``mlx.core``, ``5`` one of ``int``, ``"int8"`` an error of MLX's dequantize: a fresh user's find), and a block
+    size that is not an integer says so; both before anything is read from disk."""
+    from mlx_dflash2.loading import check_dtype
+
+    for bad in ("float8", 5, "int8", mx.int8, "Float32"):
+        with pytest.raises(ValueError, match="dtype must be one of auto, float32, float16, bfloat16"):
+            mlx_dflash2.load("/nonexistent/model", drafter="none", dtype=bad)
+    assert check_dtype("bfloat16") == mx.bfloat16 and check_dtype(mx.float16) == mx.float16 and check_dtype(None) is None
+    for bad in ("8", 2.0, 0):
+        with pytest.raises(ValueError, match="block size must be an integer >= 1"):
+            mlx_dflash2.load("/nonexistent/model", drafter="lookup", block_size=bad)
 
 
 def test_load_default():

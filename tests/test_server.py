@@ -418,6 +418,12 @@ def test_wrong_content_and_prompt_types_say_what_is_accepted(http):
         assert err["param"] == "prompt" and accepted in err["message"] and got in err["message"], err
     for value in ("Hi", ["Hi"], [1, 2, 3.0]):  # what is accepted still is
         assert http.post("/v1/completions", json={"prompt": value, "max_tokens": 1}).status_code == 200
+    for value, got in ((5, "got a number"), (["a", 5], "item 1 is a number"), ({"a": 1}, "got an object")):
+        r = http.post("/v1/completions", json={"prompt": "Hi", "stop": value, "max_tokens": 1})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "stop" and "stop must be a string or a list of strings" in err["message"], err
+        assert got in err["message"] and "valid string" not in err["message"], err
 
 
 def test_unknown_model_is_404_model_not_found(http, client):
@@ -709,6 +715,22 @@ def test_batched_concurrent_greedy_requests_equal_solo(srv, rr_srv, http):
     assert sum(c["rounds"] for v in sched.values() for c in v["caps"].values()) > 0
     assert after["requests_active"] == 0
     assert "mlx_dflash2_batch_size_mean" in http.get("/metrics").text
+
+
+def test_batch_size_gauge_is_zero_once_a_stop_string_or_a_cancellation_ends_the_last_request(srv):
+    """``batch_size`` counts the rows of the batched round now: a lone request that ends on a stop string (the
+    server ends it, not the loop) or is cancelled leaves it at 0 (a fresh user's find: it stayed 1 while idle)."""
+    import time
+
+    http = httpx.Client(base_url=srv.url, timeout=300)
+    text, finish, _ = _stream_completion(srv.url, {"prompt": "1, 2, 3, 4,", "max_tokens": 12, "stop": ["7"]})
+    assert finish == "stop" and "7" not in text
+    assert metrics(http)["batch_size"] == 0
+    assert _stream_completion(srv.url, {"prompt": "Once upon a time,", "max_tokens": 200}, leave_after=2) is None
+    deadline = time.time() + 60
+    while (m := metrics(http))["requests_active"] or m["batch_size"]:
+        assert time.time() < deadline, m
+        time.sleep(0.1)
 
 
 def test_batched_limit_waits_in_order(smol_f32, rr_srv):
@@ -1416,10 +1438,13 @@ def test_the_start_up_line_gives_the_bound_port_and_a_valid_ipv6_url(monkeypatch
         hosts.append("::1")
     except OSError:  # no IPv6 loopback here
         pass
+    if "::1" in hosts:
+        hosts.append("[::1]")  # as the URL writes it
+    assert cli.listen_host("[::1]") == "::1" and cli.listen_host("localhost") == "localhost"
     for host in hosts:
         caplog.clear()
         assert cli.main(["--host", host, "--port", "0"]) == 0
-        url = app_module.http_url(host, bound[-1])
+        url = app_module.http_url(cli.listen_host(host), bound[-1])
         lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("serving ")]
         assert lines == [f"serving m (drafter none, block size 16) on {url}/v1"], lines
 

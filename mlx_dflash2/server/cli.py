@@ -73,6 +73,13 @@ def check_args(args: argparse.Namespace) -> None:
                          "(a template given inline is Jinja text, with {% or {{)")
 
 
+def listen_host(text: str) -> str:
+    """``--host`` as given, an IPv6 address written as in a URL (``[::1]``) without its brackets (the start-up line
+    prints ``http://[::1]:PORT``; a fresh user's find: ``--host [::1]`` was refused as not resolving)."""
+    t = text.strip()
+    return t[1:-1] if len(t) > 2 and t[0] == "[" and t[-1] == "]" else text
+
+
 def check_listen(host: str, port: int) -> None:
     """Bind (then close) a socket on every address of ``host`` at ``port``, as uvicorn's listening socket will be
     made (asyncio's ``create_server``: address reuse, IPv6 sockets IPv6-only): what would fail there fails here,
@@ -143,7 +150,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None, help=CALIBRATE_HELP)
     p.add_argument("--block-size", "--num-draft-tokens", type=_positive, default=None,
                    help="block size B (verify width; 1 = no drafting); default the drafter's")
-    p.add_argument("--host", default="127.0.0.1", help="host to listen on (default: 127.0.0.1)")
+    p.add_argument("--host", type=listen_host, default="127.0.0.1",
+                   help="host to listen on (default: 127.0.0.1; an IPv6 address with or without brackets: ::1, [::1])")
     p.add_argument("--port", type=tcp_port, default=8080, help="port, 0..65535 (default: 8080)")
     p.add_argument("--allowed-origins", type=lambda x: x.split(","), default=["*"],
                    help="comma-separated CORS origins (default: *)")

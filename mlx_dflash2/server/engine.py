@@ -812,6 +812,8 @@ class Engine:
                 self._close(job)
                 self._fail(job, APIError(500, f"internal error: {type(e).__name__}: {e}"))
         if not (batch.active or batch.pending):
+            with self.metrics.lock:  # cancellations may have emptied it
+                self.metrics.batch_size = batch.active
             return
         try:
             events = batch.step()
@@ -827,12 +829,12 @@ class Engine:
         r = batch.last_round
         if r["rows"]:
             self.metrics.add(batch_rounds=1, batch_rows=r["rows"], batch_verified=r["verified"])
-        with self.metrics.lock:
-            self.metrics.batch_size = batch.active
         for ev in events:
             job = self._batched.get(ev.uid)
             if job is not None:
                 self._emit(job, ev)
+        with self.metrics.lock:  # after the emissions: a request ended by a stop string has left the batch
+            self.metrics.batch_size = batch.active
 
     def _emit(self, job: Job, ev) -> None:
         """Post a batch event's tokens to the request, exactly as ``stream_generate`` would yield them

@@ -242,6 +242,18 @@ class _GenerationFields(_Request):
             raise ValueError(f"only {info.field_name}=1 is supported (one choice per request), got {v!r}")
         return v
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _check_stop_type(cls, v):
+        # before the type check: pydantic's "Input should be a valid string" hid that a list is accepted too
+        # (a fresh user's find)
+        if v is None or isinstance(v, str) or isinstance(v, list) and all(isinstance(x, str) for x in v):
+            return v
+        if isinstance(v, list):
+            i = next(i for i, x in enumerate(v) if not isinstance(x, str))
+            raise ValueError(f"stop must be a string or a list of strings: item {i} is {json_kind(v[i])}")
+        raise ValueError(f"stop must be a string or a list of strings, got {json_kind(v)}")
+
     @field_validator("stop")
     @classmethod
     def _check_stop(cls, v):

@@ -1355,6 +1355,15 @@ def test_keepalive_interval_must_be_positive(capsys):
     assert setup_arg_parser().parse_args(["--keepalive-interval", "0.5"]).keepalive_interval == 0.5
 
 
+def test_the_batch_limit_defaults_to_mlx_lm_servers_decode_concurrency():
+    """``--max-batch`` (and ``EngineConfig.max_batch``) default to 32, ``mlx_lm.server``'s ``--decode-concurrency``:
+    with 8, 16 clients on the 2-core CPU got 58.4 tok/s against ``mlx_lm.server``'s 69.4 (half of them waiting for a
+    row, TTFT 6.3 s); with 32, 78.5 (session 27)."""
+    from mlx_dflash2.server.cli import setup_arg_parser
+
+    assert setup_arg_parser().parse_args([]).max_batch == EngineConfig().max_batch == 32
+
+
 @pytest.mark.parametrize("port", ["99999", "-1"])
 def test_a_port_out_of_range_is_refused_before_loading(capsys, port):
     """``--port 99999`` was an OverflowError traceback after the model had loaded (a fresh user's run,

@@ -171,10 +171,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="limit on prompt + generated tokens per request (default: the target's context)")
     p.add_argument("--decode-concurrency", type=_positive, default=32,
                    help="requests generated at once; more wait in order (default 32)")
-    p.add_argument("--max-batch", type=_non_negative, default=8,
+    p.add_argument("--max-batch", type=_non_negative, default=32,
                    help="requests (greedy or sampled, any logprobs / penalties / logit bias; every target family) "
                    "advanced together by one batched round (one target forward) at most; more wait in order; "
-                   "0 = no batching: every request gets its own rounds, round-robin (default 8)")
+                   "0 = no batching: every request gets its own rounds, round-robin (default 32, as mlx_lm.server's "
+                   "--decode-concurrency)")
     p.add_argument("--batch-schedule", choices=["auto", "full"], default="auto",
                    help="verify widths of batched rounds: auto = each round's width capped by measured "
                    "throughput (never much slower than plain batched decoding); full = every request verifies "

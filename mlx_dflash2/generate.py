@@ -159,7 +159,7 @@ def main(argv=None) -> int:
             q = model.target.config.get("quantization")
             print(f"Target weights: {'packed %s-bit' % q.get('bits', '?') if isinstance(q, dict) else 'dense'}"
                   + (" (expanded by the CPU rule; --no-dequantize keeps them packed)"
-                     if args.dequantize is None and q is None and _file_quantized(args.model) else ""))
+                     if getattr(model.target, "cpu_rule_dense", False) else ""))
         if args.compare:
             print(_compare(model, tokenizer, prompt, kwargs, text, stats))
     except (NotImplementedError, ValueError, FileNotFoundError) as e:
@@ -169,22 +169,6 @@ def main(argv=None) -> int:
         print("\ninterrupted", file=sys.stderr)
         return 130
     return 0
-
-
-def _file_quantized(model_arg) -> bool:
-    """Whether the target file named by ``--model`` (``None``: the embedded GGUF) holds quantized tensors (GGUF
-    files only; False for anything else)."""
-    from . import assets
-    from .gguf import read_gguf_header
-    from .loading import gguf_quantized
-
-    try:
-        path = Path(model_arg) if model_arg else assets.embedded_model_path()
-        if path.suffix.lower() != ".gguf" or not path.is_file():
-            return False
-        return gguf_quantized(read_gguf_header(path))
-    except (OSError, ValueError):
-        return False
 
 
 def _compare(model, tokenizer, prompt, kwargs, text: str, stats) -> str:

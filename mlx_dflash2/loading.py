@@ -154,7 +154,8 @@ def load_target(
     Returns:
         ``(TargetAdapter, TokenizerWrapper, name)``; the adapter's ``vocab_size``
         is ``len(tokenizer)``, so the logits of embedding rows past the
-        tokenizer (Qwen-style padding) are ``-inf``.
+        tokenizer (Qwen-style padding) are ``-inf``; its ``cpu_rule_dense`` is True where the
+        CPU rule (``dequantize=None``) expanded a quantized file to dense weights.
 
     Raises:
         ModelNotFoundError, assets.AssetNotFoundError: nothing to load.
@@ -206,6 +207,7 @@ def load_target(
                 f" (expanded by the CPU rule: dense weights up to {CPU_DEQUANTIZE_LIMIT / 1e9:.1f} GB; "
                 "dequantize=False, --no-dequantize, keeps them packed)" if auto and dequantize else "")
     target = TargetAdapter(model, config, vocab_size=len(tokenizer), kernels=kernels)  # no padding row is ever emitted
+    target.cpu_rule_dense = bool(auto and dequantize)  # what generate --verbose reports (not read again from the file)
     materialize(target)  # whatever the model holds besides its parameters (it may run on another thread)
     return target, tokenizer, name
 

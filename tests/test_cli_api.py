@@ -58,15 +58,6 @@ def test_cli_generates_with_stats(lookup_cli_run):
         assert "Target weights: dense (expanded by the CPU rule" in r.stdout
 
 
-def test_file_quantized_reads_the_gguf_header(tmp_path):
-    from mlx_dflash2.generate import _file_quantized
-
-    assert _file_quantized(None)  # the embedded Q4_1 GGUF
-    assert not _file_quantized(str(tmp_path / "missing.gguf")) and not _file_quantized(str(tmp_path))
-    (tmp_path / "bad.gguf").write_bytes(b"not a gguf")
-    assert not _file_quantized(str(tmp_path / "bad.gguf"))
-
-
 def _main(argv, capsys):
     """The CLI's main() in this process: (exit status, stdout, stderr)."""
     from mlx_dflash2.generate import main

@@ -159,12 +159,14 @@ def test_load_target_packed_dense_and_the_cpu_rule(mixed, monkeypatch, caplog):
         auto = loading.load_target(str(f), dtype=mx.float32, dequantize=None)[0]
     if mx.default_device() == mx.cpu:  # tiny: dense, and --verbose says why
         assert type(auto.model.model.layers[0].mlp.gate_proj) is nn.Linear
-        assert "dense weights (expanded by the CPU rule" in caplog.text
+        assert "dense weights (expanded by the CPU rule" in caplog.text and auto.cpu_rule_dense
         monkeypatch.setattr(loading, "CPU_DEQUANTIZE_LIMIT", 1000)
         assert not loading.gguf_auto_dequantize(read_gguf_header(f), mx.float32)
         auto = loading.load_target(str(f), dtype=mx.float32, dequantize=None)[0]
         assert isinstance(auto.model.model.layers[0].mlp.gate_proj, nn.QuantizedLinear)
+        assert not auto.cpu_rule_dense
     dense = loading.load_target(str(f), dtype=mx.float32, dequantize=True)[0]
+    assert not packed.cpu_rule_dense and not dense.cpu_rule_dense  # asked for, not the rule's
     assert np.array_equal(np.array(dense.model.model.layers[1].mlp.up_proj.weight),
                           ref["model.layers.1.mlp.up_proj.weight"])  # Q6_K's exact values
 

@@ -287,6 +287,7 @@ BAD = [
     ({"stop": ["ok", ""]}, "stop"),
     ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
     ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages[0].content"),  # session 27's find: was accepted
     ({"messages": [{"role": "system", "content": None}, {"role": "user", "content": "Hi"}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "Hi"}, {"role": "tool", "content": None}]}, "messages[1].content"),
     ({"best_of": 2}, "best_of"),

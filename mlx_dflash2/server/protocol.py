@@ -155,6 +155,9 @@ class ChatMessage(_Request):
         # a list of parts that are not all text parts: say which part and what is supported (pydantic's union error
         # was "Input should be a valid string", about the other branch; a fresh user's find, session 25)
         if isinstance(v, list):
+            if not v:  # as OpenAI's: an empty array is refused (it was read as an empty message)
+                raise ValueError("the content is an empty list: send a string or at least one text part "
+                                 '({"type": "text", "text": "..."})')
             for j, part in enumerate(v):
                 kind = part.get("type") if isinstance(part, dict) else None
                 if not isinstance(part, dict):

@@ -477,7 +477,7 @@ def _processor_name() -> str:
 def fingerprint(target, target_name: str, drafter=None) -> dict:
     """What a calibration depends on: the target (its name or path, shape, weight kinds and dtype, kernel
     mode), the drafter whose proposal was timed (shape, weight kinds, kernel mode, dynamic draft length, fitted
-    blocks),
+    blocks, draft vocabulary size),
     the MLX and mlx-lm versions and the device (MLX's description; on the CPU the processor, the cores
     this process may use and the BLAS). A JSON-serialisable dict; :func:`cache_key` hashes it."""
     import mlx_lm
@@ -512,6 +512,7 @@ def fingerprint(target, target_name: str, drafter=None) -> dict:
             "kernels": getattr(dp.model, "kernel_mode", None),
             "min_confidence": dp.min_confidence,
             "fit_blocks": getattr(dp, "fit_blocks", False),
+            "draft_vocab": getattr(dp, "draft_vocab_size", None),  # its LM head's rows
         }
     return fp
 

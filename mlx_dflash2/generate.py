@@ -15,7 +15,7 @@ from pathlib import Path
 from .api import GenerationResponse, _consume, generate, stream_generate
 from .sampling import SamplingParams
 from .loading import (ADAPTIVE_HELP, DRAFTER_KEYWORDS, CALIBRATE_HELP, DRAFT_CONFIDENCE_HELP, DRAFTER_HELP, DRAFTER_WINDOW_HELP,
-                      KERNELS_HELP, check_block_size, draft_confidence_arg, drafter_window_arg, load)
+                      DRAFT_VOCAB_HELP, KERNELS_HELP, check_block_size, draft_confidence_arg, drafter_window_arg, load)
 
 __all__ = ["main", "generate", "stream_generate", "GenerationResponse"]
 
@@ -36,6 +36,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help=DRAFT_CONFIDENCE_HELP)
     p.add_argument("--drafter-window", type=drafter_window_arg, default=None, metavar="N",
                    help=DRAFTER_WINDOW_HELP)
+    p.add_argument("--draft-vocab", choices=["auto", "full"], default="auto", help=DRAFT_VOCAB_HELP)
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None, help=ADAPTIVE_HELP)
     p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None, help=CALIBRATE_HELP)
     p.add_argument("--prompt", "-p", default="Hello!", help="the prompt ('-' reads stdin)")
@@ -138,6 +139,7 @@ def main(argv=None) -> int:
             kernels=args.kernels,
             calibrate=args.calibrate,
             drafter_window=args.drafter_window,
+            draft_vocab=args.draft_vocab,
             names="cli",  # its errors name the flags (--no-lookup), not load()'s arguments
         )
         prompt = _build_prompt(args, tokenizer)

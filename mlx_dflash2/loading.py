@@ -24,7 +24,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from . import assets
-from .drafter.io import dequantize_drafter, init_drafter, load_drafter, read_drafter_checkpoint
+from .drafter.io import dequantize_drafter, init_drafter, load_drafter, read_draft_vocab, read_drafter_checkpoint
 from .drafter.model import DEFAULT_CONTEXT_WINDOW, DraftModel
 from .proposers import (AdaptiveSchedule, DFlashProposer, FusedProposer, LookupProposer, Proposer, WidthPolicy,
                         check_confidence, check_drafter_window)
@@ -379,6 +379,12 @@ DRAFTER_WINDOW_HELP = (
 )
 
 
+DRAFT_VOCAB_HELP = (
+    "the ids the drafter may propose: auto = the drafter's draft_vocab.json where it ships one (its most frequent "
+    "ids: a smaller LM head, a cheaper draft), full = every id. Lossless either way"
+)
+
+
 def drafter_window_arg(text: str) -> int:
     """argparse type of ``--drafter-window`` (generate, server; help text :data:`DRAFTER_WINDOW_HELP`):
     an integer >= 0.
@@ -477,6 +483,28 @@ def _check_no_drafter_flags(drafter, lookup: bool, draft_confidence, block_size:
 DRAFTER_KEYWORDS = ("auto", "shipped", "none", "lookup", "init")  # drafter specs that are not checkpoint paths
 
 
+def check_draft_vocab(value):
+    """``"auto"``, ``"full"`` or a list of token ids (ints >= 0), as given; ``None`` reads as ``"full"``.
+
+    Raises:
+        ValueError: anything else (named)."""
+    if value is None:
+        return "full"
+    if isinstance(value, str):
+        if value in ("auto", "full"):
+            return value
+        raise ValueError(f"draft_vocab must be 'auto', 'full' or a list of token ids, got {value!r}")
+    if isinstance(value, mx.array):
+        value = value.tolist()
+    try:
+        ids = [int(i) for i in value if not isinstance(i, bool) and int(i) == i]
+    except (TypeError, ValueError):
+        ids = None
+    if ids is None or not ids or len(ids) != len(value) or min(ids) < 0:
+        raise ValueError("draft_vocab must be 'auto', 'full' or a non-empty list of token ids >= 0")
+    return ids
+
+
 def make_proposer(
     drafter,
     target: TargetAdapter,
@@ -493,6 +521,7 @@ def make_proposer(
     calibrate: bool | None = None,
     block_size: int | None = None,
     drafter_window: int = DEFAULT_CONTEXT_WINDOW,
+    draft_vocab="auto",
 ) -> Proposer | None:
     """Build the proposer for ``drafter``.
 
@@ -518,12 +547,17 @@ def make_proposer(
         block_size: the widest block the calibration must cover (default: the drafter's).
         drafter_window: the DFlash drafter's context window (committed positions it attends to and
             keeps K/V of; :class:`~.drafter.model.DraftContext`); ``0``: unbounded.
+        draft_vocab: the token ids the drafter may propose (:class:`~.proposers.DFlashProposer`):
+            ``"auto"`` (default) the drafter directory's ``draft_vocab.json`` where it ships one
+            (:func:`~.drafter.io.read_draft_vocab`), else every id; ``"full"``: every id; or a list of ids.
 
     Raises:
-        FileNotFoundError, DrafterConfigError, DrafterLoadError: bad drafter.
-        ValueError: ``adaptive`` without ``lookup``; ``drafter_window`` not an integer >= 0.
+        FileNotFoundError, DrafterConfigError, DrafterLoadError: bad drafter (or draft vocabulary file).
+        ValueError: ``adaptive`` without ``lookup``; ``drafter_window`` not an integer >= 0; a bad
+            ``draft_vocab``.
     """
     drafter_window = check_drafter_window(drafter_window)
+    draft_vocab = check_draft_vocab(draft_vocab)
     if isinstance(drafter, Proposer):
         return drafter
     if drafter is None or drafter == "none":
@@ -546,6 +580,8 @@ def make_proposer(
     else:
         model = load_drafter(drafter, target, tokenizer, dtype=drafter_dtype or _default_dtype(),
                              target_name=target_name or None)
+        if draft_vocab == "auto":
+            draft_vocab = read_draft_vocab(drafter)
     if dequantize:
         model = dequantize_drafter(model)
     model.kernel_mode = kernels  # the per-round forward's fused ops (mlx_dflash2.kernels)
@@ -557,7 +593,8 @@ def make_proposer(
     if min_confidence is None:
         min_confidence = default_min_confidence()
     p = DFlashProposer(model, target, valid_vocab=len(tokenizer), min_confidence=min_confidence,
-                       context_window=drafter_window)
+                       context_window=drafter_window,
+                       draft_vocab=None if isinstance(draft_vocab, str) else draft_vocab)
     if lookup:
         # the lookup's own block (DEFAULT_LOOKUP_BLOCK) caps the adaptive schedule's lookup-only rounds
         p = FusedProposer(p, LookupProposer(block_size=DEFAULT_LOOKUP_BLOCK),
@@ -585,6 +622,7 @@ def load(
     kernels: str | None = None,
     calibrate: bool | None = None,
     drafter_window: int | None = None,
+    draft_vocab="auto",
     names: Names = "python",
 ):
     """Load a target and its drafter (mirrors ``mlx_lm.load``).
@@ -613,6 +651,8 @@ def load(
             block attends to the K/V of the last ``W`` committed positions only, and the drafter keeps ``~W`` rows
             per layer whatever the prompt length (the target's cache still holds the whole context). ``0``:
             unbounded. Lossless either way; a smaller window can cost acceptance on long prompts.
+        draft_vocab: the ids the drafter may propose, see :func:`make_proposer` (``"auto"``: the drafter's
+            ``draft_vocab.json`` where it ships one; ``"full"``: every id).
         names: how the errors below name the settings: ``"python"`` (default), these arguments
             (``lookup=False``); ``"cli"``, the command-line flags (``--no-lookup``; the generate and server
             commands).
@@ -631,8 +671,13 @@ def load(
     draft_confidence = check_confidence(draft_confidence)
     if drafter_window is not None:
         drafter_window = check_drafter_window(drafter_window)
+    draft_vocab = check_draft_vocab(draft_vocab)
     _check_adaptive(adaptive, lookup, drafter, names)
     _check_no_drafter_flags(drafter, lookup, draft_confidence, block_size, calibrate, drafter_window, names)
+    if not isinstance(draft_vocab, str) and (drafter is None or drafter in ("lookup", "none")):
+        s = partial(_setting, names=names)
+        raise ValueError(f"{s('draft_vocab')} keeps a drafter's proposals to some ids: {s('drafter', drafter)} has "
+                         f"no drafter (drop {s('draft_vocab')}, or use {s('drafter', 'auto')} / a drafter path)")
     if calibrate and not (lookup and (adaptive or (adaptive is None and drafter == "auto"))):
         # a drafter without the adaptive schedule (--drafter shipped or a path without --adaptive, --no-adaptive,
         # --no-lookup): nothing to calibrate (it loaded, then logged "nothing measured"; a fresh user's find)
@@ -651,11 +696,14 @@ def load(
     kernels = check_mode(kernels)
     if isinstance(drafter, (str, Path)) and str(drafter) not in DRAFTER_KEYWORDS:
         read_drafter_checkpoint(drafter)  # a bad drafter path or config fails before the target loads
+        if draft_vocab == "auto":
+            read_draft_vocab(drafter)  # and a malformed draft_vocab.json
     target, tokenizer, name = load_target(path_or_hf_repo, dtype=dtype, dequantize=dequantize, kernels=kernels)
     dequantize = drafter_dequantize(dequantize, target)
     proposer = make_proposer(drafter, target, tokenizer, name, lookup=lookup, dequantize=dequantize,
                              min_confidence=draft_confidence, adaptive=adaptive, kernels=kernels,
-                             calibrate=calibrate, block_size=block_size, drafter_window=drafter_window)
+                             calibrate=calibrate, block_size=block_size, drafter_window=drafter_window,
+                             draft_vocab=draft_vocab)
     if calibrate and getattr(proposer, "calibration", None) is None:
         logger.warning("calibrate: drafter %r has no adaptive schedule to choose verify widths; nothing measured",
                        getattr(proposer, "name", "none"))

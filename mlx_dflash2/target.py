@@ -242,6 +242,66 @@ class TargetAdapter:
             out = mx.tanh(out / self._softcap) * self._softcap
         return out
 
+    def head_rows(self, ids: mx.array):
+        """The LM head restricted to the rows ``ids`` (int32 ``[Vd]``, ascending, each ``< vocab_rows``): a
+        function ``h [..., D] -> [..., Vd]`` whose column ``j`` is :meth:`lm_head`'s column ``ids[j]``
+        (soft-capping included), for a drafter whose proposals keep to a draft vocabulary
+        (:class:`~.proposers.DFlashProposer` ``draft_vocab``).
+
+        The head's rows are gathered once: a dense head ``[V, D]`` (an ``nn.Linear`` or a tied
+        ``nn.Embedding``) into ``[Vd, D]``, an affine-quantized one (``nn.QuantizedLinear``, a routed
+        kernel linear, a tied ``nn.QuantizedEmbedding``) into packed rows with their scales and biases, run
+        by the kernel registry's ``qmm`` in this target's kernel mode. Any other head runs whole and
+        its columns are taken (same values, no saving). Idea: FR-Spec (Zhao et al. 2025, arXiv
+        2502.14856), a frequency-ranked draft vocabulary.
+
+        Raises:
+            ValueError: ``ids`` not a 1-D array of ids in ``[0, vocab_rows)``.
+        """
+        ids = mx.array(ids).astype(mx.int32)
+        if ids.ndim != 1 or ids.size == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.vocab_rows:
+            raise ValueError(f"a draft vocabulary is a non-empty 1-D list of ids in [0, {self.vocab_rows})")
+        mod = self.lm.lm_head if hasattr(self.lm, "lm_head") else self.inner.embed_tokens
+        mod = getattr(mod, "original", mod)  # a routed kernel linear holds the original layer
+        softcap = self._softcap
+        mode = self.kernels
+
+        def capped(f):
+            if softcap is None:
+                return f
+
+            def g(h):
+                return mx.tanh(f(h) / softcap) * softcap
+            return g
+
+        if "scales" in mod and getattr(mod, "mode", "affine") == "affine" and "weight" in mod:
+            w, s = mod["weight"][ids], mod["scales"][ids]
+            b = mod["biases"][ids] if "biases" in mod else None
+            bias = mod["bias"][ids] if "bias" in mod else None
+            mx.eval(w, s, *(x for x in (b, bias) if x is not None))
+            gs, bits = mod.group_size, mod.bits
+
+            from . import kernels as K
+
+            def head(h):
+                if mode == "reference":  # what nn.QuantizedLinear runs
+                    y = mx.quantized_matmul(h, w, s, b, transpose=True, group_size=gs, bits=bits)
+                else:
+                    y = K.qmm(h, w, s, b, gs, bits, mode=mode)
+                return y + bias if bias is not None else y
+            return capped(head)
+        if "weight" in mod and "scales" not in mod:
+            w = mod["weight"][ids]
+            bias = mod["bias"][ids] if "bias" in mod else None
+            mx.eval(w, *(x for x in (bias,) if x is not None))
+
+            def head(h):
+                y = h @ w.T
+                return y + bias if bias is not None else y
+            return capped(head)
+        mx.eval(ids)
+        return lambda h: mx.take(self.lm_head(h), ids, axis=-1)
+
     def logits(self, h: mx.array) -> mx.array:
         """The target's logits from final-normed states ``[..., D]`` -> ``[..., V]``: the LM head
         with ``-inf`` at ids ``>= vocab_size`` (what :meth:`forward` returns)."""

@@ -793,7 +793,7 @@ def test_every_flag_has_help_and_shows_its_default():
 
     ap = build_parser()
     subs = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction)).choices
-    assert set(subs) == {"prompts", "regen", "self-instruct", "fit", "eval"}
+    assert set(subs) == {"prompts", "regen", "self-instruct", "fit", "vocab", "eval"}
     for name, p in subs.items():
         for a in p._actions:
             if isinstance(a, argparse._HelpAction):

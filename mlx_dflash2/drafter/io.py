@@ -29,7 +29,13 @@ __all__ = [
     "init_drafter",
     "validate_for_target",
     "pick_mask_token_id",
+    "read_draft_vocab",
+    "write_draft_vocab",
+    "DRAFT_VOCAB_FILE",
 ]
+
+#: a drafter directory's draft vocabulary (:func:`read_draft_vocab`)
+DRAFT_VOCAB_FILE = "draft_vocab.json"
 
 
 class DrafterLoadError(ValueError):
@@ -391,3 +397,38 @@ def save_drafter(model: DraftModel, path: str | Path, overwrite: bool = False, m
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def read_draft_vocab(path: str | Path) -> list[int] | None:
+    """The draft vocabulary a drafter directory ships (``draft_vocab.json``: ``{"ids": [...], ...}``, the
+    token ids its drafter may propose; :class:`~mlx_dflash2.proposers.DFlashProposer` ``draft_vocab``), or
+    ``None`` when it has none.
+
+    Raises:
+        DrafterLoadError: the file is not JSON or ``ids`` is not a non-empty list of ints >= 0.
+    """
+    f = Path(path) / DRAFT_VOCAB_FILE
+    if not f.is_file():
+        return None
+    try:
+        raw = json.loads(f.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DrafterLoadError(f"{f}: cannot read the draft vocabulary ({e})") from e
+    ids = raw.get("ids") if isinstance(raw, dict) else None
+    if (not isinstance(ids, list) or not ids
+            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
+        raise DrafterLoadError(f'{f}: "ids" must be a non-empty list of token ids >= 0')
+    return ids
+
+
+def write_draft_vocab(path: str | Path, ids, **info) -> Path:
+    """Write ``draft_vocab.json`` (ascending unique ``ids`` and ``info``, e.g. how it was chosen) into the
+    drafter directory ``path`` (atomically: a temporary file renamed). Returns the file's path."""
+    ids = sorted({int(i) for i in ids})
+    if not ids or ids[0] < 0:
+        raise ValueError("a draft vocabulary is a non-empty list of token ids >= 0")
+    f = Path(path) / DRAFT_VOCAB_FILE
+    tmp = f.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"size": len(ids), **info, "ids": ids}, separators=(",", ":")) + "\n")
+    os.replace(tmp, f)
+    return f

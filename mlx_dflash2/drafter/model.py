@@ -346,10 +346,13 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = mx.zeros((vocab_size, rank))
         self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
 
-    def candidates(self, unary: mx.array, hidden: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    def candidates(self, unary: mx.array, hidden: mx.array,
+                   vocab_ids: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
         """The lattice's inputs, computed in MLX for every walk: ``(cand int32 [M, T, K], u float32
         [M, T, K], H float32 [M, T, r])``, the top-K candidates of each slot (``argpartition``) in
         ascending id order, their unary scores and the hidden projection of ``hidden`` ``[M, T, D]``.
+        ``vocab_ids``: ``unary``'s last axis covers a draft vocabulary, these ascending token ids
+        (``[Vd]``), and ``cand`` holds token ids, not positions (ascending either way).
 
         The ascending order is part of the contract: a sampled walk's random draws are indexed by a
         candidate's position in its slot, and the order ``argpartition`` leaves its top K in is
@@ -361,6 +364,8 @@ class CandidateSelector(nn.Module):
         cand = mx.sort(mx.argpartition(-unary, K - 1, axis=-1)[..., :K], axis=-1).astype(mx.int32)
         u = mx.take_along_axis(unary, cand, axis=-1).astype(mx.float32)
         H = self.hidden_projection(hidden).astype(mx.float32)  # [M, T, r]
+        if vocab_ids is not None:
+            cand = vocab_ids[cand]
         return cand, u, H
 
     def lattice(self, unary: mx.array, hidden: mx.array, anchor: mx.array):
@@ -390,8 +395,10 @@ class CandidateSelector(nn.Module):
         temperature: float = 0.0,
         key: mx.array | None = None,
         mode: str | None = None,
+        vocab_ids: mx.array | None = None,
     ) -> SelectorOutput:
-        """Greedy (``temperature == 0``) or sampled walk; see the class doc.
+        """Greedy (``temperature == 0``) or sampled walk; see the class doc. ``vocab_ids``: ``unary``
+        covers a draft vocabulary (:meth:`candidates`); tokens and candidates are token ids either way.
 
         Accepts one block (``unary [T, V]``, ``hidden [T, D]``, scalar anchor)
         or ``M`` blocks (``[M, T, V]``, ``[M, T, D]``, ``[M]``); outputs keep
@@ -402,7 +409,7 @@ class CandidateSelector(nn.Module):
         single = unary.ndim == 2
         if single:
             unary, hidden, anchor = unary[None], hidden[None], mx.reshape(anchor, (1,))
-        cand, u, H = self.candidates(unary, hidden)
+        cand, u, H = self.candidates(unary, hidden, vocab_ids)
         A, Bc = self.predecessor_codebook, self.successor_codebook
         if temperature > 0:
             tokens, q = walk_lattice(cand, *lattice_scores(cand, u, H, A, Bc, anchor), temperature, key)

@@ -16,8 +16,8 @@ import socket
 import sys
 from pathlib import Path
 
-from ..loading import (ADAPTIVE_HELP, CALIBRATE_HELP, DRAFT_CONFIDENCE_HELP, DRAFTER_HELP, DRAFTER_WINDOW_HELP,
-                       KERNELS_HELP, draft_confidence_arg, drafter_window_arg)
+from ..loading import (ADAPTIVE_HELP, CALIBRATE_HELP, DRAFT_CONFIDENCE_HELP, DRAFT_VOCAB_HELP, DRAFTER_HELP,
+                       DRAFTER_WINDOW_HELP, KERNELS_HELP, draft_confidence_arg, drafter_window_arg)
 
 __all__ = ["main", "setup_arg_parser", "build_app", "check_listen"]
 
@@ -146,6 +146,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help=DRAFT_CONFIDENCE_HELP)
     p.add_argument("--drafter-window", type=drafter_window_arg, default=None, metavar="N",
                    help=DRAFTER_WINDOW_HELP)
+    p.add_argument("--draft-vocab", choices=["auto", "full"], default="auto", help=DRAFT_VOCAB_HELP)
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None, help=ADAPTIVE_HELP)
     p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None, help=CALIBRATE_HELP)
     p.add_argument("--block-size", "--num-draft-tokens", type=_positive, default=None,
@@ -227,6 +228,7 @@ def build_app(args: argparse.Namespace, model=None, tokenizer=None):
             kernels=args.kernels,
             calibrate=args.calibrate,
             drafter_window=args.drafter_window,
+            draft_vocab=args.draft_vocab,
             names="cli",  # its errors name the flags (--no-lookup), not load()'s arguments
         )
     if args.chat_template:

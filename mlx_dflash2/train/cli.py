@@ -4,6 +4,7 @@
     mlx_dflash2.train self-instruct --n 10000 --out data/self.jsonl  # (optional) the target writes requests too
     mlx_dflash2.train regen   --prompts data/prompts.jsonl --out data/responses   # target answers them
     mlx_dflash2.train fit     --data data/responses --out runs/d2 [--init DRAFTER] [--steps N]
+    mlx_dflash2.train vocab   --data data/responses --drafter runs/d2/drafter   # (optional) its draft vocabulary
     mlx_dflash2.train eval    --drafter runs/d2/drafter [--sets humaneval,mtbench,gsm8k] [--block-sizes 4,8,16]
 
 Fine-tuning on your own prompts: ``regen --prompts my_prompts.jsonl`` (JSONL
@@ -127,7 +128,7 @@ def _numbers(flag: str, text: str, kind=float) -> list:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``mlx_dflash2.train`` argument parser: subcommands prompts, regen, self-instruct, fit, eval.
+    """The ``mlx_dflash2.train`` argument parser: subcommands prompts, regen, self-instruct, fit, vocab, eval.
     Every flag has a help text that shows its default."""
     ap = argparse.ArgumentParser(prog="mlx_dflash2.train", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -218,6 +219,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop after this many more steps in this invocation (rerun the command to resume) "
                    "(default: no limit)")
 
+    v = parser("vocab", "a drafter's draft vocabulary: the ids most frequent in its training responses (FR-Spec)")
+    v.add_argument("--data", action="append", required=True,
+                   help="responses: a regen output directory (shard-*.jsonl) or one shard file (repeatable)")
+    v.add_argument("--drafter", required=True, help="drafter directory to write draft_vocab.json into")
+    v.add_argument("--size", type=int, default=16384, help="ids kept by frequency (response-ending ids come on top)")
+    v.add_argument("--held-out", type=float, default=0.05,
+                   help="fraction of the responses left out of the counting, to measure the coverage on")
+    v.add_argument("--seed", type=int, default=0, help="seed of the held-out split")
+
     e = parser("eval", "tau on held-out prompt sets (exact greedy replay) + plot")
     _add_target_args(e)
     e.add_argument("--drafter", action="append", required=True,
@@ -229,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--lookup", action="store_true",
                    help="fuse lookup proposals in every round (what --drafter shipped runs; the default's adaptive "
                    "schedule chooses rounds by measured speed, which a replay does not model)")
+    e.add_argument("--draft-vocab", choices=["auto", "full", "both"], default="auto",
+                   help="auto: a drafter's draft_vocab.json where it has one (as the product loads it); full: every "
+                   "id; both: each drafter with a draft vocabulary twice, LABEL (full) and LABEL-vocab")
     e.add_argument("--cache-dir", default=".cache/eval", help="cache of the target's greedy continuations")
     e.add_argument("--out", default="benchmarks/results/tau.json", help="report (JSON; the plot next to it as .png)")
     return ap
@@ -282,6 +295,10 @@ def main(argv=None) -> int:
                 print(f"\ninterrupted; rerun the same command to resume from {args.out}.partial", file=sys.stderr)
                 return 130
             print(json.dumps(st))
+        elif args.cmd == "vocab":
+            from .vocab import write_vocab
+
+            print(json.dumps(write_vocab(args.data, args.drafter, args.size, args.held_out, args.seed)))
         elif args.cmd == "fit":
             from .trainer import Trainer
 
@@ -321,6 +338,7 @@ def main(argv=None) -> int:
             print(json.dumps({"step": tr.step, "total_steps": tr.total_steps, **last}))
         else:
             from ..drafter import load_drafter
+            from ..drafter.io import read_draft_vocab
             from ..loading import _default_dtype
             from .evaluate import evaluate_sets, plot_acceptance, write_report
 
@@ -342,7 +360,13 @@ def main(argv=None) -> int:
                 model = load_drafter(path, target, tok, dtype=_default_dtype())
                 if args.dequantize:  # as for the target: the same numbers, faster on a CPU
                     model = dequantize_drafter(model)
-                drafters[label or model.config.architecture] = model
+                label = label or model.config.architecture
+                vocab = read_draft_vocab(path) if args.draft_vocab != "full" else None
+                if args.draft_vocab == "both" and vocab is not None:
+                    drafters[label] = model
+                    drafters[f"{label}-vocab"] = (model, vocab)
+                else:
+                    drafters[label] = (model, vocab)
             rep = evaluate_sets(target, tok, drafters, args.sets.split(","),
                                 blocks, args.max_tokens,
                                 None if args.limit is None else args.limit, args.cache_dir, lookup=args.lookup)

@@ -40,7 +40,7 @@ def _record(stats: SpecStats, n: int, a: int, emitted: int) -> None:
 
 
 def draft_tokens(target, drafter, anchor_tok: mx.array, anchors: mx.array, ctx_kv: list, slots: int,
-                 invalid: mx.array | None = None) -> np.ndarray:
+                 invalid: mx.array | None = None, vocab: tuple | None = None) -> np.ndarray:
     """Greedy drafts of ``slots`` tokens after each of ``n`` anchors, as the product's proposer makes them.
 
     The drafter runs on a block of ``max(trained block size, slots + 1)`` positions (the anchor, then
@@ -58,6 +58,8 @@ def draft_tokens(target, drafter, anchor_tok: mx.array, anchors: mx.array, ctx_k
         ctx_kv: the drafter's context K/V of the ``n`` sequences (:meth:`~.DraftModel.context_kv_all`).
         slots: drafted tokens per anchor (``B - 1`` for a verify width ``B``), ``>= 1``.
         invalid: bool ``[vocab rows]`` ids never proposed (a padded vocabulary), or ``None``.
+        vocab: ``(ids int32 [Vd], head)``: a draft vocabulary, ascending ids, and the LM head restricted to
+            them (:meth:`~mlx_dflash2.target.TargetAdapter.head_rows`), as the product's proposer runs it; or ``None``.
 
     Returns:
         int ``[n, slots]`` drafted tokens (numpy; one host read).
@@ -70,13 +72,15 @@ def draft_tokens(target, drafter, anchor_tok: mx.array, anchors: mx.array, ctx_k
     if cfg.input_embedding_scale != 1.0:
         emb = emb * cfg.input_embedding_scale
     h = drafter.forward_blocks(emb, None, anchors, ctx_kv=ctx_kv)[:, 1 : slots + 1]
-    unary = drafter.unary_logits(h, target.lm_head)
-    if invalid is not None:
+    ids, head = vocab if vocab is not None else (None, target.lm_head)
+    unary = drafter.unary_logits(h, head)
+    if invalid is not None and ids is None:
         unary = mx.where(invalid, mx.array(-mx.inf, unary.dtype), unary)
     if cfg.is_dflash2:
-        out = drafter.candidate_selector.walk(unary, h, anchor_tok).tokens
+        out = drafter.candidate_selector.walk(unary, h, anchor_tok, vocab_ids=ids).tokens
     else:
         out = mx.argmax(unary, axis=-1)
+        out = ids[out] if ids is not None else out
     return np.array(out)
 
 
@@ -91,6 +95,7 @@ def replay(
     lookup: bool = False,
     progress: bool = False,
     taps_cache: dict | None = None,
+    draft_vocab: list[int] | None = None,
 ) -> tuple[SpecStats, list[float]]:
     """Replay greedy speculative decoding of ``rows`` with ``drafter``.
 
@@ -107,6 +112,8 @@ def replay(
             (e.g. other drafters, other block sizes): the target's tap features
             of each group are computed once (the target forward dominates replay
             on a CPU).
+        draft_vocab: the ids the drafter may propose (a draft vocabulary, as
+            :class:`~mlx_dflash2.proposers.DFlashProposer` ``draft_vocab``), or ``None``: all valid ids.
 
     Returns:
         ``(stats, per_prompt_tau)``: aggregate :class:`SpecStats` and tau per row.
@@ -121,6 +128,10 @@ def replay(
     valid_vocab = min(valid_vocab, target.vocab_size)
     if valid_vocab < target.vocab_rows:
         invalid = mx.arange(target.vocab_rows) >= valid_vocab
+    vocab = None
+    if draft_vocab is not None:
+        ids = mx.array(sorted({int(i) for i in draft_vocab if 0 <= int(i) < valid_vocab}), dtype=mx.int32)
+        vocab = (ids, target.head_rows(ids))
     bar = tqdm(total=len(rows), desc=f"replay B={B}", disable=not progress, file=sys.stderr)
     for g in range(0, len(rows), batch):
         group = rows[g : g + batch]
@@ -162,7 +173,7 @@ def replay(
                 anchors = mx.array(P[need][:, None].astype(np.int32))
                 anchor_tok = mx.array(toks[need, P[need]])
                 kv = [(k[idx], v[idx]) for k, v in ctx_kv]
-                out = draft_tokens(target, drafter, anchor_tok, anchors, kv, B - 1, invalid)
+                out = draft_tokens(target, drafter, anchor_tok, anchors, kv, B - 1, invalid, vocab)
                 for k, i in enumerate(need):
                     p = out[k, : n_i[i]].tolist()
                     if lookup:
@@ -221,7 +232,7 @@ def evaluate_sets(
     """tau of each drafter on each held-out set at each block size.
 
     Args:
-        drafters: ``{label: DraftModel}``.
+        drafters: ``{label: DraftModel}`` or ``{label: (DraftModel, draft vocabulary ids or None)}``.
         sets: names from :data:`~.data.EVAL_SETS`.
         cache_dir: where the target's greedy continuations are kept (made once
             per target: the folder name carries :func:`target_fingerprint`, so a
@@ -248,9 +259,10 @@ def evaluate_sets(
         rows = read_responses(cdir)
         taps_cache = {}
         for label, model in drafters.items():
+            model, vocab = model if isinstance(model, tuple) else (model, None)
             for B in block_sizes:
                 st, per = replay(target, model, rows, B, max_tokens, valid_vocab, lookup=lookup, progress=progress,
-                                 taps_cache=taps_cache)
+                                 taps_cache=taps_cache, draft_vocab=vocab)
                 results.append(
                     {
                         "set": name,

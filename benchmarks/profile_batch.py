@@ -88,6 +88,9 @@ def main(argv=None):
     ap.add_argument("--cprofile", action="store_true",
                     help="one more drafter run per concurrency under cProfile: its top functions (cumulative and own "
                     "time) printed and written beside --out as .prof.txt")
+    ap.add_argument("--fit-blocks", action="store_true",
+                    help="the drafter proposes n drafts over a fitted block of draft_block(n) slots "
+                    "(DFlashProposer fit_blocks) instead of its trained block")
     ap.add_argument("--verbose", action="store_true",
                     help="the package's INFO lines (kernel gates with their seconds, routing, calibration), "
                     "timestamped")
@@ -98,6 +101,11 @@ def main(argv=None):
         logging.basicConfig(format="%(asctime)s %(message)s")
         logging.getLogger("mlx_dflash2").setLevel(logging.INFO)
     model, tok = load(args.model, args.drafter, dtype=args.dtype)
+    if args.fit_blocks:
+        dp = getattr(model.proposer, "drafter", model.proposer)
+        if not hasattr(dp, "fit_blocks"):
+            ap.error(f"--fit-blocks: drafter {args.drafter!r} has no drafter model")
+        dp.fit_blocks = True
     levels = [int(x) for x in args.concurrency.split(",")]
     run(model, tok, 2, 8, True, False)  # warm-up (kernels, calibration)
     if not args.no_warm_up:  # what the server runs at start on a GPU backend (every batch shape once)

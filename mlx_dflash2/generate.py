@@ -36,7 +36,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help=DRAFT_CONFIDENCE_HELP)
     p.add_argument("--drafter-window", type=drafter_window_arg, default=None, metavar="N",
                    help=DRAFTER_WINDOW_HELP)
-    p.add_argument("--draft-vocab", choices=["auto", "full"], default="auto", help=DRAFT_VOCAB_HELP)
+    p.add_argument("--draft-vocab", choices=["auto", "full"], default=None, help=DRAFT_VOCAB_HELP)
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None, help=ADAPTIVE_HELP)
     p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None, help=CALIBRATE_HELP)
     p.add_argument("--prompt", "-p", default="Hello!", help="the prompt ('-' reads stdin)")

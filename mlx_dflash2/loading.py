@@ -24,10 +24,11 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from . import assets
-from .drafter.io import dequantize_drafter, init_drafter, load_drafter, read_draft_vocab, read_drafter_checkpoint
+from .drafter.io import (DRAFT_VOCAB_FILE, DrafterLoadError, dequantize_drafter, init_drafter, load_drafter,
+                         read_draft_vocab, read_drafter_checkpoint)
 from .drafter.model import DEFAULT_CONTEXT_WINDOW, DraftModel
 from .proposers import (AdaptiveSchedule, DFlashProposer, FusedProposer, LookupProposer, Proposer, WidthPolicy,
-                        check_confidence, check_drafter_window)
+                        check_confidence, check_drafter_window, check_vocab_ids)
 from .target import TargetAdapter
 
 __all__ = ["SpeculativeModel", "load", "load_target", "make_proposer", "check_block_size", "materialize",
@@ -381,7 +382,7 @@ DRAFTER_WINDOW_HELP = (
 
 DRAFT_VOCAB_HELP = (
     "the ids the drafter may propose: auto = the drafter's draft_vocab.json where it ships one (its most frequent "
-    "ids: a smaller LM head, a cheaper draft), full = every id. Lossless either way"
+    "ids: a smaller LM head, a cheaper draft), full = every id (default: auto). Lossless either way"
 )
 
 
@@ -484,25 +485,29 @@ DRAFTER_KEYWORDS = ("auto", "shipped", "none", "lookup", "init")  # drafter spec
 
 
 def check_draft_vocab(value):
-    """``"auto"``, ``"full"`` or a list of token ids (ints >= 0), as given; ``None`` reads as ``"full"``.
+    """``"auto"``, ``"full"`` or a list of token ids, as given (``None``, the default of :func:`load`: ``"auto"``).
+    Ids: a list, tuple, range or 1-D integer array of ints >= 0 (not floats, bools, strings or a mapping).
 
     Raises:
         ValueError: anything else (named)."""
     if value is None:
-        return "full"
+        return "auto"
+    what = "draft_vocab must be 'auto', 'full' or a non-empty list of token ids (ints >= 0)"
     if isinstance(value, str):
         if value in ("auto", "full"):
             return value
-        raise ValueError(f"draft_vocab must be 'auto', 'full' or a list of token ids, got {value!r}")
+        raise ValueError(f"{what}, got {value!r}")
     if isinstance(value, mx.array):
+        if value.ndim != 1 or not mx.issubdtype(value.dtype, mx.integer):
+            raise ValueError(f"{what}; got an array of shape {tuple(value.shape)} and dtype {value.dtype}")
         value = value.tolist()
-    try:
-        ids = [int(i) for i in value if not isinstance(i, bool) and int(i) == i]
-    except (TypeError, ValueError):
-        ids = None
-    if ids is None or not ids or len(ids) != len(value) or min(ids) < 0:
-        raise ValueError("draft_vocab must be 'auto', 'full' or a non-empty list of token ids >= 0")
-    return ids
+    elif hasattr(value, "tolist") and not isinstance(value, (list, tuple, range)):  # numpy
+        value = value.tolist()
+    if not isinstance(value, (list, tuple, range)):
+        raise ValueError(f"{what}, got {type(value).__name__}")
+    if not value or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
+        raise ValueError(what)
+    return list(value)
 
 
 def make_proposer(
@@ -581,7 +586,14 @@ def make_proposer(
         model = load_drafter(drafter, target, tokenizer, dtype=drafter_dtype or _default_dtype(),
                              target_name=target_name or None)
         if draft_vocab == "auto":
-            draft_vocab = read_draft_vocab(drafter)
+            vocab_file = read_draft_vocab(drafter)
+            if vocab_file is not None:
+                try:
+                    check_vocab_ids(vocab_file, min(len(tokenizer), target.vocab_size), target.vocab_rows)
+                except ValueError as e:
+                    raise DrafterLoadError(f"{Path(drafter) / DRAFT_VOCAB_FILE}: {e} (draft_vocab='full' / "
+                                           "--draft-vocab full does not read it)") from None
+            draft_vocab = vocab_file
     if dequantize:
         model = dequantize_drafter(model)
     model.kernel_mode = kernels  # the per-round forward's fused ops (mlx_dflash2.kernels)
@@ -622,7 +634,7 @@ def load(
     kernels: str | None = None,
     calibrate: bool | None = None,
     drafter_window: int | None = None,
-    draft_vocab="auto",
+    draft_vocab=None,
     names: Names = "python",
 ):
     """Load a target and its drafter (mirrors ``mlx_lm.load``).
@@ -651,8 +663,8 @@ def load(
             block attends to the K/V of the last ``W`` committed positions only, and the drafter keeps ``~W`` rows
             per layer whatever the prompt length (the target's cache still holds the whole context). ``0``:
             unbounded. Lossless either way; a smaller window can cost acceptance on long prompts.
-        draft_vocab: the ids the drafter may propose, see :func:`make_proposer` (``"auto"``: the drafter's
-            ``draft_vocab.json`` where it ships one; ``"full"``: every id).
+        draft_vocab: the ids the drafter may propose, see :func:`make_proposer` (``None``, the default, or
+            ``"auto"``: the drafter's ``draft_vocab.json`` where it ships one; ``"full"``: every id; a list of ids).
         names: how the errors below name the settings: ``"python"`` (default), these arguments
             (``lookup=False``); ``"cli"``, the command-line flags (``--no-lookup``; the generate and server
             commands).
@@ -671,10 +683,11 @@ def load(
     draft_confidence = check_confidence(draft_confidence)
     if drafter_window is not None:
         drafter_window = check_drafter_window(drafter_window)
+    given_vocab = draft_vocab is not None
     draft_vocab = check_draft_vocab(draft_vocab)
     _check_adaptive(adaptive, lookup, drafter, names)
     _check_no_drafter_flags(drafter, lookup, draft_confidence, block_size, calibrate, drafter_window, names)
-    if not isinstance(draft_vocab, str) and (drafter is None or drafter in ("lookup", "none")):
+    if given_vocab and (drafter is None or drafter in ("lookup", "none")):
         s = partial(_setting, names=names)
         raise ValueError(f"{s('draft_vocab')} keeps a drafter's proposals to some ids: {s('drafter', drafter)} has "
                          f"no drafter (drop {s('draft_vocab')}, or use {s('drafter', 'auto')} / a drafter path)")

@@ -286,8 +286,9 @@ class DFlashProposer(Proposer):
             16 (session 15), so it is off by default (``False``: always ``B``
             slots, the trained geometry, which the training's replay evaluation
             also runs). Verification stays exact either way.
-        draft_vocab: ``None`` (default) or the token ids the drafter may propose (ints, any order; ids
-            ``>= valid_vocab`` dropped): its LM head then computes those rows only
+        draft_vocab: ``None`` (default) or the token ids the drafter may propose (ints, any order; ids in
+            ``[valid_vocab, vocab_rows)`` dropped, others checked: :func:`check_vocab_ids`): its LM head then
+            computes those rows only
             (:meth:`~.target.TargetAdapter.head_rows`), and a slot whose right token lies outside
             is rejected there. A frequency-ranked draft vocabulary (FR-Spec, arXiv 2502.14856) of 16K of
             SmolLM2's 49K ids held 98 % of held-out response tokens, and the head is the largest part
@@ -322,13 +323,7 @@ class DFlashProposer(Proposer):
         self._head = target.lm_head
         self.vocab_ids = self._inv = None  # the draft vocabulary (ascending ids) and id -> its position
         if draft_vocab is not None:
-            ids = sorted({int(i) for i in (draft_vocab.tolist() if isinstance(draft_vocab, mx.array)
-                                           else draft_vocab)})
-            if ids and ids[0] < 0:
-                raise ValueError(f"draft vocabulary ids must be >= 0, got {ids[0]}")
-            ids = [i for i in ids if i < limit]
-            if len(ids) < 2:
-                raise ValueError(f"the draft vocabulary holds {len(ids)} usable ids (< {limit}): at least 2 needed")
+            ids = check_vocab_ids(draft_vocab, limit, target.vocab_rows)
             if len(ids) < limit:
                 self.vocab_ids = mx.array(ids, dtype=mx.int32)
                 self._head = target.head_rows(self.vocab_ids)
@@ -565,6 +560,25 @@ class _DFlashSession(ProposerSession):
         if p.min_confidence > 0 and n > 1:
             prop = _cut(prop, unary, p.min_confidence, p.to_positions)
         return prop
+
+
+def check_vocab_ids(ids, valid_vocab: int, vocab_rows: int) -> list[int]:
+    """A draft vocabulary's ids, ascending and distinct, without those in ``[valid_vocab, vocab_rows)``
+    (embedding rows past the tokenizer, never proposed anyway).
+
+    Raises:
+        ValueError: an id below 0 or ``>= vocab_rows`` (not the target's: another tokenizer's vocabulary?),
+            or fewer than 2 ids left."""
+    ids = sorted({int(i) for i in (ids.tolist() if isinstance(ids, mx.array) else ids)})
+    if ids and (ids[0] < 0 or ids[-1] >= vocab_rows):
+        bad = ids[0] if ids[0] < 0 else ids[-1]
+        raise ValueError(f"draft vocabulary id {bad} is outside the target's vocabulary [0, {vocab_rows}) "
+                         "(made for another tokenizer?)")
+    ids = [i for i in ids if i < valid_vocab]
+    if len(ids) < 2:
+        raise ValueError(f"the draft vocabulary holds {len(ids)} usable ids (< {valid_vocab}, the tokenizer's "
+                         "size): at least 2 needed")
+    return ids
 
 
 def confident_length(logq: mx.array, min_confidence: float) -> mx.array:

@@ -92,10 +92,12 @@ def test_greedy_output_is_exact_with_a_draft_vocabulary(smol_f32, prompt_text):
 
 def test_every_valid_id_is_no_draft_vocabulary(smol_f32):
     target, tok = smol_f32
-    p = _drafter(target, tok, draft_vocab=range(len(tok) + 100))  # ids past the valid vocabulary are dropped
+    p = _drafter(target, tok, draft_vocab=range(len(tok)))
     assert p.vocab_ids is None and p.draft_vocab_size == len(tok)
+    with pytest.raises(ValueError, match="outside the target's vocabulary"):
+        _drafter(target, tok, draft_vocab=[3, len(tok) + 5])
     with pytest.raises(ValueError, match="at least 2"):
-        _drafter(target, tok, draft_vocab=[len(tok) + 5])
+        _drafter(target, tok, draft_vocab=[3, 3])
 
 
 def test_sampled_and_confidence_cut_proposals_keep_to_the_vocabulary(smol_f32):
@@ -135,10 +137,18 @@ def test_draft_vocab_file_roundtrip_and_errors(tmp_path):
     assert f.name == DRAFT_VOCAB_FILE and read_draft_vocab(tmp_path) == [3, 5, 9]
     assert json.loads(f.read_text())["note"] == "x"
     assert read_draft_vocab(tmp_path / "nothing") is None
-    for bad in ("{", '{"ids": []}', '{"ids": [1, -2]}', '{"ids": [1.5]}', '[1, 2]', '{"ids": [true]}'):
+    for bad in ("{", '{"ids": []}', '{"ids": [1, -2]}', '{"ids": [1.5]}', '[1, 2]', '{"ids": [true]}',
+                '{"ids": [2]}', '{"ids": [2, 2]}',  # fewer than 2 distinct ids: refused before any loading
+                '{"ids": ' + "[" * 100_000 + "]" * 100_000 + "}",  # RecursionError (a fresh user's find)
+                '{"ids": [' + "9" * 5000 + "]}"):  # an int past Python's digit limit
         f.write_text(bad)
         with pytest.raises(DrafterLoadError, match="draft_vocab.json"):
             read_draft_vocab(tmp_path)
+    f.write_bytes(b'{"ids": [1, \xff]}')  # not UTF-8: the file is named
+    with pytest.raises(DrafterLoadError, match="draft_vocab.json"):
+        read_draft_vocab(tmp_path)
+    f.write_bytes(b'\xef\xbb\xbf{"ids": [4, 1]}')  # a UTF-8 byte-order mark, as Windows editors write
+    assert read_draft_vocab(tmp_path) == [4, 1]
     with pytest.raises(ValueError):
         write_draft_vocab(tmp_path, [])
 
@@ -154,12 +164,21 @@ def test_load_reads_a_drafters_draft_vocab_and_refuses_bad_values(tmp_path, smol
     assert p.draft_vocab_size == len(set(_vocab(tok, 1000)))
     assert make_proposer(str(d), target, tok, lookup=False, draft_vocab="full").vocab_ids is None
     assert make_proposer(str(d), target, tok, lookup=False, draft_vocab=[1, 2, 3]).draft_vocab_size == 3
-    for bad in ("most", [1, -1], [], [1.5], {"a": 1}):
+    for bad in ("most", [1, -1], [], [1.5], [2.0, 17.0], {2: "a", 17: "b"}, b"ab", (i for i in range(3)),
+                [2, float("inf")], [True, 3], mx.array([[1, 2]]), mx.array([1.0, 2.0])):
         with pytest.raises(ValueError, match="draft_vocab"):
             load(None, str(d), draft_vocab=bad)
-    for drafter in ("lookup", "none"):
-        with pytest.raises(ValueError, match="draft_vocab"):
-            load(None, drafter, draft_vocab=[1, 2])
+    for drafter in ("lookup", "none"):  # any value given with no drafter (as --drafter-window's)
+        for v in ([1, 2], "full", "auto"):
+            with pytest.raises(ValueError, match="draft_vocab"):
+                load(None, drafter, draft_vocab=v)
+    # ids outside the target's vocabulary (another tokenizer's?) are an error naming the file, once it is known
+    write_draft_vocab(d, [0, 2, 17, 49152, 100000])
+    with pytest.raises(DrafterLoadError, match="draft_vocab.json.*outside the target's vocabulary"):
+        make_proposer(str(d), target, tok, lookup=False)
+    assert make_proposer(str(d), target, tok, lookup=False, draft_vocab="full").vocab_ids is None
+    with pytest.raises(ValueError, match="outside the target's vocabulary"):
+        make_proposer(str(d), target, tok, lookup=False, draft_vocab=[1, 2, 10**6])
     with pytest.raises(ValueError, match="--draft-vocab"):
         load(None, "lookup", draft_vocab=[1, 2], names="cli")
     # a malformed file fails before the target loads
@@ -195,9 +214,17 @@ def test_train_vocab_command(tmp_path, capsys):
     (data / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     d = tmp_path / "drafter"
     shutil.copytree(shipped_drafter_path("smollm2-135m-instruct"), d)
-    assert train_cli.main(["vocab", "--data", str(data), "--drafter", str(d), "--size", "20"]) == 0
+    assert train_cli.main(["vocab", "--data", str(data), "--drafter", str(d), "--size", "20"]) == 2
+    assert "exists (--overwrite replaces it)" in capsys.readouterr().err  # the shipped drafter's own file
+    assert train_cli.main(["vocab", "--data", str(data), "--drafter", str(d), "--size", "20", "--overwrite"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["ids"] == len(read_draft_vocab(d)) and 2 in read_draft_vocab(d)
+    for bad in ('{"response_ids": ["a", 3]}', '{"response_ids": 5}', "not json"):  # a fresh user's finds
+        (data / "shard-00001.jsonl").write_text(bad + "\n")
+        assert train_cli.main(["vocab", "--data", str(data), "--drafter", str(d), "--overwrite"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error:") and ("shard-00001.jsonl" in err or "response row" in err), err
+    (data / "shard-00001.jsonl").unlink()
     assert train_cli.main(["vocab", "--data", str(tmp_path / "none"), "--drafter", str(d)]) == 2
     assert "no such file" in capsys.readouterr().err
     assert train_cli.main(["vocab", "--data", str(data), "--drafter", str(tmp_path)]) == 2

@@ -405,19 +405,23 @@ def read_draft_vocab(path: str | Path) -> list[int] | None:
     ``None`` when it has none.
 
     Raises:
-        DrafterLoadError: the file is not JSON or ``ids`` is not a non-empty list of ints >= 0.
+        DrafterLoadError: the file is not readable JSON (UTF-8, a byte-order mark allowed), or ``ids`` is
+            not a list of ints >= 0 holding at least 2 distinct ids. (Whether they lie within the target's
+            vocabulary is checked once it is loaded: :func:`~mlx_dflash2.proposers.check_vocab_ids`.)
     """
     f = Path(path) / DRAFT_VOCAB_FILE
     if not f.is_file():
         return None
     try:
-        raw = json.loads(f.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise DrafterLoadError(f"{f}: cannot read the draft vocabulary ({e})") from e
+        raw = json.loads(f.read_text(encoding="utf-8-sig"))
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON, bad UTF-8, a 5,000-digit int
+        raise DrafterLoadError(f"{f}: cannot read the draft vocabulary ({type(e).__name__}: {str(e)[:200]})") from None
     ids = raw.get("ids") if isinstance(raw, dict) else None
     if (not isinstance(ids, list) or not ids
             or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
         raise DrafterLoadError(f'{f}: "ids" must be a non-empty list of token ids >= 0')
+    if len(set(ids)) < 2:
+        raise DrafterLoadError(f'{f}: "ids" must hold at least 2 distinct token ids, got {len(set(ids))}')
     return ids
 
 

@@ -227,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--held-out", type=float, default=0.05,
                    help="fraction of the responses left out of the counting, to measure the coverage on")
     v.add_argument("--seed", type=int, default=0, help="seed of the held-out split")
+    v.add_argument("--overwrite", action="store_true", help="replace the drafter's existing draft_vocab.json")
 
     e = parser("eval", "tau on held-out prompt sets (exact greedy replay) + plot")
     _add_target_args(e)
@@ -298,7 +299,8 @@ def main(argv=None) -> int:
         elif args.cmd == "vocab":
             from .vocab import write_vocab
 
-            print(json.dumps(write_vocab(args.data, args.drafter, args.size, args.held_out, args.seed)))
+            print(json.dumps(write_vocab(args.data, args.drafter, args.size, args.held_out, args.seed,
+                                         overwrite=args.overwrite)))
         elif args.cmd == "fit":
             from .trainer import Trainer
 
@@ -338,7 +340,8 @@ def main(argv=None) -> int:
             print(json.dumps({"step": tr.step, "total_steps": tr.total_steps, **last}))
         else:
             from ..drafter import load_drafter
-            from ..drafter.io import read_draft_vocab
+            from ..drafter.io import DRAFT_VOCAB_FILE, read_draft_vocab
+            from ..proposers import check_vocab_ids
             from ..loading import _default_dtype
             from .evaluate import evaluate_sets, plot_acceptance, write_report
 
@@ -362,6 +365,11 @@ def main(argv=None) -> int:
                     model = dequantize_drafter(model)
                 label = label or model.config.architecture
                 vocab = read_draft_vocab(path) if args.draft_vocab != "full" else None
+                if vocab is not None:  # the checks the product's loader makes, naming the file
+                    try:
+                        check_vocab_ids(vocab, min(len(tok), target.vocab_size), target.vocab_rows)
+                    except ValueError as e:
+                        raise ValueError(f"{Path(path) / DRAFT_VOCAB_FILE}: {e}") from None
                 if args.draft_vocab == "both" and vocab is not None:
                     drafters[label] = model
                     drafters[f"{label}-vocab"] = (model, vocab)

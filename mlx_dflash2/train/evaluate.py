@@ -130,7 +130,9 @@ def replay(
         invalid = mx.arange(target.vocab_rows) >= valid_vocab
     vocab = None
     if draft_vocab is not None:
-        ids = mx.array(sorted({int(i) for i in draft_vocab if 0 <= int(i) < valid_vocab}), dtype=mx.int32)
+        from ..proposers import check_vocab_ids
+
+        ids = mx.array(check_vocab_ids(draft_vocab, valid_vocab, target.vocab_rows), dtype=mx.int32)
         vocab = (ids, target.head_rows(ids))
     bar = tqdm(total=len(rows), desc=f"replay B={B}", disable=not progress, file=sys.stderr)
     for g in range(0, len(rows), batch):

@@ -287,6 +287,7 @@ def read_responses(path: str | Path) -> list[dict]:
 
     Raises:
         FileNotFoundError: no shards.
+        ValueError: a line that is not JSON (naming the file and line).
     """
     path = Path(path)
     files = [path] if path.is_file() else sorted(path.glob("shard-*.jsonl"))
@@ -295,5 +296,10 @@ def read_responses(path: str | Path) -> list[dict]:
     rows = []
     for f in files:
         with open(f) as fh:
-            rows.extend(json.loads(line) for line in fh if line.strip())
+            for n, line in enumerate(fh, 1):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except ValueError as e:
+                        raise ValueError(f"{f}, line {n}: not a JSON row ({e})") from None
     return rows

@@ -21,7 +21,7 @@ import collections
 import random
 from pathlib import Path
 
-from ..drafter.io import write_draft_vocab
+from ..drafter.io import DRAFT_VOCAB_FILE, write_draft_vocab
 from .regen import read_responses
 
 __all__ = ["count_tokens", "draft_vocab", "write_vocab"]
@@ -32,8 +32,11 @@ def count_tokens(rows: list[dict]) -> tuple[collections.Counter, set[int]]:
     end-of-sequence token (``finish == "stop"``, as :mod:`.regen` writes it; not one cut at its length)."""
     counts: collections.Counter = collections.Counter()
     ends: set[int] = set()
-    for r in rows:
-        ids = r.get("response_ids") or []
+    for n, r in enumerate(rows):
+        ids = r.get("response_ids") if isinstance(r, dict) else None
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                for i in ids):
+            raise ValueError(f"response row {n}: 'response_ids' must be a list of token ids (ints >= 0)")
         counts.update(ids)
         if ids and r.get("finish") == "stop":
             ends.add(int(ids[-1]))
@@ -80,22 +83,32 @@ def draft_vocab(rows: list[dict], size: int, held_out: float = 0.05, seed: int =
 
 
 def write_vocab(data: list[str | Path], drafter: str | Path, size: int, held_out: float = 0.05,
-                seed: int = 0) -> dict:
+                seed: int = 0, overwrite: bool = False) -> dict:
     """Count the responses of every ``data`` path (regen directories or shard files), write
     ``drafter/draft_vocab.json`` and return what was written (without the ids).
 
     Raises:
         FileNotFoundError: a ``data`` path without shards, or ``drafter`` not a drafter directory
             (no ``config.json``).
+        FileExistsError: the drafter has a ``draft_vocab.json`` already and not ``overwrite``.
+        ValueError: a malformed response row (naming its file).
     """
     d = Path(drafter)
     if not (d / "config.json").is_file():
         raise FileNotFoundError(f"--drafter {drafter}: not a drafter directory (no config.json)")
-    rows: list[dict] = []
     for p in data:
         if not Path(p).exists():
             raise FileNotFoundError(f"--data {p}: no such file or directory")
-        rows.extend(read_responses(p))
+    if (d / DRAFT_VOCAB_FILE).exists() and not overwrite:
+        raise FileExistsError(f"{d / DRAFT_VOCAB_FILE} exists (--overwrite replaces it)")
+    rows: list[dict] = []
+    for p in data:
+        try:
+            got = read_responses(p)
+            count_tokens(got)  # the rows' ids checked here, where the file can be named
+        except ValueError as e:
+            raise ValueError(f"--data {p}: {e}") from None
+        rows.extend(got)
     ids, info = draft_vocab(rows, size, held_out, seed)
     info = {"method": "most frequent response ids (FR-Spec, arXiv 2502.14856) + response-ending ids",
             "data": ["/".join(Path(p).parts[-2:]) for p in data], **info}

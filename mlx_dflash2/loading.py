@@ -28,7 +28,7 @@ from .drafter.io import (DRAFT_VOCAB_FILE, DrafterLoadError, dequantize_drafter,
                          read_draft_vocab, read_drafter_checkpoint)
 from .drafter.model import DEFAULT_CONTEXT_WINDOW, DraftModel
 from .proposers import (AdaptiveSchedule, DFlashProposer, FusedProposer, LookupProposer, Proposer, WidthPolicy,
-                        check_confidence, check_drafter_window, check_vocab_ids)
+                        check_confidence, check_drafter_window)
 from .target import TargetAdapter
 
 __all__ = ["SpeculativeModel", "load", "load_target", "make_proposer", "check_block_size", "materialize",
@@ -563,6 +563,7 @@ def make_proposer(
     """
     drafter_window = check_drafter_window(drafter_window)
     draft_vocab = check_draft_vocab(draft_vocab)
+    vocab_file = None  # the drafter's draft_vocab.json where draft_vocab comes from it
     if isinstance(drafter, Proposer):
         return drafter
     if drafter is None or drafter == "none":
@@ -586,14 +587,8 @@ def make_proposer(
         model = load_drafter(drafter, target, tokenizer, dtype=drafter_dtype or _default_dtype(),
                              target_name=target_name or None)
         if draft_vocab == "auto":
-            vocab_file = read_draft_vocab(drafter)
-            if vocab_file is not None:
-                try:
-                    check_vocab_ids(vocab_file, min(len(tokenizer), target.vocab_size), target.vocab_rows)
-                except ValueError as e:
-                    raise DrafterLoadError(f"{Path(drafter) / DRAFT_VOCAB_FILE}: {e} (draft_vocab='full' / "
-                                           "--draft-vocab full does not read it)") from None
-            draft_vocab = vocab_file
+            vocab_file = Path(drafter) / DRAFT_VOCAB_FILE
+            draft_vocab = read_draft_vocab(drafter)
     if dequantize:
         model = dequantize_drafter(model)
     model.kernel_mode = kernels  # the per-round forward's fused ops (mlx_dflash2.kernels)
@@ -604,9 +599,14 @@ def make_proposer(
     min_confidence = check_confidence(min_confidence, "min_confidence")
     if min_confidence is None:
         min_confidence = default_min_confidence()
-    p = DFlashProposer(model, target, valid_vocab=len(tokenizer), min_confidence=min_confidence,
-                       context_window=drafter_window,
-                       draft_vocab=None if isinstance(draft_vocab, str) else draft_vocab)
+    try:
+        p = DFlashProposer(model, target, valid_vocab=len(tokenizer), min_confidence=min_confidence,
+                           context_window=drafter_window,
+                           draft_vocab=None if isinstance(draft_vocab, str) else draft_vocab)
+    except ValueError as e:  # the ids checked against the target (check_vocab_ids): name the file they came from
+        if vocab_file is None or isinstance(draft_vocab, str):
+            raise
+        raise DrafterLoadError(f"{vocab_file}: {e} (draft_vocab='full' / --draft-vocab full does not read it)") from None
     if lookup:
         # the lookup's own block (DEFAULT_LOOKUP_BLOCK) caps the adaptive schedule's lookup-only rounds
         p = FusedProposer(p, LookupProposer(block_size=DEFAULT_LOOKUP_BLOCK),

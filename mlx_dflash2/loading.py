@@ -606,7 +606,8 @@ def make_proposer(
     except ValueError as e:  # the ids checked against the target (check_vocab_ids): name the file they came from
         if vocab_file is None or isinstance(draft_vocab, str):
             raise
-        raise DrafterLoadError(f"{vocab_file}: {e} (draft_vocab='full' / --draft-vocab full does not read it)") from None
+        raise DrafterLoadError(f"{vocab_file}: {e} (draft_vocab='full' / --draft-vocab full does not read it)"
+                               ) from None
     if lookup:
         # the lookup's own block (DEFAULT_LOOKUP_BLOCK) caps the adaptive schedule's lookup-only rounds
         p = FusedProposer(p, LookupProposer(block_size=DEFAULT_LOOKUP_BLOCK),

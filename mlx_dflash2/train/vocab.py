@@ -9,10 +9,10 @@ the output is unchanged and only a token outside the set costs a rejection at it
 
 ``mlx_dflash2.train vocab --data RESPONSES --drafter DIR --size 16384`` counts the ``response_ids`` of
 regenerated responses (:mod:`.regen`'s shards), keeps the ``size`` most frequent ids plus every end-of-sequence
-id that stopped a response (end-of-turn tokens must stay draftable), measures what share of a held-out part of the responses
-the set covers, and writes ``DIR/draft_vocab.json`` (:func:`~mlx_dflash2.drafter.io.write_draft_vocab`), which
-:func:`~mlx_dflash2.loading.load` then uses by default (``draft_vocab="full"`` / ``--draft-vocab full`` turns it
-off).
+id that stopped a response (end-of-turn tokens must stay draftable), measures what share of a held-out part of
+the responses the set covers, and writes ``DIR/draft_vocab.json``
+(:func:`~mlx_dflash2.drafter.io.write_draft_vocab`), which :func:`~mlx_dflash2.loading.load` then uses by
+default (``draft_vocab="full"`` / ``--draft-vocab full`` turns it off).
 """
 
 from __future__ import annotations

@@ -718,14 +718,28 @@ def test_batched_concurrent_greedy_requests_equal_solo(srv, rr_srv, http):
     assert "mlx_dflash2_batch_size_mean" in http.get("/metrics").text
 
 
-def test_batch_size_gauge_is_zero_once_a_stop_string_or_a_cancellation_ends_the_last_request(srv):
+def test_batch_size_gauge_is_zero_once_a_stop_string_or_a_cancellation_ends_the_last_request(srv, monkeypatch):
     """``batch_size`` counts the rows of the batched round now: a lone request that ends on a stop string (the
-    server ends it, not the loop) or is cancelled leaves it at 0 (a fresh user's find: it stayed 1 while idle)."""
+    server ends it, not the loop) or is cancelled leaves it at 0 (a fresh user's find: it stayed 1 while idle).
+    The gauge is 0 already when the last chunk is posted (CI caught a client reading /metrics before the engine
+    thread set it), so the check below does not race."""
     import time
 
+    from mlx_dflash2.server import engine as engine_mod
+
+    at_finish = []
+    post = engine_mod.Job.post
+
+    def spy(job, item):
+        if getattr(item, "finish_reason", None) is not None:
+            at_finish.append(srv.engine.metrics.batch_size)
+        return post(job, item)
+
+    monkeypatch.setattr(engine_mod.Job, "post", spy)
     http = httpx.Client(base_url=srv.url, timeout=300)
     text, finish, _ = _stream_completion(srv.url, {"prompt": "1, 2, 3, 4,", "max_tokens": 12, "stop": ["7"]})
     assert finish == "stop" and "7" not in text
+    assert at_finish == [0]
     assert metrics(http)["batch_size"] == 0
     assert _stream_completion(srv.url, {"prompt": "Once upon a time,", "max_tokens": 200}, leave_after=2) is None
     deadline = time.time() + 60

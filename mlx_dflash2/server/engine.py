@@ -860,6 +860,8 @@ class Engine:
                                  generated_tokens=job.text.n, rounds=s.rounds, round_tokens=s.round_tokens,
                                  drafted=s.drafted, accepted=s.accepted)
                 self._close(job, keep=True)
+                with self.metrics.lock:  # before the last chunk: a client that reads /metrics next sees it gone
+                    self.metrics.batch_size = self._batch.active
                 job.post(out)
                 return
             job.post(out)

@@ -64,7 +64,8 @@ class SpecStats:
     chose widths from (``{M: T(M)/T(1)}``, ``{n: D(n)/T(1)}``: a forward of
     ``M`` rows, a proposal of ``n`` drafts, in plain steps, read at the
     prompt's length: a verify row's cost grows with the context), empty
-    without one.
+    without one. ``draft_vocab``: how many ids the drafter proposes from when a
+    draft vocabulary restricts it (0: the whole vocabulary, or no drafter).
     """
 
     drafter: str = "none"
@@ -86,6 +87,7 @@ class SpecStats:
     verify_widths: dict[int, int] = field(default_factory=dict)
     verify_cost: dict[int, float] = field(default_factory=dict)
     drafter_cost: dict[int, float] = field(default_factory=dict)
+    draft_vocab: int = 0
 
     @property
     def tau(self) -> float:
@@ -147,6 +149,7 @@ class SpecStats:
             f"Prompt: {self.prompt_tokens} tokens, {self.prefill_tps:.2f} tokens-per-sec",
             gen,
             f"Drafter: {self.drafter}, block size {self.block_size}"
+            + (f", draft vocabulary {self.draft_vocab:,} ids" if self.draft_vocab else "")
             + (f" (dynamic draft length, confidence {self.draft_confidence:g})" if self.draft_confidence else "")
             + f"; rounds {self.rounds}, "
             + (f"acceptance length tau {self.tau:.2f} tokens/target forward" if self.rounds
@@ -357,6 +360,8 @@ def start_request(prompt: list[int], target: TargetAdapter, proposer: Proposer |
     if not adaptive:
         stats.drafter = stats.drafter.replace(" (adaptive)", "")
     stats.draft_confidence = proposer.min_confidence
+    dflash = getattr(proposer, "drafter", proposer)  # a FusedProposer's drafter part
+    stats.draft_vocab = int(dflash.vocab_ids.size) if getattr(dflash, "vocab_ids", None) is not None else 0
     costs = getattr(proposer, "calibration", None) if adaptive else None  # the width policy's table
     if costs is not None:
         t1 = costs.verify(1, len(prompt))

@@ -76,7 +76,7 @@ def test_cli_adaptive_flags_end_to_end(capsys, shared_embedded_load):
     b = _main([*prompt, "--no-adaptive"], capsys)
     assert a[0] == 0 and b[0] == 0, a[2] + b[2]
     assert "Drafter: DFlash2DraftModel+lookup (adaptive)" in a[1]
-    assert "Drafter: DFlash2DraftModel+lookup," in b[1]
+    assert "Drafter: DFlash2DraftModel+lookup, block size 16, draft vocabulary 16,384 ids" in b[1]  # shipped
     text = [r[1].split("\n==========")[0] for r in (a, b)]
     assert text[0] == text[1] and text[0].strip()
 

@@ -83,6 +83,7 @@ def test_greedy_output_is_exact_with_a_draft_vocabulary(smol_f32, prompt_text):
         type(p).unary = orig
     assert toks == ref
     assert st.rounds > 0 and st.drafted > 0
+    assert st.draft_vocab == len(set(vocab)) and f"draft vocabulary {len(set(vocab)):,} ids" in st.summary()
     allowed = set(vocab)
     sess = p.start([])
     sess.extend([1, 2, 3], mx.random.normal((3, 5 * target.hidden_size)))
@@ -94,6 +95,8 @@ def test_every_valid_id_is_no_draft_vocabulary(smol_f32):
     target, tok = smol_f32
     p = _drafter(target, tok, draft_vocab=range(len(tok)))
     assert p.vocab_ids is None and p.draft_vocab_size == len(tok)
+    prompt = chat_ids(tok, CODE)
+    assert _run(target, prompt, p, 4)[1].draft_vocab == 0  # the whole vocabulary: not shown
     with pytest.raises(ValueError, match="outside the target's vocabulary"):
         _drafter(target, tok, draft_vocab=[3, len(tok) + 5])
     with pytest.raises(ValueError, match="at least 2"):

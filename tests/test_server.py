@@ -988,6 +988,7 @@ def test_padded_vocabulary_target_with_dflash_drafter(padded_srv):
     kw = dict(model="default_model", messages=chat_msgs("Tell me a story about a lighthouse."), max_tokens=24)
     spec = c.chat.completions.create(**kw)
     assert spec.model_extra["speculative"]["drafted_tokens"] > 0
+    assert spec.model_extra["speculative"]["draft_vocab"] == 0  # the drafter proposes from every id
     plain = c.chat.completions.create(extra_body={"num_draft_tokens": 1}, **kw)
     assert spec.choices[0].message.content == plain.choices[0].message.content
     streamed, _, finish, usage, _ = stream_chat(c, stream_options={"include_usage": True}, **kw)

@@ -369,6 +369,7 @@ def create_app(engine: Engine, settings: Optional[ServerSettings] = None) -> Fas
             "drafter": s["drafter"],
             "block_size": s["block_size"],
             "draft_confidence": s.get("draft_confidence", 0.0),
+            "draft_vocab": s.get("draft_vocab", 0),
             "acceptance_length": round(s["tau"], 4),
             "rounds": s["rounds"],
             "rounds_by_source": dict(s.get("rounds_by_source") or {}),

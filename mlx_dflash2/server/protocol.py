@@ -406,6 +406,7 @@ class SpeculativeStats(BaseModel):
     drafter: str
     block_size: int
     draft_confidence: float = Field(0.0, description="the drafter's dynamic draft length threshold (0: full blocks)")
+    draft_vocab: int = Field(0, description="ids the drafter proposes from, with a draft vocabulary (0: all)")
     acceptance_length: float = Field(description="tau: tokens emitted per target forward (verify round)")
     rounds: int
     rounds_by_source: dict[str, int] = Field(

@@ -4,7 +4,7 @@ Input: a published-style drafter directory (``config.json`` with
 ``architectures: ["DFlashDraftModel" | "DFlash2DraftModel"]`` and
 ``dflash_config``; safetensors with the reference tensor names, optionally
 prefixed ``model.``; DFlash2 selector codebooks with or without ``.weight``;
-spec §1.7, §5.3, §5.6). Output: a directory
+spec §1.7, §5.3, §5.6; a ``draft_vocab.json`` is read, checked and carried over). Output: a directory
 :func:`mlx_dflash2.drafter.load_drafter` accepts: the canonical ``config.json``
 (:meth:`DrafterConfig.to_dict`, keeping ``mask_token_id``, ``target_layer_ids``,
 ``block_size``, ``num_target_layers`` and the DFlash2 conv/selector/logit fields)
@@ -31,6 +31,7 @@ inside ``num_target_layers`` (when given), and with ``target`` the whole
 from __future__ import annotations
 
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -38,7 +39,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_dflash2.drafter.config import DRAFTER_QUANT_METHODS, drafter_quant_method
-from mlx_dflash2.drafter.io import _remap
+from mlx_dflash2.drafter.io import DRAFT_VOCAB_FILE, DrafterLoadError, _remap, read_draft_vocab
 
 from .errors import ConvertError, CorruptCheckpointError, MissingTensorError, ShapeMismatchError, UnsupportedFormatError
 from .hf import open_safetensors, read_config
@@ -156,6 +157,14 @@ def convert_drafter(
         except DrafterConfigError as e:
             raise DrafterFieldError(path, e.field, str(e).split(": ", 1)[-1] + f" (target {target})") from e
 
+    vocab_file = path / DRAFT_VOCAB_FILE  # the drafter's draft vocabulary (FR-Spec) travels with it
+    try:
+        vocab_ids = read_draft_vocab(path)
+    except DrafterLoadError as e:
+        raise CorruptCheckpointError(str(e)) from None
+    if vocab_ids is not None and max(vocab_ids) >= cfg.vocab_size:
+        raise CorruptCheckpointError(f"{vocab_file}: id {max(vocab_ids)} is outside the drafter's vocabulary "
+                                     f"of {cfg.vocab_size} (made for another tokenizer?)")
     source = _quantized_source(path, raw)  # GPTQ / AWQ packed layers, or None for a float drafter
     src = {}
     for k, v in (source.weights if source is not None else open_safetensors(path)).items():
@@ -249,6 +258,8 @@ def convert_drafter(
         import json
 
         (tmp / "config.json").write_text(json.dumps(out_cfg, indent=2) + "\n")
+        if vocab_ids is not None:
+            shutil.copyfile(vocab_file, tmp / DRAFT_VOCAB_FILE)
         # the written config must parse back to the same drafter
         if DrafterConfig.from_dict(json.loads((tmp / "config.json").read_text())) != cfg:
             raise ConvertError("internal error: the written drafter config does not round-trip")

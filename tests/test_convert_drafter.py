@@ -318,3 +318,24 @@ def test_other_drafter_quantization_schemes_are_refused_by_name(tmp_path, smol_q
     assert not (tmp_path / "out").exists()
     with pytest.raises(DrafterLoadError, match="'bitsandbytes' is not supported"):
         load_drafter(tmp_path / "src", target, tok)
+
+
+def test_drafter_conversion_carries_its_draft_vocabulary(tmp_path, smol_q):
+    """A drafter's ``draft_vocab.json`` (FR-Spec) comes through the converter (quantizing a drafter dropped it,
+    so the converted drafter proposed from every id); a malformed one, or one with ids past the drafter's
+    vocabulary, is an error that writes nothing."""
+    from mlx_dflash2.convert import CorruptCheckpointError
+    from mlx_dflash2.drafter.io import read_draft_vocab, write_draft_vocab
+
+    cfg = published_cfg("DFlash2DraftModel", pick_mask_token_id(smol_q[1]))
+    write_published(tmp_path / "src", cfg)
+    write_draft_vocab(tmp_path / "src", [5, 7, 100, 2], method="test")
+    convert(tmp_path / "src", tmp_path / "out", progress=False)
+    assert read_draft_vocab(tmp_path / "out") == [2, 5, 7, 100]
+    assert json.loads((tmp_path / "out/draft_vocab.json").read_text())["method"] == "test"
+    for bad, match in (('{"ids": [1]}', "at least 2 distinct"), ("{", "cannot read"),
+                       (json.dumps({"ids": [1, 49152]}), "outside the drafter's vocabulary")):
+        (tmp_path / "src/draft_vocab.json").write_text(bad)
+        with pytest.raises(CorruptCheckpointError, match=match):
+            convert(tmp_path / "src", tmp_path / "bad", progress=False)
+        assert not (tmp_path / "bad").exists()

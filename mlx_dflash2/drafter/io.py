@@ -350,8 +350,10 @@ def _shards(weights: dict, max_bytes: int) -> list[dict]:
     return shards
 
 
-def save_drafter(model: DraftModel, path: str | Path, overwrite: bool = False, max_shard_mb: float = 15) -> Path:
-    """Write ``config.json`` + safetensors atomically (temp dir, rename).
+def save_drafter(model: DraftModel, path: str | Path, overwrite: bool = False, max_shard_mb: float = 15,
+                 draft_vocab: tuple[list[int], dict] | None = None) -> Path:
+    """Write ``config.json`` + safetensors atomically (temp dir, rename); with ``draft_vocab``
+    (``(ids, info)``) also its ``draft_vocab.json`` (:func:`write_draft_vocab`), in the same rename.
 
     Weights go to ``model.safetensors``, or, above ``max_shard_mb`` MiB, to
     ``model-0000i-of-0000n.safetensors`` shards with a
@@ -375,6 +377,8 @@ def save_drafter(model: DraftModel, path: str | Path, overwrite: bool = False, m
             gs, bits = next(iter(q.values()))
             cfg["quantization"] = {"group_size": gs, "bits": bits}
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        if draft_vocab is not None:
+            write_draft_vocab(tmp, draft_vocab[0], **draft_vocab[1])
         shards = _shards(weights, int(max_shard_mb * 2**20))
         if len(shards) == 1:
             mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})

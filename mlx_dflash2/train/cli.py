@@ -109,6 +109,10 @@ FIT_HELP = {
                   "top-K), in forward and backward: same results, peak memory of a few chunks instead of several "
                   "rows x vocab float32 arrays (0: one shot) (default: auto: chunks of 1 GB of float32 logits when "
                   "the step's rows x vocab would be larger, one shot otherwise)",
+    "draft_vocab": "train on a draft vocabulary (FR-Spec): N = the data's N most frequent response ids (+ the ids "
+                   "that ended responses, as `train vocab --size N`), or a drafter directory / draft_vocab.json to "
+                   "take the ids from; the logits, teacher and top-K then cover those rows of the LM head only, and "
+                   "the drafter is saved with them as its draft_vocab.json (default: the whole vocabulary)",
 }
 for _k in ("anchors", "batch_size", "max_len"):  # device-dependent (trainer.device_defaults)
     FIT_HELP[_k] += f" (default: {GPU_DEFAULTS[_k]} on a GPU, {CPU_DEFAULTS[_k]} on MLX's CPU backend)"
@@ -206,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
             f.add_argument(name, type=json.loads, default=None, help=text)
         elif fld.name in ("init",):
             f.add_argument(name, default=None, help=text)
+        elif fld.name == "draft_vocab":
+            f.add_argument(name, default=None, metavar="N|PATH", help=text)
         elif fld.name == "labels":
             f.add_argument(name, choices=["data", "target"], default=default, help=text)
         else:

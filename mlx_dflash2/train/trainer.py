@@ -34,6 +34,17 @@ Options beyond the published recipe (off by default):
   same position, with the same position weights (DistillSpec, Zhou et al.
   2024, §3: forward KL). Both need the target's logits at the label positions,
   from the same frozen forward that gives the context features.
+* ``draft_vocab``: the drafter is trained on a draft vocabulary, the ids it will
+  propose from (FR-Spec, Zhao et al. 2025, arXiv 2502.14856; EAGLE-3, Li et al.
+  2025, §3, trains its drafter on such a reduced vocabulary): its logits, the
+  teacher's distribution (renormalized over the set) and the selector's top-K
+  are computed over those rows of the LM head only (Qwen2.5's 151,936 -> 32,768:
+  the vocabulary-sized part of a step about 4.6x smaller). A label outside the
+  set gets no cross-entropy (the drafter cannot propose it) and counts as a miss
+  in the accuracies; ``labels="target"`` takes the teacher's argmax over the whole
+  vocabulary (one forward of the head, no backward). The set is written into the
+  checkpoints' and the final drafter's ``draft_vocab.json``, so the product
+  drafts from what the drafter was trained on.
 * ``selector_fraction < 1``: the selector loss over every s-th block,
   ``s = round(1 / selector_fraction)`` (its top-K over the vocabulary is the
   costly part of a DFlash2 step).
@@ -84,7 +95,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..drafter import DrafterConfig, DraftModel, dequantize_drafter, init_drafter, load_drafter, save_drafter
 
-__all__ = ["TrainConfig", "Trainer", "TimeBudgetError", "dflash_loss", "make_batch", "default_gamma",
+__all__ = ["TrainConfig", "Trainer", "TimeBudgetError", "DraftVocab", "dflash_loss", "make_batch", "default_gamma",
            "device_defaults", "resolve_device_defaults", "loss_chunk_rows"]
 
 
@@ -191,6 +202,7 @@ class TrainConfig:
     time_budget: float | None = None
     compile: bool = False
     loss_chunk: int | None = None  # rows per chunk of the loss's vocabulary part: None auto, 0 one shot
+    draft_vocab: str | None = None  # None: the whole vocabulary; "N": the data's N most frequent ids; a path
     extra: dict = field(default_factory=dict)
 
 
@@ -293,6 +305,57 @@ def loss_chunk_rows(rows: int, vocab: int, loss_chunk: int | None = None) -> int
     if loss_chunk < 0:
         raise ValueError(f"loss_chunk must be >= 0 rows (0: no chunking), not {loss_chunk}")
     return rows if loss_chunk == 0 else max(1, min(loss_chunk, rows))
+
+
+@dataclass(frozen=True)
+class DraftVocab:
+    """A draft vocabulary for training: the ids the drafter is trained (and will draft) on.
+
+    Attributes:
+        ids: int32 ``[Vd]``, ascending, each below the tokenizer's size.
+        pos: int32 ``[vocab_rows]``: the position of an id in ``ids``, -1 for ids outside.
+        head: the target's LM head on those rows (:meth:`~mlx_dflash2.target.TargetAdapter.head_rows`):
+            ``[..., D] -> [..., Vd]``, the columns ``ids`` of :meth:`~mlx_dflash2.target.TargetAdapter.lm_head`.
+        info: how the set was chosen (written into ``draft_vocab.json`` beside the ids).
+    """
+
+    ids: mx.array
+    pos: mx.array
+    head: Callable[[mx.array], mx.array]
+    info: dict
+
+    @classmethod
+    def build(cls, target, ids, valid_vocab: int, info: dict | None = None) -> "DraftVocab":
+        """Check ``ids`` (:func:`~mlx_dflash2.proposers.check_vocab_ids`: ids in ``[valid_vocab, vocab_rows)``
+        dropped) and gather the head's rows.
+
+        Raises:
+            ValueError: an id outside the target's vocabulary, or fewer than 2 usable ids."""
+        from ..proposers import check_vocab_ids
+
+        kept = check_vocab_ids(ids, valid_vocab, target.vocab_rows)
+        a = mx.array(kept, dtype=mx.int32)
+        pos = mx.full((target.vocab_rows,), -1, dtype=mx.int32)
+        pos[a] = mx.arange(len(kept), dtype=mx.int32)
+        mx.eval(a, pos)
+        return cls(a, pos, target.head_rows(a), dict(info or {}))
+
+    @property
+    def size(self) -> int:
+        return int(self.ids.size)
+
+
+def _teacher_argmax(target, teacher: mx.array, valid_vocab: int | None, chunk: int) -> mx.array:
+    """The target's greedy ids (argmax over its whole vocabulary, ids ``>= valid_vocab`` excluded) at the
+    rows ``teacher`` ``[R, D]`` (final-normed states): int32 ``[R]``, no gradient, ``chunk`` rows at a
+    time in turn (:func:`_after`), so no more than a chunk's ``[rows, V]`` logits are alive."""
+    out, prev = [], []
+    for a in range(0, teacher.shape[0], chunk):
+        (x,) = _after([teacher[a:a + chunk]], prev)
+        am = mx.argmax(_mask_vocab(target.logits(x), valid_vocab), axis=-1).astype(mx.int32)
+        out.append(am)
+        prev = [am]
+    return mx.stop_gradient(mx.concatenate(out) if len(out) > 1 else out[0])
 
 
 @dataclass(frozen=True)
@@ -469,8 +532,9 @@ def _chunked_vocab_terms(spec: _VocabSpec, h: mx.array, teacher: mx.array | None
 
 def dflash_loss(drafter: DraftModel, target, features, tokens, anchors, labels, label_valid, weights, alpha,
                 valid_vocab: int | None = None, teacher_states=None, kd_weight: float = 0.0,
-                selector_fraction: float = 1.0, target_labels: bool = False, loss_chunk: int | None = None):
-    """DFlash block loss (+ DFlash2 selector loss, + optional distillation / target labels).
+                selector_fraction: float = 1.0, target_labels: bool = False, loss_chunk: int | None = None,
+                draft_vocab: DraftVocab | None = None):
+    """DFlash block loss (+ DFlash2 selector loss, + optional distillation / target labels / draft vocabulary).
 
     The part over the vocabulary (the drafter's logits, the teacher's logits and softmax, cross-entropy,
     distillation, top-1 hits, the selector's top-K candidates and their logits) is one function of
@@ -493,6 +557,8 @@ def dflash_loss(drafter: DraftModel, target, features, tokens, anchors, labels, 
         selector_fraction: fraction of the blocks (strided) in the selector loss.
         target_labels: the labels are the teacher's argmax (``labels="target"``).
         loss_chunk: rows per chunk of the vocabulary part (:func:`loss_chunk_rows`: None auto, 0 one shot).
+        draft_vocab: train on these ids only (see the module doc): logits, teacher distribution and
+            candidates over ``draft_vocab.ids``; labels outside get no cross-entropy and count as misses.
 
     Returns:
         ``(loss, metrics)``: scalar loss; metrics ``main``, ``selector``,
@@ -515,26 +581,49 @@ def dflash_loss(drafter: DraftModel, target, features, tokens, anchors, labels, 
     h = drafter.forward_blocks(emb, mx.stop_gradient(features), anchors)[:, 1:]  # [M, B-1, D]
     selector_on = cfg.is_dflash2 and (isinstance(alpha, mx.array) or alpha > 0)  # an array: a compiled step's
     stride = max(1, int(round(1.0 / selector_fraction)))
-    V = target.vocab_rows
-    spec = _VocabSpec(
-        logits=lambda x: _mask_vocab(drafter.unary_logits(x.astype(target.dtype), target.lm_head).astype(mx.float32),
-                                     valid_vocab),
-        teacher=lambda s: _mask_vocab(target.logits(s), valid_vocab).astype(mx.float32),
-        kd=kd_weight > 0, top_k=min(drafter.candidate_selector.top_k, V) if selector_on else 0, block=Bm1,
-        stride=stride)
+    dv = draft_vocab
+    if dv is None:
+        V = target.vocab_rows
+        spec = _VocabSpec(
+            logits=lambda x: _mask_vocab(
+                drafter.unary_logits(x.astype(target.dtype), target.lm_head).astype(mx.float32), valid_vocab),
+            teacher=lambda s: _mask_vocab(target.logits(s), valid_vocab).astype(mx.float32),
+            kd=kd_weight > 0, top_k=min(drafter.candidate_selector.top_k, V) if selector_on else 0, block=Bm1,
+            stride=stride)
+    else:  # the head's rows of the draft vocabulary, for the drafter and the teacher alike
+        V = dv.size
+        spec = _VocabSpec(
+            logits=lambda x: drafter.unary_logits(x.astype(target.dtype), dv.head).astype(mx.float32),
+            teacher=lambda s: dv.head(s).astype(mx.float32),
+            kd=kd_weight > 0, top_k=min(drafter.candidate_selector.top_k, V) if selector_on else 0, block=Bm1,
+            stride=stride)
     R = M * Bm1
     chunk = loss_chunk_rows(R, V, loss_chunk)
     hf = h.reshape(R, -1)
     tf = None if teacher_states is None else mx.stop_gradient(teacher_states).reshape(R, -1)
     lab = None if target_labels else labels.reshape(R)
-    if chunk < R:
-        vt = _chunked_vocab_terms(spec, hf, tf, lab, chunk)
+    in_vocab = None
+    if dv is not None:  # labels as ids (the whole vocabulary's) and as positions in the draft vocabulary
+        if lab is None:
+            lab = _teacher_argmax(target, tf, valid_vocab, loss_chunk_rows(R, target.vocab_rows, loss_chunk))
+        lab_pos = dv.pos[lab]
+        in_vocab = (lab_pos >= 0).reshape(M, Bm1).astype(mx.float32)
+        lab_in = mx.maximum(lab_pos, 0)
     else:
-        vt = _vocab_terms(spec, hf, tf, lab, 0)
-    lab = (vt["labels"] if target_labels else lab).reshape(M, Bm1)
+        lab_in = lab
+    if chunk < R:
+        vt = _chunked_vocab_terms(spec, hf, tf, lab_in, chunk)
+    else:
+        vt = _vocab_terms(spec, hf, tf, lab_in, 0)
+    if dv is not None:  # back to ids
+        vt["top1"] = dv.ids[vt["top1"]]
+        if "cand" in vt:
+            vt["cand"] = mx.stop_gradient(dv.ids[vt["cand"]])
+    lab = (vt["labels"] if lab is None else lab).reshape(M, Bm1)
     valid = label_valid.reshape(M, Bm1).astype(mx.float32)
     w = weights[None, :] * valid
-    main = (vt["ce"].reshape(M, Bm1) * w).sum() / mx.maximum(w.sum(), 1.0)
+    w_ce = w if in_vocab is None else w * in_vocab  # a label the drafter cannot propose: no cross-entropy
+    main = (vt["ce"].reshape(M, Bm1) * w_ce).sum() / mx.maximum(w_ce.sum(), 1.0)
     hit_top1 = (vt["top1"].reshape(M, Bm1) == lab).astype(mx.float32) * valid
     metrics = {"main": main, "acc_hits": hit_top1.sum(0), "acc_count": valid.sum(0)}
     loss = main
@@ -629,6 +718,7 @@ class Trainer:
         self.weights = mx.array([math.exp(-(k - 1) / self.gamma) for k in range(1, cfg.block_size)])
         self.pad_id = sorted(tokenizer.eos_token_ids)[0] if tokenizer.eos_token_ids else 0
         self.valid_vocab = min(len(tokenizer), target.vocab_size)
+        self.draft_vocab = self._draft_vocab()
         self.batches_per_epoch = max(1, len(self.rows) // cfg.batch_size)
         self._build_optimizer()
         self.step = 0
@@ -704,6 +794,46 @@ class Trainer:
             cfg.selector_rank, cfg.selector_top_k = dc.selector_rank, dc.selector_top_k
         return model
 
+    def _draft_vocab(self) -> DraftVocab | None:
+        """``cfg.draft_vocab`` as a :class:`DraftVocab`: ``None`` (the whole vocabulary), ``"N"`` (the
+        ``N`` most frequent response ids of the data plus those that ended a response, as
+        ``mlx_dflash2.train vocab --size N`` chooses them), or a drafter directory / ``draft_vocab.json``
+        file to take the set from.
+
+        Raises:
+            ValueError / FileNotFoundError: a bad value, a missing or malformed file, ids the target refuses.
+        """
+        spec = self.cfg.draft_vocab
+        if spec is None:
+            return None
+        from ..drafter.io import DRAFT_VOCAB_FILE, read_draft_vocab
+
+        spec = str(spec).strip()
+        if spec.isdigit():
+            from .vocab import draft_vocab
+
+            ids, info = draft_vocab(self.rows, int(spec))
+            info = {"method": "most frequent response ids (FR-Spec, arXiv 2502.14856) + response-ending ids",
+                    "data": "/".join(Path(self.cfg.data).parts[-2:]), **info}
+        else:
+            p = Path(spec)
+            d = p.parent if p.name == DRAFT_VOCAB_FILE else p
+            if not (d / DRAFT_VOCAB_FILE).is_file():
+                raise FileNotFoundError(f"--draft-vocab {spec}: neither a size (an integer) nor a drafter directory "
+                                        f"or {DRAFT_VOCAB_FILE} file")
+            ids = read_draft_vocab(d)
+            raw = json.loads((d / DRAFT_VOCAB_FILE).read_text(encoding="utf-8-sig"))
+            info = {k: v for k, v in raw.items() if k not in ("ids", "size")}
+        try:
+            return DraftVocab.build(self.target, ids, self.valid_vocab, info)
+        except ValueError as e:
+            raise ValueError(f"--draft-vocab {spec}: {e}") from None
+
+    def _saved_vocab(self) -> tuple[list[int], dict] | None:
+        """What :func:`save_drafter` writes as the drafter's ``draft_vocab.json``."""
+        dv = self.draft_vocab
+        return None if dv is None else (dv.ids.tolist(), dv.info)
+
     def _batch_rows(self, step: int) -> list[dict]:
         epoch, b = divmod(step, self.batches_per_epoch)
         if epoch not in self._order_cache:
@@ -729,7 +859,7 @@ class Trainer:
         tmp = root / f".tmp-step-{self.step:07d}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        save_drafter(self.drafter, tmp / "drafter")
+        save_drafter(self.drafter, tmp / "drafter", draft_vocab=self._saved_vocab())
         mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(self.opt.state)))
         (tmp / "state.json").write_text(json.dumps({"step": self.step, "config": asdict(self.cfg)}) + "\n")
         shutil.rmtree(final, ignore_errors=True)
@@ -832,7 +962,7 @@ class Trainer:
                 return dflash_loss(model, self.target, features, tokens, anchors, labels, label_valid, weights, alpha,
                                    valid_vocab=self.valid_vocab, teacher_states=teacher, kd_weight=cfg.kd_weight,
                                    selector_fraction=cfg.selector_fraction, target_labels=cfg.labels == "target",
-                                   loss_chunk=cfg.loss_chunk)
+                                   loss_chunk=cfg.loss_chunk, draft_vocab=self.draft_vocab)
 
             (loss, metrics), grads = nn.value_and_grad(self.drafter, loss_fn)(self.drafter)
             grads, norm = optim.clip_grad_norm(grads, cfg.grad_clip)
@@ -891,7 +1021,7 @@ class Trainer:
         t0 = time.perf_counter()
         self.save_checkpoint()
         if final:
-            save_drafter(self.drafter, self.out / "drafter", overwrite=True)
+            save_drafter(self.drafter, self.out / "drafter", overwrite=True, draft_vocab=self._saved_vocab())
         dt = time.perf_counter() - t0
         ckpt, drafter = self._save_bytes()
         self._save_rate = (ckpt + (drafter if final else 0)) / max(dt - SAVE_OVERHEAD_S, 1e-3)
@@ -1035,7 +1165,7 @@ class Trainer:
             self._write_config()
             self._timed_save(final=stopped or self.step >= self.total_steps)
         elif self.step >= self.total_steps and self.out.is_dir():
-            save_drafter(self.drafter, self.out / "drafter", overwrite=True)  # a finished run, rerun
+            save_drafter(self.drafter, self.out / "drafter", overwrite=True, draft_vocab=self._saved_vocab())  # a finished run, rerun
         return last
 
     def _budget_error(self, first_step_s: float | None, before: float, resumed: bool) -> TimeBudgetError:
@@ -1099,7 +1229,7 @@ def _plain(v):
 RESUME_FIELDS = ("data", "architecture", "num_layers", "num_taps", "target_layer_ids", "block_size",
                  "intermediate_size", "selector_rank", "selector_top_k", "anchors", "batch_size", "max_len", "epochs",
                  "lr", "warmup", "min_lr_ratio", "weight_decay", "grad_clip", "gamma", "selector_alpha", "labels",
-                 "kd_weight", "selector_fraction", "seed")
+                 "kd_weight", "selector_fraction", "seed", "draft_vocab")
 
 
 def _upgrade_to_dflash2(model: DraftModel, cfg: TrainConfig) -> DraftModel:

@@ -30,6 +30,9 @@ SHAPES = {
     # Qwen3-8B geometry: 8.19B parameters
     "qwen3-8b": dict(hidden_size=4096, num_hidden_layers=36, intermediate_size=12288, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    # Qwen2.5-Coder-1.5B's geometry (issue 21's target; untied here, the head's size is the same): 1.78B
+    "qwen2.5-1.5b": dict(hidden_size=1536, num_hidden_layers=28, intermediate_size=8960, num_attention_heads=12,
+                         num_key_value_heads=2, head_dim=128, vocab_size=151936),
     # a 27B-class dense shape (Qwen3-32B's width and depth, intermediate 17408): 22.7B parameters
     "dense-27b": dict(hidden_size=5120, num_hidden_layers=64, intermediate_size=17408, num_attention_heads=40,
                       num_key_value_heads=8, head_dim=128, vocab_size=151936),

@@ -1,0 +1,137 @@
+"""What a draft vocabulary saves a drafter's training step (``mlx_dflash2.train fit --draft-vocab``).
+
+One training step of a DFlash2 drafter (``dflash_loss`` forward and backward, gradient clipping, AdamW:
+what ``Trainer`` runs after the target's forward) on a random-weight target of a given shape, with the
+whole vocabulary and with draft vocabularies of the given sizes, timed as a dependent chain (each step
+updates the drafter the next one reads), interleaved, medians. The target's own forward (the context
+features and the teacher's states) is the same in every arm: it is timed once, so the table also says what
+share of a whole step the change saves. Issue 21's recipe: distillation, target labels, half the blocks in
+the selector loss.
+
+    scripts/run python benchmarks/bench_train_vocab.py --shape qwen2.5-1.5b --sizes 0,32768 \\
+        --out benchmarks/results/train-vocab-cpu.json
+
+Not a test: a measurement (numbers vary with the machine and its load).
+"""
+
+from __future__ import annotations
+
+import random_targets as rt  # noqa: I001  (imports mlx_dflash2 before MLX)
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_map
+
+from mlx_dflash2.drafter.io import init_drafter
+from mlx_dflash2.target import TargetAdapter
+from mlx_dflash2.train.trainer import DraftVocab, dflash_loss
+
+
+def _target(shape: str, layers: int | None, dtype) -> tuple[TargetAdapter, int]:
+    cfg = dict(rt.SHAPES[shape])
+    if layers:
+        cfg["num_hidden_layers"] = layers
+    rt.SHAPES["_bench"] = cfg
+    model, full = rt.build_target("_bench", bits=0, dtype=dtype)
+    return TargetAdapter(model, full, probe=False), cfg["vocab_size"]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shape", default="qwen2.5-1.5b", help=f"target shape, of {', '.join(rt.SHAPES)}")
+    p.add_argument("--target-layers", type=int, default=None, help="layers of the target (default: the shape's)")
+    p.add_argument("--sizes", default="0,32768", help="draft vocabulary sizes, comma-separated (0: the whole)")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences per step")
+    p.add_argument("--anchors", type=int, default=16, help="blocks per sequence")
+    p.add_argument("--max-len", type=int, default=256, help="tokens per sequence")
+    p.add_argument("--layers", type=int, default=4, help="drafter layers")
+    p.add_argument("--intermediate", type=int, default=3072, help="drafter MLP width (issue 21's c1: 3,072)")
+    p.add_argument("--labels", default="target", choices=["target", "data"],
+                   help="target: the teacher's argmax (issue 21's recipe; with a draft vocabulary one forward of the "
+                   "whole head remains); data: the data's tokens")
+    p.add_argument("--repeats", type=int, default=3, help="timed steps per arm (after one warm-up step each)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="target dtype (default: float32 on the CPU, bfloat16 on a GPU)")
+    p.add_argument("--out", default=None, help="write the results as JSON")
+    a = p.parse_args(argv)
+    sizes = [int(s) for s in a.sizes.split(",")]
+    dtype = getattr(mx, a.dtype or ("float32" if mx.default_device() == mx.cpu else "bfloat16"))
+    target, V = _target(a.shape, a.target_layers, dtype)
+    rt.log(f"target {a.shape} ({target.num_layers} layers, vocab {V}, {dtype})")
+    d = init_drafter(target, rt.StubTokenizer(V), num_layers=a.layers, block_size=16, num_taps=5,
+                     intermediate_size=a.intermediate, mask_token_id=V - 2, selector_rank=32, selector_top_k=16)
+    d.update(tree_map(lambda x: x.astype(mx.float32), d.parameters()))
+    mx.eval(d.parameters())
+    N, A, T, Bm1 = a.batch_size, a.anchors, a.max_len, 15
+    rng = np.random.RandomState(0)
+    tokens = mx.array(rng.randint(100, V - 100, size=(N, T)).astype(np.int32))
+    anchors = mx.array(np.sort(np.stack([rng.choice(np.arange(1, T - 16), A, replace=False) for _ in range(N)]), 1)
+                       .astype(np.int32))
+    t0 = time.perf_counter()
+    feats, final = target.taps(tokens, tuple(d.config.target_layer_ids), final=True)
+    mx.eval(feats, final)
+    target_s = time.perf_counter() - t0
+    pos = mx.minimum(anchors[..., None] + mx.arange(Bm1)[None, None, :], T - 1).reshape(N, -1)
+    states = mx.take_along_axis(final, pos[..., None], axis=1).reshape(N * A, Bm1, -1)
+    labels = mx.zeros((N, A, Bm1), dtype=mx.int32)
+    valid = mx.ones((N, A, Bm1), dtype=mx.bool_)
+    weights = mx.array([np.exp(-(k - 1) / 7) for k in range(1, 16)], dtype=mx.float32)
+    mx.eval(states)
+    rt.log(f"target forward of {N} x {T} tokens: {target_s:.2f} s")
+    # a frequency-ranked set is what the product uses; for the step's cost any ids of that size do
+    arms = {}
+    for n in sizes:
+        dv = None if n == 0 else DraftVocab.build(target, sorted(rng.choice(V, n, replace=False).tolist()), V)
+        arms[n] = dv
+    opt = {n: optim.AdamW(learning_rate=1e-5) for n in sizes}
+
+    def step(n):
+        def loss_fn(model):
+            return dflash_loss(model, target, feats, tokens, anchors, labels, valid, weights, 1.0, valid_vocab=V,
+                               teacher_states=states, kd_weight=1.0, selector_fraction=0.5,
+                               target_labels=a.labels == "target",
+                               draft_vocab=arms[n])
+
+        (loss, _), grads = nn.value_and_grad(d, loss_fn)(d)
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        opt[n].update(d, grads)
+        mx.eval(d.parameters(), opt[n].state, loss)
+
+    times = {n: [] for n in sizes}
+    for n in sizes:
+        step(n)  # warm-up
+    for r in range(a.repeats):
+        for n in sizes:
+            t = time.perf_counter()
+            step(n)
+            times[n].append(time.perf_counter() - t)
+        rt.log(f"repeat {r + 1}/{a.repeats}: " + ", ".join(f"{n or 'whole'} {times[n][-1]:.2f} s" for n in sizes))
+    rows = N * A * Bm1
+    whole = rt.median(times[sizes[0]])
+    res = {"meta": rt.device_meta(), "shape": a.shape, "target_layers": target.num_layers, "vocab": V,
+           "rows": rows, "labels": a.labels, "batch_size": N, "anchors": A, "max_len": T, "drafter_layers": a.layers,
+           "intermediate": a.intermediate, "target_forward_s": target_s, "arms": {}}
+    print(f"\n{a.shape}, {rows} rows (blocks x positions) per step, {a.labels} labels; target forward "
+          f"{target_s:.2f} s")
+    print("| draft vocabulary | drafter step (median) | vs first arm | step incl. target forward |")
+    print("|---|---:|---:|---:|")
+    for n in sizes:
+        m = rt.median(times[n])
+        res["arms"][str(n)] = {"step_s": times[n], "median_s": m}
+        print(f"| {n or V:,}{' (whole)' if n == 0 else ''} | {m:.3f} s | {whole / m:.2f}x | "
+              f"{(whole + target_s) / (m + target_s):.2f}x |")
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

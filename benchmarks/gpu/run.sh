@@ -4,7 +4,7 @@
 # SmolLM2 GGUF and the gguf wheel in $PAYLOAD, default ~/payload).
 #
 #   bash benchmarks/gpu/run.sh PART...        PART: selftest check kernels scaling exactness sets hybrid probe trace build long
-#                                                   batch server scripted batchx
+#                                                   batch server scripted batchx trainvocab
 #
 # Each part runs under `timeout` (T_<PART> seconds, below; never past RUN_BUDGET seconds from this script's
 # start, so one device call ends inside its 600 s limit), its output tee'd to $OUT/<part>.log, its results in
@@ -40,11 +40,14 @@
 #   batchx     benchmarks/gpu/batch_exactness.py --model $GGUF --dtype bfloat16 --rows 8,16,32 -> batch-exactness.json
 #              (issue 22: the batched drafter forward, acceptance and verify vs each request alone; departures with
 #              their solo margins: near-ties or a wrong batched forward)
+#   trainvocab benchmarks/bench_train_vocab.py --shape qwen2.5-1.5b --sizes 0,32768 (the GPU batch: 8 x 64 anchors x 768
+#              tokens) -> train-vocab.json (issue 21: a drafter training step with the whole vocabulary vs
+#              fit --draft-vocab 32768, random weights: nothing to carry)
 # Env: OUT (the device tool sets it), PAYLOAD (~/payload), GGUF, PY (python3), MLX_PTX_CACHE_DIR (default ~/ptx: it stays for
 # the machine's lease, so only the first MLX process compiles; restored from $PAYLOAD/ptx*.tgz when empty; SAVE_PTX=1
 # writes it to $OUT/ptx.tgz), RUN_BUDGET (default 570), T_SELFTEST (300: on a fresh machine NVRTC compiles every instantiation at
 # first use, ~20 s each: session 18's 150 s reached 6 of the qmm cases; ARGS_SELFTEST=--quick halves the cases),
-# T_CHECK (150), T_KERNELS (180), T_SCALING (420), T_EXACTNESS (240), T_SETS (300), T_HYBRID (400), T_PROBE (300), T_TRACE (240), T_BATCH (240), T_SERVER (400), T_SCRIPTED (400), T_BATCHX (300), PROBE_SHAPES (hybrid-27b,dense-27b), KERNEL_SHAPES
+# T_CHECK (150), T_KERNELS (180), T_SCALING (420), T_EXACTNESS (240), T_SETS (300), T_HYBRID (400), T_PROBE (300), T_TRACE (240), T_BATCH (240), T_SERVER (400), T_SCRIPTED (400), T_BATCHX (300), T_TRAINVOCAB (300), PROBE_SHAPES (hybrid-27b,dense-27b), KERNEL_SHAPES
 # (qwen3-8b), KERNEL_SWEEP (--sweep: the qmm geometry sweep; empty: none), SCALING_SHAPES (qwen3-8b,dense-27b), HYBRID_SHAPES (hybrid-27b,dense-27b), HYBRID_CONTEXTS
 # (1024,8192,32768), ARGS_<PART> (more arguments for that part's script).
 # SMOKE=1: every part at toy size on any machine (CPU included) to check this driver.
@@ -64,9 +67,9 @@ RUNLOG="$OUT/run.log"
 say() { echo "[run.sh $(date +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*" | tee -a "$RUNLOG"; }
 smi() { command -v nvidia-smi >/dev/null && say "nvidia-smi: $(nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem,temperature.gpu,driver_version --format=csv,noheader 2>&1 | head -1)"; }
 
-[ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu/run.sh PART...   (selftest check kernels scaling exactness sets hybrid probe trace build long batch server scripted batchx)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu/run.sh PART...   (selftest check kernels scaling exactness sets hybrid probe trace build long batch server scripted batchx trainvocab)" >&2; exit 2; }
 for p in "$@"; do
-  case $p in selftest|check|kernels|scaling|exactness|sets|hybrid|probe|trace|build|long|batch|server|scripted|batchx) ;; *) echo "unknown part: $p" >&2; exit 2;; esac
+  case $p in selftest|check|kernels|scaling|exactness|sets|hybrid|probe|trace|build|long|batch|server|scripted|batchx|trainvocab) ;; *) echo "unknown part: $p" >&2; exit 2;; esac
 done
 $PY -c "import gguf" 2>/dev/null || $PY -m pip install -q --no-index --no-deps "$PAYLOAD"/gguf-*.whl 2>&1 | tail -2
 # the shipped drafters (left out of a slimmed tree, brought as $PAYLOAD/drafter.tgz): unpacked in every call, since
@@ -104,7 +107,8 @@ for p in "$@"; do
   case $p in selftest) def=${def:-300};; check) def=${def:-150};; kernels) def=${def:-180};;
              scaling) def=${def:-420};; exactness) def=${def:-240};; sets) def=${def:-300};; hybrid) def=${def:-400};;
              probe) def=${def:-300};; trace) def=${def:-240};; build) def=${def:-200};; long) def=${def:-300};;
-             batch) def=${def:-240};; server) def=${def:-400};; scripted) def=${def:-400};; batchx) def=${def:-300};; esac
+             batch) def=${def:-240};; server) def=${def:-400};; scripted) def=${def:-400};; batchx) def=${def:-300};;
+             trainvocab) def=${def:-300};; esac
   left=$(( RUN_BUDGET - ($(date +%s) - T0) - 5 ))
   t=$(( def < left ? def : left ))
   if [ "$t" -lt 20 ]; then say "part $p: skipped (${left} s left of RUN_BUDGET)"; status=1; continue; fi
@@ -127,6 +131,7 @@ for p in "$@"; do
     batch)     cmd=($PY benchmarks/profile_batch.py --model "$GGUF" $([ "$SMOKE" = 1 ] && echo --concurrency 2 --max-tokens 8 --repeats 1 || echo --dtype bfloat16 --concurrency 8 --repeats 2 --no-profile) --verbose --out "$OUT/batch.json") ;;
     scripted)  cmd=($PY benchmarks/bench_batch_scripted.py $([ "$SMOKE" = 1 ] && echo --shape tiny --concurrency 1,4 --max-tokens 16 --repeats 1 --dtype float32) --budget "$((b - 60))" --out "$OUT/batch-scripted.json") ;;
     batchx)    cmd=($PY benchmarks/gpu/batch_exactness.py --model "$GGUF" $([ "$SMOKE" = 1 ] && echo --rows 2 --max-tokens 8 --blocks 4 --lengths 3 || echo --dtype bfloat16 --rows 8,16,32) --budget "$b" --out "$OUT/batch-exactness.json") ;;
+    trainvocab) cmd=($PY benchmarks/bench_train_vocab.py $([ "$SMOKE" = 1 ] && echo --shape tiny --sizes 0,300 --repeats 1 || echo --shape qwen2.5-1.5b --sizes 0,32768 --batch-size 8 --anchors 64 --max-len 768 --repeats 3) --out "$OUT/train-vocab.json") ;;
     server)    cmd=(env T_SERVER="$b" PAYLOAD="$PAYLOAD" OUT="$OUT" SMOL_GGUF="$GGUF" bash benchmarks/gpu/server.sh $([ "$SMOKE" = 1 ] && echo --concurrency 1,2 --requests 1 --pool 2 --max-tokens 4 --dtype float32 || echo --concurrency 1,2,4,8,16,32 --requests 2)) ;;
   esac
   [ "$SMOKE" = 1 ] && [ "$p" = kernels ] && cmd=("${cmd[@]}" --rows 1,16 --kv 1024 --repeats 2)

@@ -122,3 +122,30 @@ def test_fit_with_a_draft_vocabulary_saves_it_with_the_drafter(tiny, tmp_path):
     for bad, match in (("nowhere", "neither a size"), ("1", ">= 2"), ("0", ">= 2")):
         with pytest.raises((ValueError, FileNotFoundError), match=match):
             Trainer(_cfg(tmp_path, out=str(tmp_path / "run3"), draft_vocab=bad), target, tok)
+
+
+def test_fine_tuning_keeps_the_init_drafters_draft_vocabulary(tiny, tmp_path):
+    """``--init`` a drafter with a ``draft_vocab.json`` and no ``--draft-vocab``: trained on, and saved with,
+    the init's set; ``"full"`` trains on every id and saves none; a checkpoint whose set differs from what
+    the run would train on (the file behind a path changed) is not resumed."""
+    from mlx_dflash2.drafter.io import write_draft_vocab
+
+    target, tok = tiny
+    _patterned_data(tmp_path / "data")
+    Trainer(_cfg(tmp_path, out=str(tmp_path / "base"), steps=2), target, tok).fit(progress=False)
+    init = tmp_path / "base/drafter"
+    assert read_draft_vocab(init) is None
+    write_draft_vocab(init, range(2, 40), method="test")
+    tr = Trainer(_cfg(tmp_path, out=str(tmp_path / "ft"), steps=2, init=str(init)), target, tok)
+    assert tr.draft_vocab.ids.tolist() == list(range(2, 40))
+    tr.fit(progress=False)
+    assert read_draft_vocab(tmp_path / "ft/drafter") == list(range(2, 40))
+    assert json.loads((tmp_path / "ft/drafter/draft_vocab.json").read_text())["method"] == "test"
+    full = Trainer(_cfg(tmp_path, out=str(tmp_path / "full"), steps=2, init=str(init), draft_vocab="full"), target, tok)
+    assert full.draft_vocab is None
+    full.fit(progress=False)
+    assert read_draft_vocab(tmp_path / "full/drafter") is None
+    write_draft_vocab(init, range(2, 30), method="changed")  # the same --init path now holds another set
+    with pytest.raises(ValueError, match="trained on a draft vocabulary of 38 ids, this run would train on a draft "
+                                         "vocabulary of 28 ids"):
+        Trainer(_cfg(tmp_path, out=str(tmp_path / "ft"), steps=2, init=str(init)), target, tok).fit(progress=False)

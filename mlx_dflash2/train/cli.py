@@ -112,7 +112,8 @@ FIT_HELP = {
     "draft_vocab": "train on a draft vocabulary (FR-Spec): N = the data's N most frequent response ids (+ the ids "
                    "that ended responses, as `train vocab --size N`), or a drafter directory / draft_vocab.json to "
                    "take the ids from; the logits, teacher and top-K then cover those rows of the LM head only, and "
-                   "the drafter is saved with them as its draft_vocab.json (default: the whole vocabulary)",
+                   "the drafter is saved with them as its draft_vocab.json; 'full': the whole vocabulary "
+                   "(default: the --init drafter's draft_vocab.json if it has one, else the whole vocabulary)",
 }
 for _k in ("anchors", "batch_size", "max_len"):  # device-dependent (trainer.device_defaults)
     FIT_HELP[_k] += f" (default: {GPU_DEFAULTS[_k]} on a GPU, {CPU_DEFAULTS[_k]} on MLX's CPU backend)"
@@ -335,7 +336,10 @@ def main(argv=None) -> int:
                      if cfg.time_budget else f"{tr.total_steps} steps ({cfg.epochs:g} epochs)")
             if cfg.steps and cfg.time_budget:
                 steps += f", stopping by --time-budget {cfg.time_budget:g} s"
-            print(f"fit: {len(tr.rows)} sequences, {kind} target, {steps}", file=sys.stderr)
+            dv = tr.draft_vocab
+            vocab = (f", draft vocabulary {dv.size:,} of {tr.valid_vocab:,} ids" if dv is not None
+                     else ", whole vocabulary")
+            print(f"fit: {len(tr.rows)} sequences, {kind} target{vocab}, {steps}", file=sys.stderr)
             try:
                 last = tr.fit(resume=not args.no_resume, max_steps=args.max_steps)
             except KeyboardInterrupt:

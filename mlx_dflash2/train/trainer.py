@@ -202,7 +202,7 @@ class TrainConfig:
     time_budget: float | None = None
     compile: bool = False
     loss_chunk: int | None = None  # rows per chunk of the loss's vocabulary part: None auto, 0 one shot
-    draft_vocab: str | None = None  # None: the whole vocabulary; "N": the data's N most frequent ids; a path
+    draft_vocab: str | None = None  # "N": the data's N most frequent ids; a path; "full"; None: init's, else full
     extra: dict = field(default_factory=dict)
 
 
@@ -795,39 +795,46 @@ class Trainer:
         return model
 
     def _draft_vocab(self) -> DraftVocab | None:
-        """``cfg.draft_vocab`` as a :class:`DraftVocab`: ``None`` (the whole vocabulary), ``"N"`` (the
-        ``N`` most frequent response ids of the data plus those that ended a response, as
-        ``mlx_dflash2.train vocab --size N`` chooses them), or a drafter directory / ``draft_vocab.json``
-        file to take the set from.
+        """``cfg.draft_vocab`` as a :class:`DraftVocab`: ``"N"`` (the ``N`` most frequent response ids of the
+        data plus those that ended a response, as ``mlx_dflash2.train vocab --size N`` chooses them), a
+        drafter directory / ``draft_vocab.json`` file to take the set from, ``"full"`` (the whole
+        vocabulary), or ``None``: the ``init`` drafter's ``draft_vocab.json`` if it has one (a fine-tuned
+        drafter keeps drafting from its set), else the whole vocabulary.
 
         Raises:
             ValueError / FileNotFoundError: a bad value, a missing or malformed file, ids the target refuses.
         """
-        spec = self.cfg.draft_vocab
-        if spec is None:
-            return None
         from ..drafter.io import DRAFT_VOCAB_FILE, read_draft_vocab
 
-        spec = str(spec).strip()
-        if spec.isdigit():
-            from .vocab import draft_vocab
-
-            ids, info = draft_vocab(self.rows, int(spec))
-            info = {"method": "most frequent response ids (FR-Spec, arXiv 2502.14856) + response-ending ids",
-                    "data": "/".join(Path(self.cfg.data).parts[-2:]), **info}
+        spec = self.cfg.draft_vocab
+        if spec is None and self.cfg.init and (Path(self.cfg.init) / DRAFT_VOCAB_FILE).is_file():
+            spec, flag = self.cfg.init, "--init"
         else:
-            p = Path(spec)
-            d = p.parent if p.name == DRAFT_VOCAB_FILE else p
-            if not (d / DRAFT_VOCAB_FILE).is_file():
-                raise FileNotFoundError(f"--draft-vocab {spec}: neither a size (an integer) nor a drafter directory "
-                                        f"or {DRAFT_VOCAB_FILE} file")
-            ids = read_draft_vocab(d)
-            raw = json.loads((d / DRAFT_VOCAB_FILE).read_text(encoding="utf-8-sig"))
-            info = {k: v for k, v in raw.items() if k not in ("ids", "size")}
+            flag = "--draft-vocab"
+        if spec is None or str(spec).strip() == "full":
+            return None
+        spec = str(spec).strip()
         try:
+            if spec.isdigit():
+                from .vocab import draft_vocab
+
+                ids, info = draft_vocab(self.rows, int(spec))
+                info = {"method": "most frequent response ids (FR-Spec, arXiv 2502.14856) + response-ending ids",
+                        "data": "/".join(Path(self.cfg.data).parts[-2:]), **info}
+            else:
+                p = Path(spec)
+                d = p.parent if p.name == DRAFT_VOCAB_FILE else p
+                if not (d / DRAFT_VOCAB_FILE).is_file():
+                    raise FileNotFoundError(f"{flag} {spec}: neither a size (an integer >= 2), 'full', nor a drafter "
+                                            f"directory with a {DRAFT_VOCAB_FILE} or such a file")
+                ids = read_draft_vocab(d)
+                raw = json.loads((d / DRAFT_VOCAB_FILE).read_text(encoding="utf-8-sig"))
+                info = {k: v for k, v in raw.items() if k not in ("ids", "size")}
             return DraftVocab.build(self.target, ids, self.valid_vocab, info)
-        except ValueError as e:
-            raise ValueError(f"--draft-vocab {spec}: {e}") from None
+        except FileNotFoundError:
+            raise
+        except ValueError as e:  # DrafterLoadError included (it names the file)
+            raise ValueError(f"{flag} {spec}: {e}") from None
 
     def _saved_vocab(self) -> tuple[list[int], dict] | None:
         """What :func:`save_drafter` writes as the drafter's ``draft_vocab.json``."""
@@ -884,6 +891,16 @@ class Trainer:
         if self.cfg.steps is None and saved_steps:
             self.cfg.steps = saved_steps  # e.g. a run sized by --time-budget
             self._build_schedule()
+        from ..drafter.io import read_draft_vocab
+
+        saved_vocab = read_draft_vocab(path / "drafter")
+        now = None if self.draft_vocab is None else self.draft_vocab.ids.tolist()
+        if saved_vocab != now:  # e.g. the file a --draft-vocab path names changed since
+
+            def what(v):
+                return "the whole vocabulary" if v is None else f"a draft vocabulary of {len(v):,} ids"
+            raise ValueError(f"{path} was trained on {what(saved_vocab)}, this run would train on {what(now)}: pass "
+                             "the same --draft-vocab to resume it, or --no-resume to start over")
         self.drafter = load_drafter(path / "drafter", self.target, self.tokenizer, dtype=mx.float32)
         self.opt.init(self.drafter.trainable_parameters())
         saved = mx.load(str(path / "optimizer.safetensors"))

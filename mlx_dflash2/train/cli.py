@@ -212,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
         elif fld.name in ("init",):
             f.add_argument(name, default=None, help=text)
         elif fld.name == "draft_vocab":
-            f.add_argument(name, default=None, metavar="N|PATH", help=text)
+            f.add_argument(name, default=None, metavar="N|PATH|full", help=text)
         elif fld.name == "labels":
             f.add_argument(name, choices=["data", "target"], default=default, help=text)
         else:

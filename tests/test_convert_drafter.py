@@ -339,3 +339,7 @@ def test_drafter_conversion_carries_its_draft_vocabulary(tmp_path, smol_q):
         with pytest.raises(CorruptCheckpointError, match=match):
             convert(tmp_path / "src", tmp_path / "bad", progress=False)
         assert not (tmp_path / "bad").exists()
+    (tmp_path / "src/draft_vocab.json").unlink()
+    (tmp_path / "src/draft_vocab.json").mkdir()  # a directory of that name is not skipped silently
+    with pytest.raises(CorruptCheckpointError, match="cannot read the draft vocabulary"):
+        convert(tmp_path / "src", tmp_path / "bad", progress=False)

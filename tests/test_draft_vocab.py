@@ -201,6 +201,11 @@ def test_draft_vocab_from_responses():
     assert ids == [2, 3, 7]  # 7 and 3 by frequency, 2 ends a stopped response
     assert info["ending_ids"] == [2] and info["distinct"] == 6 and info["response_tokens"] == 12
     assert info["coverage"] == pytest.approx(9 / 12)
+    # 5 % of 3 rows is no row: the coverage is the counted rows' own, and the file says so
+    info = draft_vocab(rows, 2)[1]
+    assert info["held_out_fraction"] == 0 and info["held_out_tokens"] == 0 and "counted rows" in info["coverage_of"]
+    info = draft_vocab(rows * 20, 2)[1]
+    assert info["held_out_fraction"] == 3 / 60 and info["held_out_tokens"] > 0 and info["coverage_of"] == "held-out rows"
     for bad in ({"size": 1}, {"size": True}, {"held_out": 0.9}):
         with pytest.raises(ValueError):
             draft_vocab(rows, **{"size": 2, **bad})

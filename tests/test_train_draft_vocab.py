@@ -113,13 +113,21 @@ def test_fit_with_a_draft_vocabulary_saves_it_with_the_drafter(tiny, tmp_path):
     assert all(read_draft_vocab(c / "drafter") == want for c in (tmp_path / "run/ckpt").glob("step-*"))
     info = json.loads((tmp_path / "run/drafter/draft_vocab.json").read_text())
     assert "FR-Spec" in info["method"] and info["kept_by_frequency"] == 20
-    with pytest.raises(ValueError, match="draft_vocab"):
-        Trainer(_cfg(tmp_path, steps=6, labels="target", kd_weight=0.5, draft_vocab="30"), target, tok).fit(
-            progress=False)
+    with pytest.raises(ValueError, match="trained on a draft vocabulary of 20 ids, this run would train on a draft "
+                                         "vocabulary of 30 ids"):
+        Trainer(_cfg(tmp_path, steps=4, save_every=2, labels="target", kd_weight=0.5, draft_vocab="30"), target,
+                tok).fit(progress=False)
+    # the same ids named differently (a size the data cannot fill, the run's own drafter): resumed
+    same = Trainer(_cfg(tmp_path, steps=4, save_every=2, labels="target", kd_weight=0.5,
+                        draft_vocab=str(tmp_path / "run/drafter/draft_vocab.json")), target, tok)
+    assert same.resume() and same.step == 4
     other = Trainer(_cfg(tmp_path, out=str(tmp_path / "run2"), steps=1, draft_vocab=str(tmp_path / "run/drafter")),
                     target, tok)
     assert other.draft_vocab.ids.tolist() == want
-    for bad, match in (("nowhere", "neither a size"), ("1", ">= 2"), ("0", ">= 2")):
+    (tmp_path / "odd/draft_vocab.json").mkdir(parents=True)  # a directory of that name
+    for bad, match in (("nowhere", "neither a size"), ("1", "--draft-vocab 1: a size must be an integer >= 2"),
+                       ("0", "--draft-vocab 0: a size"), ("-5", "--draft-vocab -5: a size"), ("²", "neither a size"),
+                       (str(tmp_path / "odd"), "cannot read the draft vocabulary")):
         with pytest.raises((ValueError, FileNotFoundError), match=match):
             Trainer(_cfg(tmp_path, out=str(tmp_path / "run3"), draft_vocab=bad), target, tok)
 

@@ -414,10 +414,10 @@ def read_draft_vocab(path: str | Path) -> list[int] | None:
             vocabulary is checked once it is loaded: :func:`~mlx_dflash2.proposers.check_vocab_ids`.)
     """
     f = Path(path) / DRAFT_VOCAB_FILE
-    if not f.is_file():
+    if not f.exists():
         return None
     try:
-        raw = json.loads(f.read_text(encoding="utf-8-sig"))
+        raw = json.loads(f.read_text(encoding="utf-8-sig"))  # (a directory of that name: IsADirectoryError)
     except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON, bad UTF-8, a 5,000-digit int
         raise DrafterLoadError(f"{f}: cannot read the draft vocabulary ({type(e).__name__}: {str(e)[:200]})") from None
     ids = raw.get("ids") if isinstance(raw, dict) else None

@@ -339,6 +339,10 @@ def main(argv=None) -> int:
             dv = tr.draft_vocab
             vocab = (f", draft vocabulary {dv.size:,} of {tr.valid_vocab:,} ids" if dv is not None
                      else ", whole vocabulary")
+            asked = str(cfg.draft_vocab or "").strip()
+            short = asked.isascii() and asked.isdigit() and dv is not None
+            if short and dv.info.get("kept_by_frequency", 0) < int(asked):
+                vocab += f" (--draft-vocab {asked}: the data holds only {dv.info['distinct']:,} distinct response ids)"
             print(f"fit: {len(tr.rows)} sequences, {kind} target{vocab}, {steps}", file=sys.stderr)
             try:
                 last = tr.fit(resume=not args.no_resume, max_steps=args.max_steps)

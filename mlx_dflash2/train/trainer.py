@@ -80,6 +80,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -807,7 +808,7 @@ class Trainer:
         from ..drafter.io import DRAFT_VOCAB_FILE, read_draft_vocab
 
         spec = self.cfg.draft_vocab
-        if spec is None and self.cfg.init and (Path(self.cfg.init) / DRAFT_VOCAB_FILE).is_file():
+        if spec is None and self.cfg.init and (Path(self.cfg.init) / DRAFT_VOCAB_FILE).exists():
             spec, flag = self.cfg.init, "--init"
         else:
             flag = "--draft-vocab"
@@ -815,16 +816,18 @@ class Trainer:
             return None
         spec = str(spec).strip()
         try:
-            if spec.isdigit():
+            if re.fullmatch(r"[+-]?[0-9]+", spec):
                 from .vocab import draft_vocab
 
+                if int(spec) < 2:
+                    raise ValueError(f"a size must be an integer >= 2, got {spec}")
                 ids, info = draft_vocab(self.rows, int(spec))
                 info = {"method": "most frequent response ids (FR-Spec, arXiv 2502.14856) + response-ending ids",
                         "data": "/".join(Path(self.cfg.data).parts[-2:]), **info}
             else:
                 p = Path(spec)
                 d = p.parent if p.name == DRAFT_VOCAB_FILE else p
-                if not (d / DRAFT_VOCAB_FILE).is_file():
+                if not (d / DRAFT_VOCAB_FILE).exists():
                     raise FileNotFoundError(f"{flag} {spec}: neither a size (an integer >= 2), 'full', nor a drafter "
                                             f"directory with a {DRAFT_VOCAB_FILE} or such a file")
                 ids = read_draft_vocab(d)
@@ -1246,7 +1249,7 @@ def _plain(v):
 RESUME_FIELDS = ("data", "architecture", "num_layers", "num_taps", "target_layer_ids", "block_size",
                  "intermediate_size", "selector_rank", "selector_top_k", "anchors", "batch_size", "max_len", "epochs",
                  "lr", "warmup", "min_lr_ratio", "weight_decay", "grad_clip", "gamma", "selector_alpha", "labels",
-                 "kd_weight", "selector_fraction", "seed", "draft_vocab")
+                 "kd_weight", "selector_fraction", "seed")  # (a draft vocabulary: its ids are compared)
 
 
 def _upgrade_to_dflash2(model: DraftModel, cfg: TrainConfig) -> DraftModel:

@@ -54,8 +54,10 @@ def draft_vocab(rows: list[dict], size: int, held_out: float = 0.05, seed: int =
             coverage is measured (0: measured on the counted rows themselves).
 
     Returns:
-        ``(ids, info)``; ``info``: ``size``, ``response_tokens`` counted, ``distinct`` ids seen,
-        ``coverage`` (share of the held-out response tokens whose id is in the set), ``held_out_tokens``.
+        ``(ids, info)``; ``info``: ``kept_by_frequency``, ``ending_ids``, ``response_tokens`` counted,
+        ``distinct`` ids seen, ``coverage`` (share of the held-out response tokens whose id is in the set;
+        of the counted ones when ``int(rows * held_out)`` is 0: ``coverage_of`` says which),
+        ``held_out_tokens``, ``held_out_fraction`` (of the rows, as held out).
 
     Raises:
         ValueError: ``size < 2``, ``held_out`` outside ``[0, 0.5]``, or no response tokens.
@@ -77,9 +79,11 @@ def draft_vocab(rows: list[dict], size: int, held_out: float = 0.05, seed: int =
     keep = set(ids)
     test_ids = [t for r in (test or train) for t in (r.get("response_ids") or [])]
     cover = sum(t in keep for t in test_ids) / max(len(test_ids), 1)
+    # too few rows to hold any out: the coverage is the counted rows' own (and says so)
     return ids, {"kept_by_frequency": min(size, len(ranked)), "ending_ids": sorted(ends),
                  "response_tokens": total, "distinct": len(counts), "coverage": round(cover, 5),
-                 "held_out_tokens": len(test_ids), "held_out_fraction": held_out}
+                 "coverage_of": "held-out rows" if test else "the counted rows (too few rows to hold any out)",
+                 "held_out_tokens": len(test_ids) if test else 0, "held_out_fraction": n_test / max(len(rows), 1)}
 
 
 def write_vocab(data: list[str | Path], drafter: str | Path, size: int, held_out: float = 0.05,

@@ -758,12 +758,22 @@ def test_cpu_backend_gets_small_default_batches(tiny, tmp_path):
     assert (kept.cfg.batch_size, kept.cfg.anchors, kept.cfg.max_len) == (4, 6, 100) and not kept.chosen_defaults
 
 
-def test_fit_cli_prints_its_defaults_and_progress(tmp_path, capsys):
-    """`fit` on the CPU backend names the defaults it chose and shows progress from step 1; a budget
-    too small for one step exits with a clear error and no run directory."""
+def test_fit_cli_prints_its_defaults_and_progress(tmp_path, capsys, monkeypatch):
+    """`fit` on the CPU backend names the defaults it chose and the vocabulary, and shows progress from step 1;
+    a budget too small for one step exits with a clear error and no run directory. The target is loaded
+    with the reference kernels (the loss differentiates through its head; the kernels have no gradient)."""
     from convert_helpers import random_weights, tiny_config, write_hf
 
+    import mlx_dflash2.loading as loading
     from mlx_dflash2.train.cli import main
+
+    modes, load = [], loading.load_target
+
+    def spy(*a, **kw):
+        modes.append(kw.get("kernels"))
+        return load(*a, **kw)
+
+    monkeypatch.setattr(loading, "load_target", spy)
 
     cfg = tiny_config()
     model = write_hf(tmp_path / "model", cfg, random_weights(cfg))
@@ -776,6 +786,7 @@ def test_fit_cli_prints_its_defaults_and_progress(tmp_path, capsys):
         assert main(base + ["--out", str(tmp_path / "run"), "--steps", "2"]) == 0
         err = capsys.readouterr().err
         assert "defaults for MLX's CPU backend: --batch-size 2 --anchors 16 --max-len 256" in err, err
+        assert ", whole vocabulary, 2 steps" in err and modes == ["reference"], (err, modes)
         assert any(" 1/2 " in s and "loss=" in s for s in err.replace("\r", "\n").splitlines()), err
         assert main(base + ["--out", str(tmp_path / "run2"), "--time-budget", "0.01"]) == 2
         err = capsys.readouterr().err

@@ -36,11 +36,15 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
         return super()._get_help_string(action)
 
 
-def _target(args):
-    """Load the target; ``--init shipped`` / ``--drafter [LABEL=]shipped`` become the shipped drafter's path."""
+def _target(args, kernels: str | None = None):
+    """Load the target; ``--init shipped`` / ``--drafter [LABEL=]shipped`` become the shipped drafter's path.
+    ``kernels``: the target's kernel mode (``None``: the default); ``fit`` passes ``"reference"``: the loss
+    differentiates through the target's LM head, and the registry's kernels (small-row matmuls, e.g. a loss
+    chunk's last rows through a routed 4-bit head) have no gradient, while training's large-row forwards
+    never use them."""
     from ..loading import drafter_dequantize, load_target, resolve_shipped
 
-    target, tokenizer, name = load_target(args.model, dtype=args.dtype, dequantize=args.dequantize)
+    target, tokenizer, name = load_target(args.model, dtype=args.dtype, dequantize=args.dequantize, kernels=kernels)
     args.dequantize = drafter_dequantize(args.dequantize, target)  # what was chosen (eval's drafters follow it)
     if getattr(args, "init", None):
         args.init = str(resolve_shipped(args.init, name))
@@ -320,7 +324,7 @@ def main(argv=None) -> int:
                 raise ValueError(f"--time-budget must be > 0 seconds, not {args.time_budget}")
             if args.loss_chunk is not None and args.loss_chunk < 0:
                 raise ValueError(f"--loss-chunk must be >= 0 rows (0: no chunking), not {args.loss_chunk}")
-            target, tok = _target(args)  # resolves --init shipped
+            target, tok = _target(args, kernels="reference")  # resolves --init shipped
             cfg = TrainConfig(**{fl.name: getattr(args, fl.name) for fl in fields(TrainConfig) if fl.name != "extra"})
             tr = Trainer(cfg, target, tok, started=started)
             if tr.chosen_defaults:

@@ -102,12 +102,17 @@ train)
       ${INIT:+--init "$INIT"} ${TRAIN_ARGS:-}
   X=${EXPORT:-$OUT}; mkdir -p "$X"  # EXPORT: where the bf16 drafter and the log go (default $OUT)
   $PY - "$W/runs/$name" "$X/$name" "$MODEL" <<'PYEOF'
-import sys, shutil, mlx.core as mx
+import sys, shutil, mlx_dflash2, mlx.core as mx  # mlx_dflash2 first: the optimized CPU BLAS
 from mlx_dflash2.loading import load_target
 from mlx_dflash2.drafter import load_drafter, save_drafter
 t, tok, _ = load_target(sys.argv[3])
 d = load_drafter(sys.argv[1] + "/drafter", t, tok, dtype=mx.bfloat16)
 save_drafter(d, sys.argv[2], overwrite=True, max_shard_mb=15)
+vocab = sys.argv[1] + "/drafter/draft_vocab.json"  # a run trained on a draft vocabulary (fit --draft-vocab)
+try:
+    shutil.copyfile(vocab, sys.argv[2] + "/draft_vocab.json")
+except FileNotFoundError:
+    pass
 PYEOF
   cp "$W/runs/$name/log.jsonl" "$X/$name-log.jsonl"; sed "s#$W#\$WORK#g" "$W/runs/$name/config.json" > "$X/$name-train-config.json"  # no machine paths
   ;;

@@ -787,6 +787,9 @@ def test_fit_cli_prints_its_defaults_and_progress(tmp_path, capsys, monkeypatch)
         err = capsys.readouterr().err
         assert "defaults for MLX's CPU backend: --batch-size 2 --anchors 16 --max-len 256" in err, err
         assert ", whole vocabulary, 2 steps" in err and modes == ["reference"], (err, modes)
+        # --draft-vocab shipped names the shipped drafter's set, as --init shipped its weights (none for this target)
+        assert main(base + ["--out", str(tmp_path / "run3"), "--steps", "1", "--draft-vocab", "shipped"]) == 2
+        assert "no drafter is shipped for the target" in capsys.readouterr().err
         assert any(" 1/2 " in s and "loss=" in s for s in err.replace("\r", "\n").splitlines()), err
         assert main(base + ["--out", str(tmp_path / "run2"), "--time-budget", "0.01"]) == 2
         err = capsys.readouterr().err

@@ -121,12 +121,18 @@ def test_fit_with_a_draft_vocabulary_saves_it_with_the_drafter(tiny, tmp_path):
     same = Trainer(_cfg(tmp_path, steps=4, save_every=2, labels="target", kd_weight=0.5,
                         draft_vocab=str(tmp_path / "run/drafter/draft_vocab.json")), target, tok)
     assert same.resume() and same.step == 4
+    assert same.cfg.draft_vocab == "20"  # config.json keeps the run's own words for the set
     other = Trainer(_cfg(tmp_path, out=str(tmp_path / "run2"), steps=1, draft_vocab=str(tmp_path / "run/drafter")),
                     target, tok)
     assert other.draft_vocab.ids.tolist() == want
+    (tmp_path / "mine.json").write_text((tmp_path / "run/drafter/draft_vocab.json").read_text())  # any file name
+    named = Trainer(_cfg(tmp_path, out=str(tmp_path / "run2"), steps=1, draft_vocab=str(tmp_path / "mine.json")),
+                    target, tok)
+    assert named.draft_vocab.ids.tolist() == want
     (tmp_path / "odd/draft_vocab.json").mkdir(parents=True)  # a directory of that name
-    for bad, match in (("nowhere", "neither a size"), ("1", "--draft-vocab 1: a size must be an integer >= 2"),
-                       ("0", "--draft-vocab 0: a size"), ("-5", "--draft-vocab -5: a size"), ("²", "neither a size"),
+    for bad, match in (("nowhere", "no such file or directory"), ("1", "--draft-vocab 1: a size must be an integer"),
+                       ("0", "--draft-vocab 0: a size"), ("-5", "--draft-vocab -5: a size"), ("²", "no such file"),
+                       (str(tmp_path / "data"), "a directory without a draft_vocab.json"),
                        (str(tmp_path / "odd"), "cannot read the draft vocabulary")):
         with pytest.raises((ValueError, FileNotFoundError), match=match):
             Trainer(_cfg(tmp_path, out=str(tmp_path / "run3"), draft_vocab=bad), target, tok)
@@ -156,4 +162,7 @@ def test_fine_tuning_keeps_the_init_drafters_draft_vocabulary(tiny, tmp_path):
     write_draft_vocab(init, range(2, 30), method="changed")  # the same --init path now holds another set
     with pytest.raises(ValueError, match="trained on a draft vocabulary of 38 ids, this run would train on a draft "
                                          "vocabulary of 28 ids"):
+        Trainer(_cfg(tmp_path, out=str(tmp_path / "ft"), steps=2, init=str(init)), target, tok).fit(progress=False)
+    write_draft_vocab(init, range(3, 41), method="changed")  # as many ids, other ones
+    with pytest.raises(ValueError, match="of 38 ids, this run would train on a draft vocabulary of 38 other ids"):
         Trainer(_cfg(tmp_path, out=str(tmp_path / "ft"), steps=2, init=str(init)), target, tok).fit(progress=False)

@@ -406,14 +406,14 @@ def save_drafter(model: DraftModel, path: str | Path, overwrite: bool = False, m
 def read_draft_vocab(path: str | Path) -> list[int] | None:
     """The draft vocabulary a drafter directory ships (``draft_vocab.json``: ``{"ids": [...], ...}``, the
     token ids its drafter may propose; :class:`~mlx_dflash2.proposers.DFlashProposer` ``draft_vocab``), or
-    ``None`` when it has none.
+    ``None`` when it has none. ``path`` may also be such a file itself (any name).
 
     Raises:
         DrafterLoadError: the file is not readable JSON (UTF-8, a byte-order mark allowed), or ``ids`` is
             not a list of ints >= 0 holding at least 2 distinct ids. (Whether they lie within the target's
             vocabulary is checked once it is loaded: :func:`~mlx_dflash2.proposers.check_vocab_ids`.)
     """
-    f = Path(path) / DRAFT_VOCAB_FILE
+    f = Path(path) if Path(path).is_file() else Path(path) / DRAFT_VOCAB_FILE
     if not f.exists():
         return None
     try:

@@ -48,6 +48,8 @@ def _target(args, kernels: str | None = None):
     args.dequantize = drafter_dequantize(args.dequantize, target)  # what was chosen (eval's drafters follow it)
     if getattr(args, "init", None):
         args.init = str(resolve_shipped(args.init, name))
+    if getattr(args, "draft_vocab", None) == "shipped":  # the shipped drafter's set (fit)
+        args.draft_vocab = str(resolve_shipped(args.draft_vocab, name))
     if getattr(args, "drafter", None):
         specs = []
         for spec in args.drafter:
@@ -114,8 +116,8 @@ FIT_HELP = {
                   "rows x vocab float32 arrays (0: one shot) (default: auto: chunks of 1 GB of float32 logits when "
                   "the step's rows x vocab would be larger, one shot otherwise)",
     "draft_vocab": "train on a draft vocabulary (FR-Spec): N = the data's N most frequent response ids (+ the ids "
-                   "that ended responses, as `train vocab --size N`), or a drafter directory / draft_vocab.json to "
-                   "take the ids from; the logits, teacher and top-K then cover those rows of the LM head only, and "
+                   "that ended responses, as `train vocab --size N`), or a drafter directory ('shipped': the shipped "
+                   "drafter's) or draft vocabulary file to take the ids from; the logits, teacher and top-K then cover those rows of the LM head only, and "
                    "the drafter is saved with them as its draft_vocab.json; 'full': the whole vocabulary "
                    "(default: the --init drafter's draft_vocab.json if it has one, else the whole vocabulary)",
 }
@@ -336,7 +338,7 @@ def main(argv=None) -> int:
                 print(f"defaults for {here}: {_flags(tr.chosen_defaults)} ({there}: "
                       f"{_flags({k: other[k] for k in tr.chosen_defaults})})", file=sys.stderr)
             kind = "quantized" if "quantization" in target.config else "dense"
-            steps = (f"{cfg.steps} steps" if cfg.steps else f"steps sized to --time-budget {cfg.time_budget:g} s"
+            steps = (f"{cfg.steps} step{'s' * (cfg.steps != 1)}" if cfg.steps else f"steps sized to --time-budget {cfg.time_budget:g} s"
                      if cfg.time_budget else f"{tr.total_steps} steps ({cfg.epochs:g} epochs)")
             if cfg.steps and cfg.time_budget:
                 steps += f", stopping by --time-budget {cfg.time_budget:g} s"

@@ -826,12 +826,14 @@ class Trainer:
                         "data": "/".join(Path(self.cfg.data).parts[-2:]), **info}
             else:
                 p = Path(spec)
-                d = p.parent if p.name == DRAFT_VOCAB_FILE else p
-                if not (d / DRAFT_VOCAB_FILE).exists():
-                    raise FileNotFoundError(f"{flag} {spec}: neither a size (an integer >= 2), 'full', nor a drafter "
-                                            f"directory with a {DRAFT_VOCAB_FILE} or such a file")
-                ids = read_draft_vocab(d)
-                raw = json.loads((d / DRAFT_VOCAB_FILE).read_text(encoding="utf-8-sig"))
+                if not p.exists():
+                    raise FileNotFoundError(f"{flag} {spec}: no such file or directory (a size is an integer >= 2, "
+                                            "'full' the whole vocabulary)")
+                f = p if p.is_file() else p / DRAFT_VOCAB_FILE
+                if not f.exists():
+                    raise FileNotFoundError(f"{flag} {spec}: a directory without a {DRAFT_VOCAB_FILE}")
+                ids = read_draft_vocab(p)
+                raw = json.loads(f.read_text(encoding="utf-8-sig"))
                 info = {k: v for k, v in raw.items() if k not in ("ids", "size")}
             return DraftVocab.build(self.target, ids, self.valid_vocab, info)
         except FileNotFoundError:
@@ -894,16 +896,20 @@ class Trainer:
         if self.cfg.steps is None and saved_steps:
             self.cfg.steps = saved_steps  # e.g. a run sized by --time-budget
             self._build_schedule()
-        from ..drafter.io import read_draft_vocab
+        from ..drafter.io import DRAFT_VOCAB_FILE, read_draft_vocab
 
         saved_vocab = read_draft_vocab(path / "drafter")
         now = None if self.draft_vocab is None else self.draft_vocab.ids.tolist()
         if saved_vocab != now:  # e.g. the file a --draft-vocab path names changed since
 
-            def what(v):
-                return "the whole vocabulary" if v is None else f"a draft vocabulary of {len(v):,} ids"
-            raise ValueError(f"{path} was trained on {what(saved_vocab)}, this run would train on {what(now)}: pass "
-                             "the same --draft-vocab to resume it, or --no-resume to start over")
+            def what(v, other=""):
+                return "the whole vocabulary" if v is None else f"a draft vocabulary of {len(v):,} {other}ids"
+            same_size = saved_vocab is not None and now is not None and len(saved_vocab) == len(now)
+            raise ValueError(f"{path} was trained on {what(saved_vocab)}, this run would train on "
+                             f"{what(now, 'other ' if same_size else '')}: pass the same --draft-vocab to resume it "
+                             f"(its ids are in {path / 'drafter' / DRAFT_VOCAB_FILE}), or --no-resume to start over")
+        if "draft_vocab" in state["config"]:  # the same ids, maybe named otherwise: config.json keeps the run's words
+            self.cfg.draft_vocab = state["config"]["draft_vocab"]
         self.drafter = load_drafter(path / "drafter", self.target, self.tokenizer, dtype=mx.float32)
         self.opt.init(self.drafter.trainable_parameters())
         saved = mx.load(str(path / "optimizer.safetensors"))

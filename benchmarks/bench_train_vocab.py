@@ -43,6 +43,31 @@ def _target(shape: str, layers: int | None, dtype) -> tuple[TargetAdapter, int]:
     return TargetAdapter(model, full, probe=False), cfg["vocab_size"]
 
 
+def plot(res: dict, path: str | Path) -> None:
+    """Bars of each arm's median step: the drafter's part and the target's forward stacked (``res`` as written)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = list(res["arms"])
+    names = [f"{int(n) or res['vocab']:,}" + (" (whole)" if n == "0" else "") for n in arms]
+    drafter = [res["arms"][n]["median_s"] for n in arms]
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    ax.bar(names, [res["target_forward_s"]] * len(arms), color="0.75", label="target forward (the same)")
+    ax.bar(names, drafter, bottom=[res["target_forward_s"]] * len(arms), color="C0", label="drafter step")
+    for i, d in enumerate(drafter):
+        ax.text(i, res["target_forward_s"] + d, f"{d:.2f} s", ha="center", va="bottom")
+    ax.set_ylim(0, (res["target_forward_s"] + max(drafter)) * 1.15)
+    ax.set_xlabel("draft vocabulary (ids)")
+    ax.set_ylabel("seconds per training step")
+    ax.set_title(f"{res['shape']}, {res['rows']} rows, {res.get('labels', 'target')} labels", fontsize=10)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shape", default="qwen2.5-1.5b", help=f"target shape, of {', '.join(rt.SHAPES)}")
@@ -59,7 +84,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="timed steps per arm (after one warm-up step each)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="target dtype (default: float32 on the CPU, bfloat16 on a GPU)")
-    p.add_argument("--out", default=None, help="write the results as JSON")
+    p.add_argument("--out", default=None, help="write the results as JSON, and a plot beside it (.png)")
     a = p.parse_args(argv)
     sizes = [int(s) for s in a.sizes.split(",")]
     dtype = getattr(mx, a.dtype or ("float32" if mx.default_device() == mx.cpu else "bfloat16"))
@@ -130,6 +155,7 @@ def main(argv=None) -> int:
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+        plot(res, Path(a.out).with_suffix(".png"))
     return 0
 
 

@@ -526,8 +526,12 @@ def test_resume_refuses_other_settings_and_cuts_the_log(tiny, tmp_path):
     saved = (tmp_path / "run" / "config.json").read_text()
     with pytest.raises(ValueError, match=r"num_layers 1 \(now 2\)"):
         Trainer(_cfg(tmp_path, steps=12, save_every=4, num_layers=2), target, tok).fit(progress=False)
-    with pytest.raises(ValueError, match=r"lr 0.003 \(now 0.001\)"):
+    with pytest.raises(ValueError, match=r"lr 0.003 \(now 0.001\)") as e:
         Trainer(_cfg(tmp_path, steps=12, save_every=4, lr=1e-3), target, tok).fit(progress=False)
+    assert "--init" not in str(e.value)
+    # more steps: a run is not extended in place, and the message says how to train further
+    with pytest.raises(ValueError, match=r"steps 12 \(now 20\).*start another run with --init .*run/drafter"):
+        Trainer(_cfg(tmp_path, steps=20, save_every=4), target, tok).fit(progress=False)
     assert (tmp_path / "run" / "config.json").read_text() == saved
     b = Trainer(_cfg(tmp_path, steps=12, save_every=4), target, tok)
     assert b.resume() and b.step == 6

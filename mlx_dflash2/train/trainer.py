@@ -932,8 +932,10 @@ class Trainer:
         if diff:
             what = ", ".join(f"{k} {saved[k]!r} (now {cur[k]!r})" for k in diff)
             init = f"; it was started with --init {saved['init']}" if saved.get("init") != cur.get("init") else ""
+            more = (f"; to train its drafter further, start another run with --init {self.out / 'drafter'}"
+                    if {"steps", "epochs"} & set(diff) else "")  # a finished run is not extended in place
             raise ValueError(f"{self.out} holds a run with other settings: {what}{init}. Pass the same settings "
-                             "to resume it (they are in its config.json), or --no-resume to start over")
+                             f"to resume it (they are in its config.json), or --no-resume to start over{more}")
 
     def _cut_log(self, step: int) -> None:
         """Drop log lines past ``step`` (written after the checkpoint a run resumes from)."""

@@ -300,6 +300,13 @@ def test_drafter_init_flags_are_those_of_train_fit(tmp_path, padded_dir, capsys)
     assert main(["init", "--out", str(tmp_path / "d2"), "--model", str(padded_dir), "--dtype", "float32"]) == 0
     assert json.loads((tmp_path / "d2" / "config.json").read_text())["num_hidden_layers"] == 2  # the default
     capsys.readouterr()
+    # `info` says whether the drafter has a draft vocabulary
+    from mlx_dflash2.drafter.io import write_draft_vocab
+
+    info = ["info", str(tmp_path / "d2"), "--model", str(padded_dir)]
+    assert main(info) == 0 and "draft vocabulary: none" in capsys.readouterr().out
+    write_draft_vocab(tmp_path / "d2", [3, 5, 7])
+    assert main(info) == 0 and "draft vocabulary: 3 ids" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["init", "-h"])
     help_text = capsys.readouterr().out

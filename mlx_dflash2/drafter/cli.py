@@ -92,9 +92,15 @@ def main(argv=None) -> int:
         else:
             from ..loading import resolve_shipped
 
-            model = load_drafter(resolve_shipped(args.path, name), target, tokenizer)
+            path = resolve_shipped(args.path, name)
+            model = load_drafter(path, target, tokenizer)
             print(json.dumps(model.config.to_dict(), indent=2))
             print(f"parameters: {param_count(model) / 1e6:.2f}M")
+            from .io import read_draft_vocab
+
+            vocab = read_draft_vocab(path)
+            print(f"draft vocabulary: {len(set(vocab)):,} ids (draft_vocab.json; --draft-vocab full: every id)"
+                  if vocab else "draft vocabulary: none (the drafter proposes from every id)")
     except (DrafterConfigError, DrafterLoadError, FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

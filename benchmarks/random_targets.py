@@ -350,8 +350,10 @@ def device_meta() -> dict:
     from mlx_dflash2.kernels import backend
 
     info["kernel_backend"] = backend()
+    home = os.path.expanduser("~")
     for k in ("MLX_CUDA_USE_CUDNN_SDPA", "MLX_PTX_CACHE_DIR", "MLX_DFLASH2_KERNELS"):
-        info[k] = os.environ.get(k)
+        v = os.environ.get(k)  # no machine paths in results: the home directory as "~"
+        info[k] = "~" + v[len(home):] if v and home not in ("", "/") and v.startswith(home + "/") else v
     try:
         info["device_info"] = {k: (v if isinstance(v, (int, float, str)) else str(v))
                                for k, v in mx.device_info().items()}

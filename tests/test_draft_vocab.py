@@ -205,7 +205,8 @@ def test_draft_vocab_from_responses():
     info = draft_vocab(rows, 2)[1]
     assert info["held_out_fraction"] == 0 and info["held_out_tokens"] == 0 and "counted rows" in info["coverage_of"]
     info = draft_vocab(rows * 20, 2)[1]
-    assert info["held_out_fraction"] == 3 / 60 and info["held_out_tokens"] > 0 and info["coverage_of"] == "held-out rows"
+    assert info["held_out_fraction"] == 3 / 60 and info["held_out_tokens"] > 0
+    assert info["coverage_of"] == "held-out rows"
     for bad in ({"size": 1}, {"size": True}, {"held_out": 0.9}):
         with pytest.raises(ValueError):
             draft_vocab(rows, **{"size": 2, **bad})

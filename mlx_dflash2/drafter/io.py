@@ -32,6 +32,7 @@ __all__ = [
     "read_draft_vocab",
     "write_draft_vocab",
     "DRAFT_VOCAB_FILE",
+    "draft_vocab_file",
 ]
 
 #: a drafter directory's draft vocabulary (:func:`read_draft_vocab`)
@@ -403,6 +404,11 @@ def save_drafter(model: DraftModel, path: str | Path, overwrite: bool = False, m
     return path
 
 
+def draft_vocab_file(path: str | Path) -> Path:
+    """Where :func:`read_draft_vocab` looks: ``path`` itself when it is a file, else ``path/draft_vocab.json``."""
+    return Path(path) if Path(path).is_file() else Path(path) / DRAFT_VOCAB_FILE
+
+
 def read_draft_vocab(path: str | Path) -> list[int] | None:
     """The draft vocabulary a drafter directory ships (``draft_vocab.json``: ``{"ids": [...], ...}``, the
     token ids its drafter may propose; :class:`~mlx_dflash2.proposers.DFlashProposer` ``draft_vocab``), or
@@ -413,7 +419,7 @@ def read_draft_vocab(path: str | Path) -> list[int] | None:
             not a list of ints >= 0 holding at least 2 distinct ids. (Whether they lie within the target's
             vocabulary is checked once it is loaded: :func:`~mlx_dflash2.proposers.check_vocab_ids`.)
     """
-    f = Path(path) if Path(path).is_file() else Path(path) / DRAFT_VOCAB_FILE
+    f = draft_vocab_file(path)
     if not f.exists():
         return None
     try:

@@ -116,9 +116,10 @@ FIT_HELP = {
                   "rows x vocab float32 arrays (0: one shot) (default: auto: chunks of 1 GB of float32 logits when "
                   "the step's rows x vocab would be larger, one shot otherwise)",
     "draft_vocab": "train on a draft vocabulary (FR-Spec): N = the data's N most frequent response ids (+ the ids "
-                   "that ended responses, as `train vocab --size N`), or a drafter directory ('shipped': the shipped "
-                   "drafter's) or draft vocabulary file to take the ids from; the logits, teacher and top-K then cover those rows of the LM head only, and "
-                   "the drafter is saved with them as its draft_vocab.json; 'full': the whole vocabulary "
+                   "that ended responses, as `train vocab --size N`), or a drafter directory ('shipped': the "
+                   "shipped drafter's) or draft vocabulary file to take the ids from; the logits, teacher and "
+                   "top-K then cover those rows of the LM head only, and the drafter is saved with them as its "
+                   "draft_vocab.json; 'full': the whole vocabulary "
                    "(default: the --init drafter's draft_vocab.json if it has one, else the whole vocabulary)",
 }
 for _k in ("anchors", "batch_size", "max_len"):  # device-dependent (trainer.device_defaults)
@@ -218,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
         elif fld.name in ("init",):
             f.add_argument(name, default=None, help=text)
         elif fld.name == "draft_vocab":
-            f.add_argument(name, default=None, metavar="N|PATH|full", help=text)
+            f.add_argument(name, default=None, metavar="N|PATH|shipped|full", help=text)
         elif fld.name == "labels":
             f.add_argument(name, choices=["data", "target"], default=default, help=text)
         else:
@@ -338,8 +339,9 @@ def main(argv=None) -> int:
                 print(f"defaults for {here}: {_flags(tr.chosen_defaults)} ({there}: "
                       f"{_flags({k: other[k] for k in tr.chosen_defaults})})", file=sys.stderr)
             kind = "quantized" if "quantization" in target.config else "dense"
-            steps = (f"{cfg.steps} step{'s' * (cfg.steps != 1)}" if cfg.steps else f"steps sized to --time-budget {cfg.time_budget:g} s"
-                     if cfg.time_budget else f"{tr.total_steps} steps ({cfg.epochs:g} epochs)")
+            steps = (f"{cfg.steps} step{'s' * (cfg.steps != 1)}" if cfg.steps
+                     else f"steps sized to --time-budget {cfg.time_budget:g} s" if cfg.time_budget
+                     else f"{tr.total_steps} steps ({cfg.epochs:g} epochs)")
             if cfg.steps and cfg.time_budget:
                 steps += f", stopping by --time-budget {cfg.time_budget:g} s"
             dv = tr.draft_vocab

@@ -805,10 +805,10 @@ class Trainer:
         Raises:
             ValueError / FileNotFoundError: a bad value, a missing or malformed file, ids the target refuses.
         """
-        from ..drafter.io import DRAFT_VOCAB_FILE, read_draft_vocab
+        from ..drafter.io import DRAFT_VOCAB_FILE, draft_vocab_file, read_draft_vocab
 
         spec = self.cfg.draft_vocab
-        if spec is None and self.cfg.init and (Path(self.cfg.init) / DRAFT_VOCAB_FILE).exists():
+        if spec is None and self.cfg.init and draft_vocab_file(self.cfg.init).exists():
             spec, flag = self.cfg.init, "--init"
         else:
             flag = "--draft-vocab"
@@ -817,19 +817,18 @@ class Trainer:
         spec = str(spec).strip()
         try:
             if re.fullmatch(r"[+-]?[0-9]+", spec):
-                from .vocab import draft_vocab
+                from .vocab import METHOD, draft_vocab
 
                 if int(spec) < 2:
                     raise ValueError(f"a size must be an integer >= 2, got {spec}")
                 ids, info = draft_vocab(self.rows, int(spec))
-                info = {"method": "most frequent response ids (FR-Spec, arXiv 2502.14856) + response-ending ids",
-                        "data": "/".join(Path(self.cfg.data).parts[-2:]), **info}
+                info = {"method": METHOD, "data": "/".join(Path(self.cfg.data).parts[-2:]), **info}
             else:
                 p = Path(spec)
                 if not p.exists():
                     raise FileNotFoundError(f"{flag} {spec}: no such file or directory (a size is an integer >= 2, "
                                             "'full' the whole vocabulary)")
-                f = p if p.is_file() else p / DRAFT_VOCAB_FILE
+                f = draft_vocab_file(p)
                 if not f.exists():
                     raise FileNotFoundError(f"{flag} {spec}: a directory without a {DRAFT_VOCAB_FILE}")
                 ids = read_draft_vocab(p)
@@ -1193,7 +1192,8 @@ class Trainer:
             self._write_config()
             self._timed_save(final=stopped or self.step >= self.total_steps)
         elif self.step >= self.total_steps and self.out.is_dir():
-            save_drafter(self.drafter, self.out / "drafter", overwrite=True, draft_vocab=self._saved_vocab())  # a finished run, rerun
+            # a finished run, rerun
+            save_drafter(self.drafter, self.out / "drafter", overwrite=True, draft_vocab=self._saved_vocab())
         return last
 
     def _budget_error(self, first_step_s: float | None, before: float, resumed: bool) -> TimeBudgetError:

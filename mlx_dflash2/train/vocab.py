@@ -24,7 +24,9 @@ from pathlib import Path
 from ..drafter.io import DRAFT_VOCAB_FILE, write_draft_vocab
 from .regen import read_responses
 
-__all__ = ["count_tokens", "draft_vocab", "write_vocab"]
+__all__ = ["count_tokens", "draft_vocab", "write_vocab", "METHOD"]
+
+METHOD = "most frequent response ids (FR-Spec, arXiv 2502.14856) + response-ending ids"  # draft_vocab.json's "method"
 
 
 def count_tokens(rows: list[dict]) -> tuple[collections.Counter, set[int]]:
@@ -114,7 +116,6 @@ def write_vocab(data: list[str | Path], drafter: str | Path, size: int, held_out
             raise ValueError(f"--data {p}: {e}") from None
         rows.extend(got)
     ids, info = draft_vocab(rows, size, held_out, seed)
-    info = {"method": "most frequent response ids (FR-Spec, arXiv 2502.14856) + response-ending ids",
-            "data": ["/".join(Path(p).parts[-2:]) for p in data], **info}
+    info = {"method": METHOD, "data": ["/".join(Path(p).parts[-2:]) for p in data], **info}
     f = write_draft_vocab(d, ids, **info)
     return {"file": str(f), "ids": len(ids), **info}

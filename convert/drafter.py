@@ -39,7 +39,15 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_dflash2.drafter.config import DRAFTER_QUANT_METHODS, drafter_quant_method
-from mlx_dflash2.drafter.io import DRAFT_VOCAB_FILE, DrafterLoadError, _remap, read_draft_vocab
+from mlx_dflash2.drafter.io import (
+    CODEBOOKS,
+    DRAFT_VOCAB_FILE,
+    DrafterLoadError,
+    _remap,
+    codebook_quantization,
+    dequantize_codebooks,
+    read_draft_vocab,
+)
 
 from .errors import ConvertError, CorruptCheckpointError, MissingTensorError, ShapeMismatchError, UnsupportedFormatError
 from .hf import open_safetensors, read_config
@@ -103,6 +111,7 @@ def convert_drafter(
     target: str | None = None,
     progress: bool = True,
     t0: float | None = None,
+    codebook_bits: int | None = None,
 ):
     """Convert a drafter checkpoint directory (see the module doc).
 
@@ -115,6 +124,10 @@ def convert_drafter(
         dtype: float dtype (default: the source's ``torch_dtype``/``dtype``, else bfloat16).
         target: optional target model (path / hub id / embedded name) to validate against;
             the converted output is then also loaded with ``load_drafter``.
+        codebook_bits: MLX-quantize the DFlash2 selector's two codebooks (``[vocab, rank]`` each) at
+            these bits (4 or 8; group 32, a row's rank in groups of 32): they are a third of a 4-bit
+            drafter for a 152k vocabulary; ``load_drafter`` expands them again
+            (:func:`mlx_dflash2.drafter.io.dequantize_codebooks`). ``None`` keeps them in ``dtype``.
 
     Returns:
         :class:`~.pipeline.ConvertResult`.
@@ -165,6 +178,16 @@ def convert_drafter(
     if vocab_ids is not None and max(vocab_ids) >= cfg.vocab_size:
         raise CorruptCheckpointError(f"{vocab_file}: id {max(vocab_ids)} is outside the drafter's vocabulary "
                                      f"of {cfg.vocab_size} (made for another tokenizer?)")
+    if codebook_bits is not None and codebook_bits not in (4, 8):
+        raise ConvertError(f"codebook bits {codebook_bits}: choose 4 or 8")
+    if codebook_bits is not None and cfg.architecture != "DFlash2DraftModel":
+        raise ConvertError(f"--codebook-bits: {cfg.architecture} has no selector codebooks (DFlash2 drafters do)")
+    if codebook_bits is not None and cfg.selector_rank % 32:
+        raise ConvertError(f"--codebook-bits: selector rank {cfg.selector_rank} is not a multiple of 32 (MLX's groups)")
+    try:
+        source_codebooks = codebook_quantization(raw, path / "config.json")  # an MLX drafter converted again
+    except DrafterLoadError as e:
+        raise CorruptCheckpointError(str(e)) from None
     source = _quantized_source(path, raw)  # GPTQ / AWQ packed layers, or None for a float drafter
     src = {}
     for k, v in (source.weights if source is not None else open_safetensors(path)).items():
@@ -172,6 +195,10 @@ def convert_drafter(
         if new in src:
             raise CorruptCheckpointError(f"{path}: tensors {k!r} and another both map to {new!r}")
         src[new] = v
+    try:
+        dequantize_codebooks(src, source_codebooks, path)
+    except DrafterLoadError as e:
+        raise CorruptCheckpointError(str(e)) from None
     packed = {_module(p): fn for p, fn in source.packed.items()} if source is not None else {}
     native = {_module(p): sp for p, sp in source.native.items()} if source is not None else {}
     dequantized = {_remap(k) for k in source.dequantized} if source is not None else set()
@@ -232,6 +259,11 @@ def convert_drafter(
                     writer.add(f"{mod}.scales", s.astype(fdtype), logical_params=0)
                     writer.add(f"{mod}.biases", b.astype(fdtype), logical_params=0)
                     result.requantized.append(mod)
+                elif codebook_bits is not None and name in CODEBOOKS:
+                    wq, s, b = mx.quantize(v.astype(fdtype), 32, codebook_bits)
+                    writer.add(name, wq, logical_params=int(v.size))
+                    writer.add(f"{name}.scales", s.astype(fdtype), logical_params=0)
+                    writer.add(f"{name}.biases", b.astype(fdtype), logical_params=0)
                 else:
                     writer.add(name, v.astype(fdtype) if mx.issubdtype(v.dtype, mx.floating) else v)
                 bar.update(1)
@@ -246,6 +278,8 @@ def convert_drafter(
         out_cfg["torch_dtype"] = dtype_name
         if quantized:
             out_cfg["quantization"] = spec.as_dict()
+        if codebook_bits is not None:
+            out_cfg["codebook_quantization"] = {"bits": codebook_bits, "group_size": 32}
         out_cfg["mlx_dflash2_convert"] = {
             "source_format": "drafter",
             "source": str(path),

@@ -331,6 +331,7 @@ def convert(
     progress: bool = True,
     measure_error: bool = False,
     target: str | None = None,
+    codebook_bits: int | None = None,
 ) -> ConvertResult:
     """Convert a checkpoint to an MLX model directory (or a drafter checkpoint).
 
@@ -363,6 +364,8 @@ def convert(
         measure_error: compute each quantized layer's relative error against the
             dequantized source (extra time; reported in the result).
         target: drafters only: a target model to validate the drafter against.
+        codebook_bits: DFlash2 drafters only: quantize the selector's codebooks at 4 or 8 bits
+            (:func:`~.drafter.convert_drafter`).
 
     Returns:
         :class:`ConvertResult`.
@@ -389,9 +392,12 @@ def convert(
     if fmt == "drafter":
         from .drafter import convert_drafter
 
-        return convert_drafter(path, out, plan, dtype=dtype, target=target, progress=progress, t0=t0)
+        return convert_drafter(path, out, plan, dtype=dtype, target=target, progress=progress, t0=t0,
+                               codebook_bits=codebook_bits)
     if target is not None:
         raise ConvertError("target= (--target) validates drafter conversions only")
+    if codebook_bits is not None:
+        raise ConvertError("codebook_bits= (--codebook-bits) applies to DFlash2 drafters only")
     source = _reader(fmt)(path)
     with out as tmp:
         result = _convert_model(source, tmp, plan, dtype, shard_bytes, progress, measure_error)

@@ -128,7 +128,7 @@ def _resolve_local(path_or_repo: str) -> Path:
 
 
 def load_target(
-    path_or_hf_repo: str | None = None,
+    path_or_hf_repo: str | os.PathLike | None = None,
     *,
     dtype: mx.Dtype | str | None = "auto",
     dequantize: bool = False,
@@ -166,7 +166,7 @@ def load_target(
         TargetCompatibilityError: architecture or parity probe refused.
     """
     dtype = check_dtype(dtype)
-    name = path_or_hf_repo or assets.DEFAULT_MODEL
+    name = str(path_or_hf_repo or assets.DEFAULT_MODEL)  # a pathlib.Path too (it was an AttributeError)
     auto = dequantize is None
     if assets.is_embedded_name(name):
         path = assets.embedded_model_path(name.lower())

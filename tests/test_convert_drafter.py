@@ -343,3 +343,67 @@ def test_drafter_conversion_carries_its_draft_vocabulary(tmp_path, smol_q):
     (tmp_path / "src/draft_vocab.json").mkdir()  # a directory of that name is not skipped silently
     with pytest.raises(CorruptCheckpointError, match="cannot read the draft vocabulary"):
         convert(tmp_path / "src", tmp_path / "bad", progress=False)
+
+
+def test_drafter_codebooks_quantized(tmp_path, smol_q):
+    """``--codebook-bits``: the selector's two [vocab, rank] codebooks stored MLX-quantized (group 32) and expanded
+    at load, close to the float ones (8 bits: < 1 % relative; 4 bits: < 10 %); smaller files; a drafter with
+    quantized codebooks converts again (expanded as the source); bad settings or layouts are errors naming them."""
+    from mlx_dflash2.convert import CorruptCheckpointError
+    from mlx_dflash2.drafter.io import DrafterLoadError
+
+    target, tok = smol_q
+    cfg = published_cfg("DFlash2DraftModel", pick_mask_token_id(tok))
+    cfg["dflash_config"]["selector_rank"] = 32
+    ref = write_published(tmp_path / "src", cfg)
+    convert(tmp_path / "src", tmp_path / "float", progress=False, quantize=False, dtype="float32")
+    sizes = {}
+    for bits, tol in ((8, 0.01), (4, 0.1)):
+        out = tmp_path / f"cb{bits}"
+        convert(tmp_path / "src", out, progress=False, quantize=False, dtype="float32", codebook_bits=bits)
+        assert json.loads((out / "config.json").read_text())["codebook_quantization"] == {"bits": bits, "group_size": 32}
+        raw = mx.load(str(out / "model.safetensors"))
+        assert raw["candidate_selector.successor_codebook"].dtype == mx.uint32
+        assert "candidate_selector.successor_codebook.scales" in raw
+        sizes[bits] = (out / "model.safetensors").stat().st_size
+        got = load_drafter(out, target, tok)
+        for name in ("predecessor_codebook", "successor_codebook"):
+            a = getattr(ref.candidate_selector, name)
+            b = getattr(got.candidate_selector, name)
+            assert b.shape == a.shape and b.dtype == mx.float32
+            rel = float(mx.linalg.norm(a - b).item() / mx.linalg.norm(a).item())
+            assert rel < tol, (bits, name, rel)
+        assert mx.array_equal(got.fc.weight, ref.fc.weight).item()  # the rest as before
+    assert sizes[4] < sizes[8] < (tmp_path / "float/model.safetensors").stat().st_size
+    # converted again: the quantized codebooks are the source, expanded exactly
+    convert(tmp_path / "cb8", tmp_path / "again", progress=False, quantize=False, dtype="float32")
+    a = load_drafter(tmp_path / "cb8", target, tok).candidate_selector.successor_codebook
+    b = load_drafter(tmp_path / "again", target, tok).candidate_selector.successor_codebook
+    assert "codebook_quantization" not in json.loads((tmp_path / "again/config.json").read_text())
+    assert mx.array_equal(a, b).item()
+    # settings the converter refuses, writing nothing
+    for kwargs, match in (({"codebook_bits": 5}, "choose 4 or 8"),):
+        with pytest.raises(ConvertError, match=match):
+            convert(tmp_path / "src", tmp_path / "bad", progress=False, **kwargs)
+        assert not (tmp_path / "bad").exists()
+    cfg8 = published_cfg("DFlash2DraftModel", pick_mask_token_id(tok))  # rank 8
+    write_published(tmp_path / "rank8", cfg8)
+    with pytest.raises(ConvertError, match="multiple of 32"):
+        convert(tmp_path / "rank8", tmp_path / "bad", progress=False, codebook_bits=8)
+    write_published(tmp_path / "v1", published_cfg("DFlashDraftModel", pick_mask_token_id(tok)))
+    with pytest.raises(ConvertError, match="no selector codebooks"):
+        convert(tmp_path / "v1", tmp_path / "bad", progress=False, codebook_bits=8)
+    assert not (tmp_path / "bad").exists()
+    # a malformed block or layout: the loader and the converter name it
+    c = json.loads((tmp_path / "cb8/config.json").read_text())
+    c["codebook_quantization"] = {"bits": 7, "group_size": 32}
+    (tmp_path / "cb8/config.json").write_text(json.dumps(c))
+    with pytest.raises(DrafterLoadError, match="codebook_quantization"):
+        load_drafter(tmp_path / "cb8", target, tok)
+    with pytest.raises(CorruptCheckpointError, match="codebook_quantization"):
+        convert(tmp_path / "cb8", tmp_path / "bad", progress=False)
+    c["codebook_quantization"] = {"bits": 4, "group_size": 32}  # says 4, holds 8: the packed width disagrees
+    (tmp_path / "cb8/config.json").write_text(json.dumps(c))
+    with pytest.raises(DrafterLoadError, match="not a 4-bit group-32 quantized codebook"):
+        load_drafter(tmp_path / "cb8", target, tok)
+    assert not (tmp_path / "bad").exists()

@@ -106,3 +106,13 @@ def test_bad_gguf_files(tmp_path):
         trunc.write_bytes(f.read(2_000_000))
     with pytest.raises(GGUFError):
         load_gguf(trunc)
+
+
+def test_load_target_takes_a_path_object(tmp_path):
+    """``load_target(pathlib.Path(...))`` (it raised AttributeError: the name went through ``str.lower``)."""
+    from mlx_dflash2.loading import ModelNotFoundError, load_target
+
+    target, tok, _ = load_target(embedded_model_path())
+    assert target.vocab_size == len(tok)
+    with pytest.raises(ModelNotFoundError):
+        load_target(tmp_path / "missing")

@@ -33,7 +33,13 @@ __all__ = [
     "write_draft_vocab",
     "DRAFT_VOCAB_FILE",
     "draft_vocab_file",
+    "CODEBOOKS",
+    "codebook_quantization",
+    "dequantize_codebooks",
 ]
+
+#: the DFlash2 selector's codebooks (``[vocab, rank]`` each), by their checkpoint names
+CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 
 #: a drafter directory's draft vocabulary (:func:`read_draft_vocab`)
 DRAFT_VOCAB_FILE = "draft_vocab.json"
@@ -223,6 +229,56 @@ def _remap(name: str) -> str:
     return name
 
 
+def codebook_quantization(raw: dict, path: str | Path = "config.json") -> tuple[int, int] | None:
+    """A checkpoint's ``codebook_quantization`` (``{"bits": b, "group_size": g}``, written by
+    ``mlx_dflash2.convert --codebook-bits``) as ``(bits, group_size)``, or ``None`` (float codebooks).
+
+    Raises:
+        DrafterLoadError: the block is not such an object, or bits/group size MLX does not have.
+    """
+    q = raw.get("codebook_quantization")
+    if q is None:
+        return None
+    bits = q.get("bits") if isinstance(q, dict) else None
+    group = q.get("group_size") if isinstance(q, dict) else None
+    if type(bits) is not int or bits not in (2, 3, 4, 5, 6, 8) or type(group) is not int or group not in (32, 64, 128):
+        raise DrafterLoadError(f"{path}: codebook_quantization {q!r}: expected {{\"bits\": 2|3|4|5|6|8, "
+                               "\"group_size\": 32|64|128}")
+    return bits, group
+
+
+def dequantize_codebooks(weights: dict, spec: tuple[int, int] | None, path: str | Path = "") -> dict:
+    """Expand MLX-quantized selector codebooks in ``weights`` (names as :func:`_remap` leaves them) in place.
+
+    A quantized codebook is stored as ``NAME`` (uint32, the packed ``[vocab, rank * bits / 32]``),
+    ``NAME.scales`` and ``NAME.biases`` (``[vocab, rank / group_size]``, the float dtype), MLX's affine
+    layout (``mx.quantize``); it becomes ``NAME`` ``[vocab, rank]`` in the scales' dtype. The selector
+    gathers codebook rows by token id, so the runtime keeps them dense: quantizing them shrinks the file
+    (a third of a 4-bit drafter for a 152k vocabulary), not the memory. ``spec``: ``(bits, group_size)``
+    from :func:`codebook_quantization`; ``None`` leaves ``weights`` as they are.
+
+    Raises:
+        DrafterLoadError: a codebook, its scales or biases missing, or not the quantized layout.
+    """
+    if spec is None:
+        return weights
+    bits, group = spec
+    for name in CODEBOOKS:
+        parts = [weights.get(name), weights.get(f"{name}.scales"), weights.get(f"{name}.biases")]
+        if any(p is None for p in parts):
+            if all(p is None for p in parts):
+                continue  # a DFlash (v1) drafter has no selector
+            raise DrafterLoadError(f"{path}: codebook_quantization is set but {name}, .scales or .biases is missing")
+        w, s, b = parts
+        if w.dtype != mx.uint32 or w.ndim != 2 or s.shape != b.shape or s.shape[0] != w.shape[0] \
+                or w.shape[1] * 32 != s.shape[1] * group * bits:
+            raise DrafterLoadError(f"{path}: {name}: not a {bits}-bit group-{group} quantized codebook "
+                                   f"(packed {tuple(w.shape)} {w.dtype}, scales {tuple(s.shape)})")
+        weights[name] = mx.dequantize(w, s, b, group_size=group, bits=bits)
+        del weights[f"{name}.scales"], weights[f"{name}.biases"]
+    return weights
+
+
 def read_drafter_checkpoint(path: str | Path, target_name: str | None = None):
     """What can be checked of a drafter checkpoint without its target: the directory, ``config.json``
     (parsed and validated), a format this runtime reads, and weight files present. ``load`` calls it
@@ -248,6 +304,7 @@ def read_drafter_checkpoint(path: str | Path, target_name: str | None = None):
         raise DrafterLoadError(f"{cfg_file}: invalid JSON ({e})") from e
     _refuse_packed(path, raw, target_name)
     cfg = DrafterConfig.from_dict(raw)
+    codebook_quantization(raw, cfg_file)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors weights")
@@ -284,6 +341,7 @@ def load_drafter(path: str | Path, target, tokenizer, dtype: mx.Dtype | None = N
         except Exception as e:
             raise DrafterLoadError(f"{f}: cannot read safetensors ({e})") from e
         weights.update({_remap(k): v for k, v in w.items()})
+    dequantize_codebooks(weights, codebook_quantization(raw, path / "config.json"), path)
     model = DraftModel(cfg)
     quant = raw.get("quantization")
     if quant:

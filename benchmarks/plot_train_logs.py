@@ -1,0 +1,76 @@
+"""Training curves of drafter runs side by side: accuracy at block position 1 (the drafter's greedy draft against
+the label, what a round's first slot accepts) and the loss, against the sequences each run has seen.
+
+    scripts/run python benchmarks/plot_train_logs.py c1=benchmarks/results/train/c1-log.jsonl \
+        c3=benchmarks/results/train/c3-log.jsonl --out benchmarks/results/train-curves-coder15b.png
+
+Each LOG is a ``mlx_dflash2.train fit`` ``log.jsonl`` (one JSON object per ``--log-every`` steps: ``step``,
+``loss``, ``acc`` [block positions 1..B-1]); its sequences per step come from the ``*-train-config.json`` beside
+it (``batch_size``; ``train_smollm2.sh`` writes ``NAME-log.jsonl`` and ``NAME-train-config.json``), else from
+``LABEL=LOG:BATCH``. A run continued from another (``--init``) starts at zero here: its label should say so.
+Losses of runs on a draft vocabulary (``fit --draft-vocab``) are over that set and not comparable with
+whole-vocabulary losses; the accuracies are (a label outside the set counts as a miss).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def read_run(spec: str) -> tuple[str, list[dict], int]:
+    """``LABEL=LOG[:BATCH]`` -> ``(label, log rows with a step, sequences per step)``.
+
+    Raises:
+        SystemExit: a missing file, a malformed spec or no batch size.
+    """
+    if "=" not in spec:
+        sys.exit(f"error: {spec!r}: expected LABEL=LOG.jsonl[:BATCH]")
+    label, rest = spec.split("=", 1)
+    path, _, batch = rest.partition(":")
+    p = Path(path)
+    if not p.is_file():
+        sys.exit(f"error: {p}: no such log")
+    rows = [r for r in (json.loads(line) for line in p.read_text().splitlines() if line.strip()) if "step" in r]
+    if not batch:
+        cfg = p.with_name(p.name.replace("-log.jsonl", "-train-config.json"))
+        if cfg.name == p.name or not cfg.is_file():
+            sys.exit(f"error: {spec!r}: no {cfg.name} beside the log; give the batch size as LABEL=LOG:BATCH")
+        batch = json.loads(cfg.read_text())["batch_size"]
+    return label, rows, int(batch)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", metavar="LABEL=LOG[:BATCH]")
+    ap.add_argument("--out", required=True, help="PNG path")
+    args = ap.parse_args(argv)
+    runs = [read_run(s) for s in args.runs]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, rows, batch in runs:
+        x = [r["step"] * batch / 1000 for r in rows]
+        a1.plot(x, [r["acc"][0] for r in rows], label=f"{label} ({batch}/step)")
+        a2.plot(x, [r["loss"] for r in rows], label=label)
+        print(f"{label}: {rows[-1]['step']} steps x {batch} = {rows[-1]['step'] * batch:,} sequences, "
+              f"acc@1 {rows[-1]['acc'][0]:.3f}, loss {rows[-1]['loss']:.3f}")
+    a1.set(xlabel="sequences seen (thousands)", ylabel="training accuracy at block position 1")
+    a2.set(xlabel="sequences seen (thousands)", ylabel="loss")
+    for a in (a1, a2):
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
+    fig.tight_layout()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.out, dpi=110)
+    print("wrote", args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

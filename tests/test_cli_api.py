@@ -555,6 +555,7 @@ def test_shipped_drafter_dequantized_and_counted(smol_f32, capsys, shared_embedd
     rc = main(["info", "shipped"])  # `mlx_dflash2.drafter info shipped`, against the session's packed target
     out = capsys.readouterr()
     assert rc == 0 and "parameters: 19.67M" in out.out, out.err
+    assert "weights: linear layers 4-bit g64, selector codebooks float; 15.6 MB on disk" in out.out
 
 
 def test_unresolvable_hub_id_is_one_clear_line(monkeypatch):

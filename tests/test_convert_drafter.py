@@ -345,7 +345,7 @@ def test_drafter_conversion_carries_its_draft_vocabulary(tmp_path, smol_q):
         convert(tmp_path / "src", tmp_path / "bad", progress=False)
 
 
-def test_drafter_codebooks_quantized(tmp_path, smol_q):
+def test_drafter_codebooks_quantized(tmp_path, smol_q, capsys):
     """``--codebook-bits``: the selector's two [vocab, rank] codebooks stored MLX-quantized (group 32) and expanded
     at load, close to the float ones (8 bits: < 1 % relative; 4 bits: < 10 %); smaller files; a drafter with
     quantized codebooks converts again (expanded as the source); bad settings or layouts are errors naming them."""
@@ -375,6 +375,11 @@ def test_drafter_codebooks_quantized(tmp_path, smol_q):
             assert rel < tol, (bits, name, rel)
         assert mx.array_equal(got.fc.weight, ref.fc.weight).item()  # the rest as before
     assert sizes[4] < sizes[8] < (tmp_path / "float/model.safetensors").stat().st_size
+    from mlx_dflash2.drafter.cli import main as drafter_cli
+
+    capsys.readouterr()
+    assert drafter_cli(["info", str(tmp_path / "cb4")]) == 0
+    assert "weights: linear layers float, selector codebooks 4-bit g32 (expanded at load)" in capsys.readouterr().out
     # converted again: the quantized codebooks are the source, expanded exactly
     convert(tmp_path / "cb8", tmp_path / "again", progress=False, quantize=False, dtype="float32")
     a = load_drafter(tmp_path / "cb8", target, tok).candidate_selector.successor_codebook

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -101,6 +102,13 @@ def main(argv=None) -> int:
             vocab = read_draft_vocab(path)
             print(f"draft vocabulary: {len(set(vocab)):,} ids (draft_vocab.json; --draft-vocab full: every id)"
                   if vocab else "draft vocabulary: none (the drafter proposes from every id)")
+            raw = json.loads((Path(path) / "config.json").read_text())
+            q, cq = raw.get("quantization"), raw.get("codebook_quantization")
+            layers = f"{q['bits']}-bit g{q['group_size']}" if q else "float"
+            books = (f", selector codebooks {cq['bits']}-bit g{cq['group_size']} (expanded at load)" if cq
+                     else ", selector codebooks float" if model.config.architecture == "DFlash2DraftModel" else "")
+            size = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+            print(f"weights: linear layers {layers}{books}; {size / 1e6:.1f} MB on disk")
     except (DrafterConfigError, DrafterLoadError, FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -29,16 +29,31 @@ def read_run(spec: str) -> tuple[str, list[dict], int]:
     if "=" not in spec:
         sys.exit(f"error: {spec!r}: expected LABEL=LOG.jsonl[:BATCH]")
     label, rest = spec.split("=", 1)
-    path, _, batch = rest.partition(":")
+    path, batch = rest, ""
+    head, sep, tail = rest.rpartition(":")
+    if sep and not Path(rest).is_file():  # LOG:BATCH (a log whose own name holds a ':' is taken whole)
+        if not (tail.isdigit() and int(tail) > 0):
+            sys.exit(f"error: {spec!r}: BATCH must be a whole number of sequences per step, got {tail!r}")
+        path, batch = head, tail
     p = Path(path)
     if not p.is_file():
         sys.exit(f"error: {p}: no such log")
-    rows = [r for r in (json.loads(line) for line in p.read_text().splitlines() if line.strip()) if "step" in r]
+    try:
+        rows = [r for r in (json.loads(line) for line in p.read_text().splitlines() if line.strip()) if "step" in r]
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        sys.exit(f"error: {p}: not a fit log.jsonl ({e})")
+    if not rows or not all(isinstance(r.get("acc"), list) and r["acc"] and "loss" in r for r in rows):
+        sys.exit(f"error: {p}: no logged steps with 'acc' and 'loss' (a fit log.jsonl?)")
     if not batch:
         cfg = p.with_name(p.name.replace("-log.jsonl", "-train-config.json"))
         if cfg.name == p.name or not cfg.is_file():
             sys.exit(f"error: {spec!r}: no {cfg.name} beside the log; give the batch size as LABEL=LOG:BATCH")
-        batch = json.loads(cfg.read_text())["batch_size"]
+        try:
+            batch = json.loads(cfg.read_text()).get("batch_size")
+        except (json.JSONDecodeError, AttributeError):
+            batch = None
+        if type(batch) is not int or batch < 1:
+            sys.exit(f"error: {cfg}: no batch_size; give it as LABEL=LOG:BATCH")
     return label, rows, int(batch)
 
 

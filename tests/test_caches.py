@@ -319,7 +319,10 @@ def test_window_mixed_blocks_and_trims_match(kind, slack):
 
     * a twin run through full KVCaches whose window masks are built here in numpy,
       fed the same blocks and trims (same block structure: TOL);
-    * mlx-lm's RotatingKVCache fed one token at a time (TOL);
+    * mlx-lm's RotatingKVCache fed one token at a time (TOL_PREFILL: its keys are laid out otherwise, exactly the
+      window, ours hold the slack too, masked, and a block's rows come from a multi-row forward, so float32 sums
+      round differently: up to 1.2e-5 on an Intel Xeon host, below 1e-5 on the AMD EPYC hosts before; the twin
+      above checks our caches at TOL);
     * the final sequence through the numpy-masked full KVCaches in one forward
       (TOL_PREFILL: a 44-row forward differs from one-token forwards by ~2e-5 in
       float32 here -- mlx-lm's own caches show the same, logits are ~2 in size).
@@ -352,10 +355,10 @@ def test_window_mixed_blocks_and_trims_match(kind, slack):
         trim(n)
         pos += keep
         if keep:
-            assert _maxdiff(logits[keep - 1], ref_logits[pos - 1]) <= TOL
+            assert _maxdiff(logits[keep - 1], ref_logits[pos - 1]) <= TOL_PREFILL
         logits = step([S[pos]])
         pos += 1
-        assert _maxdiff(logits[-1], ref_logits[pos - 1]) <= TOL
+        assert _maxdiff(logits[-1], ref_logits[pos - 1]) <= TOL_PREFILL
     # a trim across two forwards (round r's tail + all of round r+1), within the slack
     step(S[pos : pos + 2] + junk[:2])
     step(junk[2:5])
@@ -363,7 +366,7 @@ def test_window_mixed_blocks_and_trims_match(kind, slack):
     pos += 2
     logits = step([S[pos]])
     pos += 1
-    assert _maxdiff(logits[-1], ref_logits[pos - 1]) <= TOL
+    assert _maxdiff(logits[-1], ref_logits[pos - 1]) <= TOL_PREFILL
     assert pos > 4 * W  # the window wrapped several times
     full = _full_with_window_mask(kind, S[:pos])
     assert _maxdiff(full[-1], logits[-1]) <= TOL_PREFILL

@@ -563,6 +563,11 @@ def test_compiled_blocks_compute_what_the_routed_layers_compute(monkeypatch, mod
     prompt = [5, 9, 5, 9, 5, 9, 5, 9, 17, 23]
     ids = mx.array(prompt + [3, 4, 5], dtype=mx.int32)
     before = t.forward(ids, t.make_cache()).logits
+    c0 = t.make_cache()
+    t.forward(ids[:10], c0)
+    # the unrouted model's own 3 rows after 10 cached ones: the reference of the same shapes (the 13-row forward's
+    # last rows differ from them by ~1e-6 on some CPUs, e.g. this session's Intel Xeon host: other GEMM blocking)
+    tail = t.forward(ids[10:], c0).logits
     plain = [tok for tok, _, _ in speculative_generate_step(prompt, t, None, max_tokens=20)]
     assert t.route_kernels("kernel", force=True) == 3 * 7 + 3 + 3 + 3
     blocks = t.inner.layers
@@ -574,7 +579,7 @@ def test_compiled_blocks_compute_what_the_routed_layers_compute(monkeypatch, mod
     cache = t.make_cache()
     t.forward(ids[:10], cache)
     for _ in range(3):  # eager, then compiled twice
-        assert mx.array_equal(t.forward(ids[10:], cache).logits, before[10:])
+        assert mx.array_equal(t.forward(ids[10:], cache).logits, tail)
         trim_cache(cache, 3)
     assert len(submitted) == 2 * 4  # 10 rows (the wrapped layers) and 3 rows: layers 0 and 1, each call
     t.forward(ids[:1], cache)
@@ -591,7 +596,7 @@ def test_compiled_blocks_compute_what_the_routed_layers_compute(monkeypatch, mod
         t.forward(ids[:10], c2)
         ok = []
         for _ in range(2):  # eager, then compiled (MLX's streams are per thread: compared here)
-            ok.append(mx.array_equal(t.forward(ids[10:], c2).logits, before[10:]).item())
+            ok.append(mx.array_equal(t.forward(ids[10:], c2).logits, tail).item())
             trim_cache(c2, 3)
         got["ok"], got["fns"] = ok, blocks[0]._compiled()
 

@@ -29,6 +29,8 @@ def read_run(spec: str) -> tuple[str, list[dict], int]:
     if "=" not in spec:
         sys.exit(f"error: {spec!r}: expected LABEL=LOG.jsonl[:BATCH]")
     label, rest = spec.split("=", 1)
+    if not label or not rest:
+        sys.exit(f"error: {spec!r}: expected LABEL=LOG.jsonl[:BATCH] (a label and a log)")
     path, batch = rest, ""
     head, sep, tail = rest.rpartition(":")
     if sep and not Path(rest).is_file():  # LOG:BATCH (a log whose own name holds a ':' is taken whole)
@@ -45,8 +47,11 @@ def read_run(spec: str) -> tuple[str, list[dict], int]:
     if not rows or not all(isinstance(r.get("acc"), list) and r["acc"] and "loss" in r for r in rows):
         sys.exit(f"error: {p}: no logged steps with 'acc' and 'loss' (a fit log.jsonl?)")
     if not batch:
+        if not p.name.endswith("-log.jsonl"):
+            sys.exit(f"error: {spec!r}: the batch size comes from NAME-train-config.json beside a NAME-log.jsonl; "
+                     "give it as LABEL=LOG:BATCH")
         cfg = p.with_name(p.name.replace("-log.jsonl", "-train-config.json"))
-        if cfg.name == p.name or not cfg.is_file():
+        if not cfg.is_file():
             sys.exit(f"error: {spec!r}: no {cfg.name} beside the log; give the batch size as LABEL=LOG:BATCH")
         try:
             batch = json.loads(cfg.read_text()).get("batch_size")
@@ -62,6 +67,9 @@ def main(argv=None) -> int:
     ap.add_argument("runs", nargs="+", metavar="LABEL=LOG[:BATCH]")
     ap.add_argument("--out", required=True, help="PNG path")
     args = ap.parse_args(argv)
+    out = Path(args.out)
+    if out.suffix.lower() != ".png" or out.is_dir():
+        sys.exit(f"error: --out {out}: expected a .png file path")
     runs = [read_run(s) for s in args.runs]
     import matplotlib
 
@@ -81,9 +89,12 @@ def main(argv=None) -> int:
         a.grid(alpha=0.3)
         a.legend(fontsize=8)
     fig.tight_layout()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out, dpi=110)
-    print("wrote", args.out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=110)
+    except OSError as e:
+        sys.exit(f"error: --out {out}: {e.strerror or e}")
+    print("wrote", out)
     return 0
 
 

@@ -10,6 +10,8 @@ Command line: ``mlx_dflash2.convert SRC DEST`` or ``python -m mlx_dflash2.conver
 Python: :func:`convert`. Format facts: ``shared/research/formats.md``.
 """
 
+import mlx_dflash2  # noqa: F401,I001  (before MLX: `python -m convert` gets the optimized CPU BLAS too, mlx_dflash2/_blas.py)
+
 from .errors import (
     ConvertError,
     CorruptCheckpointError,

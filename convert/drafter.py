@@ -19,7 +19,10 @@ community int4 drafters have) are read by the model converter's own readers
 are repacked exactly (their own group size when MLX has it and it divides every
 quantized layer, else 4-bit g64 by repeating scales), act-order layers are
 dequantized through ``g_idx`` and quantized with MLX round-to-nearest. Any other
-quantization method is refused, naming it.
+quantization method is refused, naming it. An MLX-quantized drafter (``quantization`` in ``config.json``: this
+converter's or ``save_drafter``'s output, the shipped drafters) is a source too: to the same spec its layers are
+kept as stored, to another they are expanded and quantized again (a note says so), so e.g. the shipped drafter
+takes ``--codebook-bits`` directly.
 
 Missing or invalid fields are an error naming the field, never a silent default
 (known-bugs row 13): the config goes through :class:`DrafterConfig` validation,
@@ -83,6 +86,42 @@ def _quantized_source(path: Path, raw: dict):
     from .gptq import read_awq, read_gptq
 
     return (read_gptq if method == "gptq" else read_awq)(path)
+
+
+def _expand_mlx_quantized(path: Path, raw: dict, src: dict) -> tuple[tuple[int, int] | None, dict]:
+    """Expand an MLX-quantized drafter's layers (``quantization`` in ``config.json``, ``NAME.weight`` packed with
+    ``NAME.scales`` / ``NAME.biases``: what this converter and ``save_drafter`` write) in ``src`` in place, to
+    float32, so the drafter converts like a float one (e.g. the shipped drafter with ``--codebook-bits``).
+
+    Returns:
+        ``((bits, group_size) or None, {module: (packed weight, scales, biases)})``: the source's spec and its
+        layers as stored, which a conversion to the same spec keeps as they are (quantizing the expanded values
+        again is a second rounding: 3.5 % relative on the shipped drafter's layers, MLX's grid is zero-aligned).
+
+    Raises:
+        CorruptCheckpointError: a malformed ``quantization`` block, or a layer's scales without its weight or
+            biases, or shapes that do not fit the spec.
+    """
+    q = raw.get("quantization")
+    if q is None:
+        return None, {}
+    bits = q.get("bits") if isinstance(q, dict) else None
+    group = q.get("group_size") if isinstance(q, dict) else None
+    if type(bits) is not int or bits not in (2, 3, 4, 5, 6, 8) or type(group) is not int or group not in (32, 64, 128):
+        raise CorruptCheckpointError(f"{path}/config.json: quantization {q!r}: expected "
+                                     '{"bits": 2|3|4|5|6|8, "group_size": 32|64|128}')
+    orig = {}
+    for k in sorted(k for k in src if k.endswith(".scales")):
+        mod = k[: -len(".scales")]
+        w, s, b = src.get(f"{mod}.weight"), src[k], src.get(f"{mod}.biases")
+        if w is None or b is None or w.dtype != mx.uint32 or s.shape != b.shape or s.shape[:-1] != w.shape[:-1] \
+                or w.shape[-1] * 32 != s.shape[-1] * group * bits or not mx.issubdtype(s.dtype, mx.floating):
+            raise CorruptCheckpointError(f"{path}: {mod}: not a {bits}-bit group-{group} MLX-quantized layer "
+                                         "(weight, scales and biases)")
+        src[f"{mod}.weight"] = mx.dequantize(w, s, b, group_size=group, bits=bits).astype(mx.float32)
+        del src[k], src[f"{mod}.biases"]
+        orig[mod] = (w, s, b)
+    return (bits, group), orig
 
 
 def _module(prefix: str) -> str:
@@ -199,9 +238,10 @@ def convert_drafter(
         dequantize_codebooks(src, source_codebooks, path)
     except DrafterLoadError as e:
         raise CorruptCheckpointError(str(e)) from None
+    mlx_spec, mlx_layers = _expand_mlx_quantized(path, raw, src) if source is None else (None, {})
     packed = {_module(p): fn for p, fn in source.packed.items()} if source is not None else {}
     native = {_module(p): sp for p, sp in source.native.items()} if source is not None else {}
-    dequantized = {_remap(k) for k in source.dequantized} if source is not None else set()
+    dequantized = {_remap(k) for k in source.dequantized} if source is not None else {f"{m}.weight" for m in mlx_layers}
     model = DraftModel(cfg)
     expected = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
     missing = sorted(set(expected) - set(src))
@@ -237,6 +277,14 @@ def convert_drafter(
         quantized.add(name)
 
     result = ConvertResult(out.dest, "drafter", notes=list(source.notes) if source is not None else [])
+    keep_mlx = spec is not None and mlx_spec == (spec.bits, spec.group_size)
+    if mlx_layers:
+        kept = sum(1 for m in mlx_layers if m in quantized) if keep_mlx else 0
+        rest = len(mlx_layers) - kept
+        result.notes.append(
+            f"the source is MLX-quantized ({mlx_spec[0]}-bit g{mlx_spec[1]}): {kept} layers kept as stored"
+            + (f", {rest} expanded" + ("" if spec is None or keep_mlx else " and quantized again (a second rounding)")
+               if rest else ""))
     with out as tmp:
         writer = ShardWriter(tmp)
         bar = tqdm(total=len(expected), unit="tensor", disable=not progress, desc="convert drafter")
@@ -250,6 +298,13 @@ def convert_drafter(
                     writer.add(name, exact.weight, logical_params=math.prod(expected[name]))
                     writer.add(f"{mod}.scales", exact.scales, logical_params=0)
                     writer.add(f"{mod}.biases", exact.biases, logical_params=0)
+                    (result.exact if lossless else result.rounded).append(mod)
+                elif keep_mlx and mod in quantized and mod in mlx_layers:  # an MLX-quantized source's own codes
+                    wq, s, b = mlx_layers[mod]
+                    writer.add(name, wq, logical_params=math.prod(expected[name]))
+                    writer.add(f"{mod}.scales", s.astype(fdtype), logical_params=0)
+                    writer.add(f"{mod}.biases", b.astype(fdtype), logical_params=0)
+                    lossless = fdtype == s.dtype or fdtype == mx.float32
                     (result.exact if lossless else result.rounded).append(mod)
                 elif mod in quantized:
                     # float sources: cast, then quantize (as before); dequantized GPTQ/AWQ: from float32

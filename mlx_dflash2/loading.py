@@ -134,7 +134,7 @@ def load_target(
     dequantize: bool = False,
     kernels: str | None = None,
 ):
-    """Load a target model and its tokenizer.
+    """Load a target model: ``(TargetAdapter, TokenizerWrapper, name)``.
 
     Args:
         path_or_hf_repo: ``None`` / the embedded name for SmolLM2-135M-Instruct,

@@ -104,7 +104,7 @@ def test_drafter_bf16_conversion_keeps_fields_and_weights(tmp_path, smol_q, arch
     assert mx.allclose(_forward(ref, target), _forward(got, target), atol=1e-5).item()
 
 
-def test_drafter_4bit_loads_and_stays_close(tmp_path, smol_q):
+def test_drafter_4bit_loads_and_stays_close(tmp_path, smol_q, capsys):
     target, tok = smol_q
     cfg = published_cfg("DFlash2DraftModel", pick_mask_token_id(tok))
     ref = write_published(tmp_path / "src", cfg)
@@ -129,6 +129,11 @@ def test_drafter_4bit_loads_and_stays_close(tmp_path, smol_q):
     convert(tmp_path / "src", tmp_path / "out2", progress=False, overrides=[parse_override("kernel_projection=none")])
     got2 = load_drafter(tmp_path / "out2", target, tok)
     assert isinstance(got2.layers[0].attention_conv.kernel_projection, nn.Linear)
+    from mlx_dflash2.drafter.cli import main as drafter_cli
+
+    capsys.readouterr()
+    assert drafter_cli(["info", str(tmp_path / "out2")]) == 0  # says which layers stayed float
+    assert "linear layers 4-bit g64 (" in capsys.readouterr().out
     with pytest.raises(ConvertError, match="one quantization spec"):
         convert(tmp_path / "src", tmp_path / "out3", progress=False, overrides=[parse_override("fc=8")])
     assert not (tmp_path / "out3").exists()
@@ -412,3 +417,56 @@ def test_drafter_codebooks_quantized(tmp_path, smol_q, capsys):
     with pytest.raises(DrafterLoadError, match="not a 4-bit group-32 quantized codebook"):
         load_drafter(tmp_path / "cb8", target, tok)
     assert not (tmp_path / "bad").exists()
+
+
+def test_mlx_quantized_drafter_converts_again(tmp_path, smol_q):
+    """An MLX-quantized drafter (this converter's output, or a shipped one) is a source: to the same spec its layers
+    are kept as stored (requantizing the expanded values is a second rounding: 3.5 % on the shipped drafter), to
+    another spec or float they are expanded; a malformed quantization block or layer is an error writing nothing;
+    quantized codebooks with integer scales are refused at load (they were accepted and drafted worse)."""
+    from mlx.utils import tree_flatten
+
+    from mlx_dflash2.convert import CorruptCheckpointError
+    from mlx_dflash2.drafter.io import DrafterLoadError
+
+    target, tok = smol_q
+    cfg = published_cfg("DFlash2DraftModel", pick_mask_token_id(tok))
+    cfg["dflash_config"]["selector_rank"] = 32
+    write_published(tmp_path / "src", cfg)
+    convert(tmp_path / "src", tmp_path / "q4", progress=False, dtype="float32")
+    q4 = mx.load(str(tmp_path / "q4/model.safetensors"))
+    res = convert(tmp_path / "q4", tmp_path / "cb", progress=False, dtype="float32", codebook_bits=4)
+    assert any("layers kept as stored" in n and "expanded" not in n for n in res.notes), res.notes
+    cb = mx.load(str(tmp_path / "cb/model.safetensors"))
+    for k, v in q4.items():
+        if "_codebook" not in k:
+            assert mx.array_equal(v, cb[k]).item(), k
+    assert cb["candidate_selector.successor_codebook"].dtype == mx.uint32
+    a, b = load_drafter(tmp_path / "q4", target, tok), load_drafter(tmp_path / "cb", target, tok)
+    assert mx.array_equal(a.fc.weight, b.fc.weight).item()
+    res = convert(tmp_path / "q4", tmp_path / "q8", progress=False, dtype="float32", q_bits=8)
+    assert any("quantized again (a second rounding)" in n for n in res.notes), res.notes
+    assert load_drafter(tmp_path / "q8", target, tok).fc.bits == 8
+    convert(tmp_path / "q4", tmp_path / "f", progress=False, dtype="float32", quantize=False)
+    f = dict(tree_flatten(load_drafter(tmp_path / "f", target, tok).parameters()))
+    w = mx.dequantize(q4["fc.weight"], q4["fc.scales"], q4["fc.biases"], group_size=64, bits=4)
+    assert mx.array_equal(f["fc.weight"], w).item()
+    # malformed sources: one error each, nothing written
+    c = json.loads((tmp_path / "q4/config.json").read_text())
+    for bad in ({"bits": 7, "group_size": 64}, "4-bit", {"bits": 4}):
+        (tmp_path / "q4/config.json").write_text(json.dumps({**c, "quantization": bad}))
+        with pytest.raises(CorruptCheckpointError, match="quantization"):
+            convert(tmp_path / "q4", tmp_path / "bad", progress=False)
+        assert not (tmp_path / "bad").exists()
+    (tmp_path / "q4/config.json").write_text(json.dumps(c))
+    mx.save_safetensors(str(tmp_path / "q4/model.safetensors"), {k: v for k, v in q4.items() if k != "fc.biases"})
+    (tmp_path / "q4/model.safetensors.index.json").unlink(missing_ok=True)  # (its own check would name fc.biases)
+    with pytest.raises(CorruptCheckpointError, match="fc: not a 4-bit group-64 MLX-quantized layer"):
+        convert(tmp_path / "q4", tmp_path / "bad", progress=False)
+    assert not (tmp_path / "bad").exists()
+    # integer codebook scales
+    w8 = mx.load(str(tmp_path / "cb/model.safetensors"))
+    w8["candidate_selector.successor_codebook.scales"] = w8["candidate_selector.successor_codebook.scales"].astype(mx.int32)
+    mx.save_safetensors(str(tmp_path / "cb/model.safetensors"), w8)
+    with pytest.raises(DrafterLoadError, match="int32"):
+        load_drafter(tmp_path / "cb", target, tok)

@@ -104,7 +104,12 @@ def main(argv=None) -> int:
                   if vocab else "draft vocabulary: none (the drafter proposes from every id)")
             raw = json.loads((Path(path) / "config.json").read_text())
             q, cq = raw.get("quantization"), raw.get("codebook_quantization")
-            layers = f"{q['bits']}-bit g{q['group_size']}" if q else "float"
+            import mlx.nn as nn
+
+            mods = [m for _, m in model.named_modules() if isinstance(m, (nn.Linear, nn.QuantizedLinear))]
+            nq = sum(isinstance(m, nn.QuantizedLinear) for m in mods)
+            layers = "float" if not nq else f"{q['bits']}-bit g{q['group_size']}" + (
+                f" ({nq} of {len(mods)}; the others float)" if nq < len(mods) else "")
             books = (f", selector codebooks {cq['bits']}-bit g{cq['group_size']} (expanded at load)" if cq
                      else ", selector codebooks float" if model.config.architecture == "DFlash2DraftModel" else "")
             size = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))

@@ -268,12 +268,17 @@ def dequantize_codebooks(weights: dict, spec: tuple[int, int] | None, path: str 
         if any(p is None for p in parts):
             if all(p is None for p in parts):
                 continue  # a DFlash (v1) drafter has no selector
+            if parts[0] is not None and mx.issubdtype(parts[0].dtype, mx.floating) and parts[1] is None:
+                raise DrafterLoadError(f"{path}: config.json's codebook_quantization does not match the weights: "
+                                       f"{name} is stored in float (no .scales / .biases)")
             raise DrafterLoadError(f"{path}: codebook_quantization is set but {name}, .scales or .biases is missing")
         w, s, b = parts
         if w.dtype != mx.uint32 or w.ndim != 2 or s.shape != b.shape or s.shape[0] != w.shape[0] \
-                or w.shape[1] * 32 != s.shape[1] * group * bits:
+                or w.shape[1] * 32 != s.shape[1] * group * bits \
+                or not (mx.issubdtype(s.dtype, mx.floating) and mx.issubdtype(b.dtype, mx.floating)):
             raise DrafterLoadError(f"{path}: {name}: not a {bits}-bit group-{group} quantized codebook "
-                                   f"(packed {tuple(w.shape)} {w.dtype}, scales {tuple(s.shape)})")
+                                   f"(packed {tuple(w.shape)} {w.dtype}, scales {tuple(s.shape)} {s.dtype}, "
+                                   f"biases {b.dtype})")
         weights[name] = mx.dequantize(w, s, b, group_size=group, bits=bits)
         del weights[f"{name}.scales"], weights[f"{name}.biases"]
     return weights

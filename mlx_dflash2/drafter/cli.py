@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 
 
 def _target(args):
@@ -104,8 +105,6 @@ def main(argv=None) -> int:
                   if vocab else "draft vocabulary: none (the drafter proposes from every id)")
             raw = json.loads((Path(path) / "config.json").read_text())
             q, cq = raw.get("quantization"), raw.get("codebook_quantization")
-            import mlx.nn as nn
-
             mods = [m for _, m in model.named_modules() if isinstance(m, (nn.Linear, nn.QuantizedLinear))]
             nq = sum(isinstance(m, nn.QuantizedLinear) for m in mods)
             layers = "float" if not nq else f"{q['bits']}-bit g{q['group_size']}" + (

@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--keep-source-layout",
         dest="keep_source_layout",
         action="store_true",
-        help="the default: keep the source's exact quantized layout where one exists (GPTQ/AWQ groups; GGUF "
+        help="the default: keep the source's exact quantized layout where one exists (GPTQ/AWQ groups; an "
+        "MLX-quantized drafter's own; GGUF "
         "Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K as MLX groups of 32): lossless, except that Q4_K/Q5_K scales are exact "
         "only with --dtype float32; GGUF Q6_K becomes 8-bit g32 (near-lossless); Q2_K/Q3_K take the --q-bits spec. "
         "With --q-bits/--q-group-size it keeps the layout and applies them to the other layers only",

@@ -49,12 +49,13 @@ from mlx_dflash2.drafter.io import (
     _remap,
     codebook_quantization,
     dequantize_codebooks,
+    mlx_quantization,
     read_draft_vocab,
 )
 
 from .errors import ConvertError, CorruptCheckpointError, MissingTensorError, ShapeMismatchError, UnsupportedFormatError
 from .hf import open_safetensors, read_config
-from .mlxq import QuantPlan
+from .mlxq import QSpec, QuantPlan
 from .writer import AtomicOutput, ShardWriter
 
 __all__ = ["convert_drafter", "DrafterFieldError", "DRAFTER_QUANT_METHODS", "drafter_quant_method"]
@@ -102,22 +103,26 @@ def _expand_mlx_quantized(path: Path, raw: dict, src: dict) -> tuple[tuple[int, 
         CorruptCheckpointError: a malformed ``quantization`` block, or a layer's scales without its weight or
             biases, or shapes that do not fit the spec.
     """
-    q = raw.get("quantization")
-    if q is None:
+    try:
+        spec = mlx_quantization(raw, path / "config.json")
+    except DrafterLoadError as e:
+        raise CorruptCheckpointError(str(e)) from None
+    if spec is None:
         return None, {}
-    bits = q.get("bits") if isinstance(q, dict) else None
-    group = q.get("group_size") if isinstance(q, dict) else None
-    if type(bits) is not int or bits not in (2, 3, 4, 5, 6, 8) or type(group) is not int or group not in (32, 64, 128):
-        raise CorruptCheckpointError(f"{path}/config.json: quantization {q!r}: expected "
-                                     '{"bits": 2|3|4|5|6|8, "group_size": 32|64|128}')
+    bits, group = spec
     orig = {}
     for k in sorted(k for k in src if k.endswith(".scales")):
         mod = k[: -len(".scales")]
         w, s, b = src.get(f"{mod}.weight"), src[k], src.get(f"{mod}.biases")
         if w is None or b is None or w.dtype != mx.uint32 or s.shape != b.shape or s.shape[:-1] != w.shape[:-1] \
-                or w.shape[-1] * 32 != s.shape[-1] * group * bits or not mx.issubdtype(s.dtype, mx.floating):
-            raise CorruptCheckpointError(f"{path}: {mod}: not a {bits}-bit group-{group} MLX-quantized layer "
-                                         "(weight, scales and biases)")
+                or w.shape[-1] * 32 != s.shape[-1] * group * bits or not mx.issubdtype(s.dtype, mx.floating) \
+                or not mx.issubdtype(b.dtype, mx.floating):
+            raise CorruptCheckpointError(
+                f"{path}: {mod}: not a {bits}-bit group-{group} MLX-quantized layer (weight "
+                f"{None if w is None else (tuple(w.shape), w.dtype)}, scales {tuple(s.shape), s.dtype}, biases "
+                f"{None if b is None else (tuple(b.shape), b.dtype)})")
+        if not (mx.all(mx.isfinite(s)).item() and mx.all(mx.isfinite(b)).item()):
+            raise CorruptCheckpointError(f"{path}: {mod}: its scales or biases hold NaN or infinite values")
         src[f"{mod}.weight"] = mx.dequantize(w, s, b, group_size=group, bits=bits).astype(mx.float32)
         del src[k], src[f"{mod}.biases"]
         orig[mod] = (w, s, b)
@@ -263,6 +268,10 @@ def convert_drafter(
     fdtype = getattr(mx, dtype_name)
     linears = {name: m.weight.shape[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     plan = _drafter_plan(plan, native, linears)
+    if mlx_spec is not None and plan.keep_source_layout and plan.default is not None \
+            and all(in_dim % mlx_spec[1] == 0 for in_dim in linears.values()):
+        # an MLX-quantized source keeps its own spec unless --q-bits / --q-group-size ask for another (as GGUF, GPTQ)
+        plan = QuantPlan(QSpec(*mlx_spec), plan.overrides, plan.keep_source_layout, plan.requantize_reason)
     spec = plan.default
     quantized = set()
     for name, in_dim in linears.items():
@@ -304,7 +313,7 @@ def convert_drafter(
                     writer.add(name, wq, logical_params=math.prod(expected[name]))
                     writer.add(f"{mod}.scales", s.astype(fdtype), logical_params=0)
                     writer.add(f"{mod}.biases", b.astype(fdtype), logical_params=0)
-                    lossless = fdtype == s.dtype or fdtype == mx.float32
+                    lossless = all(mx.array_equal(t.astype(fdtype).astype(t.dtype), t).item() for t in (s, b))
                     (result.exact if lossless else result.rounded).append(mod)
                 elif mod in quantized:
                     # float sources: cast, then quantize (as before); dequantized GPTQ/AWQ: from float32

@@ -65,7 +65,9 @@ class AtomicOutput:
     """
 
     def __init__(self, dest: str | Path, overwrite: bool = False):
-        self.dest = Path(dest).expanduser().absolute()
+        # normalized lexically: with "x/../x" the final renames would go through x after it has moved (its old
+        # content was left as a hidden .x.old-* and the new one as .x.tmp-*, a fresh user's find)
+        self.dest = Path(os.path.abspath(Path(dest).expanduser()))
         self.overwrite = overwrite
         self.tmp: Path | None = None
         self.made: list[Path] = []  # parent directories created here (removed again on failure)
@@ -111,7 +113,12 @@ class AtomicOutput:
             if self.dest.exists():
                 old = Path(tempfile.mkdtemp(prefix=f".{self.dest.name}.old-", dir=self.dest.parent))
                 os.replace(self.dest, old / "x")
-                os.replace(self.tmp, self.dest)
+                try:
+                    os.replace(self.tmp, self.dest)
+                except BaseException:
+                    os.replace(old / "x", self.dest)  # the old output back where it was
+                    shutil.rmtree(old, ignore_errors=True)
+                    raise
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.replace(self.tmp, self.dest)

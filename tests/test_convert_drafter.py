@@ -470,3 +470,34 @@ def test_mlx_quantized_drafter_converts_again(tmp_path, smol_q):
     mx.save_safetensors(str(tmp_path / "cb/model.safetensors"), w8)
     with pytest.raises(DrafterLoadError, match="int32"):
         load_drafter(tmp_path / "cb", target, tok)
+
+
+def test_mlx_quantized_drafter_keeps_its_layout_and_overwrite_through_dotdot(tmp_path, smol_q):
+    """An MLX-quantized source keeps its own spec by default (8-bit g32 stays 8-bit g32, exact); --q-bits asks for
+    another. `--overwrite` onto a DEST spelled with '..' replaces it (it lost DEST: the renames went through a
+    path that no longer resolved). Loading refuses a malformed quantization block, integer or NaN scales."""
+    from mlx_dflash2.drafter.io import DrafterLoadError
+
+    target, tok = smol_q
+    cfg = published_cfg("DFlash2DraftModel", pick_mask_token_id(tok))
+    write_published(tmp_path / "src", cfg)
+    convert(tmp_path / "src", tmp_path / "q8", progress=False, dtype="float32", q_bits=8, q_group_size=32)
+    res = convert(tmp_path / "q8", tmp_path / "again", progress=False)
+    q = json.loads((tmp_path / "again/config.json").read_text())["quantization"]
+    assert (q["bits"], q["group_size"]) == (8, 32) and res.exact and not res.requantized
+    res = convert(tmp_path / "q8", tmp_path / "q4", progress=False, q_bits=4)
+    assert json.loads((tmp_path / "q4/config.json").read_text())["quantization"]["bits"] == 4 and res.requantized
+    convert(tmp_path / "q8", tmp_path / "q4" / ".." / "q4", progress=False, overwrite=True, q_bits=4)
+    assert load_drafter(tmp_path / "q4", target, tok).fc.bits == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again", "q4", "q8", "src"]  # no hidden leftovers
+    c = json.loads((tmp_path / "q4/config.json").read_text())
+    for bad in ("4bit", {"bits": 4}, {"bits": 4, "group_size": 64, "mode": "mxfp4"}):
+        (tmp_path / "q4/config.json").write_text(json.dumps({**c, "quantization": bad}))
+        with pytest.raises(DrafterLoadError, match="quantization"):
+            load_drafter(tmp_path / "q4", target, tok)
+    (tmp_path / "q4/config.json").write_text(json.dumps(c))
+    w = mx.load(str(tmp_path / "q4/model.safetensors"))
+    for bad, match in ((w["fc.scales"].astype(mx.int32), "int32"), (w["fc.scales"] * float("nan"), "NaN")):
+        mx.save_safetensors(str(tmp_path / "q4/model.safetensors"), {**w, "fc.scales": bad})
+        with pytest.raises(DrafterLoadError, match=match):
+            load_drafter(tmp_path / "q4", target, tok)

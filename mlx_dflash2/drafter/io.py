@@ -36,6 +36,7 @@ __all__ = [
     "CODEBOOKS",
     "codebook_quantization",
     "dequantize_codebooks",
+    "mlx_quantization",
 ]
 
 #: the DFlash2 selector's codebooks (``[vocab, rank]`` each), by their checkpoint names
@@ -229,6 +230,41 @@ def _remap(name: str) -> str:
     return name
 
 
+def mlx_quantization(raw: dict, path: str | Path = "config.json") -> tuple[int, int] | None:
+    """A checkpoint's MLX ``quantization`` block (its linear layers: ``{"bits": b, "group_size": g}``, affine) as
+    ``(bits, group_size)``, or ``None`` (float layers).
+
+    Raises:
+        DrafterLoadError: not such an object, bits / group size MLX does not have, or another ``mode``.
+    """
+    q = raw.get("quantization")
+    if q is None:
+        return None
+    bits = q.get("bits") if isinstance(q, dict) else None
+    group = q.get("group_size") if isinstance(q, dict) else None
+    mode = q.get("mode", "affine") if isinstance(q, dict) else None
+    if type(bits) is not int or bits not in (2, 3, 4, 5, 6, 8) or type(group) is not int or group not in (32, 64, 128) \
+            or mode != "affine":
+        raise DrafterLoadError(f"{path}: quantization {q!r}: expected {{\"bits\": 2|3|4|5|6|8, "
+                               "\"group_size\": 32|64|128}, affine")
+    return bits, group
+
+
+def _check_quantized_tensors(weights: dict, path: str | Path) -> None:
+    """Every ``*.scales`` / ``*.biases`` tensor floating and finite (integer or NaN scales loaded and drafted
+    badly: a fresh user's find).
+
+    Raises:
+        DrafterLoadError: naming the first bad tensor.
+    """
+    for k, v in weights.items():
+        if k.endswith((".scales", ".biases")):
+            if not mx.issubdtype(v.dtype, mx.floating):
+                raise DrafterLoadError(f"{path}: tensor {k} is {v.dtype}; quantization scales and biases are floats")
+            if not mx.all(mx.isfinite(v)).item():
+                raise DrafterLoadError(f"{path}: tensor {k} holds NaN or infinite values")
+
+
 def codebook_quantization(raw: dict, path: str | Path = "config.json") -> tuple[int, int] | None:
     """A checkpoint's ``codebook_quantization`` (``{"bits": b, "group_size": g}``, written by
     ``mlx_dflash2.convert --codebook-bits``) as ``(bits, group_size)``, or ``None`` (float codebooks).
@@ -309,6 +345,7 @@ def read_drafter_checkpoint(path: str | Path, target_name: str | None = None):
         raise DrafterLoadError(f"{cfg_file}: invalid JSON ({e})") from e
     _refuse_packed(path, raw, target_name)
     cfg = DrafterConfig.from_dict(raw)
+    mlx_quantization(raw, cfg_file)
     codebook_quantization(raw, cfg_file)
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -346,14 +383,15 @@ def load_drafter(path: str | Path, target, tokenizer, dtype: mx.Dtype | None = N
         except Exception as e:
             raise DrafterLoadError(f"{f}: cannot read safetensors ({e})") from e
         weights.update({_remap(k): v for k, v in w.items()})
+    _check_quantized_tensors(weights, path)
     dequantize_codebooks(weights, codebook_quantization(raw, path / "config.json"), path)
     model = DraftModel(cfg)
-    quant = raw.get("quantization")
+    quant = mlx_quantization(raw, path / "config.json")
     if quant:
         nn.quantize(
             model,
-            group_size=int(quant["group_size"]),
-            bits=int(quant["bits"]),
+            group_size=quant[1],
+            bits=quant[0],
             class_predicate=lambda p, m: f"{p}.scales" in weights,
         )
     expected = dict(tree_flatten(model.parameters()))
@@ -426,7 +464,7 @@ def save_drafter(model: DraftModel, path: str | Path, overwrite: bool = False, m
     Raises:
         FileExistsError: ``path`` exists and ``overwrite`` is False.
     """
-    path = Path(path)
+    path = Path(os.path.abspath(Path(path).expanduser()))  # "x/../x" would not resolve once x has moved aside
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists; to replace it pass --overwrite (command line) or overwrite=True (Python)")
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -47,6 +47,7 @@ from mlx_dflash2.drafter.io import (
     DRAFT_VOCAB_FILE,
     DrafterLoadError,
     _remap,
+    check_quantized,
     codebook_quantization,
     dequantize_codebooks,
     mlx_quantization,
@@ -100,13 +101,10 @@ def _expand_mlx_quantized(path: Path, raw: dict, src: dict) -> tuple[tuple[int, 
         again is a second rounding: 3.5 % relative on the shipped drafter's layers, MLX's grid is zero-aligned).
 
     Raises:
-        CorruptCheckpointError: a malformed ``quantization`` block, or a layer's scales without its weight or
-            biases, or shapes that do not fit the spec.
+        DrafterLoadError: a malformed ``quantization`` block, or a layer that is not that spec's layout
+            (:func:`~mlx_dflash2.drafter.io.check_quantized`); the caller makes it a CorruptCheckpointError.
     """
-    try:
-        spec = mlx_quantization(raw, path / "config.json")
-    except DrafterLoadError as e:
-        raise CorruptCheckpointError(str(e)) from None
+    spec = mlx_quantization(raw, path / "config.json")
     if spec is None:
         return None, {}
     bits, group = spec
@@ -114,15 +112,7 @@ def _expand_mlx_quantized(path: Path, raw: dict, src: dict) -> tuple[tuple[int, 
     for k in sorted(k for k in src if k.endswith(".scales")):
         mod = k[: -len(".scales")]
         w, s, b = src.get(f"{mod}.weight"), src[k], src.get(f"{mod}.biases")
-        if w is None or b is None or w.dtype != mx.uint32 or s.shape != b.shape or s.shape[:-1] != w.shape[:-1] \
-                or w.shape[-1] * 32 != s.shape[-1] * group * bits or not mx.issubdtype(s.dtype, mx.floating) \
-                or not mx.issubdtype(b.dtype, mx.floating):
-            raise CorruptCheckpointError(
-                f"{path}: {mod}: not a {bits}-bit group-{group} MLX-quantized layer (weight "
-                f"{None if w is None else (tuple(w.shape), w.dtype)}, scales {tuple(s.shape), s.dtype}, biases "
-                f"{None if b is None else (tuple(b.shape), b.dtype)})")
-        if not (mx.all(mx.isfinite(s)).item() and mx.all(mx.isfinite(b)).item()):
-            raise CorruptCheckpointError(f"{path}: {mod}: its scales or biases hold NaN or infinite values")
+        check_quantized(mod, w, s, b, bits, group, path)
         src[f"{mod}.weight"] = mx.dequantize(w, s, b, group_size=group, bits=bits).astype(mx.float32)
         del src[k], src[f"{mod}.biases"]
         orig[mod] = (w, s, b)
@@ -228,10 +218,6 @@ def convert_drafter(
         raise ConvertError(f"--codebook-bits: {cfg.architecture} has no selector codebooks (DFlash2 drafters do)")
     if codebook_bits is not None and cfg.selector_rank % 32:
         raise ConvertError(f"--codebook-bits: selector rank {cfg.selector_rank} is not a multiple of 32 (MLX's groups)")
-    try:
-        source_codebooks = codebook_quantization(raw, path / "config.json")  # an MLX drafter converted again
-    except DrafterLoadError as e:
-        raise CorruptCheckpointError(str(e)) from None
     source = _quantized_source(path, raw)  # GPTQ / AWQ packed layers, or None for a float drafter
     src = {}
     for k, v in (source.weights if source is not None else open_safetensors(path)).items():
@@ -239,11 +225,11 @@ def convert_drafter(
         if new in src:
             raise CorruptCheckpointError(f"{path}: tensors {k!r} and another both map to {new!r}")
         src[new] = v
-    try:
-        dequantize_codebooks(src, source_codebooks, path)
+    try:  # an MLX drafter converted again: its quantized codebooks and layers expanded
+        dequantize_codebooks(src, codebook_quantization(raw, path / "config.json"), path)
+        mlx_spec, mlx_layers = _expand_mlx_quantized(path, raw, src) if source is None else (None, {})
     except DrafterLoadError as e:
         raise CorruptCheckpointError(str(e)) from None
-    mlx_spec, mlx_layers = _expand_mlx_quantized(path, raw, src) if source is None else (None, {})
     packed = {_module(p): fn for p, fn in source.packed.items()} if source is not None else {}
     native = {_module(p): sp for p, sp in source.native.items()} if source is not None else {}
     dequantized = {_remap(k) for k in source.dequantized} if source is not None else {f"{m}.weight" for m in mlx_layers}

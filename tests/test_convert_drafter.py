@@ -414,7 +414,7 @@ def test_drafter_codebooks_quantized(tmp_path, smol_q, capsys):
         convert(tmp_path / "cb8", tmp_path / "bad", progress=False)
     c["codebook_quantization"] = {"bits": 4, "group_size": 32}  # says 4, holds 8: the packed width disagrees
     (tmp_path / "cb8/config.json").write_text(json.dumps(c))
-    with pytest.raises(DrafterLoadError, match="not a 4-bit group-32 quantized codebook"):
+    with pytest.raises(DrafterLoadError, match="not a 4-bit group-32 MLX-quantized tensor"):
         load_drafter(tmp_path / "cb8", target, tok)
     assert not (tmp_path / "bad").exists()
 
@@ -461,7 +461,7 @@ def test_mlx_quantized_drafter_converts_again(tmp_path, smol_q):
     (tmp_path / "q4/config.json").write_text(json.dumps(c))
     mx.save_safetensors(str(tmp_path / "q4/model.safetensors"), {k: v for k, v in q4.items() if k != "fc.biases"})
     (tmp_path / "q4/model.safetensors.index.json").unlink(missing_ok=True)  # (its own check would name fc.biases)
-    with pytest.raises(CorruptCheckpointError, match="fc: not a 4-bit group-64 MLX-quantized layer"):
+    with pytest.raises(CorruptCheckpointError, match="fc: not a 4-bit group-64 MLX-quantized tensor"):
         convert(tmp_path / "q4", tmp_path / "bad", progress=False)
     assert not (tmp_path / "bad").exists()
     # integer codebook scales

@@ -37,6 +37,7 @@ __all__ = [
     "codebook_quantization",
     "dequantize_codebooks",
     "mlx_quantization",
+    "check_quantized",
 ]
 
 #: the DFlash2 selector's codebooks (``[vocab, rank]`` each), by their checkpoint names
@@ -230,6 +231,19 @@ def _remap(name: str) -> str:
     return name
 
 
+def _quant_spec(raw: dict, key: str, path, affine: bool) -> tuple[int, int] | None:
+    """``raw[key]`` (``{"bits": b, "group_size": g}``, with ``affine``: no other ``mode``) as ``(bits, group)``."""
+    q = raw.get(key)
+    if q is None:
+        return None
+    ok = isinstance(q, dict) and (not affine or q.get("mode", "affine") == "affine")
+    bits, group = (q.get("bits"), q.get("group_size")) if ok else (None, None)
+    if type(bits) is not int or bits not in (2, 3, 4, 5, 6, 8) or type(group) is not int or group not in (32, 64, 128):
+        raise DrafterLoadError(f"{path}: {key} {q!r}: expected {{\"bits\": 2|3|4|5|6|8, \"group_size\": 32|64|128}}"
+                               + (", affine" if affine else ""))
+    return bits, group
+
+
 def mlx_quantization(raw: dict, path: str | Path = "config.json") -> tuple[int, int] | None:
     """A checkpoint's MLX ``quantization`` block (its linear layers: ``{"bits": b, "group_size": g}``, affine) as
     ``(bits, group_size)``, or ``None`` (float layers).
@@ -237,32 +251,7 @@ def mlx_quantization(raw: dict, path: str | Path = "config.json") -> tuple[int, 
     Raises:
         DrafterLoadError: not such an object, bits / group size MLX does not have, or another ``mode``.
     """
-    q = raw.get("quantization")
-    if q is None:
-        return None
-    bits = q.get("bits") if isinstance(q, dict) else None
-    group = q.get("group_size") if isinstance(q, dict) else None
-    mode = q.get("mode", "affine") if isinstance(q, dict) else None
-    if type(bits) is not int or bits not in (2, 3, 4, 5, 6, 8) or type(group) is not int or group not in (32, 64, 128) \
-            or mode != "affine":
-        raise DrafterLoadError(f"{path}: quantization {q!r}: expected {{\"bits\": 2|3|4|5|6|8, "
-                               "\"group_size\": 32|64|128}, affine")
-    return bits, group
-
-
-def _check_quantized_tensors(weights: dict, path: str | Path) -> None:
-    """Every ``*.scales`` / ``*.biases`` tensor floating and finite (integer or NaN scales loaded and drafted
-    badly: a fresh user's find).
-
-    Raises:
-        DrafterLoadError: naming the first bad tensor.
-    """
-    for k, v in weights.items():
-        if k.endswith((".scales", ".biases")):
-            if not mx.issubdtype(v.dtype, mx.floating):
-                raise DrafterLoadError(f"{path}: tensor {k} is {v.dtype}; quantization scales and biases are floats")
-            if not mx.all(mx.isfinite(v)).item():
-                raise DrafterLoadError(f"{path}: tensor {k} holds NaN or infinite values")
+    return _quant_spec(raw, "quantization", path, affine=True)
 
 
 def codebook_quantization(raw: dict, path: str | Path = "config.json") -> tuple[int, int] | None:
@@ -272,15 +261,27 @@ def codebook_quantization(raw: dict, path: str | Path = "config.json") -> tuple[
     Raises:
         DrafterLoadError: the block is not such an object, or bits/group size MLX does not have.
     """
-    q = raw.get("codebook_quantization")
-    if q is None:
-        return None
-    bits = q.get("bits") if isinstance(q, dict) else None
-    group = q.get("group_size") if isinstance(q, dict) else None
-    if type(bits) is not int or bits not in (2, 3, 4, 5, 6, 8) or type(group) is not int or group not in (32, 64, 128):
-        raise DrafterLoadError(f"{path}: codebook_quantization {q!r}: expected {{\"bits\": 2|3|4|5|6|8, "
-                               "\"group_size\": 32|64|128}")
-    return bits, group
+    return _quant_spec(raw, "codebook_quantization", path, affine=False)
+
+
+def check_quantized(name: str, w, s, b, bits: int, group: int, path: str | Path = "") -> None:
+    """That ``(w, s, b)`` is one MLX affine-quantized tensor of ``bits`` / ``group`` (``mx.quantize``'s layout:
+    uint32 ``w`` ``[..., n * bits / 32]``, float ``s`` and ``b`` ``[..., n / group]``, finite): integer or NaN scales
+    loaded and drafted badly before (a fresh user's find).
+
+    Raises:
+        DrafterLoadError: a part missing or not that layout, naming ``name`` and what was found.
+    """
+    def desc(t):
+        return None if t is None else (tuple(t.shape), str(t.dtype))
+
+    if w is None or s is None or b is None or w.dtype != mx.uint32 or s.shape != b.shape \
+            or s.shape[:-1] != w.shape[:-1] or w.shape[-1] * 32 != s.shape[-1] * group * bits \
+            or not (mx.issubdtype(s.dtype, mx.floating) and mx.issubdtype(b.dtype, mx.floating)):
+        raise DrafterLoadError(f"{path}: {name}: not a {bits}-bit group-{group} MLX-quantized tensor "
+                               f"(packed {desc(w)}, scales {desc(s)}, biases {desc(b)})")
+    if not (mx.all(mx.isfinite(s)).item() and mx.all(mx.isfinite(b)).item()):
+        raise DrafterLoadError(f"{path}: {name}: its scales or biases hold NaN or infinite values")
 
 
 def dequantize_codebooks(weights: dict, spec: tuple[int, int] | None, path: str | Path = "") -> dict:
@@ -309,12 +310,7 @@ def dequantize_codebooks(weights: dict, spec: tuple[int, int] | None, path: str 
                                        f"{name} is stored in float (no .scales / .biases)")
             raise DrafterLoadError(f"{path}: codebook_quantization is set but {name}, .scales or .biases is missing")
         w, s, b = parts
-        if w.dtype != mx.uint32 or w.ndim != 2 or s.shape != b.shape or s.shape[0] != w.shape[0] \
-                or w.shape[1] * 32 != s.shape[1] * group * bits \
-                or not (mx.issubdtype(s.dtype, mx.floating) and mx.issubdtype(b.dtype, mx.floating)):
-            raise DrafterLoadError(f"{path}: {name}: not a {bits}-bit group-{group} quantized codebook "
-                                   f"(packed {tuple(w.shape)} {w.dtype}, scales {tuple(s.shape)} {s.dtype}, "
-                                   f"biases {b.dtype})")
+        check_quantized(name, w, s, b, bits, group, path)
         weights[name] = mx.dequantize(w, s, b, group_size=group, bits=bits)
         del weights[f"{name}.scales"], weights[f"{name}.biases"]
     return weights
@@ -383,10 +379,14 @@ def load_drafter(path: str | Path, target, tokenizer, dtype: mx.Dtype | None = N
         except Exception as e:
             raise DrafterLoadError(f"{f}: cannot read safetensors ({e})") from e
         weights.update({_remap(k): v for k, v in w.items()})
-    _check_quantized_tensors(weights, path)
     dequantize_codebooks(weights, codebook_quantization(raw, path / "config.json"), path)
     model = DraftModel(cfg)
     quant = mlx_quantization(raw, path / "config.json")
+    for k in [k for k in weights if k.endswith(".scales")]:
+        if quant is None:
+            break  # scales without a quantization block: the unexpected-tensors check below names them
+        mod = k[: -len(".scales")]
+        check_quantized(mod, weights.get(f"{mod}.weight"), weights[k], weights.get(f"{mod}.biases"), *quant, path)
     if quant:
         nn.quantize(
             model,

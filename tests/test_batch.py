@@ -815,7 +815,7 @@ def test_scheduled_widths_keep_every_row_exact(target, schedule):
         assert all(e >= 1 for _, _, e in sch.recorded)
 
 
-@pytest.mark.parametrize("schedule", ["full", "cycle"])
+@pytest.mark.parametrize("schedule", ["full", pytest.param("cycle", marks=pytest.mark.slow)])
 def test_seeded_sampled_request_on_the_embedded_model_is_what_it_gets_alone(smol_f32, schedule):
     """Issue 22 as a fresh user met it in the server: the embedded SmolLM2 (dense float32, as ``load()``
     gives it on a CPU) with its shipped drafter (fused with lookup, dynamic draft length: the server's

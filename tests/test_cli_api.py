@@ -67,6 +67,7 @@ def _main(argv, capsys):
     return rc, out.out, out.err
 
 
+@pytest.mark.slow  # 21 s on a 2-core host
 def test_cli_adaptive_flags_end_to_end(capsys, shared_embedded_load):
     """--adaptive puts a pinned drafter under the schedule, --no-adaptive takes the default's off (the
     verbose summary names the proposer); both outputs are the same. Through main() in this process, on the

@@ -127,6 +127,7 @@ def test_long_prompt_past_small_window_equals_plain(smol_f32, fresh, lookup):
     assert ctx.window == W_SMALL and ctx.rows() <= W_SMALL + DEFAULT_CONTEXT_SLACK
 
 
+@pytest.mark.slow  # 25 s; warm == cold also in test_lossless and test_batch_hybrid (windowed) in the default run
 def test_prompt_cache_warm_equals_cold_with_window(smol_f32, fresh):
     """Warm (prompt cache, a short and a far cut back) == cold == plain with a small drafter window."""
     target, tok = smol_f32

@@ -188,7 +188,7 @@ def test_other_drafter_variants_f32_identical(smol_f32, refs, over):
     assert out == ref[:40]
 
 
-@pytest.mark.parametrize("B", [1, pytest.param(4, marks=pytest.mark.slow), 16])
+@pytest.mark.parametrize("B", [1, pytest.param(4, marks=pytest.mark.slow), pytest.param(16, marks=pytest.mark.slow)])
 def test_streamed_text_identical_across_block_sizes(smol_f32, fresh_dflash2, B):
     """Streamed segments are whole UTF-8 and concatenate to the same text for every B (known-bugs row 7)."""
     import mlx_dflash2

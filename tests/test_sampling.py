@@ -230,6 +230,7 @@ def test_seed_reproducible_and_top_k1_is_greedy(spec_model):
     assert _tokens(model, tok, ids, max_tokens=20, temp=1.0, top_p=1e-6, seed=7) == greedy
 
 
+@pytest.mark.slow  # 13 s; seeded sampled requests also in test_batch / test_server in the default run
 def test_seeded_sampling_stays_reproducible_under_the_adaptive_schedule(smol_f32):
     """The adaptive schedule chooses rounds by measured time; a seeded sampled request must not depend on
     it (it drafts every round), so with a clock that reads noise two seeded runs still agree."""
@@ -272,7 +273,7 @@ def apple_greedy(spec_model):
 @pytest.mark.parametrize(
     "kw",
     [
-        dict(repetition_penalty=1.3),
+        pytest.param(dict(repetition_penalty=1.3), marks=pytest.mark.slow),  # 11 s; the other three in the default run
         dict(frequency_penalty=0.8),
         dict(presence_penalty=0.6, presence_context_size=8),
         dict(logit_bias={330: 5.0}),

@@ -3,7 +3,7 @@
     mlx_dflash2.convert SRC DEST [--from FORMAT] [--q-bits 4] [--q-group-size 64]
                         [--dtype float16|bfloat16|float32] [--q-override REGEX=BITS[:GROUP]|none ...]
                         [--requantize | --keep-source-layout] [--no-quantize] [--overwrite] [--report-error]
-                        [--target MODEL] [--codebook-bits 4|8]
+                        [--target MODEL] [--codebook-bits 4|8|none]
 
 SRC is a checkpoint directory, a .gguf file or a Hugging Face hub id (resolved
 offline when cached). The format is detected from config.json's
@@ -77,10 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-size-gb", type=float, default=2.0, help="maximum shard size (GiB, default 2)")
     p.add_argument("--report-error", action="store_true", help="print each layer's relative error vs the source")
     p.add_argument("--target", default=None, help="drafters: validate against this target model")
-    p.add_argument("--codebook-bits", type=int, choices=(4, 8), default=None,
+    p.add_argument("--codebook-bits", choices=("4", "8", "none"), default=None,
                    help="DFlash2 drafters: store the selector's two [vocab, rank] codebooks MLX-quantized at these "
-                   "bits (group 32; a third of a 4-bit drafter for a 152k vocabulary); loading expands them. "
-                   "Default: the float --dtype")
+                   "bits (group 32; a third of a 4-bit drafter for a 152k vocabulary); loading expands them; "
+                   "none: in the float --dtype. Default: as the source stores them")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -109,7 +109,8 @@ def main(argv=None) -> int:
             progress=not args.quiet,
             measure_error=args.report_error,
             target=args.target,
-            codebook_bits=args.codebook_bits,
+            codebook_bits=None if args.codebook_bits is None else 0 if args.codebook_bits == "none"
+            else int(args.codebook_bits),
         )
     except ConvertError as e:
         print(f"error: {e}", file=sys.stderr)

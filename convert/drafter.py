@@ -52,6 +52,7 @@ from mlx_dflash2.drafter.io import (
     dequantize_codebooks,
     mlx_quantization,
     read_draft_vocab,
+    refuse_unannounced_quantization,
 )
 
 from .errors import ConvertError, CorruptCheckpointError, MissingTensorError, ShapeMismatchError, UnsupportedFormatError
@@ -106,6 +107,7 @@ def _expand_mlx_quantized(path: Path, raw: dict, src: dict) -> tuple[tuple[int, 
     """
     spec = mlx_quantization(raw, path / "config.json")
     if spec is None:
+        refuse_unannounced_quantization(src, "quantization", path)
         return None, {}
     bits, group = spec
     orig = {}
@@ -161,7 +163,10 @@ def convert_drafter(
         codebook_bits: MLX-quantize the DFlash2 selector's two codebooks (``[vocab, rank]`` each) at
             these bits (4 or 8; group 32, a row's rank in groups of 32): they are a third of a 4-bit
             drafter for a 152k vocabulary; ``load_drafter`` expands them again
-            (:func:`mlx_dflash2.drafter.io.dequantize_codebooks`). ``None`` keeps them in ``dtype``.
+            (:func:`mlx_dflash2.drafter.io.dequantize_codebooks`). ``0`` stores them in ``dtype``;
+            ``None``: as the source stores them (float codebooks in ``dtype``, an MLX drafter's
+            quantized ones kept bit for bit). Codebooks the source stores quantized at other bits are
+            expanded and quantized again (a second rounding; a note says so).
 
     Returns:
         :class:`~.pipeline.ConvertResult`.
@@ -212,11 +217,11 @@ def convert_drafter(
     if vocab_ids is not None and max(vocab_ids) >= cfg.vocab_size:
         raise CorruptCheckpointError(f"{vocab_file}: id {max(vocab_ids)} is outside the drafter's vocabulary "
                                      f"of {cfg.vocab_size} (made for another tokenizer?)")
-    if codebook_bits is not None and codebook_bits not in (4, 8):
-        raise ConvertError(f"codebook bits {codebook_bits}: choose 4 or 8")
-    if codebook_bits is not None and cfg.architecture != "DFlash2DraftModel":
+    if codebook_bits is not None and codebook_bits not in (0, 4, 8):
+        raise ConvertError(f"codebook bits {codebook_bits}: choose 4 or 8 (0: float)")
+    if codebook_bits and cfg.architecture != "DFlash2DraftModel":
         raise ConvertError(f"--codebook-bits: {cfg.architecture} has no selector codebooks (DFlash2 drafters do)")
-    if codebook_bits is not None and cfg.selector_rank % 32:
+    if codebook_bits and cfg.selector_rank % 32:
         raise ConvertError(f"--codebook-bits: selector rank {cfg.selector_rank} is not a multiple of 32 (MLX's groups)")
     source = _quantized_source(path, raw)  # GPTQ / AWQ packed layers, or None for a float drafter
     src = {}
@@ -226,7 +231,12 @@ def convert_drafter(
             raise CorruptCheckpointError(f"{path}: tensors {k!r} and another both map to {new!r}")
         src[new] = v
     try:  # an MLX drafter converted again: its quantized codebooks and layers expanded
-        dequantize_codebooks(src, codebook_quantization(raw, path / "config.json"), path)
+        cb_spec = codebook_quantization(raw, path / "config.json") if source is None else None
+        if cb_spec is None and source is None:
+            refuse_unannounced_quantization(src, "codebook_quantization", path)
+        stored_cb = {n: (src[n], src[f"{n}.scales"], src[f"{n}.biases"]) for n in CODEBOOKS
+                     if cb_spec is not None and all(k in src for k in (n, f"{n}.scales", f"{n}.biases"))}
+        dequantize_codebooks(src, cb_spec, path)
         mlx_spec, mlx_layers = _expand_mlx_quantized(path, raw, src) if source is None else (None, {})
     except DrafterLoadError as e:
         raise CorruptCheckpointError(str(e)) from None
@@ -272,6 +282,16 @@ def convert_drafter(
         quantized.add(name)
 
     result = ConvertResult(out.dest, "drafter", notes=list(source.notes) if source is not None else [])
+    if cb_spec is not None:  # the source's codebooks are MLX-quantized: kept as stored unless asked otherwise
+        if codebook_bits is None:
+            codebook_bits = cb_spec[0]
+        keep_cb = codebook_bits == cb_spec[0] and cb_spec[1] == 32
+        result.notes.append(
+            f"the selector's codebooks are stored {cb_spec[0]}-bit g{cb_spec[1]} in the source: "
+            + ("kept as stored" if keep_cb else f"expanded to {dtype_name}" if not codebook_bits
+               else f"quantized again at {codebook_bits}-bit g32 (a second rounding)"))
+    else:
+        keep_cb = False
     keep_mlx = spec is not None and mlx_spec == (spec.bits, spec.group_size)
     if mlx_layers:
         kept = sum(1 for m in mlx_layers if m in quantized) if keep_mlx else 0
@@ -309,8 +329,8 @@ def convert_drafter(
                     writer.add(f"{mod}.scales", s.astype(fdtype), logical_params=0)
                     writer.add(f"{mod}.biases", b.astype(fdtype), logical_params=0)
                     result.requantized.append(mod)
-                elif codebook_bits is not None and name in CODEBOOKS:
-                    wq, s, b = mx.quantize(v.astype(fdtype), 32, codebook_bits)
+                elif codebook_bits and name in CODEBOOKS:
+                    wq, s, b = stored_cb[name] if keep_cb else mx.quantize(v.astype(fdtype), 32, codebook_bits)
                     writer.add(name, wq, logical_params=int(v.size))
                     writer.add(f"{name}.scales", s.astype(fdtype), logical_params=0)
                     writer.add(f"{name}.biases", b.astype(fdtype), logical_params=0)
@@ -320,15 +340,14 @@ def convert_drafter(
             writer.close()
         finally:
             bar.close()
-        if source is not None:
-            from .pipeline import _layout_notes
+        from .pipeline import _layout_notes
 
-            _layout_notes(plan, native, result.requantized, list(linears), result.notes)
+        _layout_notes(plan, native, result.requantized, list(linears), result.notes)
         out_cfg = cfg.to_dict()
         out_cfg["torch_dtype"] = dtype_name
         if quantized:
             out_cfg["quantization"] = spec.as_dict()
-        if codebook_bits is not None:
+        if codebook_bits:
             out_cfg["codebook_quantization"] = {"bits": codebook_bits, "group_size": 32}
         out_cfg["mlx_dflash2_convert"] = {
             "source_format": "drafter",

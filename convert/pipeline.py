@@ -192,7 +192,8 @@ def _layout_notes(plan: QuantPlan, native: dict, requantized: list, quantizable:
         )
     for rx, _ in plan.overrides:
         if not any(rx.search(p) for p in quantizable):
-            hint = " (the head of a tied model is embed_tokens)" if "lm_head" in rx.pattern else ""
+            hint = (" (the head of a tied model is embed_tokens)" if "lm_head" in rx.pattern
+                    else " (a drafter's selector codebooks: --codebook-bits)" if "codebook" in rx.pattern else "")
             notes.append(f"--q-override {rx.pattern!r} matches no quantizable layer{hint}")
 
 

@@ -385,12 +385,29 @@ def test_drafter_codebooks_quantized(tmp_path, smol_q, capsys):
     capsys.readouterr()
     assert drafter_cli(["info", str(tmp_path / "cb4")]) == 0
     assert "weights: linear layers float, selector codebooks 4-bit g32 (expanded at load)" in capsys.readouterr().out
-    # converted again: the quantized codebooks are the source, expanded exactly
-    convert(tmp_path / "cb8", tmp_path / "again", progress=False, quantize=False, dtype="float32")
+    # converted again: the quantized codebooks are kept as stored by default (bit for bit), expanded exactly with
+    # codebook_bits=0 (--codebook-bits none), quantized again at other bits with a note (a second rounding)
+    res = convert(tmp_path / "cb8", tmp_path / "kept", progress=False, quantize=False, dtype="float32")
+    assert any("codebooks are stored 8-bit g32 in the source: kept as stored" in n for n in res.notes), res.notes
+    assert json.loads((tmp_path / "kept/config.json").read_text())["codebook_quantization"]["bits"] == 8
+    src8, kept = mx.load(str(tmp_path / "cb8/model.safetensors")), mx.load(str(tmp_path / "kept/model.safetensors"))
+    assert all(mx.array_equal(v, kept[k]).item() for k, v in src8.items())
+    res = convert(tmp_path / "cb8", tmp_path / "again", progress=False, quantize=False, dtype="float32",
+                  codebook_bits=0)
+    assert any("expanded to float32" in n for n in res.notes), res.notes
     a = load_drafter(tmp_path / "cb8", target, tok).candidate_selector.successor_codebook
     b = load_drafter(tmp_path / "again", target, tok).candidate_selector.successor_codebook
     assert "codebook_quantization" not in json.loads((tmp_path / "again/config.json").read_text())
     assert mx.array_equal(a, b).item()
+    res = convert(tmp_path / "cb8", tmp_path / "re4", progress=False, quantize=False, dtype="float32",
+                  codebook_bits=4)
+    assert any("quantized again at 4-bit g32 (a second rounding)" in n for n in res.notes), res.notes
+    assert json.loads((tmp_path / "re4/config.json").read_text())["codebook_quantization"]["bits"] == 4
+    # a codebook override matches no quantizable layer: a note pointing at --codebook-bits
+    res = convert(tmp_path / "src", tmp_path / "ovr", progress=False, dtype="float32",
+                  overrides=[parse_override("successor_codebook=8")])
+    assert any("matches no quantizable layer (a drafter's selector codebooks: --codebook-bits)" in n
+               for n in res.notes), res.notes
     # settings the converter refuses, writing nothing
     for kwargs, match in (({"codebook_bits": 5}, "choose 4 or 8"),):
         with pytest.raises(ConvertError, match=match):
@@ -464,6 +481,20 @@ def test_mlx_quantized_drafter_converts_again(tmp_path, smol_q):
     with pytest.raises(CorruptCheckpointError, match="fc: not a 4-bit group-64 MLX-quantized tensor"):
         convert(tmp_path / "q4", tmp_path / "bad", progress=False)
     assert not (tmp_path / "bad").exists()
+    # a deleted quantization / codebook_quantization block: named, by the loader and the converter
+    for block, src in (("quantization", "q4"), ("codebook_quantization", "cb")):
+        c = json.loads((tmp_path / src / "config.json").read_text())
+        c.pop(block)
+        (tmp_path / "noblock").mkdir(exist_ok=True)
+        for f in (tmp_path / src).iterdir():
+            (tmp_path / "noblock" / f.name).write_bytes(f.read_bytes())
+        (tmp_path / "noblock/config.json").write_text(json.dumps(c))
+        want = f"are stored MLX-quantized .* but config.json has no '{block}' block"
+        with pytest.raises(DrafterLoadError, match=want):
+            load_drafter(tmp_path / "noblock", target, tok)
+        with pytest.raises(CorruptCheckpointError, match=want):
+            convert(tmp_path / "noblock", tmp_path / "bad", progress=False)
+        assert not (tmp_path / "bad").exists()
     # integer codebook scales
     w8 = mx.load(str(tmp_path / "cb/model.safetensors"))
     w8["candidate_selector.successor_codebook.scales"] = w8["candidate_selector.successor_codebook.scales"].astype(mx.int32)

@@ -36,6 +36,7 @@ __all__ = [
     "CODEBOOKS",
     "codebook_quantization",
     "dequantize_codebooks",
+    "refuse_unannounced_quantization",
     "mlx_quantization",
     "check_quantized",
 ]
@@ -284,6 +285,29 @@ def check_quantized(name: str, w, s, b, bits: int, group: int, path: str | Path 
         raise DrafterLoadError(f"{path}: {name}: its scales or biases hold NaN or infinite values")
 
 
+def refuse_unannounced_quantization(weights: dict, block: str, path: str | Path = "") -> None:
+    """Name quantized tensors whose ``config.json`` block is missing (deleted or lost in a hand edit), rather than
+    leaving them to a long list of unexpected tensors. Call when ``block`` is absent from ``config.json``.
+
+    Args:
+        weights: the checkpoint's tensors (names as :func:`_remap` leaves them).
+        block: ``"quantization"`` (linear layers: ``NAME.weight`` packed, ``NAME.scales`` / ``.biases`` beside it)
+            or ``"codebook_quantization"`` (the selector's codebooks, ``NAME`` packed).
+        path: the checkpoint, for the message.
+
+    Raises:
+        DrafterLoadError: ``.scales`` tensors of that kind exist; the message names the block and the first ones.
+    """
+    mods = sorted(k[: -len(".scales")] for k in weights if k.endswith(".scales"))
+    names = [m for m in mods if (m in CODEBOOKS) == (block == "codebook_quantization")]
+    example = '{"bits": 8, "group_size": 32}' if block == "codebook_quantization" else '{"bits": 4, "group_size": 64}'
+    if names:
+        raise DrafterLoadError(
+            f"{path}: {len(names)} tensors are stored MLX-quantized ({', '.join(names[:3])}"
+            f"{' ...' if len(names) > 3 else ''}: packed, with .scales / .biases) but config.json has no {block!r} "
+            f"block (e.g. {example}; the converter and save_drafter write it)")
+
+
 def dequantize_codebooks(weights: dict, spec: tuple[int, int] | None, path: str | Path = "") -> dict:
     """Expand MLX-quantized selector codebooks in ``weights`` (names as :func:`_remap` leaves them) in place.
 
@@ -379,9 +403,14 @@ def load_drafter(path: str | Path, target, tokenizer, dtype: mx.Dtype | None = N
         except Exception as e:
             raise DrafterLoadError(f"{f}: cannot read safetensors ({e})") from e
         weights.update({_remap(k): v for k, v in w.items()})
-    dequantize_codebooks(weights, codebook_quantization(raw, path / "config.json"), path)
+    cb_spec = codebook_quantization(raw, path / "config.json")
+    if cb_spec is None:
+        refuse_unannounced_quantization(weights, "codebook_quantization", path)
+    dequantize_codebooks(weights, cb_spec, path)
     model = DraftModel(cfg)
     quant = mlx_quantization(raw, path / "config.json")
+    if quant is None:
+        refuse_unannounced_quantization(weights, "quantization", path)
     for k in [k for k in weights if k.endswith(".scales")]:
         if quant is None:
             break  # scales without a quantization block: the unexpected-tensors check below names them

@@ -148,6 +148,7 @@ def convert_drafter(
     progress: bool = True,
     t0: float | None = None,
     codebook_bits: int | None = None,
+    measure_error: bool = False,
 ):
     """Convert a drafter checkpoint directory (see the module doc).
 
@@ -167,6 +168,9 @@ def convert_drafter(
             ``None``: as the source stores them (float codebooks in ``dtype``, an MLX drafter's
             quantized ones kept bit for bit). Codebooks the source stores quantized at other bits are
             expanded and quantized again (a second rounding; a note says so).
+        measure_error: fill the result's ``layer_errors`` (relative Frobenius error of each quantized layer and
+            codebook as written, dequantized, against the source's float values: 0 where kept bit for bit from a
+            float source's own rounding) and ``total_error``.
 
     Returns:
         :class:`~.pipeline.ConvertResult`.
@@ -181,7 +185,7 @@ def convert_drafter(
 
     from mlx_dflash2.drafter import DrafterConfig, DrafterConfigError, DraftModel
 
-    from .pipeline import ConvertResult
+    from .pipeline import ConvertResult, _measure
 
     t0 = t0 or time.perf_counter()
     path = Path(path)
@@ -300,6 +304,10 @@ def convert_drafter(
             f"the source is MLX-quantized ({mlx_spec[0]}-bit g{mlx_spec[1]}): {kept} layers kept as stored"
             + (f", {rest} expanded" + ("" if spec is None or keep_mlx else " and quantized again (a second rounding)")
                if rest else ""))
+    def measure(key, ref, wq, s, b, bits, group):  # --report-error: the written layer against the source's values
+        if measure_error and isinstance(ref, mx.array) and mx.issubdtype(ref.dtype, mx.floating):
+            _measure(result, key, ref, mx.dequantize(wq, s, b, group_size=group, bits=bits))
+
     with out as tmp:
         writer = ShardWriter(tmp)
         bar = tqdm(total=len(expected), unit="tensor", disable=not progress, desc="convert drafter")
@@ -314,6 +322,7 @@ def convert_drafter(
                     writer.add(f"{mod}.scales", exact.scales, logical_params=0)
                     writer.add(f"{mod}.biases", exact.biases, logical_params=0)
                     (result.exact if lossless else result.rounded).append(mod)
+                    measure(mod, v, exact.weight, exact.scales, exact.biases, spec.bits, spec.group_size)
                 elif keep_mlx and mod in quantized and mod in mlx_layers:  # an MLX-quantized source's own codes
                     wq, s, b = mlx_layers[mod]
                     writer.add(name, wq, logical_params=math.prod(expected[name]))
@@ -321,6 +330,7 @@ def convert_drafter(
                     writer.add(f"{mod}.biases", b.astype(fdtype), logical_params=0)
                     lossless = all(mx.array_equal(t.astype(fdtype).astype(t.dtype), t).item() for t in (s, b))
                     (result.exact if lossless else result.rounded).append(mod)
+                    measure(mod, v, wq, s.astype(fdtype), b.astype(fdtype), spec.bits, spec.group_size)
                 elif mod in quantized:
                     # float sources: cast, then quantize (as before); dequantized GPTQ/AWQ: from float32
                     w = v if name in dequantized else v.astype(fdtype)
@@ -329,11 +339,13 @@ def convert_drafter(
                     writer.add(f"{mod}.scales", s.astype(fdtype), logical_params=0)
                     writer.add(f"{mod}.biases", b.astype(fdtype), logical_params=0)
                     result.requantized.append(mod)
+                    measure(mod, v, wq, s.astype(fdtype), b.astype(fdtype), spec.bits, spec.group_size)
                 elif codebook_bits and name in CODEBOOKS:
                     wq, s, b = stored_cb[name] if keep_cb else mx.quantize(v.astype(fdtype), 32, codebook_bits)
                     writer.add(name, wq, logical_params=int(v.size))
                     writer.add(f"{name}.scales", s.astype(fdtype), logical_params=0)
                     writer.add(f"{name}.biases", b.astype(fdtype), logical_params=0)
+                    measure(name, v, wq, s.astype(fdtype), b.astype(fdtype), codebook_bits, 32)
                 else:
                     writer.add(name, v.astype(fdtype) if mx.issubdtype(v.dtype, mx.floating) else v)
                 bar.update(1)

@@ -394,7 +394,7 @@ def convert(
         from .drafter import convert_drafter
 
         return convert_drafter(path, out, plan, dtype=dtype, target=target, progress=progress, t0=t0,
-                               codebook_bits=codebook_bits)
+                               codebook_bits=codebook_bits, measure_error=measure_error)
     if target is not None:
         raise ConvertError("target= (--target) validates drafter conversions only")
     if codebook_bits is not None:

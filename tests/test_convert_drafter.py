@@ -452,8 +452,12 @@ def test_mlx_quantized_drafter_converts_again(tmp_path, smol_q):
     write_published(tmp_path / "src", cfg)
     convert(tmp_path / "src", tmp_path / "q4", progress=False, dtype="float32")
     q4 = mx.load(str(tmp_path / "q4/model.safetensors"))
-    res = convert(tmp_path / "q4", tmp_path / "cb", progress=False, dtype="float32", codebook_bits=4)
+    res = convert(tmp_path / "q4", tmp_path / "cb", progress=False, dtype="float32", codebook_bits=4,
+                  measure_error=True)
     assert any("layers kept as stored" in n and "expanded" not in n for n in res.notes), res.notes
+    # --report-error: kept layers 0 against the source's values, quantized codebooks their rounding (was: nothing)
+    assert res.layer_errors["fc"] == 0.0 and 0 < res.layer_errors["candidate_selector.successor_codebook"] < 0.2
+    assert 0 < res.total_error < 0.2
     cb = mx.load(str(tmp_path / "cb/model.safetensors"))
     for k, v in q4.items():
         if "_codebook" not in k:

@@ -304,6 +304,7 @@ def convert_drafter(
             f"the source is MLX-quantized ({mlx_spec[0]}-bit g{mlx_spec[1]}): {kept} layers kept as stored"
             + (f", {rest} expanded" + ("" if spec is None or keep_mlx else " and quantized again (a second rounding)")
                if rest else ""))
+
     def measure(key, ref, wq, s, b, bits, group):  # --report-error: the written layer against the source's values
         if measure_error and isinstance(ref, mx.array) and mx.issubdtype(ref.dtype, mx.floating):
             _measure(result, key, ref, mx.dequantize(wq, s, b, group_size=group, bits=bits))

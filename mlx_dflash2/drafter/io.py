@@ -411,11 +411,10 @@ def load_drafter(path: str | Path, target, tokenizer, dtype: mx.Dtype | None = N
     quant = mlx_quantization(raw, path / "config.json")
     if quant is None:
         refuse_unannounced_quantization(weights, "quantization", path)
-    for k in [k for k in weights if k.endswith(".scales")]:
-        if quant is None:
-            break  # scales without a quantization block: the unexpected-tensors check below names them
-        mod = k[: -len(".scales")]
-        check_quantized(mod, weights.get(f"{mod}.weight"), weights[k], weights.get(f"{mod}.biases"), *quant, path)
+    else:
+        for k in [k for k in weights if k.endswith(".scales")]:
+            mod = k[: -len(".scales")]
+            check_quantized(mod, weights.get(f"{mod}.weight"), weights[k], weights.get(f"{mod}.biases"), *quant, path)
     if quant:
         nn.quantize(
             model,

@@ -99,10 +99,13 @@ def main(argv=None) -> int:
     tokens = mx.array(rng.randint(100, V - 100, size=(N, T)).astype(np.int32))
     anchors = mx.array(np.sort(np.stack([rng.choice(np.arange(1, T - 16), A, replace=False) for _ in range(N)]), 1)
                        .astype(np.int32))
-    t0 = time.perf_counter()
-    feats, final = target.taps(tokens, tuple(d.config.target_layer_ids), final=True)
-    mx.eval(feats, final)
-    target_s = time.perf_counter() - t0
+    times = []  # the first forward builds kernels: the median of three (session 31 reported the first alone)
+    for _ in range(3):
+        t0 = time.perf_counter()
+        feats, final = target.taps(tokens, tuple(d.config.target_layer_ids), final=True)
+        mx.eval(feats, final)
+        times.append(time.perf_counter() - t0)
+    target_s = sorted(times)[1]
     pos = mx.minimum(anchors[..., None] + mx.arange(Bm1)[None, None, :], T - 1).reshape(N, -1)
     states = mx.take_along_axis(final, pos[..., None], axis=1).reshape(N * A, Bm1, -1)
     labels = mx.zeros((N, A, Bm1), dtype=mx.int32)

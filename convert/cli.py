@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--codebook-bits", choices=("4", "8", "none"), default=None,
                    help="DFlash2 drafters: store the selector's two [vocab, rank] codebooks MLX-quantized at these "
                    "bits (group 32; a third of a 4-bit drafter for a 152k vocabulary); loading expands them; "
-                   "none: in the float --dtype. Default: as the source stores them")
+                   "none: in the float --dtype. Default: as the source stores them (float with --no-quantize)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 

@@ -107,7 +107,6 @@ def _expand_mlx_quantized(path: Path, raw: dict, src: dict) -> tuple[tuple[int, 
     """
     spec = mlx_quantization(raw, path / "config.json")
     if spec is None:
-        refuse_unannounced_quantization(src, "quantization", path)
         return None, {}
     bits, group = spec
     orig = {}
@@ -115,7 +114,9 @@ def _expand_mlx_quantized(path: Path, raw: dict, src: dict) -> tuple[tuple[int, 
         mod = k[: -len(".scales")]
         w, s, b = src.get(f"{mod}.weight"), src[k], src.get(f"{mod}.biases")
         check_quantized(mod, w, s, b, bits, group, path)
-        src[f"{mod}.weight"] = mx.dequantize(w, s, b, group_size=group, bits=bits).astype(mx.float32)
+        # expanded in float32 (the values the codes, scales and biases stand for; MLX computes in the scales' dtype)
+        src[f"{mod}.weight"] = mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=group,
+                                             bits=bits)
         del src[k], src[f"{mod}.biases"]
         orig[mod] = (w, s, b)
     return (bits, group), orig
@@ -207,7 +208,10 @@ def convert_drafter(
         from mlx_dflash2.drafter import validate_for_target
         from mlx_dflash2.loading import load_target
 
-        tgt = load_target(target)
+        try:
+            tgt = load_target(target)
+        except (OSError, ValueError) as e:  # not found, not a model (ModelNotFoundError, GGUFError, ...)
+            raise ConvertError(f"--target {target}: {e}") from None
         try:
             validate_for_target(cfg, tgt[0], tgt[1])
         except DrafterConfigError as e:
@@ -221,7 +225,7 @@ def convert_drafter(
     if vocab_ids is not None and max(vocab_ids) >= cfg.vocab_size:
         raise CorruptCheckpointError(f"{vocab_file}: id {max(vocab_ids)} is outside the drafter's vocabulary "
                                      f"of {cfg.vocab_size} (made for another tokenizer?)")
-    if codebook_bits is not None and codebook_bits not in (0, 4, 8):
+    if codebook_bits is not None and (type(codebook_bits) is not int or codebook_bits not in (0, 4, 8)):
         raise ConvertError(f"codebook bits {codebook_bits}: choose 4 or 8 (0: float)")
     if codebook_bits and cfg.architecture != "DFlash2DraftModel":
         raise ConvertError(f"--codebook-bits: {cfg.architecture} has no selector codebooks (DFlash2 drafters do)")
@@ -236,10 +240,14 @@ def convert_drafter(
         src[new] = v
     try:  # an MLX drafter converted again: its quantized codebooks and layers expanded
         cb_spec = codebook_quantization(raw, path / "config.json") if source is None else None
-        if cb_spec is None and source is None:
-            refuse_unannounced_quantization(src, "codebook_quantization", path)
+        if source is None:
+            refuse_unannounced_quantization(src, [b for b, sp in (("quantization", mlx_quantization(raw, path)),
+                                                                  ("codebook_quantization", cb_spec)) if sp is None],
+                                            path)
         stored_cb = {n: (src[n], src[f"{n}.scales"], src[f"{n}.biases"]) for n in CODEBOOKS
                      if cb_spec is not None and all(k in src for k in (n, f"{n}.scales", f"{n}.biases"))}
+        for n in stored_cb:  # expanded in float32 (as the layers below)
+            src[f"{n}.scales"], src[f"{n}.biases"] = (t.astype(mx.float32) for t in stored_cb[n][1:])
         dequantize_codebooks(src, cb_spec, path)
         mlx_spec, mlx_layers = _expand_mlx_quantized(path, raw, src) if source is None else (None, {})
     except DrafterLoadError as e:
@@ -286,16 +294,24 @@ def convert_drafter(
         quantized.add(name)
 
     result = ConvertResult(out.dest, "drafter", notes=list(source.notes) if source is not None else [])
+    if cb_spec is not None and not stored_cb:  # a stray block (a DFlash v1 drafter has no codebooks): not carried on
+        result.notes.append(f"config.json's codebook_quantization is ignored: this {cfg.architecture} has no "
+                            "selector codebooks")
+        cb_spec = None
+    keep_cb, cb_group = False, 32  # the output's codebooks: the source's codes kept, their group size
     if cb_spec is not None:  # the source's codebooks are MLX-quantized: kept as stored unless asked otherwise
-        if codebook_bits is None:
-            codebook_bits = cb_spec[0]
-        keep_cb = codebook_bits == cb_spec[0] and cb_spec[1] == 32
+        if codebook_bits is None:  # --no-quantize asks for float weights: the codebooks too
+            codebook_bits = 0 if plan.default is None else cb_spec[0]
+        keep_cb = codebook_bits == cb_spec[0]
+        if keep_cb:
+            cb_group = cb_spec[1]
+            lossless = all(mx.array_equal(t.astype(fdtype).astype(t.dtype), t).item()
+                           for w in stored_cb.values() for t in w[1:])
         result.notes.append(
             f"the selector's codebooks are stored {cb_spec[0]}-bit g{cb_spec[1]} in the source: "
-            + ("kept as stored" if keep_cb else f"expanded to {dtype_name}" if not codebook_bits
+            + (("kept as stored" if lossless else f"codes kept as stored, their scales and biases rounded to "
+                f"{dtype_name}") if keep_cb else f"expanded to {dtype_name}" if not codebook_bits
                else f"quantized again at {codebook_bits}-bit g32 (a second rounding)"))
-    else:
-        keep_cb = False
     keep_mlx = spec is not None and mlx_spec == (spec.bits, spec.group_size)
     if mlx_layers:
         kept = sum(1 for m in mlx_layers if m in quantized) if keep_mlx else 0
@@ -307,7 +323,8 @@ def convert_drafter(
 
     def measure(key, ref, wq, s, b, bits, group):  # --report-error: the written layer against the source's values
         if measure_error and isinstance(ref, mx.array) and mx.issubdtype(ref.dtype, mx.floating):
-            _measure(result, key, ref, mx.dequantize(wq, s, b, group_size=group, bits=bits))
+            f32 = mx.float32  # both expanded in float32: a layer kept bit for bit measures 0
+            _measure(result, key, ref, mx.dequantize(wq, s.astype(f32), b.astype(f32), group_size=group, bits=bits))
 
     with out as tmp:
         writer = ShardWriter(tmp)
@@ -346,7 +363,7 @@ def convert_drafter(
                     writer.add(name, wq, logical_params=int(v.size))
                     writer.add(f"{name}.scales", s.astype(fdtype), logical_params=0)
                     writer.add(f"{name}.biases", b.astype(fdtype), logical_params=0)
-                    measure(name, v, wq, s.astype(fdtype), b.astype(fdtype), codebook_bits, 32)
+                    measure(name, v, wq, s.astype(fdtype), b.astype(fdtype), codebook_bits, cb_group)
                 else:
                     writer.add(name, v.astype(fdtype) if mx.issubdtype(v.dtype, mx.floating) else v)
                 bar.update(1)
@@ -355,13 +372,13 @@ def convert_drafter(
             bar.close()
         from .pipeline import _layout_notes
 
-        _layout_notes(plan, native, result.requantized, list(linears), result.notes)
+        _layout_notes(plan, native, result.requantized, list(linears), result.notes, drafter=True)
         out_cfg = cfg.to_dict()
         out_cfg["torch_dtype"] = dtype_name
         if quantized:
             out_cfg["quantization"] = spec.as_dict()
         if codebook_bits:
-            out_cfg["codebook_quantization"] = {"bits": codebook_bits, "group_size": 32}
+            out_cfg["codebook_quantization"] = {"bits": codebook_bits, "group_size": cb_group}
         out_cfg["mlx_dflash2_convert"] = {
             "source_format": "drafter",
             "source": str(path),

@@ -136,9 +136,12 @@ def parse_override(text: str) -> tuple[re.Pattern, QSpec | None]:
         return rx, None
     bits, _, gs = val.partition(":")
     try:
-        return rx, (int(bits), int(gs) if gs else None)  # type: ignore[return-value]
+        b, g = int(bits), int(gs) if gs else None
     except ValueError:
         raise ConvertError(f"--q-override {text!r}: BITS and GROUP must be integers") from None
+    if b not in BITS or (g is not None and g not in GROUP_SIZES):
+        raise ConvertError(f"--q-override {text!r}: MLX has bits {BITS} and group sizes {GROUP_SIZES}")
+    return rx, (b, g)  # type: ignore[return-value]
 
 
 @dataclass

@@ -21,6 +21,7 @@ For every format the same steps run:
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -175,7 +176,8 @@ def _reader(fmt: str):
 # ----------------------------------------------------------------------------
 
 
-def _layout_notes(plan: QuantPlan, native: dict, requantized: list, quantizable: list, notes: list) -> None:
+def _layout_notes(plan: QuantPlan, native: dict, requantized: list, quantizable: list, notes: list,
+                  drafter: bool = False) -> None:
     """Notes on the quantization decisions: layers that had an exact source layout (GPTQ/AWQ
     groups, GGUF blocks) but were requantized, and ``--q-override`` patterns matching no layer."""
     redone = [p for p in requantized if p in native]
@@ -192,8 +194,12 @@ def _layout_notes(plan: QuantPlan, native: dict, requantized: list, quantizable:
         )
     for rx, _ in plan.overrides:
         if not any(rx.search(p) for p in quantizable):
-            hint = (" (the head of a tied model is embed_tokens)" if "lm_head" in rx.pattern
-                    else " (a drafter's selector codebooks: --codebook-bits)" if "codebook" in rx.pattern else "")
+            if drafter:
+                hint = (" (the selector's codebooks: --codebook-bits)" if "codebook" in rx.pattern
+                        else " (a drafter has no embedding or LM head of its own)"
+                        if re.search(r"lm_head|embed", rx.pattern) else "")
+            else:
+                hint = " (the head of a tied model is embed_tokens)" if "lm_head" in rx.pattern else ""
             notes.append(f"--q-override {rx.pattern!r} matches no quantizable layer{hint}")
 
 
@@ -365,8 +371,8 @@ def convert(
         measure_error: compute each quantized layer's relative error against the
             dequantized source (extra time; reported in the result).
         target: drafters only: a target model to validate the drafter against.
-        codebook_bits: DFlash2 drafters only: quantize the selector's codebooks at 4 or 8 bits
-            (:func:`~.drafter.convert_drafter`).
+        codebook_bits: DFlash2 drafters only: quantize the selector's codebooks at 4 or 8 bits, ``0``: float,
+            ``None``: as the source stores them (:func:`~.drafter.convert_drafter`).
 
     Returns:
         :class:`ConvertResult`.
@@ -379,6 +385,9 @@ def convert(
     out = AtomicOutput(dest, overwrite)
     out.check()  # refuse before any expensive work
     path = resolve_input(src)
+    if overwrite and Path(path).resolve() != out.dest.resolve() and out.dest.resolve() in Path(path).resolve().parents:
+        raise ConvertError(f"{dest} contains the source {src}: --overwrite would delete the source with it "
+                           "(choose another DEST)")
     fmt = from_format or detect_format(path)
     if fmt not in FORMATS:
         raise UnsupportedFormatError(f"unknown format {fmt!r} (known: {', '.join(FORMATS)})")

@@ -385,16 +385,22 @@ def test_drafter_codebooks_quantized(tmp_path, smol_q, capsys):
     capsys.readouterr()
     assert drafter_cli(["info", str(tmp_path / "cb4")]) == 0
     assert "weights: linear layers float, selector codebooks 4-bit g32 (expanded at load)" in capsys.readouterr().out
-    # converted again: the quantized codebooks are kept as stored by default (bit for bit), expanded exactly with
-    # codebook_bits=0 (--codebook-bits none), quantized again at other bits with a note (a second rounding)
-    res = convert(tmp_path / "cb8", tmp_path / "kept", progress=False, quantize=False, dtype="float32")
+    # converted again: the quantized codebooks are kept as stored by default (bit for bit; with --no-quantize, which
+    # asks for float weights, when --codebook-bits names their bits), expanded exactly with codebook_bits=0
+    # (--codebook-bits none) or --no-quantize alone, quantized again at other bits with a note (a second rounding)
+    res = convert(tmp_path / "cb8", tmp_path / "kept", progress=False, quantize=False, dtype="float32",
+                  codebook_bits=8)
     assert any("codebooks are stored 8-bit g32 in the source: kept as stored" in n for n in res.notes), res.notes
     assert json.loads((tmp_path / "kept/config.json").read_text())["codebook_quantization"]["bits"] == 8
     src8, kept = mx.load(str(tmp_path / "cb8/model.safetensors")), mx.load(str(tmp_path / "kept/model.safetensors"))
     assert all(mx.array_equal(v, kept[k]).item() for k, v in src8.items())
-    res = convert(tmp_path / "cb8", tmp_path / "again", progress=False, quantize=False, dtype="float32",
-                  codebook_bits=0)
+    res = convert(tmp_path / "cb8", tmp_path / "nq", progress=False, quantize=False, dtype="float32")
     assert any("expanded to float32" in n for n in res.notes), res.notes
+    assert "codebook_quantization" not in json.loads((tmp_path / "nq/config.json").read_text())
+    res = convert(tmp_path / "cb8", tmp_path / "again", progress=False, quantize=False, dtype="float32",
+                  codebook_bits=0, measure_error=True)
+    assert any("expanded to float32" in n for n in res.notes), res.notes
+    assert res.layer_errors == {}  # nothing quantized in the output
     a = load_drafter(tmp_path / "cb8", target, tok).candidate_selector.successor_codebook
     b = load_drafter(tmp_path / "again", target, tok).candidate_selector.successor_codebook
     assert "codebook_quantization" not in json.loads((tmp_path / "again/config.json").read_text())
@@ -406,8 +412,18 @@ def test_drafter_codebooks_quantized(tmp_path, smol_q, capsys):
     # a codebook override matches no quantizable layer: a note pointing at --codebook-bits
     res = convert(tmp_path / "src", tmp_path / "ovr", progress=False, dtype="float32",
                   overrides=[parse_override("successor_codebook=8")])
-    assert any("matches no quantizable layer (a drafter's selector codebooks: --codebook-bits)" in n
+    assert any("matches no quantizable layer (the selector's codebooks: --codebook-bits)" in n
                for n in res.notes), res.notes
+    res = convert(tmp_path / "src", tmp_path / "ovr2", progress=False, dtype="float32",
+                  overrides=[parse_override("lm_head=8")])  # no target's hint about tied heads for a drafter
+    assert any("matches no quantizable layer (a drafter has no embedding or LM head of its own)" in n
+               for n in res.notes), res.notes
+    for bad in ("codebook=3:16", "fc=7"):  # what MLX cannot do is refused when parsed, matching or not
+        with pytest.raises(ConvertError, match="MLX has bits"):
+            parse_override(bad)
+    for bad in (8.0, True, "8"):  # the API's codebook_bits: an int (8.0 wrote a block the loader refused)
+        with pytest.raises(ConvertError, match="choose 4 or 8"):
+            convert(tmp_path / "src", tmp_path / "bad", progress=False, codebook_bits=bad)
     # settings the converter refuses, writing nothing
     for kwargs, match in (({"codebook_bits": 5}, "choose 4 or 8"),):
         with pytest.raises(ConvertError, match=match):
@@ -536,3 +552,79 @@ def test_mlx_quantized_drafter_keeps_its_layout_and_overwrite_through_dotdot(tmp
         mx.save_safetensors(str(tmp_path / "q4/model.safetensors"), {**w, "fc.scales": bad})
         with pytest.raises(DrafterLoadError, match=match):
             load_drafter(tmp_path / "q4", target, tok)
+
+
+def _copy(src, dst, **cfg_changes):
+    """A drafter directory copied with config.json keys changed (None: removed)."""
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    c = json.loads((src / "config.json").read_text())
+    for k, v in cfg_changes.items():
+        c.pop(k) if v is None else c.__setitem__(k, v)
+    (dst / "config.json").write_text(json.dumps(c))
+    return dst
+
+
+def test_drafter_conversion_edges(tmp_path, smol_q):
+    """A fresh user's finds on the converter's drafter path (session 31): --report-error measures a layer kept as
+    stored as 0 whatever --dtype (bf16-expanded references read 0.47 %); codebooks kept with scales rounded to another
+    dtype say so; codebooks stored at another group are kept (not re-rounded to g32); a DFlash v1 drafter's stray
+    codebook_quantization block is dropped with a note; the loader names every missing block at once and a
+    quantization block whose spec does not describe the layers (MLX's own error, no file named); a non-affine codebook
+    mode is refused; --target that does not load is a one-line error; --overwrite of a DEST holding SRC is refused."""
+    from mlx_dflash2.convert import CorruptCheckpointError
+    from mlx_dflash2.drafter.io import DrafterLoadError
+
+    target, tok = smol_q
+    cfg = published_cfg("DFlash2DraftModel", pick_mask_token_id(tok))
+    cfg["dflash_config"]["selector_rank"] = 64
+    write_published(tmp_path / "src", cfg)
+    convert(tmp_path / "src", tmp_path / "bf", progress=False, dtype="bfloat16", codebook_bits=8)
+    res = convert(tmp_path / "bf", tmp_path / "f32", progress=False, dtype="float32", measure_error=True)
+    assert res.layer_errors and all(e == 0.0 for e in res.layer_errors.values()), res.layer_errors
+    assert any("codebooks are stored 8-bit g32 in the source: kept as stored" in n for n in res.notes), res.notes
+    convert(tmp_path / "src", tmp_path / "cbf32", progress=False, dtype="float32", codebook_bits=8)
+    res = convert(tmp_path / "cbf32", tmp_path / "cbbf", progress=False, dtype="bfloat16")
+    assert any("codes kept as stored, their scales and biases rounded to bfloat16" in n for n in res.notes), res.notes
+    # codebooks stored at group 64 (hand-made): kept as stored, the block keeps its group
+    w = mx.load(str(tmp_path / "cbf32/model.safetensors"))
+    for n in ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook"):
+        dense = mx.dequantize(w[n], w[f"{n}.scales"], w[f"{n}.biases"], group_size=32, bits=8)
+        w[n], w[f"{n}.scales"], w[f"{n}.biases"] = mx.quantize(dense, 64, 8)
+    g64 = _copy(tmp_path / "cbf32", tmp_path / "g64", codebook_quantization={"bits": 8, "group_size": 64})
+    mx.save_safetensors(str(g64 / "model.safetensors"), w)
+    (g64 / "model.safetensors.index.json").unlink(missing_ok=True)
+    res = convert(g64, tmp_path / "g64b", progress=False, dtype="float32")
+    assert any("stored 8-bit g64 in the source: kept as stored" in n for n in res.notes), res.notes
+    assert json.loads((tmp_path / "g64b/config.json").read_text())["codebook_quantization"]["group_size"] == 64
+    out = mx.load(str(tmp_path / "g64b/model.safetensors"))
+    assert all(mx.array_equal(out[k], v).item() for k, v in w.items() if "codebook" in k)
+    load_drafter(tmp_path / "g64b", target, tok)
+    # a DFlash v1 drafter with a stray codebook_quantization block: dropped, with a note
+    write_published(tmp_path / "v1", published_cfg("DFlashDraftModel", pick_mask_token_id(tok)))
+    v1 = _copy(tmp_path / "v1", tmp_path / "v1cb", codebook_quantization={"bits": 8, "group_size": 32})
+    res = convert(v1, tmp_path / "v1out", progress=False)
+    assert any("codebook_quantization is ignored" in n for n in res.notes), res.notes
+    assert "codebook_quantization" not in json.loads((tmp_path / "v1out/config.json").read_text())
+    # the loader: both missing blocks named at once; a spec that does not describe the layers; a non-affine codebook
+    both = _copy(tmp_path / "bf", tmp_path / "both", quantization=None, codebook_quantization=None)
+    with pytest.raises(DrafterLoadError, match="no 'quantization' block .*no 'codebook_quantization' block"):
+        load_drafter(both, target, tok)
+    with pytest.raises(CorruptCheckpointError, match="no 'quantization' block .*no 'codebook_quantization' block"):
+        convert(both, tmp_path / "bad", progress=False)
+    spec2 = _copy(tmp_path / "bf", tmp_path / "spec2", quantization={"bits": 2, "group_size": 128})
+    with pytest.raises(DrafterLoadError, match=r"spec2: [a-z_.0-9]+: packed .* at 2-bit g128 \(config.json.s quant"):
+        load_drafter(spec2, target, tok)
+    fp4 = _copy(tmp_path / "bf", tmp_path / "fp4", codebook_quantization={"bits": 8, "group_size": 32, "mode": "mxfp4"})
+    with pytest.raises(DrafterLoadError, match="codebook_quantization .* affine"):
+        load_drafter(fp4, target, tok)
+    # --target that does not load: one line; --overwrite of a DEST that holds SRC: refused, SRC kept
+    with pytest.raises(ConvertError, match="--target .*nonexistent"):
+        convert(tmp_path / "bf", tmp_path / "bad", progress=False, target=str(tmp_path / "nonexistent"))
+    assert not (tmp_path / "bad").exists()
+    (tmp_path / "outer").mkdir()
+    inner = _copy(tmp_path / "bf", tmp_path / "outer" / "inner")
+    with pytest.raises(ConvertError, match="contains the source"):
+        convert(inner, tmp_path / "outer", progress=False, overwrite=True)
+    assert (inner / "config.json").is_file()

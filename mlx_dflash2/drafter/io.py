@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import mlx.core as mx
@@ -37,6 +38,7 @@ __all__ = [
     "codebook_quantization",
     "dequantize_codebooks",
     "refuse_unannounced_quantization",
+    "check_layer_shape",
     "mlx_quantization",
     "check_quantized",
 ]
@@ -260,9 +262,10 @@ def codebook_quantization(raw: dict, path: str | Path = "config.json") -> tuple[
     ``mlx_dflash2.convert --codebook-bits``) as ``(bits, group_size)``, or ``None`` (float codebooks).
 
     Raises:
-        DrafterLoadError: the block is not such an object, or bits/group size MLX does not have.
+        DrafterLoadError: the block is not such an object, bits/group size MLX does not have, or another
+            ``mode`` than affine.
     """
-    return _quant_spec(raw, "codebook_quantization", path, affine=False)
+    return _quant_spec(raw, "codebook_quantization", path, affine=True)
 
 
 def check_quantized(name: str, w, s, b, bits: int, group: int, path: str | Path = "") -> None:
@@ -285,27 +288,50 @@ def check_quantized(name: str, w, s, b, bits: int, group: int, path: str | Path 
         raise DrafterLoadError(f"{path}: {name}: its scales or biases hold NaN or infinite values")
 
 
-def refuse_unannounced_quantization(weights: dict, block: str, path: str | Path = "") -> None:
+def refuse_unannounced_quantization(weights: dict, blocks: Sequence[str], path: str | Path = "") -> None:
     """Name quantized tensors whose ``config.json`` block is missing (deleted or lost in a hand edit), rather than
-    leaving them to a long list of unexpected tensors. Call when ``block`` is absent from ``config.json``.
+    leaving them to a long list of unexpected tensors. Call with the blocks absent from ``config.json``.
 
     Args:
         weights: the checkpoint's tensors (names as :func:`_remap` leaves them).
-        block: ``"quantization"`` (linear layers: ``NAME.weight`` packed, ``NAME.scales`` / ``.biases`` beside it)
-            or ``"codebook_quantization"`` (the selector's codebooks, ``NAME`` packed).
+        blocks: among ``"quantization"`` (linear layers: ``NAME.weight`` packed, ``NAME.scales`` / ``.biases``
+            beside it) and ``"codebook_quantization"`` (the selector's codebooks, ``NAME`` packed).
         path: the checkpoint, for the message.
 
     Raises:
-        DrafterLoadError: ``.scales`` tensors of that kind exist; the message names the block and the first ones.
+        DrafterLoadError: ``.scales`` tensors of those kinds exist; the message names every such block and the
+            first tensors of each.
     """
     mods = sorted(k[: -len(".scales")] for k in weights if k.endswith(".scales"))
-    names = [m for m in mods if (m in CODEBOOKS) == (block == "codebook_quantization")]
-    example = '{"bits": 8, "group_size": 32}' if block == "codebook_quantization" else '{"bits": 4, "group_size": 64}'
-    if names:
-        raise DrafterLoadError(
-            f"{path}: {len(names)} tensors are stored MLX-quantized ({', '.join(names[:3])}"
-            f"{' ...' if len(names) > 3 else ''}: packed, with .scales / .biases) but config.json has no {block!r} "
-            f"block (e.g. {example}; the converter and save_drafter write it)")
+    found = []
+    for block in blocks:
+        names = [m for m in mods if (m in CODEBOOKS) == (block == "codebook_quantization")]
+        if names:
+            example = ('{"bits": 8, "group_size": 32}' if block == "codebook_quantization"
+                       else '{"bits": 4, "group_size": 64}')
+            found.append(f"{len(names)} {'tensor is' if len(names) == 1 else 'tensors are'} stored MLX-quantized "
+                         f"({', '.join(names[:3])}{' ...' if len(names) > 3 else ''}: packed, with .scales / .biases) "
+                         f"but config.json has no {block!r} block (e.g. {example})")
+    if found:
+        raise DrafterLoadError(f"{path}: " + "; ".join(found) + " (the converter and save_drafter write them)")
+
+
+def check_layer_shape(mod: str, packed, shape: tuple | None, bits: int, group: int, path: str | Path = "") -> None:
+    """That a packed layer ``mod`` is the model's ``[out, in]`` layer (``shape``) at ``bits`` / ``group``: packed
+    ``[out, in * bits / 32]``, ``in`` a multiple of ``group`` (a ``quantization`` block edited to another spec can
+    describe the same packed widths and fail inside MLX's quantize with no file named).
+
+    Raises:
+        DrafterLoadError: naming the layer, the shapes and the block.
+    """
+    if shape is None or len(shape) != 2:
+        return  # not a layer of this model: the unexpected-tensors check names it
+    out, n = shape
+    if n % group or tuple(packed.shape) != (out, n * bits // 32):
+        raise DrafterLoadError(f"{path}: {mod}: packed {tuple(packed.shape)}, but this model's [{out}, {n}] layer at "
+                               f"{bits}-bit g{group} (config.json's quantization) "
+                               + (f"has {n} inputs, not a multiple of {group}" if n % group
+                                  else f"packs to ({out}, {n * bits // 32})"))
 
 
 def dequantize_codebooks(weights: dict, spec: tuple[int, int] | None, path: str | Path = "") -> dict:
@@ -404,17 +430,17 @@ def load_drafter(path: str | Path, target, tokenizer, dtype: mx.Dtype | None = N
             raise DrafterLoadError(f"{f}: cannot read safetensors ({e})") from e
         weights.update({_remap(k): v for k, v in w.items()})
     cb_spec = codebook_quantization(raw, path / "config.json")
-    if cb_spec is None:
-        refuse_unannounced_quantization(weights, "codebook_quantization", path)
+    quant = mlx_quantization(raw, path / "config.json")
+    missing_blocks = [b for b, sp in (("quantization", quant), ("codebook_quantization", cb_spec)) if sp is None]
+    refuse_unannounced_quantization(weights, missing_blocks, path)
     dequantize_codebooks(weights, cb_spec, path)
     model = DraftModel(cfg)
-    quant = mlx_quantization(raw, path / "config.json")
-    if quant is None:
-        refuse_unannounced_quantization(weights, "quantization", path)
-    else:
+    if quant is not None:
+        shapes = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
         for k in [k for k in weights if k.endswith(".scales")]:
             mod = k[: -len(".scales")]
             check_quantized(mod, weights.get(f"{mod}.weight"), weights[k], weights.get(f"{mod}.biases"), *quant, path)
+            check_layer_shape(mod, weights[f"{mod}.weight"], shapes.get(f"{mod}.weight"), *quant, path)
     if quant:
         nn.quantize(
             model,

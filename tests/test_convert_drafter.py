@@ -566,7 +566,7 @@ def _copy(src, dst, **cfg_changes):
     return dst
 
 
-def test_drafter_conversion_edges(tmp_path, smol_q):
+def test_drafter_conversion_edges(tmp_path, smol_q, capsys):
     """A fresh user's finds on the converter's drafter path (session 31): --report-error measures a layer kept as
     stored as 0 whatever --dtype (bf16-expanded references read 0.47 %); codebooks kept with scales rounded to another
     dtype say so; codebooks stored at another group are kept (not re-rounded to g32); a DFlash v1 drafter's stray
@@ -606,6 +606,10 @@ def test_drafter_conversion_edges(tmp_path, smol_q):
     v1 = _copy(tmp_path / "v1", tmp_path / "v1cb", codebook_quantization={"bits": 8, "group_size": 32})
     res = convert(v1, tmp_path / "v1out", progress=False)
     assert any("codebook_quantization is ignored" in n for n in res.notes), res.notes
+    from mlx_dflash2.drafter.cli import main as drafter_cli
+
+    assert drafter_cli(["info", str(v1)]) == 0
+    assert "selector codebooks" not in capsys.readouterr().out
     assert "codebook_quantization" not in json.loads((tmp_path / "v1out/config.json").read_text())
     # the loader: both missing blocks named at once; a spec that does not describe the layers; a non-affine codebook
     both = _copy(tmp_path / "bf", tmp_path / "both", quantization=None, codebook_quantization=None)

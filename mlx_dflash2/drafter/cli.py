@@ -109,8 +109,9 @@ def main(argv=None) -> int:
             nq = sum(isinstance(m, nn.QuantizedLinear) for m in mods)
             layers = "float" if not nq else f"{q['bits']}-bit g{q['group_size']}" + (
                 f" ({nq} of {len(mods)}; the others float)" if nq < len(mods) else "")
-            books = (f", selector codebooks {cq['bits']}-bit g{cq['group_size']} (expanded at load)" if cq
-                     else ", selector codebooks float" if model.config.architecture == "DFlash2DraftModel" else "")
+            books = ("" if model.config.architecture != "DFlash2DraftModel"  # (a v1's stray block names nothing)
+                     else f", selector codebooks {cq['bits']}-bit g{cq['group_size']} (expanded at load)" if cq
+                     else ", selector codebooks float")
             size = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
             print(f"weights: linear layers {layers}{books}; {size / 1e6:.1f} MB on disk")
     except (DrafterConfigError, DrafterLoadError, FileNotFoundError, FileExistsError, ValueError) as e:

@@ -310,6 +310,7 @@ BAD = [
     ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs"),
     ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ({"num_draft_tokens": 0}, "num_draft_tokens"),
+    ({"top_k": 10**6}, "top_k"),  # past the vocabulary: checked by the app, worded as the model's own checks
 ]
 
 
@@ -323,6 +324,7 @@ def test_bad_payloads_get_400_then_server_works(http, patch, param):
         err = r.json()["error"]
         assert err["type"] == "invalid_request_error" and err["param"] == param, err
         assert err["message"] and "Value error," not in err["message"]
+        assert err["message"].startswith(f"Invalid value for '{param.split('[')[0].split('.')[0]}"), err
     ok = http.post("/v1/chat/completions", json={"messages": chat_msgs("Hi"), "max_tokens": 1})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 1
 

@@ -41,6 +41,7 @@ from .protocol import (
     Health,
     ModelList,
     bad_request,
+    invalid_value,
 )
 from .text import ReasoningSplitter
 
@@ -121,7 +122,7 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         if kind in ("model_attributes_type", "dict_type", "model_type"):
             return bad_request("the request body must be a JSON object")
         return bad_request(msg)
-    return bad_request(f"Invalid value for '{param}': {msg}", param)
+    return invalid_value(param, msg)
 
 
 def http_url(host: str, port: int) -> str:
@@ -262,12 +263,12 @@ def create_app(engine: Engine, settings: Optional[ServerSettings] = None) -> Fas
         pick = lambda v, d: d if v is None else v  # noqa: E731 - null means the default
         top_k = pick(body.top_k, settings.top_k)
         if top_k > engine.vocab_size:
-            raise bad_request(f"top_k must be at most the vocabulary size ({engine.vocab_size})", "top_k")
+            raise invalid_value("top_k", f"must be at most the vocabulary size ({engine.vocab_size}), got {top_k}")
         bias = None
         if body.logit_bias:
             bias = {int(k): float(v) for k, v in body.logit_bias.items()}
             if any(k >= engine.vocab_size for k in bias):
-                raise bad_request(f"logit_bias token ids must be below {engine.vocab_size}", "logit_bias")
+                raise invalid_value("logit_bias", f"token ids must be below {engine.vocab_size}, got {max(bias)}")
         return dict(
             temp=pick(body.temperature, settings.temp),
             top_p=pick(body.top_p, settings.top_p),
@@ -555,7 +556,7 @@ def create_app(engine: Engine, settings: Optional[ServerSettings] = None) -> Fas
         """Chat completion (OpenAI format; ``stream: true`` for server-sent events)."""
         check_model(body.model)
         if body.top_logprobs is not None and body.top_logprobs > 0 and not body.logprobs:
-            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+            raise invalid_value("top_logprobs", "requires logprobs to be true")
         job = Job(
             kind="chat",
             messages=chat_messages(body),
@@ -585,7 +586,7 @@ def create_app(engine: Engine, settings: Optional[ServerSettings] = None) -> Fas
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, list) and any(t < 0 or t >= engine.vocab_size for t in prompt):
-            raise bad_request(f"prompt token ids must be in [0, {engine.vocab_size})", "prompt")
+            raise invalid_value("prompt", f"token ids must be in [0, {engine.vocab_size})")
         job = Job(
             kind="text",
             prompt=prompt,

@@ -63,7 +63,7 @@ from ..loading import SpeculativeModel, materialize
 from ..sampling import SamplingParams
 from ..speculative import PLAIN_PROPOSER, GenerationState
 from ..target import TargetCompatibilityError
-from .protocol import APIError, bad_request
+from .protocol import APIError, bad_request, invalid_value
 from .text import TokenText, convert_chat, initial_reasoning_state, top_logprobs
 
 __all__ = ["Engine", "EngineConfig", "Job", "PromptCache", "Admitted", "Progress", "TokenOut", "Failed"]
@@ -633,7 +633,7 @@ class Engine:
         if not ids:
             raise bad_request("the prompt is empty (no tokens)", param)
         if job.kind == "text" and any(t < 0 or t >= self.vocab_size for t in ids):
-            raise bad_request(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+            raise invalid_value("prompt", f"token ids must be in [0, {self.vocab_size})")
         limit = self.max_context
         max_tokens = job.max_tokens
         if limit is not None:

@@ -71,6 +71,12 @@ def bad_request(message: str, param: Optional[str] = None, code: Optional[str] =
     return APIError(400, message, param, code)
 
 
+def invalid_value(param: str, message: str) -> APIError:
+    """A 400 naming the request field it is about, in one form for every field: ``Invalid value for 'PARAM':
+    MESSAGE`` (as the request model's own validation errors read)."""
+    return bad_request(f"Invalid value for '{param}': {message}", param)
+
+
 # ----------------------------------------------------------------------------
 # Requests
 # ----------------------------------------------------------------------------

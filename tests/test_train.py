@@ -861,3 +861,31 @@ def test_no_resume_replaces_the_old_run(tiny, tmp_path):
     assert [json.loads(ln)["step"] for ln in open(tmp_path / "run" / "log.jsonl")] == [1, 2]
     again = Trainer(_cfg(tmp_path, steps=2, save_every=2), target, tok)
     assert again.resume() and again.step == 2
+
+
+def test_batched_decode_runs_the_head_on_one_column(tiny):
+    """Regen's prefill never asks a forward for more than one column of logits: every call but the one for the
+    prompt's last column only fills the caches (their logits are never evaluated), and that one has width 1.
+    (The last prefill chunk's ``(N, T, V)`` logits, sliced after the fact, ran an H100 out of memory at 1,024
+    rows of long prompts, session 32.) The tokens still equal each row's solo greedy decoding."""
+    from mlx_lm.generate import generate_step
+
+    from mlx_dflash2.train.regen import batched_decode
+
+    target, _ = tiny
+    widths = []
+
+    class Spy:
+        layers = target.model.layers
+
+        def __call__(self, x, cache=None):
+            out = target.model(x, cache=cache)
+            widths.append(x.shape[1])
+            return out
+
+    rng = np.random.RandomState(4)
+    prompts = [rng.randint(2, 60, size=n).tolist() for n in (19, 5, 12)]
+    got = batched_decode(Spy(), prompts, 6, 0.0, prefill_chunk=8, check_every=2)
+    assert widths[:4] == [8, 8, 2, 1] and set(widths[4:]) == {1}  # 19 columns: 8 + 8 + 2 cached, then 1
+    for p, g in zip(prompts, got):
+        assert g == [t for t, _ in generate_step(mx.array(p), target.model, max_tokens=6)]

@@ -47,10 +47,11 @@ def batched_decode(
     Prompts are left-padded into one ``(N, L)`` int32 batch; mlx-lm's
     ``BatchKVCache`` masks the padding and gives each row its own RoPE
     offsets, so each row's tokens equal its solo decoding up to floating-point
-    reassociation. The prompt is prefilled in chunks of ``prefill_chunk``
-    columns; decoding is pipelined (``mx.async_eval``) and the host looks at
-    the tokens every ``check_every`` steps to stop once every row has emitted
-    an EOS.
+    reassociation. The prompt but its last column is prefilled in chunks of
+    ``prefill_chunk`` columns, the last column on its own, so the LM head runs
+    on one column per row (logits ``N x V``, never ``N x prefill_chunk x V``).
+    Decoding is pipelined (``mx.async_eval``) and the host looks at the tokens
+    every ``check_every`` steps to stop once every row has emitted an EOS.
 
     Args:
         model: an mlx-lm model (``model(tokens, cache=...) -> (N, T, V)`` logits).
@@ -97,11 +98,14 @@ def batched_decode(
         return y.astype(mx.int32)
 
     x = mx.array(toks)
-    for c in range(0, L - prefill_chunk, prefill_chunk) if L > prefill_chunk else []:
-        model(x[:, c : c + prefill_chunk], cache=cache)
+    # every column but the last in chunks, evaluating the caches only (the LM head's lazy logits are never
+    # computed), then the last column alone: a forward's (N, T, V) logits are computed whole before any slice,
+    # and for the 1,024 rows x ~230 columns of a long prompt's last chunk at Qwen's 151,936 ids that is ~70 GB
+    # (regen ran out of an H100's memory on later-turn prompts, session 32)
+    for c in range(0, L - 1, prefill_chunk):
+        model(x[:, c : min(c + prefill_chunk, L - 1)], cache=cache)
         mx.eval([c_.keys for c_ in cache])
-    start = ((L - 1) // prefill_chunk) * prefill_chunk if L > prefill_chunk else 0
-    y = pick(model(x[:, start:], cache=cache)[:, -1])
+    y = pick(model(x[:, L - 1 :], cache=cache)[:, -1])
     mx.async_eval(y)
     out = [y]
     eos = mx.array(sorted(set(int(e) for e in eos_ids)) or [-1], dtype=mx.int32)

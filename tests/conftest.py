@@ -110,6 +110,7 @@ def padded_dir(tmp_path_factory, smol_f32):
 
 
 REF_TOKENS = 64  # length of the session's references of the standard prompts (CHAT, CODE, MATH, STORY)
+LONG_REF = 140  # the code prompt's: test_lossless's long asks of it (the adaptive-schedule test, scripted B = 16)
 
 # The session targets (smol_q, smol_f32: never mutated, alive for the whole session) and their greedy references,
 # {(id(target), prompt ids): (tokens, logprobs)}: the longest run made so far per prompt.

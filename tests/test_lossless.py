@@ -11,7 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from conftest import PROMPTS, REF_TOKENS, STORY, chat_ids, plain_reference
+from conftest import LONG_REF, PROMPTS, REF_TOKENS, STORY, chat_ids, plain_reference
 from mlx_dflash2.drafter import init_drafter
 from mlx_dflash2.proposers import DFlashProposer, FusedProposer, LookupProposer
 from mlx_dflash2.speculative import GenerationState, SpecStats, speculative_generate_step
@@ -31,13 +31,10 @@ def run(target, prompt, proposer, B, n, stats=None, state=None):
     ]
 
 
-LONG_REF = 140  # tokens of the long references (the adaptive-schedule test, the scripted B = 16 cells)
-
-
 class _Refs:
     """mlx-lm's plain greedy continuations of the test prompts, made on first use (``refs[name]``: 48 tokens,
     enough for most tests; ``refs.long(name)``: 140). A run is made :data:`conftest.REF_TOKENS` or
-    :data:`LONG_REF` tokens long and kept for the session (``conftest.plain_reference``), so the growing
+    :data:`conftest.LONG_REF` tokens long and kept for the session (``conftest.plain_reference``), so the growing
     asks of the scripted cells (4, 11, 37 tokens) and other modules' asks of the same prompts share it."""
 
     def __init__(self, target, tok):

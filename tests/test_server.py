@@ -579,7 +579,8 @@ def check_load(srv, http, clients, per_client, max_tokens):
           f"latency p50 {statistics.median(lats):.2f}s p95 {p95:.2f}s")
 
 
-def test_concurrent_requests_equal_solo_runs(srv, http):
+@pytest.mark.slow  # 11 s; concurrent requests == solo: test_batched_concurrent_greedy_requests_equal_solo and
+def test_concurrent_requests_equal_solo_runs(srv, http):  # test_every_request_kind_batched_equals_solo by default
     check_load(srv, http, clients=4, per_client=2, max_tokens=8)
 
 

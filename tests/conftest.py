@@ -71,11 +71,12 @@ def quick_calibration(tmp_path, monkeypatch):
 
 @pytest.fixture
 def shared_embedded_load(monkeypatch, request):
-    """``load_target`` of the embedded model in float32, dense (what ``load()`` does by default on the CPU) or
-    packed (``dequantize=False``), answered with the session's ``smol_f32`` / ``smol_q`` (the identical loads,
-    never mutated), for tests of what ``load()`` and the CLI build around the target rather than of loading it
-    (test_cli_api.py::test_load_default and the CLI's subprocess tests load it). Any other request loads for
-    real."""
+    """``load_target`` of the embedded model (``None`` or its name) in float32, dense (what ``load()`` does by
+    default on the CPU) or packed (``dequantize=False``), answered with the session's ``smol_f32`` / ``smol_q``
+    (the identical loads, never mutated), for tests of what ``load()``, the CLI and the drafter converter's
+    ``--target`` build around the target rather than of loading it (test_cli_api.py::test_load_default, the CLI's
+    subprocess tests and test_convert_drafter.py::test_drafter_mask_is_eos_refused_with_target load it). Any other
+    request loads for real."""
     from mlx_dflash2 import assets, loading
 
     real = loading.load_target
@@ -83,7 +84,9 @@ def shared_embedded_load(monkeypatch, request):
     def load_target(path_or_hf_repo=None, *, dtype="auto", dequantize=False, kernels=None):
         want = loading._default_dtype() if dtype == "auto" else getattr(mx, dtype) if isinstance(dtype, str) else dtype
         dense = dequantize is True or (dequantize is None and mx.default_device() == mx.cpu)
-        if path_or_hf_repo is None and want == mx.float32:
+        embedded = path_or_hf_repo is None or (isinstance(path_or_hf_repo, str)
+                                               and assets.is_embedded_name(path_or_hf_repo))
+        if embedded and want == mx.float32:
             target, tok = request.getfixturevalue("smol_f32" if dense else "smol_q")
             if kernels in (None, "auto", target.kernels):
                 return target, tok, assets.DEFAULT_MODEL
@@ -107,6 +110,7 @@ def padded_dir(tmp_path_factory, smol_f32):
 
 
 REF_TOKENS = 64  # length of the session's references of the standard prompts (CHAT, CODE, MATH, STORY)
+LONG_REF = 140  # the code prompt's: test_lossless's long asks of it (the adaptive-schedule test, scripted B = 16)
 
 # The session targets (smol_q, smol_f32: never mutated, alive for the whole session) and their greedy references,
 # {(id(target), prompt ids): (tokens, logprobs)}: the longest run made so far per prompt.

@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from conftest import PROMPTS, REF_TOKENS, chat_ids, plain_reference
+from conftest import LONG_REF, PROMPTS, REF_TOKENS, chat_ids, plain_reference
 from mlx_dflash2 import calibrate as C
 from mlx_dflash2.calibrate import DEFAULT_WIDTHS, VerifyCosts
 from mlx_dflash2.proposers import AdaptiveSchedule, DFlashProposer, FusedProposer, LookupProposer, WidthPolicy
@@ -346,7 +346,8 @@ def test_fused_rounds_follow_the_width_policy_and_a_plain_choice_runs_no_drafter
 def code_ref(smol_f32):
     target, tok = smol_f32
     ids = chat_ids(tok, PROMPTS["code"])
-    return ids, plain_reference(target, ids, REF_TOKENS)[0]
+    # made LONG_REF tokens long: test_lossless's long asks of the code prompt share this run (one instead of two)
+    return ids, plain_reference(target, ids, REF_TOKENS, at_least=LONG_REF)[0]
 
 
 def _run_policy(smol_f32, code_ref, verify_s, offsets, n=64, drafter_s=None):

@@ -1,6 +1,9 @@
 """Converter: published-style DFlash / DFlash2 drafter checkpoints -> our drafter format
 (known-bugs row 13: mask_token_id, target_layer_ids, block_size and the DFlash2 fields kept;
-missing or invalid fields are errors)."""
+missing or invalid fields are errors).
+
+The converter's ``--target`` and ``mlx_dflash2.drafter info`` load the embedded target by name: here the session's
+(``shared_embedded_load``), except in test_drafter_mask_is_eos_refused_with_target, which loads it for real."""
 
 from __future__ import annotations
 
@@ -104,7 +107,7 @@ def test_drafter_bf16_conversion_keeps_fields_and_weights(tmp_path, smol_q, arch
     assert mx.allclose(_forward(ref, target), _forward(got, target), atol=1e-5).item()
 
 
-def test_drafter_4bit_loads_and_stays_close(tmp_path, smol_q, capsys):
+def test_drafter_4bit_loads_and_stays_close(tmp_path, smol_q, capsys, shared_embedded_load):
     target, tok = smol_q
     cfg = published_cfg("DFlash2DraftModel", pick_mask_token_id(tok))
     ref = write_published(tmp_path / "src", cfg)
@@ -244,7 +247,7 @@ def _dense(model, mod):
 
 
 @pytest.mark.parametrize("method,act_order", [("gptq", False), ("gptq", True), ("awq", False)])
-def test_packed_drafter_converts_and_loads(tmp_path, smol_q, method, act_order):
+def test_packed_drafter_converts_and_loads(tmp_path, smol_q, method, act_order, shared_embedded_load):
     """`mlx_dflash2.convert <gptq drafter> out --target ...`: trivial group maps are repacked exactly
     (SmolLM2's 576 inputs are 4.5 groups of 128: MLX 4-bit g64 by repeating scales), act-order
     layers dequantized through g_idx and requantized; the result loads and its weights are the
@@ -290,7 +293,7 @@ def test_packed_drafter_keeps_its_group_size_when_it_divides_every_layer(tmp_pat
     assert sorted(res.exact) == sorted(deq)  # g128 -> g64 by repeating scales: still exact
 
 
-def test_packed_drafter_loaded_directly_says_how_to_convert(tmp_path, smol_q):
+def test_packed_drafter_loaded_directly_says_how_to_convert(tmp_path, smol_q, shared_embedded_load):
     """Loading a GPTQ drafter as --drafter is refused with the exact command, and that command works."""
     import shlex
 
@@ -350,7 +353,7 @@ def test_drafter_conversion_carries_its_draft_vocabulary(tmp_path, smol_q):
         convert(tmp_path / "src", tmp_path / "bad", progress=False)
 
 
-def test_drafter_codebooks_quantized(tmp_path, smol_q, capsys):
+def test_drafter_codebooks_quantized(tmp_path, smol_q, capsys, shared_embedded_load):
     """``--codebook-bits``: the selector's two [vocab, rank] codebooks stored MLX-quantized (group 32) and expanded
     at load, close to the float ones (8 bits: < 1 % relative; 4 bits: < 10 %); smaller files; a drafter with
     quantized codebooks converts again (expanded as the source); bad settings or layouts are errors naming them."""
@@ -566,7 +569,7 @@ def _copy(src, dst, **cfg_changes):
     return dst
 
 
-def test_drafter_conversion_edges(tmp_path, smol_q, capsys):
+def test_drafter_conversion_edges(tmp_path, smol_q, capsys, shared_embedded_load):
     """A fresh user's finds on the converter's drafter path (session 31): --report-error measures a layer kept as
     stored as 0 whatever --dtype (bf16-expanded references read 0.47 %); codebooks kept with scales rounded to another
     dtype say so; codebooks stored at another group are kept (not re-rounded to g32); a DFlash v1 drafter's stray

@@ -136,9 +136,9 @@ def test_stop_string_at_every_block_offset(smol_f32, story, offset):
     assert word not in text
 
 
-# 1 (the prefill's token only), then every offset of the first round (2..B+1) and of a later one (B+2..2B+1);
-# every later round is the same full block (1..40 in `make test-all`)
-@pytest.mark.parametrize("max_tokens", [pytest.param(m, marks=() if m <= 2 * B + 1 else pytest.mark.slow)
+# 1 (the prefill's token only), then every offset of the first round (2..B+1) and the first and last offset of a
+# later one (B+2, 2B+1); every later round is the same full block (1..40 in `make test-all`)
+@pytest.mark.parametrize("max_tokens", [pytest.param(m, marks=() if m <= B + 2 or m == 2 * B + 1 else pytest.mark.slow)
                                         for m in range(1, 41)])
 def test_max_tokens_exact(smol_f32, story, max_tokens):
     """max_tokens 1..2B+1 emits exactly that many tokens, with a full-acceptance drafter
@@ -237,7 +237,14 @@ def _count_forwards(monkeypatch, target):
     return n
 
 
-@pytest.mark.parametrize("max_tokens", [pytest.param(m, marks=() if m <= 14 else pytest.mark.slow) for m in range(1, 31)])
+# max_tokens m ends on token m - 1; MIXED emits tokens 1, 2 in plain rounds, 3-6 in a drafting round, 7 in a plain
+# one, 8-15 in a full block: by default m ends on every round's first and last token and some between (1..14 before,
+# 1..30 in `make test-all`)
+RUN_AHEAD_DEFAULT = (1, 2, 3, 4, 6, 7, 8, 9, 12, 14)
+
+
+@pytest.mark.parametrize("max_tokens", [pytest.param(m, marks=() if m in RUN_AHEAD_DEFAULT else pytest.mark.slow)
+                                        for m in range(1, 31)])
 def test_plain_rounds_run_ahead_max_tokens_exact(smol_f32, story, monkeypatch, run_ahead, max_tokens):
     """Every max_tokens inside a mix of plain and drafting rounds: exactly that many tokens, equal to plain
     decoding, and the cache holds prompt + emitted - 1 (a step queued ahead past the last token is dropped)."""
@@ -259,7 +266,10 @@ def test_plain_rounds_run_ahead_max_tokens_exact(smol_f32, story, monkeypatch, r
     assert len(ids) < 2048 and calls["forwards"] == 2 + sum(stats.rounds_by_source.values()) + dropped
 
 
-@pytest.mark.parametrize("j", [1, 2, 3, 4, 5, 8, 9, 12])
+# token j of MIXED's rounds: a plain round's (1), a drafting round's first and third (3, 5), a full block's first and
+# fifth (8, 12); 2, 4 and 9 (their neighbours' rounds) in `make test-all`
+@pytest.mark.parametrize("j", [pytest.param(j, marks=pytest.mark.slow if j in (2, 4, 9) else ())
+                               for j in (1, 2, 3, 4, 5, 8, 9, 12)])
 def test_plain_rounds_run_ahead_eos_and_consumer_stop(smol_f32, story, run_ahead, j):
     """An EOS at generated token j inside the mixed schedule, and a consumer that stops reading after token j:
     nothing past j is emitted or left in the cache."""

@@ -8,7 +8,7 @@
 #   bash benchmarks/gpu/bundle.sh FILE...       (from the checkout's root; `bash benchmarks/gpu/slim.sh on` first)
 #
 # Then one device call per bundle, back to back (the machine is given back ~30 s after a call):
-#   carry [".gpu/bN"]                                     command: bash .gpu/stash.sh        (N = 0 .. last-1)
+#   carry [".gpu/bN"]                                     command: bash .gpu/bN/stash.sh        (N = 0 .. last-1)
 #   carry [".gpu/bLAST", ".gpu/stash.sh", ".gpu/install.sh"]  command: bash .gpu/install.sh && ...
 # install.sh reassembles the stream into $PAYLOAD (default /root/payload: FILES under their base names), installs
 # the wheels there (mlx, mlx-cuda-13, mlx-lm and any other *.whl among FILES) and checks that MLX sees the GPU; a
@@ -20,7 +20,7 @@ MLX_VERSION="${MLX_VERSION:-0.32.4}"
 MLX_LM_VERSION="${MLX_LM_VERSION:-0.32.2}"
 PART=${PART:-63000000}
 [ $# -gt 0 ] || [ "${NO_WHEELS:-0}" = 0 ] || { echo "usage: bash benchmarks/gpu/bundle.sh FILE..." >&2; exit 2; }
-for f in "$@"; do [ -f "$f" ] || { echo "bundle: no such file: $f" >&2; exit 2; }; done
+files=(); for f in "$@"; do [ -f "$f" ] || { echo "bundle: no such file: $f" >&2; exit 2; }; files+=("$(realpath "$f")"); done
 names=$(for f in "$@"; do basename "$f"; done | sort | uniq -d)
 [ -z "$names" ] || { echo "bundle: two FILES share a base name: $names" >&2; exit 2; }
 cd "$(git rev-parse --show-toplevel)"
@@ -31,7 +31,7 @@ if [ "${NO_WHEELS:-0}" != 1 ]; then
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $plat \
     -d .gpu/src "mlx==$MLX_VERSION" "mlx-cuda-13==$MLX_VERSION" "mlx-lm==$MLX_LM_VERSION"
 fi
-for f in "$@"; do ln -s "$(realpath "$f")" ".gpu/src/$(basename "$f")"; done
+for f in ${files[@]+"${files[@]}"}; do ln -s "$f" ".gpu/src/$(basename "$f")"; done  # paths as given, from where it ran
 tar -chf - -C .gpu/src . | split -b "$PART" -d -a 3 - .gpu/p
 n=0
 for p in $(ls .gpu | grep -E '^p[0-9]{3}$' | sort); do mkdir -p ".gpu/b$n" && mv ".gpu/$p" ".gpu/b$n/"; n=$((n+1)); done
@@ -43,6 +43,7 @@ set -e
 STASH=${STASH:-/root/gpu-stash}
 mkdir -p "$STASH" && cp .gpu/b*/p[0-9][0-9][0-9] "$STASH/" && echo "stashed: $(ls "$STASH" | wc -l) parts"
 EOS
+for b in .gpu/b*/; do cp .gpu/stash.sh "$b"; done  # each bundle carries it: calls 1..N-1 carry only .gpu/bN
 cat > .gpu/install.sh <<EOS
 #!/usr/bin/env bash
 # the last bundle: the stream's $n parts reassembled into \$PAYLOAD, wheels installed, MLX checked on the GPU
@@ -51,7 +52,9 @@ STASH=\${STASH:-/root/gpu-stash}; PAYLOAD=\${PAYLOAD:-/root/payload}
 bash .gpu/stash.sh
 have=\$(ls "\$STASH" | wc -l)
 [ "\$have" = $n ] || { echo "install: \$have of $n parts stashed (a call was missed, or the machine was given back)" >&2; exit 1; }
-mkdir -p "\$PAYLOAD" && cat \$(ls "\$STASH"/p[0-9][0-9][0-9] | sort) | tar -xf - -C "\$PAYLOAD" && rm -rf "\$STASH"
+mkdir -p "\$PAYLOAD"
+cat \$(ls "\$STASH"/p[0-9][0-9][0-9] | sort) | tar -xf - -C "\$PAYLOAD" || { echo "install: the tar stream is broken (a stale or missing part)" >&2; exit 1; }
+rm -rf "\$STASH"
 cd "\$PAYLOAD"
 ls ./*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile ./*.whl
 python3 -c "import mlx.core as mx; assert mx.cuda.is_available(); print('MLX', mx.__version__, 'on', mx.default_device())"
@@ -60,5 +63,5 @@ ls -la "\$PAYLOAD"
 EOS
 chmod +x .gpu/*.sh
 echo "bundles: $n ($(du -cb .gpu/b*/p* | tail -1 | cut -f1) bytes in parts of $PART), under .gpu/; calls, back to back:"
-[ $last -gt 0 ] && echo "  calls 1-$last: carry [\".gpu/bN\"] (N = 0 .. $((last-1)))  command: bash .gpu/stash.sh"
+[ $last -gt 0 ] && echo "  calls 1-$last: carry [\".gpu/bN\"] (N = 0 .. $((last-1)))  command: bash .gpu/bN/stash.sh"
 echo "  call $n: carry [\".gpu/b$last\", \".gpu/stash.sh\", \".gpu/install.sh\"]  command: bash .gpu/install.sh && ..."

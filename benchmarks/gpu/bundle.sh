@@ -10,7 +10,7 @@
 # Then one device call per bundle, back to back (the machine is given back ~30 s after a call):
 #   carry [".gpu/bN"]                                     command: bash .gpu/bN/stash.sh        (N = 0 .. last-1)
 #   carry [".gpu/bLAST", ".gpu/stash.sh", ".gpu/install.sh"]  command: bash .gpu/install.sh && ...
-# install.sh reassembles the stream into $PAYLOAD (default /root/payload: FILES under their base names), installs
+# install.sh reassembles the stream into $PAYLOAD (default ~/payload, /root/payload on the device: FILES under their base names), installs
 # the wheels there (mlx, mlx-cuda-13, mlx-lm and any other *.whl among FILES) and checks that MLX sees the GPU; a
 # FILE named ptx-*.tgz (a saved MLX_PTX_CACHE_DIR, e.g. .cache/ptx-h200-mlx0.32.4-s31.tgz) is unpacked into
 # $HOME, whose ptx/ folder then serves as MLX_PTX_CACHE_DIR (the first kernel builds of a fresh machine: minutes).
@@ -40,7 +40,7 @@ cat > .gpu/stash.sh <<'EOS'
 #!/usr/bin/env bash
 # one bundle's part of the tar stream into $STASH (the machine keeps it between calls while warm)
 set -e
-STASH=${STASH:-/root/gpu-stash}
+STASH=${STASH:-$HOME/gpu-stash}
 mkdir -p "$STASH" && cp .gpu/b*/p[0-9][0-9][0-9] "$STASH/" && echo "stashed: $(ls "$STASH" | wc -l) parts"
 EOS
 for b in .gpu/b*/; do cp .gpu/stash.sh "$b"; done  # each bundle carries it: calls 1..N-1 carry only .gpu/bN
@@ -48,7 +48,7 @@ cat > .gpu/install.sh <<EOS
 #!/usr/bin/env bash
 # the last bundle: the stream's $n parts reassembled into \$PAYLOAD, wheels installed, MLX checked on the GPU
 set -e
-STASH=\${STASH:-/root/gpu-stash}; PAYLOAD=\${PAYLOAD:-/root/payload}
+STASH=\${STASH:-\$HOME/gpu-stash}; PAYLOAD=\${PAYLOAD:-\$HOME/payload}
 bash .gpu/stash.sh
 have=\$(ls "\$STASH" | wc -l)
 [ "\$have" = $n ] || { echo "install: \$have of $n parts stashed (a call was missed, or the machine was given back)" >&2; exit 1; }

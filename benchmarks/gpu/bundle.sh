@@ -10,7 +10,7 @@
 # Then one device call per bundle, back to back (the machine is given back ~30 s after a call):
 #   carry [".gpu/bN"]                                     command: bash .gpu/bN/stash.sh        (N = 0 .. last-1)
 #   carry [".gpu/bLAST", ".gpu/stash.sh", ".gpu/install.sh"]  command: bash .gpu/install.sh && ...
-# install.sh reassembles the stream into $PAYLOAD (default ~/payload, /root/payload on the device: FILES under their base names), installs
+# install.sh reassembles the stream into $PAYLOAD (default ~/payload: FILES under their base names), installs
 # the wheels there (mlx, mlx-cuda-13, mlx-lm and any other *.whl among FILES) and checks that MLX sees the GPU; a
 # FILE named ptx-*.tgz (a saved MLX_PTX_CACHE_DIR, e.g. .cache/ptx-h200-mlx0.32.4-s31.tgz) is unpacked into
 # $HOME, whose ptx/ folder then serves as MLX_PTX_CACHE_DIR (the first kernel builds of a fresh machine: minutes).

@@ -514,6 +514,33 @@ def test_regen_resumes_only_the_same_prompts_and_settings(tiny, tmp_path):
     assert (tmp_path / "r" / "meta.json").read_text() == meta  # nothing rewritten
 
 
+def test_regen_counts_the_prompts_over_max_prompt_tokens(tiny, tmp_path, monkeypatch, capsys):
+    """Prompts over --max-prompt-tokens are skipped, but counted (stats, a resumed run, and a line from the CLI)."""
+    from mlx_dflash2.train import cli
+    from mlx_dflash2.train.regen import read_responses, regenerate
+
+    target, _ = tiny
+    texts = ["ab", "abcdefghij", "abcdef", "abcdefghijklmnop", "abc"]  # 2, 10, 6, 12 (cut), 3 tokens
+    ps = [{"id": str(i), "messages": [{"role": "user", "content": t}]} for i, t in enumerate(texts)]
+    kw = dict(max_tokens=3, batch_size=4, shard_size=2, temps=[0.0, 0.7], max_prompt_tokens=8, progress=False)
+    st = regenerate(target, ChatTinyTok(), ps, tmp_path / "r", **kw)
+    assert st["too_long_prompts"] == 2 and st["written"] == 6
+    assert sorted({r["id"] for r in read_responses(tmp_path / "r")}) == ["0", "2", "4"]
+    again = regenerate(target, ChatTinyTok(), ps, tmp_path / "r", **kw)  # resumed: counted from the shards
+    assert again["skipped_shards"] == 3 and again["written"] == 0 and again["too_long_prompts"] == 2
+    # the CLI: a flag, checked before loading, and a line saying how many were skipped
+    monkeypatch.setattr(cli, "_target", lambda args: (target, ChatTinyTok()))
+    (tmp_path / "p.txt").write_text("\n".join(texts) + "\n")
+    base = ["regen", "--prompts", str(tmp_path / "p.txt"), "--out", str(tmp_path / "c"), "--max-tokens", "3"]
+    assert cli.main(base + ["--max-prompt-tokens", "8"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out.splitlines()[-1])["too_long_prompts"] == 2
+    assert "skipped 2 of 5 prompts, longer than --max-prompt-tokens 8" in err
+    assert cli.main(base[:3] + ["--out", str(tmp_path / "d"), "--max-tokens", "3"]) == 0  # default 1024: none skipped
+    out, err = capsys.readouterr()
+    assert json.loads(out.splitlines()[-1])["too_long_prompts"] == 0 and "skipped" not in err
+
+
 def test_resume_refuses_other_settings_and_cuts_the_log(tiny, tmp_path):
     """Resuming needs the run's own settings (a named error otherwise, config.json untouched); the log
     keeps no steps past the checkpoint; --init fixes the drafter's shape (conflicting flags are refused)."""

@@ -173,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-tokens", type=int, default=256, help="tokens per response at most")
     r.add_argument("--batch-size", type=int, default=256, help="prompts decoded together (memory grows with it)")
     r.add_argument("--shard-size", type=int, default=1024, help="prompts per shard file (the unit of resuming)")
+    r.add_argument("--max-prompt-tokens", type=int, default=1024,
+                   help="prompts longer than this (chat-templated) are skipped; the count is reported")
     r.add_argument("--temp-fraction", type=float, default=0.0, help="fraction answered by sampling at --temp")
     r.add_argument("--temp", type=float, default=0.7, help="sampling temperature of the --temp-fraction")
     r.add_argument("--temps", default=None,
@@ -279,7 +281,8 @@ def main(argv=None) -> int:
             if args.skip < 0 or (args.limit is not None and args.limit < 1):
                 raise ValueError("--skip must be >= 0 and --limit >= 1")
             temps = _numbers("--temps", args.temps) if args.temps else None
-            check_regen_args(args.out, args.max_tokens, args.batch_size, args.shard_size, temps)  # before loading
+            check_regen_args(args.out, args.max_tokens, args.batch_size, args.shard_size, temps,
+                             args.max_prompt_tokens)  # before loading
             prompts = read_prompt_file(args.prompts)
             if not prompts:
                 raise ValueError(f"{args.prompts}: no prompts")
@@ -289,9 +292,11 @@ def main(argv=None) -> int:
                 raise ValueError(f"{args.prompts}: no prompts left after --skip {args.skip}")
             target, tok = _target(args)
             st = regenerate(target, tok, prompts, args.out, args.max_tokens, args.batch_size, args.shard_size,
-                            args.temp_fraction, args.temp, seed=args.seed,
-                            time_budget=args.time_budget,
-                            temps=temps)
+                            args.temp_fraction, args.temp, max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
+                            time_budget=args.time_budget, temps=temps)
+            if st["too_long_prompts"]:
+                print(f"regen: skipped {st['too_long_prompts']} of {len(prompts)} prompts, longer than "
+                      f"--max-prompt-tokens {args.max_prompt_tokens}", file=sys.stderr)
             print(json.dumps(st))
         elif args.cmd == "self-instruct":
             from .selfinstruct import check_self_instruct_args, self_instruct

@@ -11,7 +11,9 @@ quantized step itself is slow there; see benchmarks/README.md.) The rows
 are written as token ids in shards of ``shard_size`` prompts:
 ``shard-00000.jsonl`` ... with rows ``{id, source, prompt_ids, response_ids,
 finish, temp}``. Each shard is written atomically, so an interrupted run
-resumes by skipping the shards already present.
+resumes by skipping the shards already present. Prompts longer than
+``max_prompt_tokens`` (chat-templated) are skipped, and counted in the returned
+stats (``too_long_prompts``).
 """
 
 from __future__ import annotations
@@ -136,13 +138,15 @@ def _temps_for(temps, temp_fraction: float, temp: float, idx: int, seed: int) ->
     return [temp if sampled else 0.0]
 
 
-def check_regen_args(out, max_tokens: int, batch_size: int, shard_size: int, temps=None) -> None:
+def check_regen_args(out, max_tokens: int, batch_size: int, shard_size: int, temps=None,
+                     max_prompt_tokens: int = 1024) -> None:
     """Validate :func:`regenerate`'s settings before anything is loaded or written.
 
     Raises:
         ValueError: a count below 1, a negative temperature, or ``out`` an existing file.
     """
-    for flag, v in (("max_tokens", max_tokens), ("batch_size", batch_size), ("shard_size", shard_size)):
+    for flag, v in (("max_tokens", max_tokens), ("batch_size", batch_size), ("shard_size", shard_size),
+                    ("max_prompt_tokens", max_prompt_tokens)):
         if v < 1:
             raise ValueError(f"{flag} (--{flag.replace('_', '-')}) must be >= 1, got {v}")
     if temps and any(t < 0 for t in temps):
@@ -183,20 +187,24 @@ def regenerate(
             sampled at ``temp`` for a ``temp_fraction`` of the prompts (a
             deterministic function of ``seed`` and the prompt index), greedy
             for the rest.
-        max_prompt_tokens: longer prompts are skipped.
+        max_prompt_tokens: longer prompts (chat-templated) are skipped and
+            counted (``too_long_prompts``).
         seed: seeds ``mx.random`` per batch (reproducible on one backend).
         time_budget: stop (between shards) after this many seconds; a later
             call resumes with the missing shards.
 
     Returns:
-        ``{"shards", "written", "skipped_shards", "tokens", "seconds", "tokens_per_s"}``.
+        ``{"shards", "written", "skipped_shards", "too_long_prompts", "tokens", "seconds", "tokens_per_s"}``
+        (and ``"stopped_early": True`` when ``time_budget`` stopped it): ``written`` answers written by this
+        call, ``skipped_shards`` shards found present (resumed), ``too_long_prompts`` prompts skipped for being
+        longer than ``max_prompt_tokens``, in the shards written or found present (not in shards left for later).
 
     Raises:
         ValueError: bad settings (:func:`check_regen_args`), checked before anything is written.
     """
     from tqdm import tqdm
 
-    check_regen_args(out, max_tokens, batch_size, shard_size, temps)
+    check_regen_args(out, max_tokens, batch_size, shard_size, temps, max_prompt_tokens)
     out = Path(out)
     meta = {"max_tokens": max_tokens, "temp_fraction": temp_fraction, "temp": temp, "temps": temps, "seed": seed,
             "shard_size": shard_size, "max_prompt_tokens": max_prompt_tokens, "prompts": len(prompts),
@@ -206,7 +214,8 @@ def regenerate(
     (out / "meta.json").write_text(json.dumps(meta) + "\n")
     eos = sorted(tokenizer.eos_token_ids)
     n_shards = (len(prompts) + shard_size - 1) // shard_size
-    stats = {"shards": n_shards, "written": 0, "skipped_shards": 0, "tokens": 0, "seconds": 0.0}
+    stats = {"shards": n_shards, "written": 0, "skipped_shards": 0, "too_long_prompts": 0, "tokens": 0,
+             "seconds": 0.0}
     tic = time.perf_counter()
     per_prompt = len(temps) if temps else 1
     bar = tqdm(total=len(prompts) * per_prompt, desc="regenerate", unit="answer", disable=not progress,
@@ -219,12 +228,16 @@ def regenerate(
         rows = prompts[si * shard_size : (si + 1) * shard_size]
         if path.is_file():
             stats["skipped_shards"] += 1
+            with open(path) as fh:  # every prompt kept has per_prompt rows there
+                stats["too_long_prompts"] += len(rows) - sum(1 for line in fh if line.strip()) // per_prompt
             bar.update(len(rows) * per_prompt)
             continue
         jobs = []  # (prompt row, ids, temperature)
         for k, r in enumerate(rows):
             ids = tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True)
             if len(ids) > max_prompt_tokens:
+                stats["too_long_prompts"] += 1
+                bar.update(per_prompt)
                 continue
             for tt in _temps_for(temps, temp_fraction, temp, si * shard_size + k, seed):
                 jobs.append((r, ids, tt))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from dataclasses import fields
@@ -139,6 +140,40 @@ def _numbers(flag: str, text: str, kind=float) -> list:
         raise ValueError(f"{flag} {text!r}: expected comma-separated {kind.__name__}s") from None
 
 
+def _checked(kind=int, low=None, above=None, high=None):
+    """An argparse ``type``: a finite ``kind`` (int or float) number that is ``>= low``, ``> above`` and
+    ``<= high`` (those given); anything else is a usage error (exit 2, before anything is loaded) that names
+    the flag (argparse's prefix) and the value."""
+    want = " and ".join([f">= {low}"] * (low is not None) + [f"> {above}"] * (above is not None)
+                        + [f"<= {high}"] * (high is not None))
+    want = ("an integer" if kind is int else "a number") + (f" {want}" if want else "")
+
+    def number(text):
+        try:
+            v = kind(text)
+        except ValueError:
+            v = None
+        if (v is None or not math.isfinite(v) or (low is not None and v < low) or (above is not None and v <= above)
+                or (high is not None and v > high)):
+            raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}")
+        return v
+
+    return number
+
+
+def _temperatures(text: str) -> list[float]:
+    """``--temps``'s argparse ``type``: ``"0,0.7"`` -> ``[0.0, 0.7]``; an empty list, a non-number or a
+    temperature below 0 is a usage error naming the value."""
+    try:
+        temps = [float(x) for x in text.split(",")]
+    except ValueError:
+        temps = []
+    if not temps or not all(math.isfinite(t) and t >= 0 for t in temps):
+        raise argparse.ArgumentTypeError(f"expected comma-separated temperatures >= 0 (0: greedy), e.g. 0,0.7,1.0; "
+                                         f"got {text!r}")
+    return temps
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``mlx_dflash2.train`` argument parser: subcommands prompts, regen, self-instruct, fit, vocab, eval.
     Every flag has a help text that shows its default."""
@@ -170,36 +205,41 @@ def build_parser() -> argparse.ArgumentParser:
                    "'prompt' or 'text'")
     r.add_argument("--out", required=True, help="output directory of response shards (shard-*.jsonl; an existing one "
                    "with the same prompts and settings is resumed)")
-    r.add_argument("--max-tokens", type=int, default=256, help="tokens per response at most")
-    r.add_argument("--batch-size", type=int, default=256, help="prompts decoded together (memory grows with it)")
-    r.add_argument("--shard-size", type=int, default=1024, help="prompts per shard file (the unit of resuming)")
-    r.add_argument("--max-prompt-tokens", type=int, default=1024,
+    r.add_argument("--max-tokens", type=_checked(int, 1), default=256, help="tokens per response at most")
+    r.add_argument("--batch-size", type=_checked(int, 1), default=256,
+                   help="prompts decoded together (memory grows with it)")
+    r.add_argument("--shard-size", type=_checked(int, 1), default=1024,
+                   help="prompts per shard file (the unit of resuming)")
+    r.add_argument("--max-prompt-tokens", type=_checked(int, 1), default=1024,
                    help="prompts longer than this (chat-templated) are skipped; the count is reported")
-    r.add_argument("--temp-fraction", type=float, default=0.0, help="fraction answered by sampling at --temp")
-    r.add_argument("--temp", type=float, default=0.7, help="sampling temperature of the --temp-fraction")
-    r.add_argument("--temps", default=None,
+    r.add_argument("--temp-fraction", type=_checked(float, 0, high=1), default=0.0,
+                   help="fraction (0 to 1) answered by sampling at --temp")
+    r.add_argument("--temp", type=_checked(float, 0), default=0.7, help="sampling temperature of the --temp-fraction")
+    r.add_argument("--temps", type=_temperatures, default=None,
                    help="answer every prompt once per temperature, e.g. 0,0.7,1.0 (overrides --temp-fraction; "
                    "default: one answer per prompt)")
-    r.add_argument("--skip", type=int, default=0, help="skip the first N prompts (e.g. answered in an earlier run)")
-    r.add_argument("--limit", type=int, default=None, help="use N prompts (after --skip) (default: all)")
-    r.add_argument("--seed", type=int, default=0, help="seed of the sampled answers")
-    r.add_argument("--time-budget", type=float, default=None,
+    r.add_argument("--skip", type=_checked(int, 0), default=0,
+                   help="skip the first N prompts (e.g. answered in an earlier run)")
+    r.add_argument("--limit", type=_checked(int, 1), default=None, help="use N prompts (after --skip) (default: all)")
+    r.add_argument("--seed", type=_checked(int, 0), default=0, help="seed of the sampled answers")
+    r.add_argument("--time-budget", type=_checked(float, above=0), default=None,
                    help="stop between shards after this many seconds (default: no limit)")
 
     si = parser("self-instruct", "the target writes user requests itself (Magpie), for regen")
     _add_target_args(si)
     si.add_argument("--out", required=True, help="prompt file to write (JSONL; resumes from OUT.partial)")
-    si.add_argument("--n", type=int, required=True, help="requests to keep")
-    si.add_argument("--temp", type=float, default=1.0, help="sampling temperature of the requests")
-    si.add_argument("--max-tokens", type=int, default=128, help="requests not ended within this many tokens are dropped")
-    si.add_argument("--batch-size", type=int, default=512, help="requests sampled together")
-    si.add_argument("--max-batches", type=int, default=None,
+    si.add_argument("--n", type=_checked(int, 1), required=True, help="requests to keep")
+    si.add_argument("--temp", type=_checked(float, above=0), default=1.0, help="sampling temperature of the requests")
+    si.add_argument("--max-tokens", type=_checked(int, 1), default=128,
+                    help="requests not ended within this many tokens are dropped")
+    si.add_argument("--batch-size", type=_checked(int, 1), default=512, help="requests sampled together")
+    si.add_argument("--max-batches", type=_checked(int, 1), default=None,
                     help="stop after this many batches (default: enough if a quarter of the samples are kept); "
                     "a run short of --n keeps OUT.partial, and rerunning with more batches continues it")
     si.add_argument("--exclude", action="append", default=[],
                     help="prompt file whose requests count as seen (repeatable), e.g. an earlier seed's output "
                     "(default: none)")
-    si.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+    si.add_argument("--seed", type=_checked(int, 0), default=0, help="seed of the sampling")
 
     f = parser("fit", "train or fine-tune a drafter")
     _add_target_args(f)
@@ -278,9 +318,7 @@ def main(argv=None) -> int:
             from .data import read_prompt_file
             from .regen import check_regen_args, regenerate
 
-            if args.skip < 0 or (args.limit is not None and args.limit < 1):
-                raise ValueError("--skip must be >= 0 and --limit >= 1")
-            temps = _numbers("--temps", args.temps) if args.temps else None
+            temps = args.temps  # the numbers were checked by the parser
             check_regen_args(args.out, args.max_tokens, args.batch_size, args.shard_size, temps,
                              args.max_prompt_tokens)  # before loading
             prompts = read_prompt_file(args.prompts)

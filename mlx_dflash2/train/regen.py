@@ -19,6 +19,7 @@ stats (``too_long_prompts``).
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -139,18 +140,29 @@ def _temps_for(temps, temp_fraction: float, temp: float, idx: int, seed: int) ->
 
 
 def check_regen_args(out, max_tokens: int, batch_size: int, shard_size: int, temps=None,
-                     max_prompt_tokens: int = 1024) -> None:
+                     max_prompt_tokens: int = 1024, temp_fraction: float = 0.0, temp: float = 0.7, seed: int = 0,
+                     time_budget: float | None = None) -> None:
     """Validate :func:`regenerate`'s settings before anything is loaded or written.
 
     Raises:
-        ValueError: a count below 1, a negative temperature, or ``out`` an existing file.
+        ValueError: a count below 1, a negative seed, an empty ``temps``, a temperature that is not a
+            number >= 0, a ``temp_fraction`` outside [0, 1], a ``time_budget`` not above 0, or ``out``
+            an existing file.
     """
     for flag, v in (("max_tokens", max_tokens), ("batch_size", batch_size), ("shard_size", shard_size),
                     ("max_prompt_tokens", max_prompt_tokens)):
         if v < 1:
             raise ValueError(f"{flag} (--{flag.replace('_', '-')}) must be >= 1, got {v}")
-    if temps and any(t < 0 for t in temps):
-        raise ValueError(f"temps (--temps) must be >= 0, got {temps}")
+    if seed < 0:
+        raise ValueError(f"seed (--seed) must be >= 0, got {seed}")
+    if temps is not None and (len(temps) == 0 or not all(math.isfinite(t) and t >= 0 for t in temps)):
+        raise ValueError(f"temps (--temps) must be one or more temperatures >= 0, got {temps}")
+    if not (math.isfinite(temp) and temp >= 0):
+        raise ValueError(f"temp (--temp) must be a number >= 0, got {temp}")
+    if not 0 <= temp_fraction <= 1:
+        raise ValueError(f"temp_fraction (--temp-fraction) must be between 0 and 1, got {temp_fraction}")
+    if time_budget is not None and not (math.isfinite(time_budget) and time_budget > 0):
+        raise ValueError(f"time_budget (--time-budget) must be a number of seconds > 0, got {time_budget}")
     if Path(out).exists() and not Path(out).is_dir():
         raise ValueError(f"{out} is a file, not a directory")
 
@@ -204,7 +216,8 @@ def regenerate(
     """
     from tqdm import tqdm
 
-    check_regen_args(out, max_tokens, batch_size, shard_size, temps, max_prompt_tokens)
+    check_regen_args(out, max_tokens, batch_size, shard_size, temps, max_prompt_tokens, temp_fraction, temp, seed,
+                     time_budget)
     out = Path(out)
     meta = {"max_tokens": max_tokens, "temp_fraction": temp_fraction, "temp": temp, "temps": temps, "seed": seed,
             "shard_size": shard_size, "max_prompt_tokens": max_prompt_tokens, "prompts": len(prompts),

@@ -572,6 +572,43 @@ def test_regen_counts_the_prompts_over_max_prompt_tokens(tiny, tmp_path, monkeyp
     assert json.loads(out.splitlines()[-1])["too_long_prompts"] == 0 and "skipped" not in err
 
 
+def test_regen_ctrl_c_stops_cleanly_and_says_what_was_saved(tiny, tmp_path, monkeypatch, capsys):
+    """Ctrl-C in regen: no traceback, a line saying which shards are saved, exit 130; a rerun resumes."""
+    from mlx_dflash2.train import cli, regen
+
+    target, _ = tiny
+    monkeypatch.setattr(cli, "_target", lambda args: (target, ChatTinyTok()))
+    (tmp_path / "p.txt").write_text("".join(f"prompt {i}\n" for i in range(4)))
+    argv = ["regen", "--prompts", str(tmp_path / "p.txt"), "--out", str(tmp_path / "r"), "--max-tokens", "3",
+            "--shard-size", "2"]
+    real, calls = regen.batched_decode, []
+
+    def interrupted_in_the_second_shard(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    def main(argv):
+        try:
+            return cli.main(argv)
+        except KeyboardInterrupt:  # a failure, not pytest's own Ctrl-C (which would end the session)
+            pytest.fail("Ctrl-C escaped main (a traceback)")
+
+    monkeypatch.setattr(regen, "batched_decode", interrupted_in_the_second_shard)
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    assert "interrupted; 1 of 2 shards saved in " in err and "(1 by this run); rerun the same command" in err, err
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["meta.json", "shard-00000.jsonl"]
+    monkeypatch.setattr(cli, "_target", lambda args: (_ for _ in ()).throw(KeyboardInterrupt))  # while loading
+    assert main(argv) == 130
+    assert "interrupted; 1 of 2 shards saved in " in capsys.readouterr().err
+    monkeypatch.setattr(cli, "_target", lambda args: (target, ChatTinyTok()))
+    assert cli.main(argv) == 0  # resumed
+    st = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert st["skipped_shards"] == 1 and st["written"] == 2
+
+
 def test_resume_refuses_other_settings_and_cuts_the_log(tiny, tmp_path):
     """Resuming needs the run's own settings (a named error otherwise, config.json untouched); the log
     keeps no steps past the checkpoint; --init fixes the drafter's shape (conflicting flags are refused)."""

@@ -328,10 +328,21 @@ def main(argv=None) -> int:
             prompts = prompts[: args.limit] if args.limit is not None else prompts
             if not prompts:
                 raise ValueError(f"{args.prompts}: no prompts left after --skip {args.skip}")
-            target, tok = _target(args)
-            st = regenerate(target, tok, prompts, args.out, args.max_tokens, args.batch_size, args.shard_size,
-                            args.temp_fraction, args.temp, max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
-                            time_budget=args.time_budget, temps=temps)
+            def saved() -> int:
+                return len(list(Path(args.out).glob("shard-*.jsonl")))
+
+            before = saved()
+            try:
+                target, tok = _target(args)
+                st = regenerate(target, tok, prompts, args.out, args.max_tokens, args.batch_size, args.shard_size,
+                                args.temp_fraction, args.temp, max_prompt_tokens=args.max_prompt_tokens,
+                                seed=args.seed, time_budget=args.time_budget, temps=temps)
+            except KeyboardInterrupt:  # the shards written so far are kept (each one whole), and resumed
+                n, now = math.ceil(len(prompts) / args.shard_size), saved()
+                print(f"\ninterrupted; {now} of {n} shards saved in {args.out} ({now - before} by this run); "
+                      + ("rerun the same command to resume" if now else "a shard is saved once its --shard-size "
+                         "prompts are answered"), file=sys.stderr)
+                return 130
             if st["too_long_prompts"]:
                 print(f"regen: skipped {st['too_long_prompts']} of {len(prompts)} prompts, longer than "
                       f"--max-prompt-tokens {args.max_prompt_tokens}", file=sys.stderr)

@@ -233,50 +233,56 @@ def regenerate(
     per_prompt = len(temps) if temps else 1
     bar = tqdm(total=len(prompts) * per_prompt, desc="regenerate", unit="answer", disable=not progress,
                file=sys.stderr)
-    for si in range(n_shards):
-        if time_budget is not None and time.perf_counter() - tic > time_budget:
-            stats["stopped_early"] = True
-            break
-        path = _shard_path(out, si)
-        rows = prompts[si * shard_size : (si + 1) * shard_size]
-        if path.is_file():
-            stats["skipped_shards"] += 1
-            with open(path) as fh:  # every prompt kept has per_prompt rows there
-                stats["too_long_prompts"] += len(rows) - sum(1 for line in fh if line.strip()) // per_prompt
-            bar.update(len(rows) * per_prompt)
-            continue
-        jobs = []  # (prompt row, ids, temperature)
-        for k, r in enumerate(rows):
-            ids = tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True)
-            if len(ids) > max_prompt_tokens:
-                stats["too_long_prompts"] += 1
-                bar.update(per_prompt)
+    try:
+        for si in range(n_shards):
+            if time_budget is not None and time.perf_counter() - tic > time_budget:
+                stats["stopped_early"] = True
+                break
+            path = _shard_path(out, si)
+            rows = prompts[si * shard_size : (si + 1) * shard_size]
+            if path.is_file():
+                stats["skipped_shards"] += 1
+                with open(path) as fh:  # every prompt kept has per_prompt rows there
+                    stats["too_long_prompts"] += len(rows) - sum(1 for line in fh if line.strip()) // per_prompt
+                bar.update(len(rows) * per_prompt)
                 continue
-            for tt in _temps_for(temps, temp_fraction, temp, si * shard_size + k, seed):
-                jobs.append((r, ids, tt))
-        order = sorted(range(len(jobs)), key=lambda j: len(jobs[j][1]))
-        answers = [None] * len(jobs)
-        for b in range(0, len(order), batch_size):
-            chunk = order[b : b + batch_size]
-            mx.random.seed(seed * 100003 + si * 101 + b)
-            resp = batched_decode(target.model, [jobs[j][1] for j in chunk], max_tokens,
-                                  [jobs[j][2] for j in chunk], eos, vocab_size=target.vocab_size)
-            for j, toks in zip(chunk, resp):
-                answers[j] = toks
-            bar.update(len(chunk))
-        results = []
-        for (r, ids, tt), toks in zip(jobs, answers):
-            finish = "stop" if toks and toks[-1] in eos else "length"
-            results.append({"id": r["id"], "source": r.get("source", ""), "prompt_ids": ids,
-                            "response_ids": list(toks), "finish": finish, "temp": tt})
-            stats["tokens"] += len(toks)
-        tmp = path.with_suffix(".tmp")
-        with open(tmp, "w") as f:
-            for row in results:
-                f.write(json.dumps(row) + "\n")
-        os.replace(tmp, path)
-        stats["written"] += len(results)
-    bar.close()
+            jobs = []  # (prompt row, ids, temperature)
+            for k, r in enumerate(rows):
+                ids = tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True)
+                if len(ids) > max_prompt_tokens:
+                    stats["too_long_prompts"] += 1
+                    bar.update(per_prompt)
+                    continue
+                for tt in _temps_for(temps, temp_fraction, temp, si * shard_size + k, seed):
+                    jobs.append((r, ids, tt))
+            order = sorted(range(len(jobs)), key=lambda j: len(jobs[j][1]))
+            answers = [None] * len(jobs)
+            for b in range(0, len(order), batch_size):
+                chunk = order[b : b + batch_size]
+                mx.random.seed(seed * 100003 + si * 101 + b)
+                resp = batched_decode(target.model, [jobs[j][1] for j in chunk], max_tokens,
+                                      [jobs[j][2] for j in chunk], eos, vocab_size=target.vocab_size)
+                for j, toks in zip(chunk, resp):
+                    answers[j] = toks
+                bar.update(len(chunk))
+            results = []
+            for (r, ids, tt), toks in zip(jobs, answers):
+                finish = "stop" if toks and toks[-1] in eos else "length"
+                results.append({"id": r["id"], "source": r.get("source", ""), "prompt_ids": ids,
+                                "response_ids": list(toks), "finish": finish, "temp": tt})
+                stats["tokens"] += len(toks)
+            tmp = path.with_suffix(".tmp")
+            try:
+                with open(tmp, "w") as f:
+                    for row in results:
+                        f.write(json.dumps(row) + "\n")
+                os.replace(tmp, path)
+            except BaseException:  # e.g. Ctrl-C while writing: no partial file left behind
+                tmp.unlink(missing_ok=True)
+                raise
+            stats["written"] += len(results)
+    finally:  # (interrupted too: the bar is done before the caller's message)
+        bar.close()
     stats["seconds"] = time.perf_counter() - tic
     stats["tokens_per_s"] = stats["tokens"] / max(stats["seconds"], 1e-9)
     return stats

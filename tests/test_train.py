@@ -307,8 +307,7 @@ def test_regen_skip_and_limit_are_checked(tmp_path, capsys):
     assert main(["fit", "--data", str(tmp_path / "nodata"), "--out", str(tmp_path / "run")]) == 2
     assert "--data" in capsys.readouterr().err
     ev = ["eval", "--drafter", "x", "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "t.json")]
-    for bad, msg in [(["--sets", "nosuch"], "unknown evaluation set 'nosuch'"), (["--block-sizes", "4,x"], "--block-sizes"),
-                     (["--limit", "0"], "--limit must be -1")]:
+    for bad, msg in [(["--sets", "nosuch"], "unknown evaluation set 'nosuch'"), (["--block-sizes", "4,x"], "--block-sizes")]:
         assert main(ev + bad) == 2
         err = capsys.readouterr().err
         assert msg in err and not err.startswith('error: "'), err
@@ -354,6 +353,51 @@ def test_regen_and_self_instruct_refuse_bad_numbers_at_parsing(cmd, bad, flag, v
     err = capsys.readouterr().err
     assert f"argument {flag}: " in err and value in err, err
     assert not (tmp_path / "out").exists() and not (tmp_path / "s.jsonl").exists()
+
+
+@pytest.mark.parametrize("cmd, bad, flag, value", [
+    ("prompts", "--sharegpt=-1", "--sharegpt", "'-1'"), ("prompts", "--code=-2", "--code", "'-2'"),
+    ("prompts", "--math=x", "--math", "'x'"), ("prompts", "--sharegpt-turns=-1", "--sharegpt-turns", "'-1'"),
+    ("prompts", "--code-api=-1", "--code-api", "'-1'"), ("prompts", "--seed=-1", "--seed", "'-1'"),
+    ("vocab", "--size=0", "--size", "'0'"), ("vocab", "--size=1", "--size", "'1'"),
+    ("vocab", "--held-out=1.5", "--held-out", "'1.5'"), ("vocab", "--held-out=-0.1", "--held-out", "'-0.1'"),
+    ("vocab", "--seed=-3", "--seed", "'-3'"),
+    ("eval", "--max-tokens=0", "--max-tokens", "'0'"), ("eval", "--limit=0", "--limit", "'0'"),
+    ("eval", "--limit=-2", "--limit", "'-2'"), ("eval", "--limit=abc", "--limit", "'abc'"),
+    ("regen", "--temps=0,0", "--temps", "'0,0'"),
+])
+def test_prompts_vocab_eval_refuse_bad_numbers_at_parsing(cmd, bad, flag, value, tmp_path, monkeypatch, capsys):
+    """prompts, vocab and eval check their numbers as regen does: an argparse error (exit 2) naming the flag and
+    the value, before anything is loaded or written (a repeated --temps temperature answered every prompt twice)."""
+    from mlx_dflash2.train import cli
+
+    monkeypatch.setattr(cli, "_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    (tmp_path / "p.txt").write_text("first\n")
+    args = {"prompts": ["--out", str(tmp_path / "out")],
+            "vocab": ["--data", str(tmp_path / "r"), "--drafter", str(tmp_path / "out")],
+            "eval": ["--drafter", "shipped", "--out", str(tmp_path / "out")],
+            "regen": ["--prompts", str(tmp_path / "p.txt"), "--out", str(tmp_path / "out")]}[cmd]
+    with pytest.raises(SystemExit) as e:
+        cli.main([cmd, *args, bad])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: " in err and value in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("extra", [["--temp-fraction", "0.5"], ["--temp", "0.7"], ["--temp-fraction", "0"]])
+def test_regen_temps_refuses_temp_and_temp_fraction(extra, tmp_path, monkeypatch, capsys):
+    """--temps answers every prompt at each temperature, so a --temp-fraction or --temp beside it (silently unused
+    before) is a usage error."""
+    from mlx_dflash2.train import cli
+
+    monkeypatch.setattr(cli, "_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    (tmp_path / "p.txt").write_text("first\n")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["regen", "--prompts", str(tmp_path / "p.txt"), "--out", str(tmp_path / "out"), "--temps", "0,1",
+                  *extra])
+    assert e.value.code == 2 and "--temps cannot be combined" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_sharded_checkpoint_roundtrip(tiny, tmp_path):

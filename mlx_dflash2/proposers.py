@@ -432,7 +432,7 @@ class DFlashProposer(Proposer):
         emb = self.target.embed(blocks)
         if cfg.input_embedding_scale != 1.0:
             emb = emb * cfg.input_embedding_scale
-        h = model.forward_rows(emb, ctxs)[:, 1 : n_max + 1]  # [N, n_max, D]
+        h = model.forward_rows(emb, ctxs, n_max + 1)[:, 1:]  # [N, n_max, D] (the last layer: slots 0..n_max only)
         unary = self.unary(h)  # [N, n_max, V or Vd]
         vids = self.vocab_ids
         anchors = mx.array([c.anchor for c in calls], dtype=mx.int32)
@@ -547,7 +547,7 @@ class _DFlashSession(ProposerSession):
         emb = p.target.embed(block)[None]
         if cfg.input_embedding_scale != 1.0:
             emb = emb * cfg.input_embedding_scale
-        h = model(emb, self.ctx)[0, 1 : n + 1]
+        h = model(emb, self.ctx, n + 1)[0, 1:]  # the last layer over slots 0..n only
         unary = p.unary(h)
         if cfg.is_dflash2:
             out = model.candidate_selector.walk(unary, h, mx.array(anchor, dtype=mx.int32), temperature, key,

@@ -1058,9 +1058,9 @@ def test_one_drafter_forward_for_every_drafting_row(target, monkeypatch):
     calls = {"forward_rows": [], "call": 0, "propose_many": []}
     orig_rows, orig_call, orig_many = DraftModel.forward_rows, DraftModel.__call__, DFlashProposer.propose_many
 
-    def forward_rows(self, emb, ctxs):
+    def forward_rows(self, emb, ctxs, *a):
         calls["forward_rows"].append((int(emb.shape[0]), int(emb.shape[1])))
-        return orig_rows(self, emb, ctxs)
+        return orig_rows(self, emb, ctxs, *a)
 
     def call(self, *a, **kw):
         calls["call"] += 1
@@ -1298,8 +1298,8 @@ def test_drafter_blocks_fit_the_drafts(target, monkeypatch):
     orig_call, orig_rows = DraftModel.__call__, DraftModel.forward_rows
     monkeypatch.setattr(DraftModel, "__call__", lambda self, emb, *a, **kw: (
         seen.append(("solo", int(emb.shape[1]))), orig_call(self, emb, *a, **kw))[1])
-    monkeypatch.setattr(DraftModel, "forward_rows", lambda self, emb, ctxs: (
-        seen.append(("rows", int(emb.shape[1]))), orig_rows(self, emb, ctxs))[1])
+    monkeypatch.setattr(DraftModel, "forward_rows", lambda self, emb, ctxs, *a: (
+        seen.append(("rows", int(emb.shape[1]))), orig_rows(self, emb, ctxs, *a))[1])
     p = _prompt(9, 5)
     for prop, widths in ((d, {2, 4, 5}), (whole, {5})):
         seen.clear()

@@ -449,6 +449,46 @@ def test_forward_blocks_equals_incremental_inference(over):
             np.testing.assert_allclose(np.array(got[n * A + a]), np.array(want), rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.parametrize(
+    "over",
+    [{}, {"is_causal": True}, {"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 5},
+     {"architectures": ["DFlashDraftModel"]}],
+)
+def test_forward_of_the_drafted_slots_equals_the_whole_blocks(over, monkeypatch):
+    """A forward asked for the first ``slots`` positions only (what a proposal of ``slots - 1`` drafts reads) gives
+    the whole block's values there bit for bit, alone and for many requests' rows at once, and its last layer's MLP
+    runs on those slots only (rounded up to fill whole blocks of ``MATMUL_ROW_BLOCK`` matmul rows)."""
+    from mlx_dflash2.drafter.model import MATMUL_ROW_BLOCK, DraftMLP, last_layer_slots
+
+    cfg = DrafterConfig.from_dict(tiny_cfg(**over))
+    m = randomize(DraftModel(cfg), seed=8)
+    B = cfg.block_size
+    ctxs = []
+    for i, S in enumerate((7, 12, 3, 10, 9)):
+        ctxs.append(DraftContext(m))
+        ctxs[-1].append(m, mx.random.normal((S, 128), key=mx.random.key(i)))
+    emb = mx.random.normal((len(ctxs), B, 64), key=mx.random.key(9))
+    seen = []
+    orig = DraftMLP.__call__
+    monkeypatch.setattr(DraftMLP, "__call__", lambda self, x: (seen.append((self, x.shape[:2])), orig(self, x))[1])
+    for N in (1, 2, 3, 5):
+        whole = m.forward_rows(emb[:N], ctxs[:N])
+        for slots in range(1, B + 1):
+            seen.clear()
+            got = m.forward_rows(emb[:N], ctxs[:N], slots)
+            assert got.shape == (N, slots, 64) and mx.array_equal(got, whole[:, :slots]).item(), (N, slots)
+            Q = last_layer_slots(slots, N, B)
+            assert (N * Q) % MATMUL_ROW_BLOCK == 0 or Q == B
+            assert [s for mlp, s in seen if mlp is m.layers[-1].mlp] == [(N, Q)]
+    for i in (0, 3):
+        whole = m(emb[i : i + 1], ctxs[i])
+        for slots in range(1, B + 1):
+            assert mx.array_equal(m(emb[i : i + 1], ctxs[i], slots), whole[:, :slots]).item(), (i, slots)
+    assert [last_layer_slots(s, 8, 16) for s in (1, 2, 3, 16)] == [1, 2, 3, 16]
+    assert [last_layer_slots(2, n, 16) for n in (1, 2, 3, 4, 6)] == [8, 4, 8, 2, 4]
+    assert last_layer_slots(2, 1, 4) == 4
+
+
 def test_drafter_init_notes_fewer_taps_than_asked(tmp_path, capsys):
     """`mlx_dflash2.drafter init --num-taps 5` on a 2-layer target makes 2 distinct taps and says so."""
     from tiny_models import tiny_mlx_lm_dir

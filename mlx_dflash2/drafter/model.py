@@ -97,11 +97,15 @@ class DraftAttention(nn.Module):
         v = self.v_proj(x).reshape(n, L, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         return self.rope(k, offset=offset), v
 
-    def __call__(self, x: mx.array, ctx_k: mx.array | None, ctx_v: mx.array | None, offset: int) -> mx.array:
+    def __call__(self, x: mx.array, ctx_k: mx.array | None, ctx_v: mx.array | None, offset: int,
+                 queries: int | None = None) -> mx.array:
         """Block rows ``x`` ``[1, B, D]`` at positions ``offset..offset+B-1``.
 
         ``ctx_k/ctx_v``: ``[1, KV, S, hd]`` cached context (positions
-        ``offset-S .. offset-1``) or None.
+        ``offset-S .. offset-1``) or None. ``queries``: the output of the first
+        ``queries`` rows only (``[1, queries, D]``): the attention runs for
+        every row as before (its matmuls keep their shapes, so their values), the
+        output projection for those rows only.
         """
         n, B, _ = x.shape
         if self._fused is not None and n == 1 and isinstance(offset, int):
@@ -132,15 +136,22 @@ class DraftAttention(nn.Module):
                 keep = keep & (qi - kj < self.window)
             mask = keep
         o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(n, B, -1))
+        return self._out(o, queries)
+
+    def _out(self, o: mx.array, queries: int | None) -> mx.array:
+        """The output projection of the attention ``o`` ``[N, H, B, hd]`` (of its first ``queries`` slots)."""
+        n, _, B, _ = o.shape
+        o = o.transpose(0, 2, 1, 3).reshape(n, B, -1)
+        return self.o_proj(o if queries is None or queries >= B else o[:, :queries])
 
     def rows(self, x: mx.array, ctx_k: mx.array | None, ctx_v: mx.array | None, offsets: mx.array,
-             mask: mx.array | None) -> mx.array:
+             mask: mx.array | None, queries: int | None = None) -> mx.array:
         """Blocks of ``N`` requests at once (a batched round): row ``i`` of ``x`` ``[N, B, D]`` sits at
         positions ``offsets[i] ..`` and attends to its own context, the rows ``ctx_k/ctx_v[i]``
         (``[N, KV, S, hd]``, right-aligned: row ``i``'s last context row at index ``S - 1``, the rows
         before its own context padding), as :meth:`__call__` does for one request; ``mask``
-        (:meth:`rows_mask`) hides each row's padding (``None``: no padding and no in-block mask)."""
+        (:meth:`rows_mask`) hides each row's padding (``None``: no padding and no in-block mask).
+        ``queries``: as :meth:`__call__`'s, the first ``queries`` slots of each block only."""
         n, B, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(n, B, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
         q = self.rope(q, offset=offsets)
@@ -149,7 +160,7 @@ class DraftAttention(nn.Module):
             k = mx.concatenate([ctx_k, k], axis=2)
             v = mx.concatenate([ctx_v, v], axis=2)
         o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(n, B, -1))
+        return self._out(o, queries)
 
     def rows_mask(self, B: int, S: int, held: list[int]) -> mx.array | None:
         """The mask of :meth:`rows`: bool ``[N, 1, B, S + B]``, row ``i`` seeing its last ``held[i]``
@@ -289,14 +300,23 @@ class DraftDecoderLayer(nn.Module):
             self.attention_conv = GroupedDynamicCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
             self.mlp_conv = GroupedDynamicCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
 
-    def __call__(self, x, attend, mode: str | None = "reference"):
+    def __call__(self, x, attend, mode: str | None = "reference", queries: int | None = None):
         """``x`` ``[M, B, D]``; ``attend(self_attn, v)`` runs the attention on the
         (pre-conv'd) normed input ``v`` with the right context; ``mode``: the
-        convolutions' kernel mode (:meth:`GroupedDynamicCausalConv.apply`)."""
+        convolutions' kernel mode (:meth:`GroupedDynamicCausalConv.apply`).
+
+        ``queries``: the output of the first ``queries`` slots only (``[M, queries, D]``): ``attend`` must then
+        return the attention of those slots only (their queries over every slot's keys and values). What the full
+        call gives those slots: the convolutions are causal (a slot reads itself and the slots before it) and the
+        rest works slot by slot; a drafter whose last layer feeds only the slots drafted skips the others' work."""
         u = self.input_layernorm(x)
+        if queries is not None and queries < x.shape[1]:
+            x = x[:, :queries]
         if self.has_conv:
             d = self.attention_conv.coefficients(u)
             a = attend(self.self_attn, self.attention_conv.apply(u, 0, d, mode))
+            if a.shape[1] < d.shape[1]:
+                d = d[:, : a.shape[1]]
             a = self.attention_conv.apply(a, 1, d, mode)
         else:
             a = attend(self.self_attn, u)
@@ -420,6 +440,24 @@ class CandidateSelector(nn.Module):
         return SelectorOutput(tokens, cand, q)
 
 
+#: rows of a matmul that a BLAS computes together: this machine's OpenBLAS (x86-64 sgemm) gives a row of ``x @ W``
+#: the same bits whatever the other rows only within whole blocks of 8 rows (the last ``M % 8`` rows of an ``M``-row
+#: product take another summation order), so :func:`last_layer_slots` keeps the drafter's row counts multiples of it
+MATMUL_ROW_BLOCK = 8
+
+
+def last_layer_slots(slots: int, blocks: int, block_size: int) -> int:
+    """Slots of each block the drafter's last layer computes when ``slots`` are wanted from ``blocks`` blocks of
+    ``block_size``: ``slots`` rounded up so that ``blocks * slots`` is a multiple of :data:`MATMUL_ROW_BLOCK` (the
+    matmuls then give the whole forward's bits), at most ``block_size``.
+
+    >>> [last_layer_slots(2, n, 16) for n in (1, 2, 3, 4, 8)]
+    [8, 4, 8, 2, 2]
+    """
+    step = MATMUL_ROW_BLOCK // math.gcd(int(blocks), MATMUL_ROW_BLOCK)
+    return min(int(block_size), -(-int(slots) // step) * step)
+
+
 class DraftModel(nn.Module):
     """A DFlash (v1) or DFlash2 block drafter (architecture from the config).
 
@@ -538,7 +576,7 @@ class DraftModel(nn.Module):
         c = self.fuse(features)
         return [layer.self_attn.kv(c, offset) for layer in self.layers]
 
-    def __call__(self, block_embeddings: mx.array, context: "DraftContext") -> mx.array:
+    def __call__(self, block_embeddings: mx.array, context: "DraftContext", slots: int | None = None) -> mx.array:
         """Drafter forward over one block.
 
         Args:
@@ -546,18 +584,24 @@ class DraftModel(nn.Module):
                 ``[anchor, mask, ..., mask]`` (times the input scale).
             context: the request's :class:`DraftContext`; the block sits at
                 positions ``context.offset ..``.
+            slots: the states of the first ``slots`` positions only (``None``: all ``B``): the last layer
+                computes those (the earlier ones every slot: the block attends both ways), the same values.
 
         Returns:
-            Final-normed hidden states ``[1, B, D]``.
+            Final-normed hidden states ``[1, B, D]`` (``[1, slots, D]``).
         """
         x = block_embeddings
         P = context.offset
+        last = len(self.layers) - 1
+        Q = None if slots is None else last_layer_slots(slots, 1, x.shape[1])
         for i, layer in enumerate(self.layers):
             ck, cv = context.layer_kv(i)
-            x = layer(x, lambda attn, v: attn(v, ck, cv, P), self.kernel_mode)
-        return self.norm(x)
+            q = Q if i == last else None
+            x = layer(x, lambda attn, v, q=q: attn(v, ck, cv, P, q), self.kernel_mode, q)
+        return self.norm(x if slots is None else x[:, :slots])
 
-    def forward_rows(self, block_embeddings: mx.array, contexts: list["DraftContext"]) -> mx.array:
+    def forward_rows(self, block_embeddings: mx.array, contexts: list["DraftContext"],
+                     slots: int | None = None) -> mx.array:
         """Drafter forward over the blocks of ``N`` requests at once (a batched round).
 
         Args:
@@ -566,12 +610,15 @@ class DraftModel(nn.Module):
             contexts: the requests' :class:`DraftContext` (every queued row appended); block ``i`` sits at
                 positions ``contexts[i].offset ..`` and attends to that context only (what
                 :meth:`__call__` gives it alone: the same keys, the others' masked out).
+            slots: as :meth:`__call__`'s: the first ``slots`` positions of each block only.
 
         Returns:
-            Final-normed hidden states ``[N, B, D]``.
+            Final-normed hidden states ``[N, B, D]`` (``[N, slots, D]``).
         """
         x = block_embeddings
         B = int(x.shape[1])
+        last = len(self.layers) - 1
+        Q = None if slots is None else last_layer_slots(slots, x.shape[0], B)
         offsets = mx.array([c.offset for c in contexts], dtype=mx.int32)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -593,8 +640,10 @@ class DraftModel(nn.Module):
                 ck = mx.concatenate([pad(k, h) for (k, _), h in zip(kvs, held)], axis=0)
                 cv = mx.concatenate([pad(v, h) for (_, v), h in zip(kvs, held)], axis=0)
             mask = attn.rows_mask(B, S, held)
-            x = layer(x, lambda a, v, ck=ck, cv=cv, mask=mask: a.rows(v, ck, cv, offsets, mask), self.kernel_mode)
-        return self.norm(x)
+            q = Q if i == last else None
+            x = layer(x, lambda a, v, ck=ck, cv=cv, mask=mask, q=q: a.rows(v, ck, cv, offsets, mask, q),
+                      self.kernel_mode, q)
+        return self.norm(x if slots is None else x[:, :slots])
 
     def context_kv_all(self, features: mx.array) -> list[tuple[mx.array, mx.array]]:
         """Per-layer context K/V of whole sequences: features ``[N, T, k*D]`` ->

@@ -1,8 +1,10 @@
-"""What a draft vocabulary saves a drafter's training step (``mlx_dflash2.train fit --draft-vocab``).
+"""What a draft vocabulary (``fit --draft-vocab``) and mixed precision (``fit --compute-dtype``) save a drafter's
+training step.
 
 One training step of a DFlash2 drafter (``dflash_loss`` forward and backward, gradient clipping, AdamW:
 what ``Trainer`` runs after the target's forward) on a random-weight target of a given shape, with the
-whole vocabulary and with draft vocabularies of the given sizes, timed as a dependent chain (each step
+whole vocabulary and with draft vocabularies of the given sizes (each in every ``--compute-dtypes`` value: the
+drafter's forward and backward in float32, or in bfloat16 over its float32 weights), timed as a dependent chain (each step
 updates the drafter the next one reads), interleaved, medians. The target's own forward (the context
 features and the teacher's states) is the same in every arm: it is timed once, so the table also says what
 share of a whole step the change saves. Issue 21's recipe: distillation, target labels, half the blocks in
@@ -10,6 +12,7 @@ the selector loss.
 
     scripts/run python benchmarks/bench_train_vocab.py --shape qwen2.5-1.5b --sizes 0,32768 \\
         --out benchmarks/results/train-vocab-cpu.json
+    scripts/run python benchmarks/bench_train_vocab.py --sizes 32768 --compute-dtypes float32,bfloat16 ...
 
 Not a test: a measurement (numbers vary with the machine and its load).
 """
@@ -24,14 +27,13 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_map
 
 from mlx_dflash2.drafter.io import init_drafter
 from mlx_dflash2.target import TargetAdapter
-from mlx_dflash2.train.trainer import DraftVocab, dflash_loss
+from mlx_dflash2.train.trainer import COMPUTE_DTYPES, DraftVocab, dflash_loss, value_and_grad_in
 
 
 def _target(shape: str, layers: int | None, dtype) -> tuple[TargetAdapter, int]:
@@ -51,7 +53,10 @@ def plot(res: dict, path: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     arms = list(res["arms"])
-    names = [f"{int(n) or res['vocab']:,}" + (" (whole)" if n == "0" else "") for n in arms]
+    names = []
+    for a in arms:
+        n, _, cdt = a.partition("/")
+        names.append(f"{int(n) or res['vocab']:,}" + (" (whole)" if n == "0" else "") + (f"\n{cdt}" if cdt else ""))
     drafter = [res["arms"][n]["median_s"] for n in arms]
     fig, ax = plt.subplots(figsize=(6, 3.6))
     ax.bar(names, [res["target_forward_s"]] * len(arms), color="0.75", label="target forward (the same)")
@@ -59,7 +64,7 @@ def plot(res: dict, path: str | Path) -> None:
     for i, d in enumerate(drafter):
         ax.text(i, res["target_forward_s"] + d, f"{d:.2f} s", ha="center", va="bottom")
     ax.set_ylim(0, (res["target_forward_s"] + max(drafter)) * 1.15)
-    ax.set_xlabel("draft vocabulary (ids)")
+    ax.set_xlabel("draft vocabulary (ids)" + (", compute dtype" if any("/" in a for a in arms) else ""))
     ax.set_ylabel("seconds per training step")
     ax.set_title(f"{res['shape']}, {res['rows']} rows, {res.get('labels', 'target')} labels", fontsize=10)
     ax.legend(loc="lower right", fontsize=8)
@@ -73,6 +78,9 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="qwen2.5-1.5b", help=f"target shape, of {', '.join(rt.SHAPES)}")
     p.add_argument("--target-layers", type=int, default=None, help="layers of the target (default: the shape's)")
     p.add_argument("--sizes", default="0,32768", help="draft vocabulary sizes, comma-separated (0: the whole)")
+    p.add_argument("--compute-dtypes", default="float32",
+                   help=f"the drafter's compute dtypes, comma-separated, of {', '.join(COMPUTE_DTYPES)} (fit "
+                   "--compute-dtype: mixed precision over float32 weights); every size runs in each")
     p.add_argument("--batch-size", type=int, default=1, help="sequences per step")
     p.add_argument("--anchors", type=int, default=16, help="blocks per sequence")
     p.add_argument("--max-len", type=int, default=256, help="tokens per sequence")
@@ -87,6 +95,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="write the results as JSON, and a plot beside it (.png)")
     a = p.parse_args(argv)
     sizes = [int(s) for s in a.sizes.split(",")]
+    cdts = a.compute_dtypes.split(",")
+    if not cdts or any(c not in COMPUTE_DTYPES for c in cdts) or len(set(cdts)) < len(cdts):
+        p.error(f"--compute-dtypes: distinct values of {', '.join(COMPUTE_DTYPES)}, got {a.compute_dtypes!r}")
     dtype = getattr(mx, a.dtype or ("float32" if mx.default_device() == mx.cpu else "bfloat16"))
     target, V = _target(a.shape, a.target_layers, dtype)
     rt.log(f"target {a.shape} ({target.num_layers} layers, vocab {V}, {dtype})")
@@ -114,46 +125,50 @@ def main(argv=None) -> int:
     mx.eval(states)
     rt.log(f"target forward of {N} x {T} tokens: {target_s:.2f} s")
     # a frequency-ranked set is what the product uses; for the step's cost any ids of that size do
-    arms = {}
+    vocabs = {}
     for n in sizes:
-        dv = None if n == 0 else DraftVocab.build(target, sorted(rng.choice(V, n, replace=False).tolist()), V)
-        arms[n] = dv
-    opt = {n: optim.AdamW(learning_rate=1e-5) for n in sizes}
+        vocabs[n] = None if n == 0 else DraftVocab.build(target, sorted(rng.choice(V, n, replace=False).tolist()), V)
+    # arms: (size, compute dtype); keys "N" with one compute dtype (as before), "N/dtype" with several
+    arms = {(str(n) if len(cdts) == 1 else f"{n}/{c}"): (n, c) for n in sizes for c in cdts}
+    opt = {k: optim.AdamW(learning_rate=1e-5) for k in arms}
 
-    def step(n):
+    def step(k):
+        n, c = arms[k]
+
         def loss_fn(model):
             return dflash_loss(model, target, feats, tokens, anchors, labels, valid, weights, 1.0, valid_vocab=V,
                                teacher_states=states, kd_weight=1.0, selector_fraction=0.5,
                                target_labels=a.labels == "target",
-                               draft_vocab=arms[n])
+                               draft_vocab=vocabs[n])
 
-        (loss, _), grads = nn.value_and_grad(d, loss_fn)(d)
+        (loss, _), grads = value_and_grad_in(d, loss_fn, None if c == "float32" else getattr(mx, c))(d)
         grads, _ = optim.clip_grad_norm(grads, 1.0)
-        opt[n].update(d, grads)
-        mx.eval(d.parameters(), opt[n].state, loss)
+        opt[k].update(d, grads)
+        mx.eval(d.parameters(), opt[k].state, loss)
 
-    times = {n: [] for n in sizes}
-    for n in sizes:
-        step(n)  # warm-up
+    times = {k: [] for k in arms}
+    for k in arms:
+        step(k)  # warm-up
     for r in range(a.repeats):
-        for n in sizes:
+        for k in arms:
             t = time.perf_counter()
-            step(n)
-            times[n].append(time.perf_counter() - t)
-        rt.log(f"repeat {r + 1}/{a.repeats}: " + ", ".join(f"{n or 'whole'} {times[n][-1]:.2f} s" for n in sizes))
+            step(k)
+            times[k].append(time.perf_counter() - t)
+        rt.log(f"repeat {r + 1}/{a.repeats}: " + ", ".join(f"{k} {times[k][-1]:.2f} s" for k in arms))
     rows = N * A * Bm1
-    whole = rt.median(times[sizes[0]])
+    first = next(iter(arms))
+    whole = rt.median(times[first])
     res = {"meta": rt.device_meta(), "shape": a.shape, "target_layers": target.num_layers, "vocab": V,
            "rows": rows, "labels": a.labels, "batch_size": N, "anchors": A, "max_len": T, "drafter_layers": a.layers,
-           "intermediate": a.intermediate, "target_forward_s": target_s, "arms": {}}
+           "intermediate": a.intermediate, "compute_dtypes": cdts, "target_forward_s": target_s, "arms": {}}
     print(f"\n{a.shape}, {rows} rows (blocks x positions) per step, {a.labels} labels; target forward "
           f"{target_s:.2f} s")
-    print("| draft vocabulary | drafter step (median) | vs first arm | step incl. target forward |")
-    print("|---|---:|---:|---:|")
-    for n in sizes:
-        m = rt.median(times[n])
-        res["arms"][str(n)] = {"step_s": times[n], "median_s": m}
-        print(f"| {n or V:,}{' (whole)' if n == 0 else ''} | {m:.3f} s | {whole / m:.2f}x | "
+    print("| draft vocabulary | compute dtype | drafter step (median) | vs first arm | step incl. target forward |")
+    print("|---|---|---:|---:|---:|")
+    for k, (n, c) in arms.items():
+        m = rt.median(times[k])
+        res["arms"][k] = {"step_s": times[k], "median_s": m, "size": n, "compute_dtype": c}
+        print(f"| {n or V:,}{' (whole)' if n == 0 else ''} | {c} | {m:.3f} s | {whole / m:.2f}x | "
               f"{(whole + target_s) / (m + target_s):.2f}x |")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)

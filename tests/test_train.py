@@ -156,6 +156,52 @@ def test_compiled_step_equals_eager(tiny, tmp_path):
         np.testing.assert_allclose(np.array(runs[True][1][k]), np.array(v), rtol=1e-3, atol=1e-5, err_msg=k)
 
 
+def test_value_and_grad_in_a_compute_dtype_keeps_float32_masters():
+    """Mixed precision: the forward sees bfloat16 weights, the gradients come back float32 for the float32
+    parameters (close to the float32 ones), the model keeps its float32 parameters; None is nn.value_and_grad."""
+    import mlx.nn as nn
+
+    from mlx_dflash2.train.trainer import value_and_grad_in
+
+    mx.random.seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.SiLU(), nn.Linear(32, 4))
+    x = mx.random.normal((8, 16))
+    seen = []
+
+    def fn(m):
+        seen.append(m.layers[0].weight.dtype)
+        return (m(x.astype(m.layers[0].weight.dtype)).astype(mx.float32) ** 2).mean()
+
+    v32, g32 = value_and_grad_in(model, fn)(model)
+    v16, g16 = value_and_grad_in(model, fn, mx.bfloat16)(model)
+    assert seen == [mx.float32, mx.bfloat16]
+    assert all(p.dtype == mx.float32 for _, p in tree_flatten(model.parameters()))
+    assert all(g.dtype == mx.float32 for _, g in tree_flatten(g16))
+    np.testing.assert_allclose(v16.item(), v32.item(), rtol=3e-2)
+    for (k, a), (_, b) in zip(tree_flatten(g32), tree_flatten(g16)):
+        np.testing.assert_allclose(np.array(b), np.array(a), rtol=0.1, atol=2e-2, err_msg=k)
+
+
+def test_mixed_precision_step_trains_with_float32_weights(tiny, tmp_path):
+    """``compute_dtype="bfloat16"`` trains (eager and compiled) with losses near float32's, the drafter's weights
+    and checkpoint staying float32; an unknown dtype is refused before anything is written."""
+    target, tok = tiny
+    _patterned_data(tmp_path / "data")
+    losses = {}
+    for name, kw in (("f32", {}), ("bf16", {"compute_dtype": "bfloat16"}),
+                     ("bf16c", {"compute_dtype": "bfloat16", "compile": True})):
+        tr = Trainer(_cfg(tmp_path, out=str(tmp_path / name), steps=6, labels="target", kd_weight=0.5, **kw),
+                     target, tok)
+        tr.fit(progress=False)
+        losses[name] = [json.loads(line)["loss"] for line in open(tmp_path / name / "log.jsonl")]
+        assert all(p.dtype == mx.float32 for _, p in tree_flatten(tr.drafter.parameters())), name
+    np.testing.assert_allclose(losses["bf16"], losses["f32"], rtol=5e-2)
+    np.testing.assert_allclose(losses["bf16c"], losses["bf16"], rtol=5e-2)
+    with pytest.raises(ValueError, match="compute_dtype must be one of"):
+        Trainer(_cfg(tmp_path, out=str(tmp_path / "bad"), steps=1, compute_dtype="int8"), target, tok)
+    assert not (tmp_path / "bad").exists()
+
+
 def test_finetune_from_dflash_v1_starts_as_noop(tiny, tmp_path):
     """Fine-tuning a published-style DFlash (v1) drafter as DFlash2: conv and selector start as exact no-ops."""
     target, tok = tiny

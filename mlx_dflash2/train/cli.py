@@ -23,7 +23,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-from .trainer import CPU_DEFAULTS, GPU_DEFAULTS, TrainConfig
+from .trainer import COMPUTE_DTYPES, CPU_DEFAULTS, GPU_DEFAULTS, TrainConfig
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -112,6 +112,9 @@ FIT_HELP = {
                    "if the next step and the final save would not end in time; a budget that does not fit one step "
                    "is an error that writes nothing (default: no limit)",
     "compile": "run the step as an mx.compile'd function (same losses; slower start, see the docs)",
+    "compute_dtype": "mixed precision: the drafter's forward and backward in this dtype over a cast of its float32 "
+                     "weights (gradients, AdamW and checkpoints stay float32); losses move within the dtype's "
+                     "rounding (default: float32 throughout)",
     "loss_chunk": "rows (blocks x positions) per chunk of the loss's vocabulary-sized part (logits, distillation, "
                   "top-K), in forward and backward: same results, peak memory of a few chunks instead of several "
                   "rows x vocab float32 arrays (0: one shot) (default: auto: chunks of 1 GB of float32 logits when "
@@ -274,6 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
             f.add_argument(name, default=None, help=text)
         elif fld.name == "draft_vocab":
             f.add_argument(name, default=None, metavar="N|PATH|shipped|full", help=text)
+        elif fld.name == "compute_dtype":
+            f.add_argument(name, choices=list(COMPUTE_DTYPES), default=None, help=text)
         elif fld.name == "labels":
             f.add_argument(name, choices=["data", "target"], default=default, help=text)
         else:

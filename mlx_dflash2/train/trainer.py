@@ -51,7 +51,12 @@ Options beyond the published recipe (off by default):
 
 The LM head runs in the target's dtype (bf16 on a GPU: near-ties among the
 drafter's logits may then order differently than in float32), the loss in
-float32.
+float32. ``compute_dtype`` (``fit --compute-dtype bfloat16``, off by default):
+mixed precision, the drafter's forward and backward in that dtype over a cast
+of its float32 master weights, whose gradients and AdamW update stay float32
+(:func:`value_and_grad_in`; Micikevicius et al. 2018, "Mixed Precision
+Training", arXiv:1710.03740, without loss scaling, which bfloat16's float32
+exponent range does not need).
 
 Memory: the loss's vocabulary-sized part (the drafter's and the teacher's
 logits, softmax, cross-entropy, distillation, top-1 hits, the selector's top-K
@@ -92,12 +97,51 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from ..drafter import DrafterConfig, DraftModel, dequantize_drafter, init_drafter, load_drafter, save_drafter
 
 __all__ = ["TrainConfig", "Trainer", "TimeBudgetError", "DraftVocab", "dflash_loss", "make_batch", "default_gamma",
-           "device_defaults", "resolve_device_defaults", "loss_chunk_rows"]
+           "device_defaults", "resolve_device_defaults", "loss_chunk_rows", "value_and_grad_in", "COMPUTE_DTYPES"]
+
+
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+"""Values of :attr:`TrainConfig.compute_dtype` (``None``: the weights' own dtype, float32)."""
+
+
+def value_and_grad_in(model: nn.Module, fn: Callable, compute_dtype: mx.Dtype | None = None) -> Callable:
+    """``nn.value_and_grad(model, fn)`` with the forward and backward in ``compute_dtype`` (mixed precision).
+
+    The returned function calls ``fn(*args)`` with ``model``'s floating-point trainable parameters cast to
+    ``compute_dtype`` and returns ``(fn's value, grads)``, the gradients with respect to the parameters as they
+    were (float32 master weights: float32 gradients, the cast's vjp casting back), and leaves ``model`` holding
+    those original parameters again. Activations follow the weights' dtype, so a float32 input meeting a
+    bfloat16 weight still promotes to float32: the caller casts the inputs it wants in ``compute_dtype``
+    (``dflash_loss``'s inputs are the target's embeddings and features, in its dtype: bfloat16 on a GPU).
+    ``compute_dtype=None``: exactly ``nn.value_and_grad(model, fn)``.
+
+    Source: mixed-precision training (Micikevicius et al. 2018, arXiv:1710.03740), without loss scaling.
+    """
+    if compute_dtype is None:
+        return nn.value_and_grad(model, fn)
+
+    def cast(p):
+        return p.astype(compute_dtype) if mx.issubdtype(p.dtype, mx.floating) else p
+
+    def inner(params, *args, **kwargs):
+        model.update(tree_map(cast, params))
+        return fn(*args, **kwargs)
+
+    vg = mx.value_and_grad(inner)
+
+    def wrapped(*args, **kwargs):
+        params = model.trainable_parameters()
+        try:
+            return vg(params, *args, **kwargs)
+        finally:
+            model.update(params)
+
+    return wrapped
 
 
 def default_gamma(block_size: int) -> float:
@@ -204,6 +248,7 @@ class TrainConfig:
     compile: bool = False
     loss_chunk: int | None = None  # rows per chunk of the loss's vocabulary part: None auto, 0 one shot
     draft_vocab: str | None = None  # "N": the data's N most frequent ids; a path; "full"; None: init's, else full
+    compute_dtype: str | None = None  # mixed precision (COMPUTE_DTYPES); None: the float32 weights' own
     extra: dict = field(default_factory=dict)
 
 
@@ -579,7 +624,8 @@ def dflash_loss(drafter: DraftModel, target, features, tokens, anchors, labels, 
     emb = mx.stop_gradient(target.embed(block.reshape(M, Bm1 + 1)))
     if cfg.input_embedding_scale != 1.0:
         emb = emb * cfg.input_embedding_scale
-    h = drafter.forward_blocks(emb, mx.stop_gradient(features), anchors)[:, 1:]  # [M, B-1, D]
+    wdt = drafter.fc.weight.dtype  # the drafter computes in its weights' dtype (float32; mixed precision: theirs)
+    h = drafter.forward_blocks(emb.astype(wdt), mx.stop_gradient(features).astype(wdt), anchors)[:, 1:]  # [M, B-1, D]
     selector_on = cfg.is_dflash2 and (isinstance(alpha, mx.array) or alpha > 0)  # an array: a compiled step's
     stride = max(1, int(round(1.0 / selector_fraction)))
     dv = draft_vocab
@@ -706,6 +752,9 @@ class Trainer:
             raise ValueError(f"kd_weight must be >= 0, not {cfg.kd_weight}")
         if not 0 < cfg.selector_fraction <= 1:
             raise ValueError(f"selector_fraction must be in (0, 1], not {cfg.selector_fraction}")
+        if cfg.compute_dtype is not None and cfg.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)} or None, "
+                             f"not {cfg.compute_dtype!r}")
         if cfg.loss_chunk is not None and cfg.loss_chunk < 0:
             raise ValueError(f"loss_chunk must be >= 0 rows (0: no chunking), not {cfg.loss_chunk}")
         self.cfg, self.target, self.tokenizer = cfg, target, tokenizer
@@ -991,7 +1040,8 @@ class Trainer:
                                    selector_fraction=cfg.selector_fraction, target_labels=cfg.labels == "target",
                                    loss_chunk=cfg.loss_chunk, draft_vocab=self.draft_vocab)
 
-            (loss, metrics), grads = nn.value_and_grad(self.drafter, loss_fn)(self.drafter)
+            cdt = None if cfg.compute_dtype in (None, "float32") else getattr(mx, cfg.compute_dtype)
+            (loss, metrics), grads = value_and_grad_in(self.drafter, loss_fn, cdt)(self.drafter)
             grads, norm = optim.clip_grad_norm(grads, cfg.grad_clip)
             self.opt.update(self.drafter, grads)
             return loss, metrics, norm

@@ -699,6 +699,28 @@ def test_regen_ctrl_c_stops_cleanly_and_says_what_was_saved(tiny, tmp_path, monk
     assert st["skipped_shards"] == 1 and st["written"] == 2
 
 
+@pytest.mark.parametrize("cmd", ["self-instruct", "eval", "prompts", "vocab"])
+def test_ctrl_c_in_other_train_commands_exits_130_without_a_traceback(cmd, tmp_path, monkeypatch, capsys):
+    """Ctrl-C while self-instruct or eval loads the target, or while prompts / vocab work: one line, exit 130."""
+    from mlx_dflash2.train import cli, data, vocab
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_target", interrupt)
+    monkeypatch.setattr(data, "build_prompts", interrupt)
+    monkeypatch.setattr(vocab, "write_vocab", interrupt)
+    argv = {"self-instruct": ["--n", "2", "--out", str(tmp_path / "s.jsonl")],
+            "eval": ["--drafter", "shipped", "--out", str(tmp_path / "t.json"), "--cache-dir", str(tmp_path / "c")],
+            "prompts": ["--out", str(tmp_path / "p.jsonl")],
+            "vocab": ["--data", str(tmp_path), "--drafter", str(tmp_path / "d")]}[cmd]
+    try:
+        rc = cli.main([cmd, *argv])
+    except KeyboardInterrupt:  # a failure, not pytest's own Ctrl-C (which would end the session)
+        pytest.fail("Ctrl-C escaped main (a traceback)")
+    assert rc == 130 and f"interrupted: {cmd} stopped" in capsys.readouterr().err
+
+
 def test_resume_refuses_other_settings_and_cuts_the_log(tiny, tmp_path):
     """Resuming needs the run's own settings (a named error otherwise, config.json untouched); the log
     keeps no steps past the checkpoint; --init fixes the drafter's shape (conflicting flags are refused)."""

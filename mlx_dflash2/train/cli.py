@@ -488,6 +488,9 @@ def main(argv=None) -> int:
         msg = err.args[0] if isinstance(err, KeyError) and err.args else err
         print(f"error: {msg}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # (regen, self-instruct and fit, once loaded, say above what they kept)
+        print(f"\ninterrupted: {args.cmd} stopped", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -431,6 +431,89 @@ def test_prompts_vocab_eval_refuse_bad_numbers_at_parsing(cmd, bad, flag, value,
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("bad, flag, value", [
+    ("--lr=nan", "--lr", "'nan'"), ("--lr=inf", "--lr", "'inf'"), ("--lr=-1", "--lr", "'-1'"),
+    ("--gamma=nan", "--gamma", "'nan'"), ("--gamma=0", "--gamma", "'0'"), ("--grad-clip=0", "--grad-clip", "'0'"),
+    ("--grad-clip=nan", "--grad-clip", "'nan'"), ("--weight-decay=nan", "--weight-decay", "'nan'"),
+    ("--min-lr-ratio=nan", "--min-lr-ratio", "'nan'"), ("--min-lr-ratio=2", "--min-lr-ratio", "'2'"),
+    ("--warmup=2", "--warmup", "'2'"), ("--warmup=nan", "--warmup", "'nan'"),
+    ("--selector-alpha=nan", "--selector-alpha", "'nan'"), ("--kd-weight=-1", "--kd-weight", "'-1'"),
+    ("--selector-fraction=0", "--selector-fraction", "'0'"), ("--time-budget=inf", "--time-budget", "'inf'"),
+    ("--keep-checkpoints=0", "--keep-checkpoints", "'0'"), ("--epochs=0", "--epochs", "'0'"),
+    ("--epochs=-1", "--epochs", "'-1'"), ("--num-layers=0", "--num-layers", "'0'"),
+    ("--save-every=0", "--save-every", "'0'"), ("--log-every=0", "--log-every", "'0'"),
+    ("--seed=-1", "--seed", "'-1'"), ("--block-size=1", "--block-size", "'1'"), ("--steps=0", "--steps", "'0'"),
+    ("--max-steps=0", "--max-steps", "'0'"), ("--loss-chunk=-1", "--loss-chunk", "'-1'"),
+    ("--anchors=1.5", "--anchors", "'1.5'"),
+])
+def test_fit_refuses_bad_numbers_at_parsing(bad, flag, value, tmp_path, monkeypatch, capsys):
+    """fit's numbers (FIELD_RANGES) are checked by the parser: NaN, infinite, negative or zero where it makes no
+    sense (a NaN lr trained a drafter of NaNs and exited 0; --save-every 0 crashed after a step)."""
+    from mlx_dflash2.train import cli
+
+    monkeypatch.setattr(cli, "_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    (tmp_path / "data").mkdir()
+    with pytest.raises(SystemExit) as e:
+        cli.main(["fit", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "run"), bad])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: " in err and value in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_trainer_checks_the_same_ranges(tiny, tmp_path):
+    """The Python API refuses what the fit parser refuses, naming the field and its flag, before writing; every
+    numeric TrainConfig field has a range."""
+    from dataclasses import fields
+
+    from mlx_dflash2.train.trainer import FIELD_RANGES
+
+    numeric = {f.name for f in fields(TrainConfig) if f.name not in ("data", "out", "init", "architecture",
+                                                                       "target_layer_ids", "labels", "compile",
+                                                                       "draft_vocab", "compute_dtype", "extra")}
+    assert numeric == set(FIELD_RANGES)
+    target, tok = tiny
+    _patterned_data(tmp_path / "data")
+    for kw in ({"lr": float("nan")}, {"save_every": 0}, {"epochs": 0.0}, {"seed": -1}, {"warmup": 2.0},
+               {"batch_size": 0}, {"steps": True}):
+        with pytest.raises(ValueError, match=f"{next(iter(kw))} \\(--{next(iter(kw)).replace('_', '-')}\\) must be"):
+            Trainer(_cfg(tmp_path, out=str(tmp_path / "bad"), **kw), target, tok)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_prompts_self_instruct_eval_refuse_bad_paths_and_lists(tmp_path, monkeypatch, capsys):
+    """Checked before anything is loaded or written: prompts --out a directory (a stray .tmp was left) or under a
+    file, every count 0 (an empty file was written); self-instruct --exclude broken (found after the target loaded
+    and .partial was written) or a directory; eval --block-sizes / --sets repeated; fit --out a file."""
+    from mlx_dflash2.train import cli
+
+    monkeypatch.setattr(cli, "_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "broken.jsonl").write_text('{"prompt": "a"}\n{not json\n')
+    cases = [
+        (["prompts", "--out", str(tmp_path / "adir"), "--sharegpt", "0"], "a directory, not a file"),
+        (["prompts", "--out", str(tmp_path / "afile" / "p.jsonl"), "--sharegpt", "0"], "is a file, not a directory"),
+        (["prompts", "--out", str(tmp_path / "p.jsonl"), "--sharegpt", "0", "--code", "0", "--math", "0"],
+         "no prompts to write"),
+        (["self-instruct", "--n", "2", "--out", str(tmp_path / "s.jsonl"), "--exclude", str(tmp_path / "broken.jsonl")],
+         "broken.jsonl:2: invalid JSON"),
+        (["self-instruct", "--n", "2", "--out", str(tmp_path / "s.jsonl"), "--exclude", str(tmp_path / "adir")],
+         "a directory, not a prompt file"),
+        (["eval", "--drafter", "x", "--block-sizes", "4,4", "--out", str(tmp_path / "t.json")],
+         "--block-sizes '4,4': distinct sizes >= 2"),
+        (["eval", "--drafter", "x", "--block-sizes", "0", "--out", str(tmp_path / "t.json")], "--block-sizes '0'"),
+        (["eval", "--drafter", "x", "--sets", "gsm8k,gsm8k", "--out", str(tmp_path / "t.json")], "a set named twice"),
+        (["fit", "--data", str(tmp_path / "adir"), "--out", str(tmp_path / "afile")], "a file, not a run directory"),
+    ]
+    for argv, msg in cases:
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err, (argv, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "afile", "broken.jsonl"]
+    assert not list((tmp_path / "adir").iterdir())
+
+
 @pytest.mark.parametrize("extra", [["--temp-fraction", "0.5"], ["--temp", "0.7"], ["--temp-fraction", "0"]])
 def test_regen_temps_refuses_temp_and_temp_fraction(extra, tmp_path, monkeypatch, capsys):
     """--temps answers every prompt at each temperature, so a --temp-fraction or --temp beside it (silently unused

@@ -23,7 +23,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-from .trainer import COMPUTE_DTYPES, CPU_DEFAULTS, GPU_DEFAULTS, TrainConfig
+from .trainer import COMPUTE_DTYPES, CPU_DEFAULTS, FIELD_RANGES, GPU_DEFAULTS, TrainConfig, in_range, range_text
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -147,18 +147,14 @@ def _checked(kind=int, low=None, above=None, high=None):
     """An argparse ``type``: a finite ``kind`` (int or float) number that is ``>= low``, ``> above`` and
     ``<= high`` (those given); anything else is a usage error (exit 2, before anything is loaded) that names
     the flag (argparse's prefix) and the value."""
-    want = " and ".join([f">= {low}"] * (low is not None) + [f"> {above}"] * (above is not None)
-                        + [f"<= {high}"] * (high is not None))
-    want = ("an integer" if kind is int else "a number") + (f" {want}" if want else "")
 
     def number(text):
         try:
             v = kind(text)
         except ValueError:
             v = None
-        if (v is None or not math.isfinite(v) or (low is not None and v < low) or (above is not None and v <= above)
-                or (high is not None and v > high)):
-            raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}")
+        if v is None or not in_range(v, kind, low, above, high):
+            raise argparse.ArgumentTypeError(f"must be {range_text(kind, low, above, high)}, got {text!r}")
         return v
 
     return number
@@ -282,13 +278,13 @@ def build_parser() -> argparse.ArgumentParser:
         elif fld.name == "labels":
             f.add_argument(name, choices=["data", "target"], default=default, help=text)
         else:
-            typ = type(default) if default is not None else (float if fld.name in ("gamma", "time_budget") else int)
+            typ = _checked(*FIELD_RANGES[fld.name]) if fld.name in FIELD_RANGES else str  # (architecture)
             f.add_argument(name, type=typ, default=default, help=text,
                            metavar="ROWS" if fld.name == "loss_chunk" else None)
     f.add_argument("--no-resume", action="store_true",
                    help="start over: existing checkpoints in --out are ignored, and replaced (with its drafter and "
                    "log) once the first step is done")
-    f.add_argument("--max-steps", type=int, default=None,
+    f.add_argument("--max-steps", type=_checked(int, 1), default=None,
                    help="stop after this many more steps in this invocation (rerun the command to resume) "
                    "(default: no limit)")
 
@@ -337,6 +333,14 @@ def main(argv=None) -> int:
         if args.cmd == "prompts":
             from .data import build_prompts
 
+            out = Path(args.out)
+            if out.is_dir() or (out.parent.exists() and not out.parent.is_dir()):
+                raise ValueError(f"--out {args.out}: " + ("a directory, not a file" if out.is_dir()
+                                                          else f"{out.parent} is a file, not a directory"))
+            if args.sharegpt + args.code + args.math + args.sharegpt_turns + args.code_api == 0:
+                raise ValueError("--sharegpt, --code, --math, --sharegpt-turns and --code-api are all 0: no prompts "
+                                 "to write")
+
             print(json.dumps(build_prompts(args.out, args.sharegpt, args.code, args.math, args.seed, args.cache_dir,
                                             args.sharegpt_turns, args.code_api)))
         elif args.cmd == "regen":
@@ -377,9 +381,13 @@ def main(argv=None) -> int:
 
             check_self_instruct_args(args.out, args.n, args.batch_size, args.max_tokens, args.max_batches, args.seed,
                                      args.temp)  # before loading
-            for f in args.exclude:
+            from .data import read_prompt_file
+
+            for f in args.exclude:  # read before loading: a broken file is named before anything is written
                 if not Path(f).is_file():
-                    raise FileNotFoundError(f"--exclude {f}: no such file")
+                    raise FileNotFoundError(f"--exclude {f}: " + ("a directory, not a prompt file" if Path(f).is_dir()
+                                                                  else "no such file"))
+                read_prompt_file(f)
             target, tok = _target(args)
             try:
                 st = self_instruct(target, tok, args.n, args.out, temp=args.temp, max_tokens=args.max_tokens,
@@ -399,13 +407,8 @@ def main(argv=None) -> int:
 
             if not Path(args.data).exists():
                 raise FileNotFoundError(f"--data {args.data}: no such file or directory")
-            for flag in ("batch_size", "anchors", "max_len", "steps", "max_steps"):  # before loading
-                if getattr(args, flag) is not None and getattr(args, flag) < 1:
-                    raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, not {getattr(args, flag)}")
-            if args.time_budget is not None and not args.time_budget > 0:
-                raise ValueError(f"--time-budget must be > 0 seconds, not {args.time_budget}")
-            if args.loss_chunk is not None and args.loss_chunk < 0:
-                raise ValueError(f"--loss-chunk must be >= 0 rows (0: no chunking), not {args.loss_chunk}")
+            if Path(args.out).exists() and not Path(args.out).is_dir():
+                raise ValueError(f"--out {args.out}: a file, not a run directory")
             target, tok = _target(args, kernels="reference")  # resolves --init shipped
             cfg = TrainConfig(**{fl.name: getattr(args, fl.name) for fl in fields(TrainConfig) if fl.name != "extra"})
             tr = Trainer(cfg, target, tok, started=started)
@@ -449,9 +452,12 @@ def main(argv=None) -> int:
             from .data import load_eval_set
 
             blocks = _numbers("--block-sizes", args.block_sizes, int)
-            if any(b < 2 for b in blocks):
-                raise ValueError("--block-sizes must be >= 2")
-            for name in args.sets.split(","):
+            if any(b < 2 for b in blocks) or len(set(blocks)) < len(blocks):
+                raise ValueError(f"--block-sizes {args.block_sizes!r}: distinct sizes >= 2 expected")
+            sets = args.sets.split(",")
+            if len(set(sets)) < len(sets):
+                raise ValueError(f"--sets {args.sets!r}: a set named twice")
+            for name in sets:
                 load_eval_set(name, 1)  # KeyError names the known sets
             from ..drafter import dequantize_drafter
 
@@ -474,7 +480,13 @@ def main(argv=None) -> int:
                     drafters[f"{label}-vocab"] = (model, vocab)
                 else:
                     drafters[label] = (model, vocab)
-            rep = evaluate_sets(target, tok, drafters, args.sets.split(","),
+            for label, d in drafters.items():
+                trained = (d[0] if isinstance(d, tuple) else d).config.block_size
+                over = [b for b in blocks if b > trained]
+                if over:
+                    print(f"warning: --block-sizes {','.join(map(str, over))} exceed{'s' * (len(over) == 1)} "
+                          f"{label}'s trained block size {trained}", file=sys.stderr)
+            rep = evaluate_sets(target, tok, drafters, sets,
                                 blocks, args.max_tokens,
                                 None if args.limit is None else args.limit, args.cache_dir, lookup=args.lookup)
             out = write_report(rep, args.out)

@@ -102,7 +102,39 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from ..drafter import DrafterConfig, DraftModel, dequantize_drafter, init_drafter, load_drafter, save_drafter
 
 __all__ = ["TrainConfig", "Trainer", "TimeBudgetError", "DraftVocab", "dflash_loss", "make_batch", "default_gamma",
-           "device_defaults", "resolve_device_defaults", "loss_chunk_rows", "value_and_grad_in", "COMPUTE_DTYPES"]
+           "device_defaults", "resolve_device_defaults", "loss_chunk_rows", "value_and_grad_in", "COMPUTE_DTYPES",
+           "FIELD_RANGES"]
+
+
+#: ranges of TrainConfig's numeric fields: name -> (int or float, low (>=), above (>), high (<=)); None: no bound.
+#: The fit CLI's parser and :meth:`Trainer.__init__` check the same (a finite number in range; None where allowed).
+FIELD_RANGES = {
+    "num_layers": (int, 1, None, None), "num_taps": (int, 1, None, None), "block_size": (int, 2, None, None),
+    "intermediate_size": (int, 1, None, None), "selector_rank": (int, 1, None, None),
+    "selector_top_k": (int, 1, None, None), "anchors": (int, 1, None, None), "batch_size": (int, 1, None, None),
+    "max_len": (int, 1, None, None), "steps": (int, 1, None, None), "epochs": (float, None, 0, None),
+    "lr": (float, None, 0, None), "warmup": (float, 0, None, 0.5), "min_lr_ratio": (float, 0, None, 1),
+    "weight_decay": (float, 0, None, None), "grad_clip": (float, None, 0, None), "gamma": (float, None, 0, None),
+    "selector_alpha": (float, 0, None, None), "kd_weight": (float, 0, None, None),
+    "selector_fraction": (float, None, 0, 1), "seed": (int, 0, None, 2**32 - 1), "save_every": (int, 1, None, None),
+    "log_every": (int, 1, None, None), "keep_checkpoints": (int, 1, None, None),
+    "time_budget": (float, None, 0, None), "loss_chunk": (int, 0, None, None),
+}
+
+
+def range_text(kind, low, above, high) -> str:
+    """``"an integer >= 1"``, ``"a number > 0 and <= 1"``: a :data:`FIELD_RANGES` entry in words."""
+    want = " and ".join([f">= {low}"] * (low is not None) + [f"> {above}"] * (above is not None)
+                        + [f"<= {high}"] * (high is not None))
+    return ("an integer" if kind is int else "a number") + (f" {want}" if want else "")
+
+
+def in_range(v, kind, low, above, high) -> bool:
+    """Whether ``v`` is a finite ``kind`` number within a :data:`FIELD_RANGES` entry's bounds."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
+        return False
+    return (math.isfinite(v) and (low is None or v >= low) and (above is None or v > above)
+            and (high is None or v <= high))
 
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
@@ -735,28 +767,22 @@ class Trainer:
             own start, so that loading the target counts too.
 
     Raises:
-        FileNotFoundError / ValueError: bad data or init checkpoint.
+        FileNotFoundError / ValueError: bad data or init checkpoint; a numeric setting out of its
+            :data:`FIELD_RANGES` range (named, with its value), before anything is read or written.
     """
 
     def __init__(self, cfg: TrainConfig, target, tokenizer, started: float | None = None):
         self.started = time.perf_counter() if started is None else started
-        if cfg.time_budget is not None and not cfg.time_budget > 0:
-            raise ValueError(f"time_budget must be > 0 seconds, not {cfg.time_budget}")
+        for name, rng in FIELD_RANGES.items():
+            v = getattr(cfg, name)
+            if v is not None and not in_range(v, *rng):
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be {range_text(*rng)}, got {v!r}")
         self.chosen_defaults = resolve_device_defaults(cfg)
-        for k in ("batch_size", "anchors", "max_len"):
-            if getattr(cfg, k) < 1:
-                raise ValueError(f"{k} must be >= 1, not {getattr(cfg, k)}")
         if cfg.labels not in ("data", "target"):
             raise ValueError(f"labels must be 'data' or 'target', not {cfg.labels!r}")
-        if not cfg.kd_weight >= 0:
-            raise ValueError(f"kd_weight must be >= 0, not {cfg.kd_weight}")
-        if not 0 < cfg.selector_fraction <= 1:
-            raise ValueError(f"selector_fraction must be in (0, 1], not {cfg.selector_fraction}")
         if cfg.compute_dtype is not None and cfg.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)} or None, "
                              f"not {cfg.compute_dtype!r}")
-        if cfg.loss_chunk is not None and cfg.loss_chunk < 0:
-            raise ValueError(f"loss_chunk must be >= 0 rows (0: no chunking), not {cfg.loss_chunk}")
         self.cfg, self.target, self.tokenizer = cfg, target, tokenizer
         self.out = Path(cfg.out)
         self.rows = _read_rows(cfg.data)
@@ -1303,7 +1329,8 @@ def _plain(v):
     return list(v) if isinstance(v, (list, tuple)) else v
 
 
-# settings a resumed run must share with its checkpoint (the rest: output, logging, time budget, compile)
+# settings a resumed run must share with its checkpoint (the rest: output, logging, time budget, compile and
+# compute_dtype, which change how a step is computed, not what the run is)
 RESUME_FIELDS = ("data", "architecture", "num_layers", "num_taps", "target_layer_ids", "block_size",
                  "intermediate_size", "selector_rank", "selector_top_k", "anchors", "batch_size", "max_len", "epochs",
                  "lr", "warmup", "min_lr_ratio", "weight_decay", "grad_clip", "gamma", "selector_alpha", "labels",

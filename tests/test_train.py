@@ -484,7 +484,8 @@ def test_trainer_checks_the_same_ranges(tiny, tmp_path):
 def test_prompts_self_instruct_eval_refuse_bad_paths_and_lists(tmp_path, monkeypatch, capsys):
     """Checked before anything is loaded or written: prompts --out a directory (a stray .tmp was left) or under a
     file, every count 0 (an empty file was written); self-instruct --exclude broken (found after the target loaded
-    and .partial was written) or a directory; eval --block-sizes / --sets repeated; fit --out a file."""
+    and .partial was written) or a directory; eval --block-sizes / --sets repeated; fit --out a file; regen
+    --prompts a directory ("not found") and --out under a file (a bare errno)."""
     from mlx_dflash2.train import cli
 
     monkeypatch.setattr(cli, "_target", lambda *a, **k: pytest.fail("the target was loaded"))
@@ -505,6 +506,9 @@ def test_prompts_self_instruct_eval_refuse_bad_paths_and_lists(tmp_path, monkeyp
         (["eval", "--drafter", "x", "--block-sizes", "0", "--out", str(tmp_path / "t.json")], "--block-sizes '0'"),
         (["eval", "--drafter", "x", "--sets", "gsm8k,gsm8k", "--out", str(tmp_path / "t.json")], "a set named twice"),
         (["fit", "--data", str(tmp_path / "adir"), "--out", str(tmp_path / "afile")], "a file, not a run directory"),
+        (["regen", "--prompts", str(tmp_path / "adir"), "--out", str(tmp_path / "r")], "a directory, not a prompt file"),
+        (["regen", "--prompts", str(tmp_path / "broken.jsonl"), "--out", str(tmp_path / "afile" / "r")],
+         "afile is a file, not a directory"),
     ]
     for argv, msg in cases:
         assert cli.main(argv) == 2, argv

@@ -445,7 +445,8 @@ def read_prompt_file(path: str | Path) -> list[dict]:
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"prompt file not found: {path}")
+        raise FileNotFoundError(f"{path}: a directory, not a prompt file" if path.is_dir()
+                                else f"prompt file not found: {path}")
     rows = []
     with open(path, encoding="utf-8") as f:
         for i, line in enumerate(f):

@@ -165,6 +165,11 @@ def check_regen_args(out, max_tokens: int, batch_size: int, shard_size: int, tem
         raise ValueError(f"time_budget (--time-budget) must be a number of seconds > 0, got {time_budget}")
     if Path(out).exists() and not Path(out).is_dir():
         raise ValueError(f"{out} is a file, not a directory")
+    for parent in Path(out).parents:  # out under a file: os.makedirs would fail with a bare errno
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{out}: {parent} is a file, not a directory")
+            break
 
 
 def regenerate(

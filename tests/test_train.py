@@ -384,24 +384,6 @@ def test_regen_skip_and_limit_are_checked(tmp_path, capsys):
     ("self-instruct", "--max-tokens=0", "--max-tokens", "'0'"),
     ("self-instruct", "--batch-size=0", "--batch-size", "'0'"),
     ("self-instruct", "--max-batches=0", "--max-batches", "'0'"), ("self-instruct", "--seed=-2", "--seed", "'-2'"),
-])
-def test_regen_and_self_instruct_refuse_bad_numbers_at_parsing(cmd, bad, flag, value, tmp_path, monkeypatch, capsys):
-    """A bad number is an argparse error (exit 2) naming the flag and the value, before any model is loaded."""
-    from mlx_dflash2.train import cli
-
-    monkeypatch.setattr(cli, "_target", lambda *a, **k: pytest.fail("the target was loaded"))
-    (tmp_path / "p.txt").write_text("first\n")
-    args = {"regen": ["--prompts", str(tmp_path / "p.txt"), "--out", str(tmp_path / "out")],
-            "self-instruct": ["--n", "5", "--out", str(tmp_path / "s.jsonl")]}[cmd]
-    with pytest.raises(SystemExit) as e:
-        cli.main([cmd, *args, bad])
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert f"argument {flag}: " in err and value in err, err
-    assert not (tmp_path / "out").exists() and not (tmp_path / "s.jsonl").exists()
-
-
-@pytest.mark.parametrize("cmd, bad, flag, value", [
     ("prompts", "--sharegpt=-1", "--sharegpt", "'-1'"), ("prompts", "--code=-2", "--code", "'-2'"),
     ("prompts", "--math=x", "--math", "'x'"), ("prompts", "--sharegpt-turns=-1", "--sharegpt-turns", "'-1'"),
     ("prompts", "--code-api=-1", "--code-api", "'-1'"), ("prompts", "--seed=-1", "--seed", "'-1'"),
@@ -412,23 +394,24 @@ def test_regen_and_self_instruct_refuse_bad_numbers_at_parsing(cmd, bad, flag, v
     ("eval", "--limit=-2", "--limit", "'-2'"), ("eval", "--limit=abc", "--limit", "'abc'"),
     ("regen", "--temps=0,0", "--temps", "'0,0'"),
 ])
-def test_prompts_vocab_eval_refuse_bad_numbers_at_parsing(cmd, bad, flag, value, tmp_path, monkeypatch, capsys):
-    """prompts, vocab and eval check their numbers as regen does: an argparse error (exit 2) naming the flag and
-    the value, before anything is loaded or written (a repeated --temps temperature answered every prompt twice)."""
+def test_train_commands_refuse_bad_numbers_at_parsing(cmd, bad, flag, value, tmp_path, monkeypatch, capsys):
+    """A bad number is an argparse error (exit 2) naming the flag and the value, before any model is loaded, in
+    regen, self-instruct, prompts, vocab and eval (a repeated --temps temperature answered every prompt twice)."""
     from mlx_dflash2.train import cli
 
     monkeypatch.setattr(cli, "_target", lambda *a, **k: pytest.fail("the target was loaded"))
     (tmp_path / "p.txt").write_text("first\n")
-    args = {"prompts": ["--out", str(tmp_path / "out")],
+    args = {"regen": ["--prompts", str(tmp_path / "p.txt"), "--out", str(tmp_path / "out")],
+            "self-instruct": ["--n", "5", "--out", str(tmp_path / "s.jsonl")],
+            "prompts": ["--out", str(tmp_path / "out")],
             "vocab": ["--data", str(tmp_path / "r"), "--drafter", str(tmp_path / "out")],
-            "eval": ["--drafter", "shipped", "--out", str(tmp_path / "out")],
-            "regen": ["--prompts", str(tmp_path / "p.txt"), "--out", str(tmp_path / "out")]}[cmd]
+            "eval": ["--drafter", "shipped", "--out", str(tmp_path / "out")]}[cmd]
     with pytest.raises(SystemExit) as e:
         cli.main([cmd, *args, bad])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {flag}: " in err and value in err, err
-    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "out").exists() and not (tmp_path / "s.jsonl").exists()
 
 
 @pytest.mark.parametrize("bad, flag, value", [

@@ -512,7 +512,8 @@ def test_regen_temps_refuses_temp_and_temp_fraction(extra, tmp_path, monkeypatch
     with pytest.raises(SystemExit) as e:
         cli.main(["regen", "--prompts", str(tmp_path / "p.txt"), "--out", str(tmp_path / "out"), "--temps", "0,1",
                   *extra])
-    assert e.value.code == 2 and "--temps cannot be combined" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--temps cannot be combined" in err and "usage: mlx_dflash2.train regen" in err, err
     assert not (tmp_path / "out").exists()
 
 

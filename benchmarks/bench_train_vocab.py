@@ -4,8 +4,8 @@ training step.
 One training step of a DFlash2 drafter (``dflash_loss`` forward and backward, gradient clipping, AdamW:
 what ``Trainer`` runs after the target's forward) on a random-weight target of a given shape, with the
 whole vocabulary and with draft vocabularies of the given sizes (each in every ``--compute-dtypes`` value: the
-drafter's forward and backward in float32, or in bfloat16 over its float32 weights), timed as a dependent chain (each step
-updates the drafter the next one reads), interleaved, medians. The target's own forward (the context
+drafter's forward and backward in float32, or in bfloat16 over its float32 weights), timed as a dependent chain
+(each step updates the drafter the next one reads), interleaved, medians. The target's own forward (the context
 features and the teacher's states) is the same in every arm: it is timed once, so the table also says what
 share of a whole step the change saves. Issue 21's recipe: distillation, target labels, half the blocks in
 the selector loss.
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
                                target_labels=a.labels == "target",
                                draft_vocab=vocabs[n])
 
-        (loss, _), grads = value_and_grad_in(d, loss_fn, None if c == "float32" else getattr(mx, c))(d)
+        (loss, _), grads = value_and_grad_in(d, loss_fn, c)(d)
         grads, _ = optim.clip_grad_norm(grads, 1.0)
         opt[k].update(d, grads)
         mx.eval(d.parameters(), opt[k].state, loss)

@@ -321,12 +321,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     started = time.perf_counter()  # fit's --time-budget counts from here (loading the target included)
-    ap = build_parser()
-    args = ap.parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.cmd == "regen":  # --temps answers every prompt at each temperature: --temp-fraction / --temp are unused
         if args.temps is not None and (args.temp_fraction is not None or args.temp is not None):
-            args.regen_parser.error("--temps cannot be combined with --temp-fraction or --temp (it answers every "
-                                       "prompt once per temperature)")
+            args.regen_parser.error("--temps cannot be combined with --temp-fraction or --temp (it answers "
+                                    "every prompt once per temperature)")
         args.temp_fraction = 0.0 if args.temp_fraction is None else args.temp_fraction
         args.temp = 0.7 if args.temp is None else args.temp
 

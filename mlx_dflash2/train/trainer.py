@@ -103,7 +103,7 @@ from ..drafter import DrafterConfig, DraftModel, dequantize_drafter, init_drafte
 
 __all__ = ["TrainConfig", "Trainer", "TimeBudgetError", "DraftVocab", "dflash_loss", "make_batch", "default_gamma",
            "device_defaults", "resolve_device_defaults", "loss_chunk_rows", "value_and_grad_in", "COMPUTE_DTYPES",
-           "FIELD_RANGES"]
+           "FIELD_RANGES", "in_range", "range_text"]
 
 
 #: ranges of TrainConfig's numeric fields: name -> (int or float, low (>=), above (>), high (<=)); None: no bound.
@@ -141,7 +141,7 @@ COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 """Values of :attr:`TrainConfig.compute_dtype` (``None``: the weights' own dtype, float32)."""
 
 
-def value_and_grad_in(model: nn.Module, fn: Callable, compute_dtype: mx.Dtype | None = None) -> Callable:
+def value_and_grad_in(model: nn.Module, fn: Callable, compute_dtype: str | mx.Dtype | None = None) -> Callable:
     """``nn.value_and_grad(model, fn)`` with the forward and backward in ``compute_dtype`` (mixed precision).
 
     The returned function calls ``fn(*args)`` with ``model``'s floating-point trainable parameters cast to
@@ -150,11 +150,14 @@ def value_and_grad_in(model: nn.Module, fn: Callable, compute_dtype: mx.Dtype | 
     those original parameters again. Activations follow the weights' dtype, so a float32 input meeting a
     bfloat16 weight still promotes to float32: the caller casts the inputs it wants in ``compute_dtype``
     (``dflash_loss``'s inputs are the target's embeddings and features, in its dtype: bfloat16 on a GPU).
-    ``compute_dtype=None``: exactly ``nn.value_and_grad(model, fn)``.
+    ``compute_dtype``: an MLX dtype or its name (:data:`COMPUTE_DTYPES`); ``None`` or float32: exactly
+    ``nn.value_and_grad(model, fn)``.
 
     Source: mixed-precision training (Micikevicius et al. 2018, arXiv:1710.03740), without loss scaling.
     """
-    if compute_dtype is None:
+    if isinstance(compute_dtype, str):
+        compute_dtype = getattr(mx, compute_dtype)
+    if compute_dtype is None or compute_dtype == mx.float32:
         return nn.value_and_grad(model, fn)
 
     def cast(p):
@@ -1066,8 +1069,7 @@ class Trainer:
                                    selector_fraction=cfg.selector_fraction, target_labels=cfg.labels == "target",
                                    loss_chunk=cfg.loss_chunk, draft_vocab=self.draft_vocab)
 
-            cdt = None if cfg.compute_dtype in (None, "float32") else getattr(mx, cfg.compute_dtype)
-            (loss, metrics), grads = value_and_grad_in(self.drafter, loss_fn, cdt)(self.drafter)
+            (loss, metrics), grads = value_and_grad_in(self.drafter, loss_fn, cfg.compute_dtype)(self.drafter)
             grads, norm = optim.clip_grad_norm(grads, cfg.grad_clip)
             self.opt.update(self.drafter, grads)
             return loss, metrics, norm

@@ -92,6 +92,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="timed steps per arm (after one warm-up step each)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="target dtype (default: float32 on the CPU, bfloat16 on a GPU)")
+    p.add_argument("--eager-update", action="store_true",
+                   help="clip + AdamW uncompiled (before the trainer compiled its update): the update's share")
     p.add_argument("--out", default=None, help="write the results as JSON, and a plot beside it (.png)")
     a = p.parse_args(argv)
     sizes = [int(s) for s in a.sizes.split(",")]
@@ -132,6 +134,17 @@ def main(argv=None) -> int:
     arms = {(str(n) if len(cdts) == 1 else f"{n}/{c}"): (n, c) for n in sizes for c in cdts}
     opt = {k: optim.AdamW(learning_rate=1e-5) for k in arms}
 
+    def make_update(o):  # clip + AdamW, compiled over the drafter's and the optimizer's state as Trainer._update_fn
+        def apply(grads):
+            grads, _ = optim.clip_grad_norm(grads, 1.0)
+            o.update(d, grads)
+
+        o.init(d.trainable_parameters())
+        state = [d.state, o.state]
+        return apply if a.eager_update else mx.compile(apply, inputs=state, outputs=state)
+
+    update = {k: make_update(opt[k]) for k in arms}
+
     def step(k):
         n, c = arms[k]
 
@@ -142,8 +155,7 @@ def main(argv=None) -> int:
                                draft_vocab=vocabs[n])
 
         (loss, _), grads = value_and_grad_in(d, loss_fn, c)(d)
-        grads, _ = optim.clip_grad_norm(grads, 1.0)
-        opt[k].update(d, grads)
+        update[k](grads)
         mx.eval(d.parameters(), opt[k].state, loss)
 
     times = {k: [] for k in arms}
@@ -160,7 +172,8 @@ def main(argv=None) -> int:
     whole = rt.median(times[first])
     res = {"meta": rt.device_meta(), "shape": a.shape, "target_layers": target.num_layers, "vocab": V,
            "rows": rows, "labels": a.labels, "batch_size": N, "anchors": A, "max_len": T, "drafter_layers": a.layers,
-           "intermediate": a.intermediate, "compute_dtypes": cdts, "target_forward_s": target_s, "arms": {}}
+           "intermediate": a.intermediate, "compute_dtypes": cdts, "eager_update": a.eager_update,
+           "target_forward_s": target_s, "arms": {}}
     print(f"\n{a.shape}, {rows} rows (blocks x positions) per step, {a.labels} labels; target forward "
           f"{target_s:.2f} s")
     print("| draft vocabulary | compute dtype | drafter step (median) | vs first arm | step incl. target forward |")

@@ -29,6 +29,7 @@ speedup and tau per set is drawn at the end.
     scripts/run python benchmarks/bench_versus.py                        # 20 prompts per set, 256 tokens
     scripts/run python benchmarks/bench_versus.py --prompts 3 --max-tokens 64 --out benchmarks/results/versus-cpu.json
     scripts/run python benchmarks/bench_versus.py --replot benchmarks/results/versus-cpu.json
+    scripts/run python benchmarks/bench_versus.py --drafter .cache/train/c6-q4 ...   # a drafter not shipped
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ import mlx_dflash2  # noqa: F401,E402  (before MLX: loads the optimized OpenBLAS
 import mlx.core as mx
 
 from mlx_dflash2 import assets
-from mlx_dflash2.loading import load_target, make_proposer
+from mlx_dflash2.loading import drafter_dequantize, load_target, make_proposer
 from mlx_dflash2.proposers import LookupProposer
 from mlx_dflash2.speculative import GenerationState, SpecStats, speculative_generate_step
 from mlx_dflash2.train.data import EVAL_SETS, load_eval_set
@@ -184,11 +185,22 @@ def summarize(rows: list[dict], sets: list[str], methods: list[str], num_draft: 
     return out
 
 
+def ours_proposer(drafter: str, target, tokenizer, name: str, dequantize: bool):
+    """Our proposer for the ``auto`` method as ``mlx_dflash2.load`` builds it: ``drafter`` (``"auto"`` or a drafter
+    directory) fused with lookup under its schedule, a quantized drafter expanded to dense where the target is
+    (:func:`mlx_dflash2.loading.drafter_dequantize`: on MLX's CPU backend a quantized matmul costs time linear in
+    its rows, and the drafter runs 16 of them; until session 34 this bench kept the drafter packed beside a dense
+    target, ~2x the CLI's round time on this CPU)."""
+    return make_proposer(drafter, target, tokenizer, name, dequantize=drafter_dequantize(dequantize, target))
+
+
 def labels(meta: dict) -> dict[str, str]:
     """Display names of the methods; ``auto`` says so where it was lookup drafting."""
     out = dict(LABELS)
     if meta.get("same_as", {}).get("auto") == "lookup":
         out["auto"] = "ours (auto = lookup: no drafter ships)"
+    elif meta.get("drafter", "auto") != "auto":
+        out["auto"] = f"ours (drafter {Path(meta['drafter']).name})"
     return out
 
 
@@ -267,6 +279,9 @@ def main(argv=None):
     ap.add_argument("--time-budget", type=float, default=None, metavar="MIN",
                     help="start no new prompt after MIN minutes from the start (loading included); the run then "
                          "ends as usual with the prompts done (round-robin over the sets)")
+    ap.add_argument("--drafter", default="auto",
+                    help="ours' drafter for the auto method: auto (the shipped one; lookup where none ships) or a "
+                         "drafter directory, e.g. one trained but not shipped (its own schedule, as the CLI's)")
     ap.add_argument("--out", default="benchmarks/results/versus.json")
     ap.add_argument("--replot", default=None, metavar="JSON", help="only redraw the plot and table of a saved run")
     args = ap.parse_args(argv)
@@ -277,6 +292,8 @@ def main(argv=None):
         return
     if any(k < 1 for k in args.num_draft):
         ap.error("--num-draft: each value must be >= 1")
+    if args.drafter != "auto" and not Path(args.drafter).is_dir():
+        ap.error(f"--drafter: no such drafter directory: {args.drafter}")
 
     def log(msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -299,7 +316,7 @@ def main(argv=None):
     if "lookup" in args.methods:
         proposers["lookup"] = make_proposer("lookup", target, tok, name)
     if "auto" in args.methods:
-        p = make_proposer("auto", target, tok, name)
+        p = ours_proposer(args.drafter, target, tok, name, args.dequantize)
         lk = proposers.get("lookup")
         if isinstance(p, LookupProposer) and isinstance(lk, LookupProposer) and vars(p) == vars(lk):
             same_as["auto"] = "lookup"  # no drafter ships for this target: auto is lookup drafting
@@ -314,7 +331,7 @@ def main(argv=None):
         "dtype": args.dtype, "dequantize": args.dequantize, "draft_dequantize": args.draft_dequantize,
         "device": str(mx.default_device()), "mlx": mx.__version__, "sets": args.sets, "prompts": args.prompts,
         "max_tokens": args.max_tokens, "methods": args.methods, "num_draft": args.num_draft,
-        "repeats": args.repeats, "same_as": same_as, "drafters": drafter_names,
+        "repeats": args.repeats, "same_as": same_as, "drafters": drafter_names, "drafter": args.drafter,
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "timing": "decode: generated tokens / seconds from the request's start (prompt but its last token "
                   "already cached) to its last token; EOS counted",

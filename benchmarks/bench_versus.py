@@ -46,6 +46,7 @@ import mlx_dflash2  # noqa: F401,E402  (before MLX: loads the optimized OpenBLAS
 import mlx.core as mx
 
 from mlx_dflash2 import assets
+from mlx_dflash2.drafter.io import read_draft_vocab, read_drafter_checkpoint
 from mlx_dflash2.loading import drafter_dequantize, load_target, make_proposer
 from mlx_dflash2.proposers import LookupProposer
 from mlx_dflash2.speculative import GenerationState, SpecStats, speculative_generate_step
@@ -280,8 +281,8 @@ def main(argv=None):
                     help="start no new prompt after MIN minutes from the start (loading included); the run then "
                          "ends as usual with the prompts done (round-robin over the sets)")
     ap.add_argument("--drafter", default="auto",
-                    help="ours' drafter for the auto method: auto (the shipped one; lookup where none ships) or a "
-                         "drafter directory, e.g. one trained but not shipped (its own schedule, as the CLI's)")
+                    help="ours' drafter for the auto method: auto (the shipped one; lookup where none ships), shipped, "
+                         "or a drafter directory, e.g. one trained but not shipped (its own schedule, as the CLI's)")
     ap.add_argument("--out", default="benchmarks/results/versus.json")
     ap.add_argument("--replot", default=None, metavar="JSON", help="only redraw the plot and table of a saved run")
     args = ap.parse_args(argv)
@@ -292,8 +293,16 @@ def main(argv=None):
         return
     if any(k < 1 for k in args.num_draft):
         ap.error("--num-draft: each value must be >= 1")
-    if args.drafter != "auto" and not Path(args.drafter).is_dir():
-        ap.error(f"--drafter: no such drafter directory: {args.drafter}")
+    if args.drafter not in ("auto", "shipped"):
+        if "auto" not in args.methods:
+            ap.error("--drafter: it is the auto method's drafter, and --methods leaves auto out")
+        if not args.drafter.strip() or not Path(args.drafter).is_dir():
+            ap.error(f"--drafter: no such drafter directory: {args.drafter!r}")
+        try:  # a bad checkpoint fails here, before minutes of loading (as mlx_dflash2.load checks it)
+            read_drafter_checkpoint(args.drafter)
+            read_draft_vocab(args.drafter)
+        except (ValueError, FileNotFoundError) as e:
+            ap.error(f"--drafter: {e}")
 
     def log(msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -316,7 +325,10 @@ def main(argv=None):
     if "lookup" in args.methods:
         proposers["lookup"] = make_proposer("lookup", target, tok, name)
     if "auto" in args.methods:
-        p = ours_proposer(args.drafter, target, tok, name, args.dequantize)
+        try:
+            p = ours_proposer(args.drafter, target, tok, name, args.dequantize)
+        except (ValueError, FileNotFoundError) as e:  # e.g. a drafter of another target (DrafterConfigError)
+            sys.exit(f"bench_versus.py: error: --drafter: {e}")
         lk = proposers.get("lookup")
         if isinstance(p, LookupProposer) and isinstance(lk, LookupProposer) and vars(p) == vars(lk):
             same_as["auto"] = "lookup"  # no drafter ships for this target: auto is lookup drafting

@@ -53,22 +53,48 @@ def count_primitives(*outputs) -> collections.Counter:
         return collections.Counter(re.findall(r'label ="([^"]+)", shape=rectangle', f.read()))
 
 
+def _at_least(lo: int):
+    """argparse type: an int >= ``lo``."""
+    def parse(text: str) -> int:
+        v = int(text)
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+    return parse
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--shape", default="qwen2.5-1.5b", help=f"target shape, of {', '.join(rt.SHAPES)}")
-    p.add_argument("--target-layers", type=int, default=6, help="layers of the target (its forward is not timed)")
-    p.add_argument("--draft-vocab", type=int, default=32768, help="draft vocabulary size (0: the whole)")
-    p.add_argument("--compute-dtype", default="float32", help="the drafter's compute dtype (fit --compute-dtype)")
-    p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--anchors", type=int, default=16)
-    p.add_argument("--max-len", type=int, default=384)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--intermediate", type=int, default=3072)
+    shapes = [k for k in rt.SHAPES if not k.startswith("_")]
+    p.add_argument("--shape", default="qwen2.5-1.5b", choices=shapes, help="target shape")
+    p.add_argument("--target-layers", type=_at_least(1), default=6, help="layers of the target (its forward is not timed)")
+    p.add_argument("--draft-vocab", type=_at_least(1), default=32768,
+                   help="draft vocabulary size (at most the shape's vocabulary; its size: the whole)")
+    p.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the drafter's compute dtype (fit --compute-dtype)")
+    p.add_argument("--batch-size", type=_at_least(1), default=2)
+    p.add_argument("--anchors", type=_at_least(1), default=16, help="blocks per sequence (at most MAX_LEN - 17)")
+    p.add_argument("--max-len", type=_at_least(18), default=384)
+    p.add_argument("--layers", type=_at_least(1), default=4)
+    p.add_argument("--intermediate", type=_at_least(1), default=3072)
     p.add_argument("--kd-weight", type=float, default=1.0)
-    p.add_argument("--selector-fraction", type=float, default=0.5)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--parts", default="all", help="comma-separated subset of the parts (default: all)")
+    p.add_argument("--selector-fraction", type=float, default=0.5, help="in (0, 1]")
+    p.add_argument("--repeats", type=_at_least(1), default=5)
+    p.add_argument("--eager-update", action="store_true",
+                   help="clip + AdamW uncompiled (the step before the trainer compiled its update)")
+    p.add_argument("--parts", default="all", help="comma-separated subset of the parts, by substring (default: all)")
     a = p.parse_args(argv)
+    if not 0 < a.selector_fraction <= 1:
+        p.error(f"--selector-fraction: must be in (0, 1], got {a.selector_fraction}")
+    if a.kd_weight < 0:
+        p.error(f"--kd-weight: must be >= 0, got {a.kd_weight}")
+    if a.anchors > a.max_len - 17:
+        p.error(f"--anchors: at most --max-len - 17 = {a.max_len - 17} blocks fit a sequence, got {a.anchors}")
+    interval = rt.SHAPES[a.shape].get("full_attention_interval")
+    if interval and a.target_layers < interval:
+        p.error(f"--target-layers: the hybrid {a.shape} shape needs at least {interval} (one full-attention layer)")
+    if a.draft_vocab > rt.SHAPES[a.shape]["vocab_size"]:
+        p.error(f"--draft-vocab: the {a.shape} shape has {rt.SHAPES[a.shape]['vocab_size']} ids, got {a.draft_vocab}")
     cfg = dict(rt.SHAPES[a.shape])
     cfg["num_hidden_layers"] = a.target_layers
     rt.SHAPES["_prof"] = cfg
@@ -92,14 +118,13 @@ def main(argv=None) -> int:
     labels = mx.array(rng.randint(100, V - 100, size=(N, A, Bm1)).astype(np.int32))
     valid = mx.ones((N, A, Bm1), dtype=mx.bool_)
     weights = mx.array([np.exp(-(k - 1) / 7) for k in range(1, B)], dtype=mx.float32)
-    dv = None if not a.draft_vocab else DraftVocab.build(target, sorted(rng.choice(V, a.draft_vocab, replace=False)
-                                                                         .tolist()), V)
+    dv = DraftVocab.build(target, sorted(rng.choice(V, a.draft_vocab, replace=False).tolist()), V)
     mx.eval(feats, states)
     opt = optim.AdamW(learning_rate=1e-6)
     opt.init(d.trainable_parameters())
     R = M * Bm1
     rt.log(f"{a.shape}: drafter {a.layers} x {d.config.hidden_size} (MLP {a.intermediate}), {N} x {A} blocks of {B}, "
-           f"T {T}: {R} rows, {M * B} block slots; vocab {dv.size if dv else V}, compute {a.compute_dtype}")
+           f"T {T}: {R} rows, {M * B} block slots; vocab {dv.size}, compute {a.compute_dtype}")
 
     def loss_fn(model, alpha=1.0, kd=a.kd_weight):
         return dflash_loss(model, target, feats, tokens, anchors, labels, valid, weights, alpha, valid_vocab=V,
@@ -142,7 +167,7 @@ def main(argv=None) -> int:
     spec_nosel = _VocabSpec(spec.logits, spec.teacher, spec.kd, 0, Bm1, spec.stride)
     spec_plain = _VocabSpec(spec.logits, spec.teacher, False, 0, Bm1, spec.stride)
     tf = states.reshape(R, -1)
-    lab_in = mx.maximum(dv.pos[labels.reshape(R)], 0) if dv else labels.reshape(R)
+    lab_in = mx.maximum(dv.pos[labels.reshape(R)], 0)
 
     def vocab_run(sp, grad=True):
         def f(h):
@@ -160,18 +185,27 @@ def main(argv=None) -> int:
                 mx.eval(f(hf))
         return run
 
+    def make_update():  # clip + AdamW, compiled over the drafter's and the optimizer's state as Trainer._update_fn
+        def apply(grads):
+            grads, norm = optim.clip_grad_norm(grads, 1.0)
+            opt.update(d, grads)
+            return norm
+
+        state = [d.state, opt.state]
+        return apply if a.eager_update else mx.compile(apply, inputs=state, outputs=state)
+
+    update = make_update()
+
     def step():
         (loss, m), g = vg()
-        g, n = optim.clip_grad_norm(g, 1.0)
-        opt.update(d, g)
+        n = update(g)
         mx.eval(d.parameters(), opt.state, loss, m, n)
 
     (loss0, _), g0 = vg()
     mx.eval(loss0, g0)
 
     def opt_only():
-        g, n = optim.clip_grad_norm(g0, 1.0)
-        opt.update(d, g)
+        n = update(g0)
         mx.eval(d.parameters(), opt.state, n)
 
     parts = {
@@ -180,7 +214,7 @@ def main(argv=None) -> int:
         "loss + grads, no selector": lambda: mx.eval(vg(alpha=0.0)),
         "loss + grads, no KD": lambda: mx.eval(vg(kd=0.0)),
         "loss forward only": lambda: mx.eval(loss_fn(dc)),
-        "drafter forward (4 layers, ctx K/V)": lambda: mx.eval(dc.forward_blocks(emb, fc, anchors)),
+        f"drafter forward ({a.layers} layers, ctx K/V)": lambda: mx.eval(dc.forward_blocks(emb, fc, anchors)),
         "context K/V (fc, norms, k/v of T rows)": lambda: mx.eval(dc.context_kv_all(fc)),
         "drafter fwd+bwd (to h, all params)": lambda: mx.eval(nn.value_and_grad(
             dc, lambda m: (m.forward_blocks(emb, fc, anchors) * cot[:, :].astype(cdt)).sum())(dc)),
@@ -197,9 +231,11 @@ def main(argv=None) -> int:
         "vocab part fwd+bwd, CE + top1 only": vocab_run(spec_plain),
         "head matmul fwd+bwd alone": lambda: mx.eval(mx.vjp(lambda x: dv.head(x), [hf.astype(target.dtype)],
                                                             [mx.ones((R, dv.size), target.dtype)])),
-        "clip + AdamW": opt_only,
+        "clip + AdamW" + (" (eager)" if a.eager_update else " (compiled)"): opt_only,
     }
     want = None if a.parts == "all" else set(a.parts.split(","))
+    if want and not any(w in name for w in want for name in parts):
+        p.error(f"--parts: {a.parts!r} matches none of: {'; '.join(parts)}")
     print(f"\n| part | median s ({a.repeats} repeats) |\n|---|---:|")
     for name, fn in parts.items():
         if want and not any(w in name for w in want):

@@ -1,4 +1,5 @@
-"""benchmarks/bench_versus.py builds our proposer as ``mlx_dflash2.load`` does (issue 21's head to head)."""
+"""benchmarks/bench_versus.py builds our proposer as ``mlx_dflash2.load`` does (issue 21's head to head) and checks
+its arguments before loading; benchmarks/profile_train_step.py checks its arguments."""
 
 import importlib.util
 from pathlib import Path
@@ -30,3 +31,31 @@ def test_ours_beside_a_dense_target_runs_a_dense_drafter(smol_f32, quick_calibra
     assert not is_quantized(p.drafter.model)
     p = bench.ours_proposer("auto", target, tok, name, dequantize=False)
     assert is_quantized(p.drafter.model)
+
+
+@pytest.mark.parametrize("extra", [["--drafter", "{tmp}"], ["--drafter", ""], ["--drafter", "{tmp}/missing"],
+                                   ["--drafter", "{tmp}", "--methods", "plain"]])
+def test_a_bad_drafter_fails_before_the_models_load(tmp_path, monkeypatch, capsys, extra):
+    """A directory without a drafter, an empty or missing path, or ``--drafter`` without the auto method: one
+    usage error (exit 2) before minutes of model loading (a fresh user's findings, session 34)."""
+    bench = _bench()
+    monkeypatch.setattr(bench, "load_target", lambda *a, **k: pytest.fail("loaded a model before checking --drafter"))
+    with pytest.raises(SystemExit) as e:
+        bench.main([x.format(tmp=tmp_path) for x in extra])
+    assert e.value.code == 2
+    assert "--drafter" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", [["--shape", "bogus"], ["--compute-dtype", "bogus"], ["--draft-vocab", "0"],
+                                 ["--shape", "tiny", "--draft-vocab", "5000"], ["--anchors", "400"],
+                                 ["--selector-fraction", "0"], ["--max-len", "10"], ["--batch-size", "0"],
+                                 ["--repeats", "0"], ["--shape", "hybrid-tiny", "--target-layers", "2"]])
+def test_profile_train_step_refuses_bad_arguments(bad, capsys, monkeypatch):
+    """benchmarks/profile_train_step.py: each bad argument one usage error, not a traceback mid-way."""
+    monkeypatch.syspath_prepend(str(BENCH.parent))  # its random_targets import
+    spec = importlib.util.spec_from_file_location("profile_train_step", BENCH.parent / "profile_train_step.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with pytest.raises(SystemExit) as e:
+        mod.main(bad)
+    assert e.value.code == 2 and "error:" in capsys.readouterr().err

@@ -33,7 +33,7 @@ from mlx.utils import tree_map
 
 from mlx_dflash2.drafter.io import init_drafter
 from mlx_dflash2.target import TargetAdapter
-from mlx_dflash2.train.trainer import COMPUTE_DTYPES, DraftVocab, dflash_loss, value_and_grad_in
+from mlx_dflash2.train.trainer import COMPUTE_DTYPES, DraftVocab, dflash_loss, make_update, value_and_grad_in
 
 
 def _target(shape: str, layers: int | None, dtype) -> tuple[TargetAdapter, int]:
@@ -134,16 +134,7 @@ def main(argv=None) -> int:
     arms = {(str(n) if len(cdts) == 1 else f"{n}/{c}"): (n, c) for n in sizes for c in cdts}
     opt = {k: optim.AdamW(learning_rate=1e-5) for k in arms}
 
-    def make_update(o):  # clip + AdamW, compiled over the drafter's and the optimizer's state as Trainer._update_fn
-        def apply(grads):
-            grads, _ = optim.clip_grad_norm(grads, 1.0)
-            o.update(d, grads)
-
-        o.init(d.trainable_parameters())
-        state = [d.state, o.state]
-        return apply if a.eager_update else mx.compile(apply, inputs=state, outputs=state)
-
-    update = {k: make_update(opt[k]) for k in arms}
+    update = {k: make_update(d, opt[k], 1.0, compiled=not a.eager_update) for k in arms}  # as the trainer's
 
     def step(k):
         n, c = arms[k]

@@ -32,7 +32,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from mlx_dflash2.drafter.io import init_drafter
 from mlx_dflash2.target import TargetAdapter
-from mlx_dflash2.train.trainer import DraftVocab, _vocab_terms, _VocabSpec, dflash_loss, value_and_grad_in
+from mlx_dflash2.train.trainer import DraftVocab, _vocab_terms, _VocabSpec, dflash_loss, make_update, value_and_grad_in
 
 
 def median_time(fn, repeats: int) -> float:
@@ -67,7 +67,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     shapes = [k for k in rt.SHAPES if not k.startswith("_")]
     p.add_argument("--shape", default="qwen2.5-1.5b", choices=shapes, help="target shape")
-    p.add_argument("--target-layers", type=_at_least(1), default=6, help="layers of the target (its forward is not timed)")
+    p.add_argument("--target-layers", type=_at_least(1), default=6,
+                   help="layers of the target (its forward is not timed)")
     p.add_argument("--draft-vocab", type=_at_least(1), default=32768,
                    help="draft vocabulary size (at most the shape's vocabulary; its size: the whole)")
     p.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
@@ -121,7 +122,6 @@ def main(argv=None) -> int:
     dv = DraftVocab.build(target, sorted(rng.choice(V, a.draft_vocab, replace=False).tolist()), V)
     mx.eval(feats, states)
     opt = optim.AdamW(learning_rate=1e-6)
-    opt.init(d.trainable_parameters())
     R = M * Bm1
     rt.log(f"{a.shape}: drafter {a.layers} x {d.config.hidden_size} (MLP {a.intermediate}), {N} x {A} blocks of {B}, "
            f"T {T}: {R} rows, {M * B} block slots; vocab {dv.size}, compute {a.compute_dtype}")
@@ -185,16 +185,7 @@ def main(argv=None) -> int:
                 mx.eval(f(hf))
         return run
 
-    def make_update():  # clip + AdamW, compiled over the drafter's and the optimizer's state as Trainer._update_fn
-        def apply(grads):
-            grads, norm = optim.clip_grad_norm(grads, 1.0)
-            opt.update(d, grads)
-            return norm
-
-        state = [d.state, opt.state]
-        return apply if a.eager_update else mx.compile(apply, inputs=state, outputs=state)
-
-    update = make_update()
+    update = make_update(d, opt, 1.0, compiled=not a.eager_update)  # as the trainer's
 
     def step():
         (loss, m), g = vg()

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .drafter.model import DEFAULT_CONTEXT_WINDOW, DraftContext, DraftModel
+from .drafter.model import DEFAULT_CONTEXT_WINDOW, DraftContext, DraftModel, top_k_ids
 from .lookup import SuffixIndex
 
 logger = logging.getLogger("mlx_dflash2")
@@ -119,7 +119,7 @@ def sample_top_k(unary: mx.array, temperature: float, key: mx.array | None, k: i
     (:meth:`~.drafter.model.CandidateSelector.candidates`): the draws are indexed by a candidate's
     position, and ``argpartition``'s own order moves with the last bits of scores anywhere in the row,
     so a seeded request's draft would depend on whether its drafter forward ran alone or batched."""
-    cand = mx.sort(mx.argpartition(-unary, k - 1, axis=-1)[:, :k], axis=-1).astype(mx.int32)
+    cand = mx.sort(top_k_ids(unary, k), axis=-1).astype(mx.int32)
     logits = mx.take_along_axis(unary, cand, axis=-1).astype(mx.float32) / temperature
     q = mx.softmax(logits, axis=-1)
     idx = mx.random.categorical(logits, key=key)

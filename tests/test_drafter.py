@@ -499,3 +499,28 @@ def test_drafter_init_notes_fewer_taps_than_asked(tmp_path, capsys):
     assert main(["init", "--model", str(src), "--num-taps", "5", "--out", str(tmp_path / "d")]) == 0
     out = capsys.readouterr().out
     assert "note: 5 taps asked, 2 made" in out and "[0, 1]" in out
+
+
+@pytest.mark.parametrize("V", [32768, 49152 + 37, 151936, 1000])
+def test_top_k_ids_is_the_argpartition_set(V):
+    """top_k_ids (two-stage selection) finds the same k ids per row as one argpartition: rows of random
+    scores, rows whose k largest all sit in one group or at the tail past the last whole group, rows with
+    -inf entries; leading axes kept; uint32 like argpartition."""
+    from mlx_dflash2.drafter.model import TOP_K_GROUP, top_k_ids
+
+    k = 16
+    rows = np.random.default_rng(V).standard_normal((6, V)).astype(np.float32)
+    rows[1, 256:256 + k] = 50.0 + np.arange(k)  # all in one group
+    rows[2, V - 5:] = 40.0  # in the tail past the last whole group (V % 128 columns), when there is one
+    rows[3, :V // 2] = -np.inf
+    rows[4, ::TOP_K_GROUP] = 30.0 + np.arange(len(rows[4, ::TOP_K_GROUP]))  # one per group, spread out
+    x = mx.array(rows).reshape(2, 3, V)
+    got = top_k_ids(x, k)
+    assert got.shape == (2, 3, k) and got.dtype == mx.uint32
+    want = mx.argpartition(-x, k - 1, axis=-1)[..., :k]
+    assert np.array_equal(np.sort(np.array(got), -1), np.sort(np.array(want), -1))
+    assert np.array_equal(np.array(top_k_ids(x[1:2, 1:2], k))[0, 0], np.array(got)[1, 1])  # alone == batched
+    top1 = mx.take_along_axis(x, top_k_ids(x, 1).astype(mx.int32), axis=-1)[..., 0]
+    assert np.array_equal(np.array(top1), np.array(x.max(axis=-1)))  # k = 1: a row's maximum (ties: any of them)
+    with pytest.raises(ValueError, match="k=0"):
+        top_k_ids(x, 0)

@@ -43,6 +43,7 @@ __all__ = [
     "GroupedDynamicCausalConv",
     "CandidateSelector",
     "SelectorOutput",
+    "top_k_ids",
 ]
 
 
@@ -330,6 +331,50 @@ class DraftDecoderLayer(nn.Module):
         return h + m
 
 
+#: columns per group of :func:`top_k_ids`' first stage
+TOP_K_GROUP = 128
+
+
+def top_k_ids(x: mx.array, k: int, group: int = TOP_K_GROUP) -> mx.array:
+    """The ids of the ``k`` largest entries of each row of ``x``, in no particular order.
+
+    Args:
+        x: ``[..., V]`` scores (float; ``-inf`` allowed).
+        k: ``1 <= k <= V``.
+        group: columns per group of the first stage.
+
+    Returns:
+        uint32 ``[..., k]``: the same set as ``mx.argpartition(-x, k - 1, axis=-1)[..., :k]`` (rows with ties
+        at the k-th value may take another of the tied ids: ``argpartition`` leaves that choice open too);
+        a function of the row's values alone, so a row gives the same ids alone or in a batch.
+
+    Algorithm (exact two-stage selection): the row's first ``G = V // group`` groups of ``group`` columns
+    each give their maximum; the ``k`` groups with the largest maxima hold every one of the row's ``k``
+    largest entries (an entry outside them is below ``k`` group maxima, each a distinct larger entry), so
+    ``argpartition`` over those ``k * group`` columns (plus the ``V % group`` columns past the last whole
+    group) finds them. One read of the row for the maxima, then selections over ``G`` and ``k * group``
+    columns instead of ``V``: issue 21's training (3,840 rows of 32,768 ids, ``k = 16``) took its candidates
+    in 1.30 s with one ``argpartition`` on the 2-core CPU, 0.19 s in two stages; on the H100 the selector's
+    candidates and their gather cost ~12 ms of a 72 ms training step with one. Rows too short to gain
+    (``V < 4 * k * group``) use one ``argpartition``.
+    """
+    V = x.shape[-1]
+    if not 1 <= k <= V:
+        raise ValueError(f"top_k_ids: k={k} for rows of {V}")
+    G = V // group
+    if V < 4 * k * group:
+        return mx.argpartition(-x, k - 1, axis=-1)[..., :k]
+    lead = x.shape[:-1]
+    gmax = x[..., : G * group].reshape(*lead, G, group).max(axis=-1)  # [..., G]
+    gi = mx.argpartition(-gmax, k - 1, axis=-1)[..., :k].astype(mx.int32)  # [..., k] groups
+    cols = (gi[..., None] * group + mx.arange(group, dtype=mx.int32)).reshape(*lead, k * group)
+    if V > G * group:  # the columns past the last whole group are candidates too
+        tail = mx.broadcast_to(mx.arange(G * group, V, dtype=mx.int32), (*lead, V - G * group))
+        cols = mx.concatenate([cols, tail], axis=-1)
+    j = mx.argpartition(-mx.take_along_axis(x, cols, axis=-1), k - 1, axis=-1)[..., :k]
+    return mx.take_along_axis(cols, j, axis=-1).astype(mx.uint32)
+
+
 @dataclass
 class SelectorOutput:
     """Result of the candidate selector's walk (spec §5.5, §5.7).
@@ -369,7 +414,7 @@ class CandidateSelector(nn.Module):
     def candidates(self, unary: mx.array, hidden: mx.array,
                    vocab_ids: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
         """The lattice's inputs, computed in MLX for every walk: ``(cand int32 [M, T, K], u float32
-        [M, T, K], H float32 [M, T, r])``, the top-K candidates of each slot (``argpartition``) in
+        [M, T, K], H float32 [M, T, r])``, the top-K candidates of each slot (:func:`top_k_ids`) in
         ascending id order, their unary scores and the hidden projection of ``hidden`` ``[M, T, D]``.
         ``vocab_ids``: ``unary``'s last axis covers a draft vocabulary, these ascending token ids
         (``[Vd]``), and ``cand`` holds token ids, not positions (ascending either way).
@@ -381,7 +426,7 @@ class CandidateSelector(nn.Module):
         the candidate set and its scores only, as a solo and a batched forward of the same row agree
         up to near-ties."""
         K = min(self.top_k, unary.shape[-1])
-        cand = mx.sort(mx.argpartition(-unary, K - 1, axis=-1)[..., :K], axis=-1).astype(mx.int32)
+        cand = mx.sort(top_k_ids(unary, K), axis=-1).astype(mx.int32)
         u = mx.take_along_axis(unary, cand, axis=-1).astype(mx.float32)
         H = self.hidden_projection(hidden).astype(mx.float32)  # [M, T, r]
         if vocab_ids is not None:

@@ -7,7 +7,7 @@ The selector scores slot ``t``'s top-K candidates ``b`` given the token ``a`` ch
 kernel (``metal/selector_walk.h``, one body for Metal and CUDA) walks all ``T`` steps in one launch,
 scoring only the realised row of each step.
 
-What stays in MLX (:meth:`CandidateSelector.candidates`): the top-K candidates (``argpartition``),
+What stays in MLX (:meth:`CandidateSelector.candidates`): the top-K candidates (``top_k_ids``),
 their unary scores (float32) and the hidden projection ``H`` (a matmul of the drafter's states).
 The kernel reads the codebook rows it needs itself.
 

@@ -100,6 +100,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from ..drafter import DrafterConfig, DraftModel, dequantize_drafter, init_drafter, load_drafter, save_drafter
+from ..drafter.model import top_k_ids
 
 __all__ = ["TrainConfig", "Trainer", "TimeBudgetError", "DraftVocab", "dflash_loss", "make_batch", "default_gamma",
            "device_defaults", "resolve_device_defaults", "loss_chunk_rows", "value_and_grad_in", "COMPUTE_DTYPES",
@@ -528,7 +529,7 @@ def _vocab_terms(spec: _VocabSpec, h: mx.array, teacher: mx.array | None, labels
     if sel is None or len(sel):
         ls = logits if sel is None else logits[mx.array(sel)]
         if cand is None:  # a copy: the slice of argpartition's [r, V] ids would keep all of them alive
-            cand = mx.stop_gradient(mx.contiguous(mx.argpartition(-ls, spec.top_k - 1, axis=-1)[:, : spec.top_k]))
+            cand = mx.stop_gradient(mx.contiguous(top_k_ids(ls, spec.top_k)))
         out["cand"], out["cand_logits"] = cand, mx.take_along_axis(ls, cand, axis=-1)
     return out
 
@@ -577,7 +578,8 @@ def _chunked_vocab_terms(spec: _VocabSpec, h: mx.array, teacher: mx.array | None
     * Evaluating chunk by chunk with ``mx.eval`` would bound it exactly but cannot run inside
       ``mx.compile``; this graph compiles (tested: a compiled chunked step equals the eager one), and
       the ordering holds there (the 1,920 rows above, compiled: 991 MiB in one shot, 99 MiB chunked).
-    * ``cand`` is copied out of ``argpartition``'s ``[r, V]`` ids: a slice kept all of them alive.
+    * ``cand`` is copied out of the selection's ids (:func:`top_k_ids`; a slice of one ``argpartition``'s
+      ``[r, V]`` ids kept all of them alive).
 
     Args:
         spec, teacher, labels: as :func:`_vocab_terms` (all rows).

@@ -199,6 +199,11 @@ def main(argv=None) -> int:
         n = update(g0)
         mx.eval(d.parameters(), opt.state, n)
 
+    def conv4(x, mode):  # a layer's four convolution sides, each on the previous one's output
+        ac, mc = layer.attention_conv, layer.mlp_conv
+        y = ac.apply(ac.apply(x, 0, ac.coefficients(x), mode), 1, ac.coefficients(x), mode)
+        return mc.apply(mc.apply(y, 0, mc.coefficients(y), mode), 1, mc.coefficients(y), mode)
+
     parts = {
         "step (loss, grads, clip, AdamW)": step,
         "loss + grads": lambda: mx.eval(vg()),
@@ -209,13 +214,11 @@ def main(argv=None) -> int:
         "context K/V (fc, norms, k/v of T rows)": lambda: mx.eval(dc.context_kv_all(fc)),
         "drafter fwd+bwd (to h, all params)": lambda: mx.eval(nn.value_and_grad(
             dc, lambda m: (m.forward_blocks(emb, fc, anchors) * cot[:, :].astype(cdt)).sum())(dc)),
-        "1 layer fwd+bwd": vjp_time(lambda x: layer(x, lambda at, v: at.blocks(v, ck, cv, anchors)), [x0]),
+        "1 layer fwd+bwd": vjp_time(lambda x: layer(x, lambda at, v: at.blocks(v, ck, cv, anchors), "compiled"), [x0]),
         "1 layer attention (blocks) fwd+bwd": vjp_time(lambda x: layer.self_attn.blocks(x, ck, cv, anchors), [x0]),
         "1 layer MLP fwd+bwd": vjp_time(lambda x: layer.mlp(x), [x0]),
-        "1 layer 4 conv sides fwd+bwd": vjp_time(lambda x: layer.mlp_conv.apply(layer.mlp_conv.apply(
-            layer.attention_conv.apply(layer.attention_conv.apply(x, 0, layer.attention_conv.coefficients(x)), 1,
-                                       layer.attention_conv.coefficients(x)), 0, layer.mlp_conv.coefficients(x)), 1,
-            layer.mlp_conv.coefficients(x)), [x0]),
+        "1 layer 4 conv sides fwd+bwd (compiled, as trained)": vjp_time(lambda x: conv4(x, "compiled"), [x0]),
+        "1 layer 4 conv sides fwd+bwd (eager reference)": vjp_time(lambda x: conv4(x, "reference"), [x0]),
         "vocab part fwd+bwd (CE, KD, top1, top-K)": vocab_run(spec),
         "vocab part fwd only": vocab_run(spec, grad=False),
         "vocab part fwd+bwd, no top-K": vocab_run(spec_nosel),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
@@ -524,3 +525,41 @@ def test_top_k_ids_is_the_argpartition_set(V):
     assert np.array_equal(np.array(top1), np.array(x.max(axis=-1)))  # k = 1: a row's maximum (ties: any of them)
     with pytest.raises(ValueError, match="k=0"):
         top_k_ids(x, 0)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_compiled_convolutions_train_like_the_reference(dtype):
+    """forward_blocks (training) runs its convolution sides compiled, forward and backward
+    (dynamic_conv_compiled): the drafter's states and every parameter's gradient equal those of the
+    layers run with the eager reference ops, bit for bit here (float32 and bfloat16)."""
+    from mlx.utils import tree_map
+
+    cfg = DrafterConfig.from_dict(tiny_cfg())
+    m = randomize(DraftModel(cfg), seed=3)
+    m.update(tree_map(lambda p: p.astype(dtype), m.parameters()))
+    N, T, A, B = 2, 12, 3, 8
+    feats = mx.random.normal((N, T, 128)).astype(dtype)
+    anchors = mx.array([[1, 5, 11], [3, 4, 9]])
+    emb = mx.random.normal((N * A, B, 64)).astype(dtype)
+    cot = mx.random.normal((N * A, B, 64)).astype(dtype)
+
+    def eager(model):
+        x = emb
+        for layer, (ck, cv) in zip(model.layers, model.context_kv_all(feats)):
+            x = layer(x, lambda attn, v, ck=ck, cv=cv: attn.blocks(v, ck, cv, anchors), "reference")
+        return model.norm(x)
+
+    def loss(fwd):
+        return lambda model: (fwd(model).astype(mx.float32) * cot.astype(mx.float32)).sum()
+
+    want_h, got_h = eager(m), m.forward_blocks(emb, feats, anchors)
+    assert mx.array_equal(want_h, got_h)
+    want = nn.value_and_grad(m, loss(eager))(m)
+    got = nn.value_and_grad(m, loss(lambda model: model.forward_blocks(emb, feats, anchors)))(m)
+    assert want[0].item() == got[0].item()
+    gw, gg = dict(tree_flatten(want[1])), dict(tree_flatten(got[1]))
+    assert gw.keys() == gg.keys()
+    conv_grads = [k for k in gw if "conv" in k]
+    assert conv_grads and all(mx.abs(gw[k]).max().item() > 0 for k in conv_grads)
+    for k in gw:
+        assert mx.array_equal(gw[k], gg[k]), k

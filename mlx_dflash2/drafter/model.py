@@ -31,7 +31,7 @@ import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ..kernels.dynamic_conv import dynamic_conv
+from ..kernels.dynamic_conv import dynamic_conv, dynamic_conv_compiled
 from ..kernels.selector_walk import lattice_scores, selector_walk, walk_lattice
 from .config import DrafterConfig
 
@@ -283,9 +283,13 @@ class GroupedDynamicCausalConv(nn.Module):
         """Convolve ``x`` ``[N, B, D]`` with side ``side`` (0 pre, 1 post).
 
         ``mode``: kernel mode of :data:`mlx_dflash2.kernels.dynamic_conv` (the fused kernel on a GPU,
-        same result). The default ``"reference"`` (MLX ops) is differentiable, for training; the
-        drafter's per-round forward passes its ``kernel_mode``.
+        same result). The default ``"reference"`` (MLX ops) is differentiable; ``"compiled"``: the same
+        ops compiled, forward and backward (:func:`~mlx_dflash2.kernels.dynamic_conv.dynamic_conv_compiled`;
+        :meth:`DraftModel.forward_blocks`, i.e. training); the drafter's per-round forward passes its
+        ``kernel_mode``.
         """
+        if mode == "compiled":
+            return dynamic_conv_compiled(x, self.base_kernel, delta, side, self.group_size)
         return dynamic_conv(x, self.base_kernel, delta, side, self.group_size, mode=mode)
 
 
@@ -513,8 +517,8 @@ class DraftModel(nn.Module):
     ``kernel_mode``: the :mod:`mlx_dflash2.kernels` mode of the per-round forward
     (:meth:`__call__`: fused dynamic convolutions) and of the selector's greedy walk;
     ``None`` is the process default (``MLX_DFLASH2_KERNELS``). Training and replay
-    evaluation (:meth:`forward_blocks`) run the MLX reference ops, through the routed linear
-    layers where :meth:`route_kernels` routed them (the same function within rounding).
+    evaluation (:meth:`forward_blocks`) run the MLX reference ops (the convolutions compiled), through the
+    routed linear layers where :meth:`route_kernels` routed them (the same function within rounding).
     """
 
     def __init__(self, cfg: DrafterConfig):
@@ -711,12 +715,14 @@ class DraftModel(nn.Module):
 
         Returns:
             Final-normed hidden states ``[N*A, B, D]``.
+
+        The convolutions run compiled (mode ``"compiled"`` of :meth:`GroupedDynamicCausalConv.apply`).
         """
         if ctx_kv is None:
             ctx_kv = self.context_kv_all(features)
         x = block_embeddings
         for layer, (ck, cv) in zip(self.layers, ctx_kv):
-            x = layer(x, lambda attn, v, ck=ck, cv=cv: attn.blocks(v, ck, cv, anchors))
+            x = layer(x, lambda attn, v, ck=ck, cv=cv: attn.blocks(v, ck, cv, anchors), "compiled")
         return self.norm(x)
 
     def unary_logits(self, hidden: mx.array, lm_head) -> mx.array:

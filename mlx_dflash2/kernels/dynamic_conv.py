@@ -7,7 +7,8 @@ with the reference's arithmetic step by step (bit-identical in float32).
 
 Only the drafter's per-round forward (:meth:`~mlx_dflash2.drafter.model.DraftModel.__call__`) routes
 through the kernel; training and replay evaluation (``forward_blocks``) keep the reference, which MLX
-can differentiate (``mx.fast`` kernels have no VJP).
+can differentiate (``mx.fast`` kernels have no VJP), compiled forward and backward
+(:func:`dynamic_conv_compiled`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import mlx.core as mx
 
 from .registry import KernelOp, KernelSpec, device_input, int_params
 
-__all__ = ["DynamicConv", "dynamic_conv", "dynamic_conv_reference"]
+__all__ = ["DynamicConv", "dynamic_conv", "dynamic_conv_reference", "dynamic_conv_compiled"]
 
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 _NAMES = {mx.bfloat16: "bfloat16", mx.float16: "float16", mx.float32: "float32"}
@@ -47,6 +48,46 @@ def dynamic_conv_reference(x: mx.array, base_kernel: mx.array, delta: mx.array, 
         term = coef.astype(x.dtype) * xs
         out = term if out is None else out + term
     return out
+
+
+_COMPILED: dict = {}
+
+
+def dynamic_conv_compiled(x: mx.array, base_kernel: mx.array, delta: mx.array, side: int, group_size: int) -> mx.array:
+    """:func:`dynamic_conv_reference` for training: differentiable, its forward and its backward each one
+    ``mx.compile``d function (one per ``(side, group_size)``, traced again per shape and dtype).
+
+    Arguments and result as :func:`dynamic_conv_reference`, whose graph both compile: the same values
+    (bit for bit on the 2-core CPU, float32 and bfloat16, values and gradients: tested); on a GPU the
+    compiled kernels may contract a multiply-add where the eager ops round twice.
+
+    Why: eagerly, a side's forward and backward are ~30 ops over ``[N, B, D]`` arrays (the per-group
+    taps repeated to every channel, the shifted copies, their sums and the backward's group sums), each a
+    launch and a pass over memory; a drafter layer runs four sides. On the H100 the four cost ~5 ms of a
+    layer's ~10 ms forward + backward in issue 21's training step (``benchmarks/profile_train_step.py``),
+    as much as the layer's attention and MLP together. ``mx.compile`` fuses each chain's elementwise ops;
+    an ``mx.custom_function`` makes the backward one compiled function too (a compiled forward's vjp
+    would otherwise run its ops eagerly).
+    """
+    fn = _COMPILED.get((side, group_size))
+    if fn is None:
+        def ref(x, b, d):
+            return dynamic_conv_reference(x, b, d, side, group_size)
+
+        fwd = mx.compile(ref)
+        bwd = mx.compile(lambda x, b, d, ct: tuple(mx.vjp(ref, [x, b, d], [ct])[1]))
+
+        @mx.custom_function
+        def fn(x, b, d):
+            return fwd(x, b, d)
+
+        @fn.vjp
+        def fn_vjp(primals, cotangent, output):
+            ct = cotangent if isinstance(cotangent, mx.array) else cotangent[0]
+            return bwd(*primals, ct)
+
+        _COMPILED[(side, group_size)] = fn
+    return fn(x, base_kernel, delta)
 
 
 def _promoted(a: mx.Dtype, b: mx.Dtype) -> mx.Dtype:

@@ -931,6 +931,59 @@ def test_self_instruct_filters_dedupes_decontaminates_and_resumes(tiny, tmp_path
         si.self_instruct(target, tok, 5, tmp_path / "d.jsonl", batch_size=4, progress=False)
 
 
+def test_self_instruct_kinds_weight_the_requests(tiny, tmp_path, monkeypatch):
+    """``kinds`` (``--kinds``) draws only the kinds named, in their proportions, the function-completion openings
+    included; without it every seed's plan is what it was before the completion kind existed (it is last, with no
+    share); bad specs are refused with the kinds listed; a partial file of other kinds is not resumed."""
+    from mlx_dflash2.train import selfinstruct as si
+
+    plan = si._plan(8, 256, 5, si.parse_kinds("coding=3, completion=1"))
+    kinds = [k for row in plan for k, _ in row]
+    assert set(kinds) == {"coding", "completion"} and 0.2 < kinds.count("completion") / len(kinds) < 0.3
+    assert all(o in si.STARTERS[k][1] for row in plan for k, o in row)
+    before = {k: v for k, v in si.STARTERS.items() if k != "completion"}
+    assert si.STARTERS["completion"][0] == 0 and list(si.STARTERS)[-1] == "completion"
+    default = si._plan(4, 64, 7)
+    monkeypatch.setattr(si, "STARTERS", before)
+    assert si._plan(4, 64, 7) == default
+    monkeypatch.undo()
+    for bad, msg in (("coding=3,bogus=1", "unknown request kind 'bogus'.*kinds: open, .*completion"),
+                     ("coding", "expected KIND=WEIGHT"), ("coding=-1", "weight >= 0"), ("math=0", "sum to 0"),
+                     ("math=1,math=2", "given twice"), ("coding=nan", "weight >= 0")):
+        with pytest.raises(ValueError, match=msg):
+            si.parse_kinds(bad)
+
+    target, _ = tiny
+    tok = TemplateTinyTok()
+    seen = []
+
+    def scripted(model, prompts, max_tokens, temps, eos_ids, vocab_size=None):
+        seen.extend(tok.decode(p) for p in prompts)
+        return [tok.encode(f" request number {len(seen) - len(prompts) + i} here") + [1] for i in range(len(prompts))]
+
+    monkeypatch.setattr(si, "batched_decode", scripted)
+    st = si.self_instruct(target, tok, 6, tmp_path / "k.jsonl", batch_size=4, progress=False, seed=1,
+                          kinds={"completion": 1.0})
+    assert st["by_kind"] == {"completion": 6}
+    texts = [json.loads(x)["messages"][0]["content"] for x in (tmp_path / "k.jsonl").read_text().splitlines()]
+    assert all(any(t.startswith(o) for o in si.STARTERS["completion"][1]) for t in texts)
+    with pytest.raises(ValueError, match="unknown request kind"):
+        si.self_instruct(target, tok, 6, tmp_path / "k2.jsonl", batch_size=4, progress=False, kinds={"nope": 1.0})
+    state = {"n": 0}
+
+    def crash_second(model, prompts, *a, **kw):
+        state["n"] += 1
+        if state["n"] == 2:
+            raise RuntimeError("crash")
+        return scripted(model, prompts, *a, **kw)
+
+    monkeypatch.setattr(si, "batched_decode", crash_second)
+    with pytest.raises(RuntimeError):
+        si.self_instruct(target, tok, 6, tmp_path / "m.jsonl", batch_size=4, progress=False, kinds={"coding": 1.0})
+    with pytest.raises(ValueError, match="other settings"):
+        si.self_instruct(target, tok, 6, tmp_path / "m.jsonl", batch_size=4, progress=False, kinds={"math": 1.0})
+
+
 def test_self_instruct_runs_on_a_real_decode_and_refuses_a_short_run(tiny, tmp_path):
     """The unscripted path (batched sampling on the tiny random target) runs; a run that cannot keep --n
     requests in its batches writes no output, keeps its partial file and continues when given more

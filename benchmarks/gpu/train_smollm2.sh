@@ -10,7 +10,7 @@
 # continue from; INIT=shipped: the packaged one, also when MODEL is a copy of the embedded GGUF), DATA (train: responses dir; default $WORK/responses), TRAIN_ARGS (more `fit` flags, e.g.
 # "--labels target --kd-weight 1"), LAYERS / INTER / SEQ (train: drafter layers, its MLP width (default: the
 # target's), sequences per step; defaults 4 / target's / 32: a drafter for a wider target, e.g. Qwen2.5-Coder-1.5B,
-# takes INTER=3072 to stay within ~60 MB at 4 bits), REGEN_BS (selfinstruct/regen batch size; also regen's shard size), EVAL_BLOCKS (eval block sizes), EVAL_RTD (eval target flags; default RTD), BENCH_ARGS (more bench_generate.py flags, e.g. --adaptive), RTD (regen target flags; default the deployed Q4_1 weights).
+# takes INTER=3072 to stay within ~60 MB at 4 bits), REGEN_BS (selfinstruct/regen batch size; also regen's shard size), SI_ARGS (more self-instruct flags, e.g. "--kinds coding=3,completion=3,math=2 --max-tokens 256"), EVAL_BLOCKS (eval block sizes), EVAL_RTD (eval target flags; default RTD), BENCH_ARGS (more bench_generate.py flags, e.g. --adaptive), RTD (regen target flags; default the deployed Q4_1 weights).
 # SMOKE=1 runs every stage at toy size on any machine (CPU included) to check the pipeline.
 set -euo pipefail
 # Env: WORK (work dir, default .cache/gpu-work in the checkout: keep it outside the checkout on the device
@@ -71,7 +71,7 @@ selfinstruct)
   sf="$W/prompts-self.jsonl"; [ "${SEED:-0}" = 0 ] || sf="$W/prompts-self-s$SEED.jsonl"  # (a failing $(...) in an assignment ends a set -e script)
   ex=(); for f in "$W"/prompts-self*.jsonl; do if [ -e "$f" ] && [ "$f" != "$sf" ]; then ex+=(--exclude "$f"); fi; done
   $PY -m mlx_dflash2.train self-instruct --model "$MODEL" $RTD --n "$1" --out "$sf" \
-      --batch-size ${REGEN_BS:-$BS} --max-tokens $SIMAXT --seed ${SEED:-0} "${ex[@]}"
+      --batch-size ${REGEN_BS:-$BS} --max-tokens $SIMAXT --seed ${SEED:-0} "${ex[@]}" ${SI_ARGS:-}
   cp "$sf" "$OUT/"
   ;;
 regen)

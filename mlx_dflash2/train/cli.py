@@ -23,6 +23,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
+from .selfinstruct import STARTERS
 from .trainer import COMPUTE_DTYPES, CPU_DEFAULTS, FIELD_RANGES, GPU_DEFAULTS, TrainConfig, in_range, range_text
 
 
@@ -252,6 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prompt file whose requests count as seen (repeatable), e.g. an earlier seed's output "
                     "(default: none)")
     si.add_argument("--seed", type=_checked(int, 0), default=0, help="seed of the sampling")
+    si.add_argument("--kinds", default=None, metavar="KIND=WEIGHT,...",
+                    help="relative weights of the kinds of request, e.g. coding=3,completion=3,math=2 (kinds: "
+                    f"{', '.join(STARTERS)}; those left out get none; default: the built-in mix, without "
+                    "completion)")
 
     f = parser("fit", "train or fine-tune a drafter")
     _add_target_args(f)
@@ -381,6 +386,9 @@ def main(argv=None) -> int:
 
             check_self_instruct_args(args.out, args.n, args.batch_size, args.max_tokens, args.max_batches, args.seed,
                                      args.temp)  # before loading
+            from .selfinstruct import parse_kinds
+
+            kinds = None if args.kinds is None else parse_kinds(args.kinds)
             from .data import read_prompt_file
 
             for f in args.exclude:  # read before loading: a broken file is named before anything is written
@@ -392,7 +400,7 @@ def main(argv=None) -> int:
             try:
                 st = self_instruct(target, tok, args.n, args.out, temp=args.temp, max_tokens=args.max_tokens,
                                    batch_size=args.batch_size, max_batches=args.max_batches, seed=args.seed,
-                                   exclude=args.exclude)
+                                   exclude=args.exclude, kinds=kinds)
             except KeyboardInterrupt:
                 print(f"\ninterrupted; rerun the same command to resume from {args.out}.partial", file=sys.stderr)
                 return 130

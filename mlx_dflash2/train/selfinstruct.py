@@ -37,7 +37,7 @@ import mlx.core as mx
 from .data import Decontaminator
 from .regen import batched_decode
 
-__all__ = ["STARTERS", "check_self_instruct_args", "self_instruct", "user_turn_prefix"]
+__all__ = ["STARTERS", "check_self_instruct_args", "parse_kinds", "self_instruct", "user_turn_prefix"]
 
 # Opening words by task kind, with the share of requests that get one ("open": none, plain Magpie).
 STARTERS: dict[str, tuple[float, tuple[str, ...]]] = {
@@ -54,7 +54,40 @@ STARTERS: dict[str, tuple[float, tuple[str, ...]]] = {
                           "Identify the")),
     "stem": (0.06, ("Explain how", "What is the difference between", "Describe the process of", "How does")),
     "humanities": (0.06, ("Discuss", "What were the causes of", "Compare", "Analyze", "What is the significance of")),
+    # a function for the target to complete (a signature and docstring of its own): none unless asked for
+    # (``kinds``); last, so the default plan of every seed is unchanged by it
+    "completion": (0.0, ("Complete the following Python function:\n\n```python\ndef",
+                         "Implement this function:\n\n```python\ndef",
+                         "Finish the implementation:\n\n```python\nimport",
+                         "Fill in the body of this function:\n\n```python\ndef")),
 }
+
+
+def parse_kinds(spec: str) -> dict[str, float]:
+    """``"coding=3,completion=3,math=2"`` -> ``{kind: weight}`` for :func:`self_instruct`'s ``kinds``.
+
+    Raises:
+        ValueError: an unknown kind (the message lists ``STARTERS``' kinds), a repeated kind, a weight that
+            is not a finite number >= 0, or weights that sum to 0.
+    """
+    out: dict[str, float] = {}
+    for part in (p.strip() for p in spec.split(",")):
+        kind, eq, w = part.partition("=")
+        kind = kind.strip()
+        if kind not in STARTERS:
+            raise ValueError(f"unknown request kind {kind!r} in {spec!r}; kinds: {', '.join(STARTERS)}")
+        if kind in out:
+            raise ValueError(f"request kind {kind!r} given twice in {spec!r}")
+        try:
+            weight = float(w) if eq else math.nan
+        except ValueError:
+            weight = math.nan
+        if not (math.isfinite(weight) and weight >= 0):
+            raise ValueError(f"{part!r}: expected KIND=WEIGHT with a weight >= 0, e.g. coding=3")
+        out[kind] = weight
+    if not sum(out.values()) > 0:
+        raise ValueError(f"request kinds {spec!r}: the weights sum to 0")
+    return out
 
 _PLACEHOLDER = "\x00USER\x00"
 
@@ -81,11 +114,14 @@ def user_turn_prefix(tokenizer) -> str:
 _norm = Decontaminator._norm  # the dedupe key: lower-case words, punctuation ignored
 
 
-def _plan(n_batches: int, batch_size: int, seed: int) -> list[list[tuple[str, str]]]:
-    """(kind, opening) for every row of every batch, a pure function of the seed."""
+def _plan(n_batches: int, batch_size: int, seed: int, kinds: dict[str, float] | None = None
+          ) -> list[list[tuple[str, str]]]:
+    """(kind, opening) for every row of every batch, a pure function of the seed (and ``kinds``: weights
+    by kind, in place of ``STARTERS``' shares)."""
     rng = random.Random(seed)
-    kinds = list(STARTERS)
-    weights = [STARTERS[k][0] for k in kinds]
+    names = list(STARTERS)
+    weights = [STARTERS[k][0] if kinds is None else kinds.get(k, 0.0) for k in names]
+    kinds = names
     plan = []
     for _ in range(n_batches):
         row = []
@@ -135,6 +171,7 @@ def self_instruct(
     seed: int = 0,
     exclude: list[str | Path] = (),
     progress: bool = True,
+    kinds: dict[str, float] | None = None,
 ) -> dict:
     """Have the target write ``n`` user requests; save them as a prompt file for ``regen``.
 
@@ -155,6 +192,8 @@ def self_instruct(
         seed: seeds the openings and ``mx.random`` per batch (>= 0).
         exclude: prompt files (any :func:`~.data.read_prompt_file` format)
             whose requests count as already seen.
+        kinds: relative weights of the kinds of request (``STARTERS``' keys; :func:`parse_kinds`), e.g.
+            more code for a code model's drafter; kinds left out get none. Default: ``STARTERS``' shares.
 
     Returns:
         ``{"kept", "sampled", "batches", "dropped": {reason: count}, "surplus",
@@ -163,7 +202,7 @@ def self_instruct(
 
     Raises:
         ValueError: ``n``/``batch_size``/``max_tokens``/``max_batches`` below 1,
-            a negative seed, a temperature that is not a positive number, ``out``
+            ``kinds`` with an unknown kind, a negative weight or no weight above 0, a negative seed, a temperature that is not a positive number, ``out``
             a directory or under a file, a tokenizer without a usable chat
             template, an ``OUT.partial`` from other settings or target (or not
             one of ours), or fewer than ``n`` requests kept after ``max_batches``.
@@ -179,9 +218,13 @@ def self_instruct(
     eos = set(int(e) for e in tokenizer.eos_token_ids)
     if max_batches is None:
         max_batches = max(1, -(-4 * n // batch_size))
-    plan = _plan(max_batches, batch_size, seed)
+    if kinds is not None:
+        kinds = parse_kinds(",".join(f"{k}={w}" for k, w in kinds.items()))  # the same checks as the CLI's
+    plan = _plan(max_batches, batch_size, seed, kinds)
     meta = {"n": n, "temp": temp, "max_tokens": max_tokens, "batch_size": batch_size, "min_words": min_words,
             "max_chars": max_chars, "seed": seed, "prefix": prefix, "target": target_fingerprint(target)}
+    if kinds is not None:  # (absent by default: a partial file of an earlier version still resumes)
+        meta["kinds"] = kinds
     partial = out.with_name(out.name + ".partial")
     done = _read_partial(partial, meta)  # one record per finished batch
     if not partial.is_file():

@@ -94,6 +94,9 @@ def main(argv=None) -> int:
                    help="target dtype (default: float32 on the CPU, bfloat16 on a GPU)")
     p.add_argument("--eager-update", action="store_true",
                    help="clip + AdamW uncompiled (before the trainer compiled its update): the update's share")
+    p.add_argument("--compile", action="store_true",
+                   help="each arm's whole step mx.compile'd, as `fit --compile` (the first step, reported apart, "
+                   "traces and builds it)")
     p.add_argument("--out", default=None, help="write the results as JSON, and a plot beside it (.png)")
     a = p.parse_args(argv)
     sizes = [int(s) for s in a.sizes.split(",")]
@@ -134,24 +137,38 @@ def main(argv=None) -> int:
     arms = {(str(n) if len(cdts) == 1 else f"{n}/{c}"): (n, c) for n in sizes for c in cdts}
     opt = {k: optim.AdamW(learning_rate=1e-5) for k in arms}
 
-    update = {k: make_update(d, opt[k], 1.0, compiled=not a.eager_update) for k in arms}  # as the trainer's
+    def make_step(k):  # as the trainer's (Trainer._update_fn)
+        n, c = arms[k]
+        update = make_update(d, opt[k], 1.0, compiled=not (a.eager_update or a.compile))
+
+        def fn(feats, tokens, anchors, labels, valid, weights, alpha, states):
+            def loss_fn(model):
+                return dflash_loss(model, target, feats, tokens, anchors, labels, valid, weights, alpha,
+                                   valid_vocab=V, teacher_states=states, kd_weight=1.0, selector_fraction=0.5,
+                                   target_labels=a.labels == "target", draft_vocab=vocabs[n])
+
+            (loss, _), grads = value_and_grad_in(d, loss_fn, c)(d)
+            return loss, update(grads)
+
+        if a.compile:
+            state = [d.state, opt[k].state]
+            fn = mx.compile(fn, inputs=state, outputs=state)
+        return fn
+
+    steps = {k: make_step(k) for k in arms}
+    alpha = mx.array(1.0, dtype=mx.float32) if a.compile else 1.0  # an input of a compiled step, as the trainer's
 
     def step(k):
-        n, c = arms[k]
-
-        def loss_fn(model):
-            return dflash_loss(model, target, feats, tokens, anchors, labels, valid, weights, 1.0, valid_vocab=V,
-                               teacher_states=states, kd_weight=1.0, selector_fraction=0.5,
-                               target_labels=a.labels == "target",
-                               draft_vocab=vocabs[n])
-
-        (loss, _), grads = value_and_grad_in(d, loss_fn, c)(d)
-        update[k](grads)
+        loss, _ = steps[k](feats, tokens, anchors, labels, valid, weights, alpha, states)
         mx.eval(d.parameters(), opt[k].state, loss)
 
     times = {k: [] for k in arms}
+    first_s = {}
     for k in arms:
-        step(k)  # warm-up
+        t = time.perf_counter()
+        step(k)  # warm-up (with --compile: the trace and the kernels' build)
+        first_s[k] = time.perf_counter() - t
+        rt.log(f"first step {k}: {first_s[k]:.2f} s")
     for r in range(a.repeats):
         for k in arms:
             t = time.perf_counter()
@@ -164,14 +181,16 @@ def main(argv=None) -> int:
     res = {"meta": rt.device_meta(), "shape": a.shape, "target_layers": target.num_layers, "vocab": V,
            "rows": rows, "labels": a.labels, "batch_size": N, "anchors": A, "max_len": T, "drafter_layers": a.layers,
            "intermediate": a.intermediate, "compute_dtypes": cdts, "eager_update": a.eager_update,
+           "compiled_step": a.compile,
            "target_forward_s": target_s, "arms": {}}
     print(f"\n{a.shape}, {rows} rows (blocks x positions) per step, {a.labels} labels; target forward "
-          f"{target_s:.2f} s")
+          f"{target_s:.2f} s" + ("; whole step compiled, first step (trace and build) "
+                                 + ", ".join(f"{first_s[k]:.1f} s" for k in arms) if a.compile else ""))
     print("| draft vocabulary | compute dtype | drafter step (median) | vs first arm | step incl. target forward |")
     print("|---|---|---:|---:|---:|")
     for k, (n, c) in arms.items():
         m = rt.median(times[k])
-        res["arms"][k] = {"step_s": times[k], "median_s": m, "size": n, "compute_dtype": c}
+        res["arms"][k] = {"step_s": times[k], "median_s": m, "size": n, "compute_dtype": c, "first_step_s": first_s[k]}
         print(f"| {n or V:,}{' (whole)' if n == 0 else ''} | {c} | {m:.3f} s | {whole / m:.2f}x | "
               f"{(whole + target_s) / (m + target_s):.2f}x |")
     if a.out:

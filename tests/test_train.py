@@ -523,6 +523,24 @@ def test_prompts_self_instruct_eval_refuse_bad_paths_and_lists(tmp_path, monkeyp
     assert not list((tmp_path / "adir").iterdir())
 
 
+@pytest.mark.parametrize("spec, msg", [
+    ("bogus=1", "unknown request kind 'bogus'"), ("", "an empty entry"), (" ", "an empty entry"),
+    ("coding=1,", "an empty entry"), ("=3", "unknown request kind ''"), ("coding=", "expected KIND=WEIGHT"),
+    ("coding=-1", "weight >= 0"), ("coding=inf", "weight >= 0"), ("coding=nan", "weight >= 0"),
+    ("coding=1,coding=2", "given twice"), ("coding=0", "sum to 0"),
+    ("coding=1e308,math=1e308", "sum to a finite number")])
+def test_self_instruct_refuses_bad_kinds_before_loading(spec, msg, tmp_path, monkeypatch, capsys):
+    """--kinds is checked before the target is loaded or anything written: one `error:` line, exit status 2
+    (weights whose sum overflows were found by random.choices after loading, as 'Total of weights must be finite')."""
+    from mlx_dflash2.train import cli
+
+    monkeypatch.setattr(cli, "_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    assert cli.main(["self-instruct", "--n", "2", "--out", str(tmp_path / "s.jsonl"), "--kinds", spec]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and msg in err and "Traceback" not in err, err
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("extra", [["--temp-fraction", "0.5"], ["--temp", "0.7"], ["--temp-fraction", "0"]])
 def test_regen_temps_refuses_temp_and_temp_fraction(extra, tmp_path, monkeypatch, capsys):
     """--temps answers every prompt at each temperature, so a --temp-fraction or --temp beside it (silently unused

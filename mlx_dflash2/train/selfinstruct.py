@@ -67,11 +67,13 @@ def parse_kinds(spec: str) -> dict[str, float]:
     """``"coding=3,completion=3,math=2"`` -> ``{kind: weight}`` for :func:`self_instruct`'s ``kinds``.
 
     Raises:
-        ValueError: an unknown kind (the message lists ``STARTERS``' kinds), a repeated kind, a weight that
-            is not a finite number >= 0, or weights that sum to 0.
+        ValueError: an empty entry, an unknown kind (the message lists ``STARTERS``' kinds), a repeated kind,
+            a weight that is not a finite number >= 0, or weights that sum to 0 or overflow.
     """
     out: dict[str, float] = {}
     for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            raise ValueError(f"request kinds {spec!r}: an empty entry; expected KIND=WEIGHT,..., e.g. coding=3,math=2")
         kind, eq, w = part.partition("=")
         kind = kind.strip()
         if kind not in STARTERS:
@@ -87,6 +89,8 @@ def parse_kinds(spec: str) -> dict[str, float]:
         out[kind] = weight
     if not sum(out.values()) > 0:
         raise ValueError(f"request kinds {spec!r}: the weights sum to 0")
+    if not math.isfinite(sum(out.values())):  # random.choices refuses it (after the target has loaded)
+        raise ValueError(f"request kinds {spec!r}: the weights must sum to a finite number")
     return out
 
 _PLACEHOLDER = "\x00USER\x00"
@@ -202,8 +206,8 @@ def self_instruct(
 
     Raises:
         ValueError: ``n``/``batch_size``/``max_tokens``/``max_batches`` below 1,
-            ``kinds`` with an unknown kind, a negative weight or no weight above 0, a negative seed, a temperature that is not a positive number, ``out``
-            a directory or under a file, a tokenizer without a usable chat
+            ``kinds`` refused by :func:`parse_kinds`, a negative seed, a temperature that is not a positive
+            number, ``out`` a directory or under a file, a tokenizer without a usable chat
             template, an ``OUT.partial`` from other settings or target (or not
             one of ours), or fewer than ``n`` requests kept after ``max_batches``.
     """

@@ -93,6 +93,7 @@ def parse_kinds(spec: str) -> dict[str, float]:
         raise ValueError(f"request kinds {spec!r}: the weights must sum to a finite number")
     return out
 
+
 _PLACEHOLDER = "\x00USER\x00"
 
 

@@ -1000,6 +1000,10 @@ def test_self_instruct_kinds_weight_the_requests(tiny, tmp_path, monkeypatch):
         si.self_instruct(target, tok, 6, tmp_path / "m.jsonl", batch_size=4, progress=False, kinds={"coding": 1.0})
     with pytest.raises(ValueError, match="other settings"):
         si.self_instruct(target, tok, 6, tmp_path / "m.jsonl", batch_size=4, progress=False, kinds={"math": 1.0})
+    monkeypatch.setattr(si, "batched_decode", scripted)  # the same plan with a kind at 0 resumes it
+    st = si.self_instruct(target, tok, 6, tmp_path / "m.jsonl", batch_size=4, progress=False,
+                          kinds={"coding": 1.0, "math": 0.0})
+    assert st["resumed_batches"] == 1 and st["by_kind"] == {"coding": 6}
 
 
 def test_self_instruct_runs_on_a_real_decode_and_refuses_a_short_run(tiny, tmp_path):

@@ -229,7 +229,7 @@ def self_instruct(
     meta = {"n": n, "temp": temp, "max_tokens": max_tokens, "batch_size": batch_size, "min_words": min_words,
             "max_chars": max_chars, "seed": seed, "prefix": prefix, "target": target_fingerprint(target)}
     if kinds is not None:  # (absent by default: a partial file of an earlier version still resumes)
-        meta["kinds"] = kinds
+        meta["kinds"] = {k: w for k, w in kinds.items() if w > 0}  # a kind at 0 is a kind left out
     partial = out.with_name(out.name + ".partial")
     done = _read_partial(partial, meta)  # one record per finished batch
     if not partial.is_file():

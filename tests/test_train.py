@@ -97,6 +97,31 @@ def test_make_batch_anchors_and_labels(tmp_path):
                     assert a + k + 1 >= L or not ok.any()
 
 
+def test_pad_multiple_pads_batches_to_fewer_lengths(tiny, tmp_path):
+    """``pad_multiple`` (``fit --pad-multiple``) rounds a batch's length up to its multiples (64 by default), with
+    the same sequences, anchors and labels; a step's losses on the longer padding equal the default's (the padding
+    is past every sequence's end, where no context or label reaches); a run may resume with another multiple."""
+    target, tok = tiny
+    _patterned_data(tmp_path / "data")
+    rows = read_responses(tmp_path / "data")[:4]
+    b64 = make_batch(rows, 0, _cfg(tmp_path), pad_id=1)
+    b160 = make_batch(rows, 0, _cfg(tmp_path, pad_multiple=160), pad_id=1)
+    longest = max(len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows)
+    assert longest <= 64 and b64["tokens"].shape[1] == 64 and b160["tokens"].shape[1] == 160
+    assert np.array_equal(b160["tokens"][:, :64], b64["tokens"]) and (b160["tokens"][:, 64:] == 1).all()
+    assert all(np.array_equal(b64[k], b160[k]) for k in ("anchors", "labels", "label_valid"))
+    assert b64["n_tokens"] == b160["n_tokens"]
+    m = []
+    for pm in (64, 160):
+        tr = Trainer(_cfg(tmp_path, out=str(tmp_path / f"pm{pm}"), pad_multiple=pm), target, tok)
+        m.append(tr.train_step(make_batch(tr._batch_rows(0), 0, tr.cfg, tr.pad_id)))
+    assert m[0].keys() == m[1].keys() and "loss" in m[0]
+    for k in m[0]:
+        np.testing.assert_allclose(np.array(m[0][k]), np.array(m[1][k]), rtol=1e-5, atol=1e-6, err_msg=k)
+    with pytest.raises(ValueError, match="pad_multiple"):
+        Trainer(_cfg(tmp_path, pad_multiple=0), target, tok)
+
+
 def test_loss_matches_inference_path(tiny, tmp_path):
     """The training loss uses exactly the inference drafter: its unary argmax at a
     block equals the proposal of the inference path with the same context."""

@@ -113,6 +113,9 @@ FIT_HELP = {
                    "if the next step and the final save would not end in time; a budget that does not fit one step "
                    "is an error that writes nothing (default: no limit)",
     "compile": "run the step as an mx.compile'd function (same losses; slower start, see the docs)",
+    "pad_multiple": "pad each batch to a length that is a multiple of this many tokens: with --compile, each "
+                    "length is one trace, so e.g. 384 with --max-len 768 traces two (padding costs compute; the "
+                    "losses are those of the unpadded sequences)",
     "compute_dtype": "mixed precision: the drafter's forward and backward in this dtype over a cast of its float32 "
                      "weights (gradients, AdamW and checkpoints stay float32); losses move within the dtype's "
                      "rounding (default: float32 throughout)",

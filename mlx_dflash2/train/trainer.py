@@ -119,7 +119,7 @@ FIELD_RANGES = {
     "selector_alpha": (float, 0, None, None), "kd_weight": (float, 0, None, None),
     "selector_fraction": (float, None, 0, 1), "seed": (int, 0, None, 2**32 - 1), "save_every": (int, 1, None, None),
     "log_every": (int, 1, None, None), "keep_checkpoints": (int, 1, None, None),
-    "time_budget": (float, None, 0, None), "loss_chunk": (int, 0, None, None),
+    "time_budget": (float, None, 0, None), "loss_chunk": (int, 0, None, None), "pad_multiple": (int, 1, None, None),
 }
 
 
@@ -306,6 +306,7 @@ class TrainConfig:
     loss_chunk: int | None = None  # rows per chunk of the loss's vocabulary part: None auto, 0 one shot
     draft_vocab: str | None = None  # "N": the data's N most frequent ids; a path; "full"; None: init's, else full
     compute_dtype: str | None = None  # mixed precision (COMPUTE_DTYPES); None: the float32 weights' own
+    pad_multiple: int = 64  # a batch's length is padded up to a multiple of this (fewer lengths: fewer traces)
     extra: dict = field(default_factory=dict)
 
 
@@ -317,7 +318,10 @@ class TrainConfig:
 def make_batch(rows: list[dict], step: int, cfg: TrainConfig, pad_id: int) -> dict:
     """Token, anchor and label arrays for one step (numpy, deterministic in ``(seed, step)``).
 
-    ``cfg.anchors`` / ``cfg.max_len`` left ``None`` mean :func:`device_defaults`.
+    ``cfg.anchors`` / ``cfg.max_len`` left ``None`` mean :func:`device_defaults`. The batch's length ``T`` is its
+    longest sequence rounded up to a multiple of ``cfg.pad_multiple`` (at least one multiple): every batch of a run
+    has one of ``ceil(max_len / pad_multiple)`` lengths, each a new trace of a compiled step (``--compile``). Padding
+    sits after every sequence's end, where no block's context or label reaches.
 
     Returns:
         ``tokens [N, T]``, ``anchors [N, A]``, ``labels [N, A, B-1]``,
@@ -337,7 +341,8 @@ def make_batch(rows: list[dict], step: int, cfg: TrainConfig, pad_id: int) -> di
         ids = ids[:max_len]  # otherwise keep the prompt and cut the end
         seqs.append(ids)
         plens.append(min(plen, len(ids)))
-    T = max(64, int(math.ceil(max(len(s) for s in seqs) / 64) * 64))
+    pm = cfg.pad_multiple
+    T = max(pm, int(math.ceil(max(len(s) for s in seqs) / pm) * pm))
     N = len(seqs)
     tokens = np.full((N, T), pad_id, dtype=np.int32)
     anchors = np.zeros((N, A), dtype=np.int32)
@@ -1074,7 +1079,7 @@ class Trainer:
         With ``compile`` it is an ``mx.compile``d function over the drafter's and
         the optimizer's state (MLX's documented pattern for training steps), which
         fuses the elementwise chains over the ``[blocks, B-1, vocab]`` logits; a new
-        sequence length (``tokens`` are padded to multiples of 64) traces it again.
+        sequence length (``tokens`` are padded to multiples of ``pad_multiple``, default 64) traces it again.
         Off by default: on the H200 (MLX 0.32.4 CUDA) the compiled DFlash2 step ran
         at 0.23 s/step but began training about 3.5 minutes after launch (an
         uncompiled DFlash v1 run of the same data: 23 s), and on the CPU it was no

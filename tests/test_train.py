@@ -122,6 +122,18 @@ def test_pad_multiple_pads_batches_to_fewer_lengths(tiny, tmp_path):
         Trainer(_cfg(tmp_path, pad_multiple=0), target, tok)
 
 
+def test_pad_multiple_above_max_len_pads_to_max_len(tmp_path):
+    """A ``pad_multiple`` above ``max_len`` (``fit --pad-multiple 1000000000``) pads to ``max_len``, the longest a
+    sequence can be: one length, no giant array (it was ``[N, pad_multiple]``: 10**9 segfaulted a fit)."""
+    _patterned_data(tmp_path / "data")
+    rows = read_responses(tmp_path / "data")[:4]
+    ref = make_batch(rows, 0, _cfg(tmp_path, max_len=48, pad_multiple=48), pad_id=1)
+    for pm in (49, 1000, 10**9):
+        b = make_batch(rows, 0, _cfg(tmp_path, max_len=48, pad_multiple=pm), pad_id=1)
+        assert b["tokens"].shape == (4, 48), pm
+        assert all(np.array_equal(b[k], ref[k]) for k in ("tokens", "anchors", "labels", "label_valid"))
+
+
 def test_loss_matches_inference_path(tiny, tmp_path):
     """The training loss uses exactly the inference drafter: its unary argmax at a
     block equals the proposal of the inference path with the same context."""

@@ -115,7 +115,7 @@ FIT_HELP = {
     "compile": "run the step as an mx.compile'd function (same losses; slower start, see the docs)",
     "pad_multiple": "pad each batch to a length that is a multiple of this many tokens: with --compile, each "
                     "length is one trace, so e.g. 384 with --max-len 768 traces two (padding costs compute; the "
-                    "losses are those of the unpadded sequences)",
+                    "losses are those of the unpadded sequences); a multiple above --max-len pads to --max-len",
     "compute_dtype": "mixed precision: the drafter's forward and backward in this dtype over a cast of its float32 "
                      "weights (gradients, AdamW and checkpoints stay float32); losses move within the dtype's "
                      "rounding (default: float32 throughout)",

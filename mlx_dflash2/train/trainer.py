@@ -320,8 +320,9 @@ def make_batch(rows: list[dict], step: int, cfg: TrainConfig, pad_id: int) -> di
 
     ``cfg.anchors`` / ``cfg.max_len`` left ``None`` mean :func:`device_defaults`. The batch's length ``T`` is its
     longest sequence rounded up to a multiple of ``cfg.pad_multiple`` (at least one multiple): every batch of a run
-    has one of ``ceil(max_len / pad_multiple)`` lengths, each a new trace of a compiled step (``--compile``). Padding
-    sits after every sequence's end, where no block's context or label reaches.
+    has one of ``ceil(max_len / pad_multiple)`` lengths, each a new trace of a compiled step (``--compile``); a
+    ``pad_multiple`` above ``max_len`` counts as ``max_len`` (one length). Padding sits after every sequence's end,
+    where no block's context or label reaches.
 
     Returns:
         ``tokens [N, T]``, ``anchors [N, A]``, ``labels [N, A, B-1]``,
@@ -341,7 +342,7 @@ def make_batch(rows: list[dict], step: int, cfg: TrainConfig, pad_id: int) -> di
         ids = ids[:max_len]  # otherwise keep the prompt and cut the end
         seqs.append(ids)
         plens.append(min(plen, len(ids)))
-    pm = cfg.pad_multiple
+    pm = min(cfg.pad_multiple, max_len)  # a larger multiple: max_len, the longest a sequence is (one length)
     T = max(pm, int(math.ceil(max(len(s) for s in seqs) / pm) * pm))
     N = len(seqs)
     tokens = np.full((N, T), pad_id, dtype=np.int32)

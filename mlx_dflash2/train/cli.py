@@ -23,7 +23,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-from .selfinstruct import STARTERS
+from .selfinstruct import STARTERS, parse_kinds
 from .trainer import COMPUTE_DTYPES, CPU_DEFAULTS, FIELD_RANGES, GPU_DEFAULTS, TrainConfig, in_range, range_text
 
 
@@ -389,8 +389,6 @@ def main(argv=None) -> int:
 
             check_self_instruct_args(args.out, args.n, args.batch_size, args.max_tokens, args.max_batches, args.seed,
                                      args.temp)  # before loading
-            from .selfinstruct import parse_kinds
-
             kinds = None if args.kinds is None else parse_kinds(args.kinds)
             from .data import read_prompt_file
 

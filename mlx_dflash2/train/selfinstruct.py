@@ -37,7 +37,7 @@ import mlx.core as mx
 from .data import Decontaminator
 from .regen import batched_decode
 
-__all__ = ["STARTERS", "check_self_instruct_args", "parse_kinds", "self_instruct", "user_turn_prefix"]
+__all__ = ["STARTERS", "check_kinds", "check_self_instruct_args", "parse_kinds", "self_instruct", "user_turn_prefix"]
 
 # Opening words by task kind, with the share of requests that get one ("open": none, plain Magpie).
 STARTERS: dict[str, tuple[float, tuple[str, ...]]] = {
@@ -64,34 +64,46 @@ STARTERS: dict[str, tuple[float, tuple[str, ...]]] = {
 
 
 def parse_kinds(spec: str) -> dict[str, float]:
-    """``"coding=3,completion=3,math=2"`` -> ``{kind: weight}`` for :func:`self_instruct`'s ``kinds``.
+    """``"coding=3,completion=3,math=2"`` -> ``{kind: weight}`` for :func:`self_instruct`'s ``kinds``
+    (``self-instruct --kinds``), checked by :func:`check_kinds`.
 
     Raises:
-        ValueError: an empty entry, an unknown kind (the message lists ``STARTERS``' kinds), a repeated kind,
-            a weight that is not a finite number >= 0, or weights that sum to 0 or overflow.
+        ValueError: an empty entry, an entry without ``=WEIGHT`` or with a weight that is not a number, a
+            repeated kind, or what :func:`check_kinds` refuses.
     """
     out: dict[str, float] = {}
     for part in (p.strip() for p in spec.split(",")):
         if not part:
             raise ValueError(f"request kinds {spec!r}: an empty entry; expected KIND=WEIGHT,..., e.g. coding=3,math=2")
-        kind, eq, w = part.partition("=")
-        kind = kind.strip()
-        if kind not in STARTERS:
-            raise ValueError(f"unknown request kind {kind!r} in {spec!r}; kinds: {', '.join(STARTERS)}")
+        kind, eq, w = (t.strip() for t in part.partition("="))
         if kind in out:
             raise ValueError(f"request kind {kind!r} given twice in {spec!r}")
         try:
-            weight = float(w) if eq else math.nan
+            out[kind] = float(w) if eq else math.nan
         except ValueError:
-            weight = math.nan
-        if not (math.isfinite(weight) and weight >= 0):
-            raise ValueError(f"{part!r}: expected KIND=WEIGHT with a weight >= 0, e.g. coding=3")
-        out[kind] = weight
-    if not sum(out.values()) > 0:
-        raise ValueError(f"request kinds {spec!r}: the weights sum to 0")
-    if not math.isfinite(sum(out.values())):  # random.choices refuses it (after the target has loaded)
-        raise ValueError(f"request kinds {spec!r}: the weights must sum to a finite number")
-    return out
+            out[kind] = math.nan
+    return check_kinds(out)
+
+
+def check_kinds(kinds: dict[str, float]) -> dict[str, float]:
+    """``kinds`` (weights by kind of request) as :func:`self_instruct` takes them, else an error.
+
+    Raises:
+        ValueError: an unknown kind (the message lists ``STARTERS``' kinds), a weight that is not a finite
+            number >= 0, or weights that sum to 0 or overflow.
+    """
+    for kind, weight in kinds.items():
+        if kind not in STARTERS:
+            raise ValueError(f"unknown request kind {kind!r}; kinds: {', '.join(STARTERS)}")
+        if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight >= 0):
+            raise ValueError(f"request kind {kind!r}: expected KIND=WEIGHT with a weight >= 0, e.g. coding=3 "
+                             f"(got {weight!r})")
+    total = sum(kinds.values())
+    if not total > 0:
+        raise ValueError(f"request kinds {kinds}: the weights sum to 0")
+    if not math.isfinite(total):  # random.choices refuses it (after the target has loaded)
+        raise ValueError(f"request kinds {kinds}: the weights must sum to a finite number")
+    return dict(kinds)
 
 
 _PLACEHOLDER = "\x00USER\x00"
@@ -126,12 +138,11 @@ def _plan(n_batches: int, batch_size: int, seed: int, kinds: dict[str, float] | 
     rng = random.Random(seed)
     names = list(STARTERS)
     weights = [STARTERS[k][0] if kinds is None else kinds.get(k, 0.0) for k in names]
-    kinds = names
     plan = []
     for _ in range(n_batches):
         row = []
         for _ in range(batch_size):
-            k = rng.choices(kinds, weights)[0]
+            k = rng.choices(names, weights)[0]
             row.append((k, rng.choice(STARTERS[k][1])))
         plan.append(row)
     return plan
@@ -207,7 +218,7 @@ def self_instruct(
 
     Raises:
         ValueError: ``n``/``batch_size``/``max_tokens``/``max_batches`` below 1,
-            ``kinds`` refused by :func:`parse_kinds`, a negative seed, a temperature that is not a positive
+            ``kinds`` refused by :func:`check_kinds`, a negative seed, a temperature that is not a positive
             number, ``out`` a directory or under a file, a tokenizer without a usable chat
             template, an ``OUT.partial`` from other settings or target (or not
             one of ours), or fewer than ``n`` requests kept after ``max_batches``.
@@ -224,7 +235,7 @@ def self_instruct(
     if max_batches is None:
         max_batches = max(1, -(-4 * n // batch_size))
     if kinds is not None:
-        kinds = parse_kinds(",".join(f"{k}={w}" for k, w in kinds.items()))  # the same checks as the CLI's
+        kinds = check_kinds(kinds)
     plan = _plan(max_batches, batch_size, seed, kinds)
     meta = {"n": n, "temp": temp, "max_tokens": max_tokens, "batch_size": batch_size, "min_words": min_words,
             "max_chars": max_chars, "seed": seed, "prefix": prefix, "target": target_fingerprint(target)}

@@ -11,7 +11,10 @@ it runs:
 - ``auto``: ours, ``mlx_dflash2``'s default drafter (``--drafter auto``: the trained drafter shipped for
   the target under the adaptive schedule, or lookup drafting where none ships, which is the case for
   Qwen2.5-Coder-1.5B until issue 21's drafter is trained);
-- ``lookup``: ours with ``--drafter lookup`` (suffix matches of the request's own history, B = 8).
+- ``lookup``: ours with ``--drafter lookup`` (suffix matches of the request's own history, B = 8);
+- ``adaptive`` (only when asked for, with ``--drafter DIR``): ours with that drafter under the adaptive schedule
+  (``--adaptive``: the schedule a shipped drafter gets by default), where ``auto`` runs a drafter directory as
+  the CLI's ``--drafter DIR`` does, fused with lookup in every round.
 
 Where ``auto`` resolves to the same lookup proposer as ``lookup`` it is measured once and reported for
 both (the JSON says so). Each prompt's K/V is prefilled once (all but the last prompt token, by our loop)
@@ -52,8 +55,10 @@ from mlx_dflash2.proposers import LookupProposer
 from mlx_dflash2.speculative import GenerationState, SpecStats, speculative_generate_step
 from mlx_dflash2.train.data import EVAL_SETS, load_eval_set
 
-METHODS = ("plain", "mlx-spec", "auto", "lookup")
-LABELS = {"plain": "plain mlx_lm", "mlx-spec": "mlx-lm speculative", "auto": "ours (auto)", "lookup": "ours (lookup)"}
+METHODS = ("plain", "mlx-spec", "auto", "lookup", "adaptive")
+DEFAULT_METHODS = ("plain", "mlx-spec", "auto", "lookup")
+LABELS = {"plain": "plain mlx_lm", "mlx-spec": "mlx-lm speculative", "auto": "ours (auto)", "lookup": "ours (lookup)",
+          "adaptive": "ours (adaptive schedule)"}
 
 
 def _csv(kind, choices=None):
@@ -186,13 +191,15 @@ def summarize(rows: list[dict], sets: list[str], methods: list[str], num_draft: 
     return out
 
 
-def ours_proposer(drafter: str, target, tokenizer, name: str, dequantize: bool):
+def ours_proposer(drafter: str, target, tokenizer, name: str, dequantize: bool, adaptive: bool | None = None):
     """Our proposer for the ``auto`` method as ``mlx_dflash2.load`` builds it: ``drafter`` (``"auto"`` or a drafter
     directory) fused with lookup under its schedule, a quantized drafter expanded to dense where the target is
     (:func:`mlx_dflash2.loading.drafter_dequantize`: on MLX's CPU backend a quantized matmul costs time linear in
     its rows, and the drafter runs 16 of them; until session 34 this bench kept the drafter packed beside a dense
-    target, ~2x the CLI's round time on this CPU)."""
-    return make_proposer(drafter, target, tokenizer, name, dequantize=drafter_dequantize(dequantize, target))
+    target, ~2x the CLI's round time on this CPU). ``adaptive``: as ``load``'s (``None``: the adaptive schedule
+    for ``"auto"`` only; ``True``: for a drafter directory too, as ``--adaptive``)."""
+    return make_proposer(drafter, target, tokenizer, name, dequantize=drafter_dequantize(dequantize, target),
+                         adaptive=adaptive)
 
 
 def labels(meta: dict) -> dict[str, str]:
@@ -201,7 +208,8 @@ def labels(meta: dict) -> dict[str, str]:
     if meta.get("same_as", {}).get("auto") == "lookup":
         out["auto"] = "ours (auto = lookup: no drafter ships)"
     elif meta.get("drafter", "auto") != "auto":
-        out["auto"] = f"ours (drafter {Path(meta['drafter']).name})"
+        out["auto"] = f"ours (drafter {Path(meta['drafter']).name}, every round)"
+        out["adaptive"] = f"ours (drafter {Path(meta['drafter']).name}, adaptive schedule)"
     return out
 
 
@@ -249,15 +257,21 @@ def plot(summary: list[dict], path: Path, meta: dict) -> Path | None:
         ax.set_ylabel(ylabel)
     handles, texts = axes[0].get_legend_handles_labels()
     fig.legend(handles, texts, fontsize=8, loc="lower center", ncol=len(methods))
-    fig.suptitle(_title(meta), fontsize=9)
+    fig.suptitle(_title(meta, summary), fontsize=9)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
 
 
-def _title(meta: dict) -> str:
-    n = meta["prompts"] if "stopped_after" not in meta else f"{meta['stopped_after']} prompts in all, <= {meta['prompts']}"
+def _title(meta: dict, summary: list[dict] = ()) -> str:
+    """The run in one line; the prompts per set as run (a run cut short by its time budget or a timeout has fewer
+    than ``--prompts``)."""
+    counts = sorted({r["prompts"] for r in summary})
+    if counts:
+        n = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    else:
+        n = meta["prompts"] if "stopped_after" not in meta else f"{meta['stopped_after']} prompts in all, <= {meta['prompts']}"
     return (f"{meta['target']} vs draft {meta['draft']} on {meta['device']}: {n} prompts/set, "
             f"{meta['max_tokens']} tokens, greedy")
 
@@ -269,7 +283,8 @@ def main(argv=None):
     ap.add_argument("--sets", type=_csv(str, EVAL_SETS), default=list(EVAL_SETS))
     ap.add_argument("--prompts", type=_positive, default=20, help="the first N prompts of each set")
     ap.add_argument("--max-tokens", type=_positive, default=256)
-    ap.add_argument("--methods", type=_csv(str, METHODS), default=list(METHODS))
+    ap.add_argument("--methods", type=_csv(str, METHODS), default=list(DEFAULT_METHODS),
+                    help=f"of {','.join(METHODS)} (default {','.join(DEFAULT_METHODS)}; adaptive needs --drafter DIR)")
     ap.add_argument("--num-draft", type=_csv(int), default=[2, 4, 6], help="mlx-lm's num_draft_tokens values")
     ap.add_argument("--repeats", type=_positive, default=1, help="timed runs per request (median)")
     ap.add_argument("--dtype", default="auto")
@@ -293,9 +308,11 @@ def main(argv=None):
         return
     if any(k < 1 for k in args.num_draft):
         ap.error("--num-draft: each value must be >= 1")
+    if "adaptive" in args.methods and args.drafter in ("auto", "shipped"):
+        ap.error("--methods adaptive: it runs a --drafter DIR under the adaptive schedule (auto has it already)")
     if args.drafter not in ("auto", "shipped"):
-        if "auto" not in args.methods:
-            ap.error("--drafter: it is the auto method's drafter, and --methods leaves auto out")
+        if "auto" not in args.methods and "adaptive" not in args.methods:
+            ap.error("--drafter: it is the auto and adaptive methods' drafter, and --methods leaves both out")
         if not args.drafter.strip() or not Path(args.drafter).is_dir():
             ap.error(f"--drafter: no such drafter directory: {args.drafter!r}")
         try:  # a bad checkpoint fails here, before minutes of loading (as mlx_dflash2.load checks it)
@@ -336,6 +353,11 @@ def main(argv=None):
                 f"(B={p.block_size}); measured once, reported as both")
         else:
             proposers["auto"] = p
+    if "adaptive" in args.methods:
+        try:
+            proposers["adaptive"] = ours_proposer(args.drafter, target, tok, name, args.dequantize, adaptive=True)
+        except (ValueError, FileNotFoundError) as e:
+            sys.exit(f"bench_versus.py: error: --drafter: {e}")
     drafter_names = {m: getattr(p, "name", str(p)) for m, p in proposers.items()}
 
     meta = {
@@ -435,13 +457,13 @@ def main(argv=None):
                     rows.append({**row, "method": alias, "measured_as": method})
             diff = "" if same else " (differs from plain at token %d)" % next(
                 (i for i, (a, b) in enumerate(zip(toks, ref)) if a != b), min(len(toks), len(ref)))
-            log(f"[{j + 1}/{len(jobs)}] {set_name} {prompt['id']} {LABELS[method]}{f' k={k}' if k else ''}: "
+            log(f"[{j + 1}/{len(jobs)}] {set_name} {prompt['id']} {labels(meta)[method]}{f' k={k}' if k else ''}: "
                 f"{len(toks)} tokens in {secs:.1f} s = {row['tps']:.2f} tok/s ({row['tps'] / plain_row['tps']:.2f}x "
                 f"plain), tau {row['tau']:.2f}, {'identical' if same else 'NOT identical'}{diff}")
         save()
 
     summary = save()
-    print(f"\n{_title(meta)}; wall {meta['wall_s'] / 60:.1f} min")
+    print(f"\n{_title(meta, summary)}; wall {meta['wall_s'] / 60:.1f} min")
     if "verify_cost" in meta:
         print("target T(M)/T(1): " + " ".join(f"{m}:{r:.2f}" for m, r in meta["verify_cost"].items()))
     print(table(summary, meta))

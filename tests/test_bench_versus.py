@@ -59,3 +59,26 @@ def test_profile_train_step_refuses_bad_arguments(bad, capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         mod.main(bad)
     assert e.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+def test_the_adaptive_method_needs_a_drafter_directory(monkeypatch, capsys):
+    """``--methods adaptive`` runs a ``--drafter DIR`` under the adaptive schedule: without one, a usage error
+    before any model loads."""
+    bench = _bench()
+    monkeypatch.setattr(bench, "load_target", lambda *a, **k: pytest.fail("loaded a model before checking"))
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--methods", "plain,adaptive"])
+    assert e.value.code == 2
+    assert "adaptive" in capsys.readouterr().err
+
+
+def test_ours_adaptive_schedules_a_drafter_directory(smol_f32, quick_calibration):
+    """The adaptive method: the same drafter as auto's, fused with lookup, under the adaptive schedule (auto runs a
+    directory every round, as the CLI's ``--drafter DIR``)."""
+    from mlx_dflash2.loading import shipped_drafter_path
+
+    target, tok = smol_f32
+    bench, name = _bench(), str(embedded_model_path())
+    path = str(shipped_drafter_path(name))
+    assert bench.ours_proposer(path, target, tok, name, dequantize=True).schedule is None
+    assert bench.ours_proposer(path, target, tok, name, dequantize=True, adaptive=True).schedule is not None

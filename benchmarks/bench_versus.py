@@ -33,6 +33,9 @@ speedup and tau per set is drawn at the end.
     scripts/run python benchmarks/bench_versus.py --prompts 3 --max-tokens 64 --out benchmarks/results/versus-cpu.json
     scripts/run python benchmarks/bench_versus.py --replot benchmarks/results/versus-cpu.json
     scripts/run python benchmarks/bench_versus.py --drafter .cache/train/c6-q4 ...   # a drafter not shipped
+    # one comparison split over device calls (each call's time limit), then joined:
+    ... bench_versus.py --prompts 10 --out a.json; ... bench_versus.py --prompts 10 --skip 10 --out b.json
+    scripts/run python benchmarks/bench_versus.py --merge a.json b.json --out benchmarks/results/versus-gpu.json
 """
 
 from __future__ import annotations
@@ -202,6 +205,39 @@ def ours_proposer(drafter: str, target, tokenizer, name: str, dequantize: bool, 
                          adaptive=adaptive)
 
 
+# what runs joined by --merge must share (the rest, e.g. date, wall time, verify costs, stops, is per run)
+MERGE_KEYS = ("target", "draft", "dtype", "dequantize", "draft_dequantize", "device", "mlx", "max_tokens",
+              "repeats", "drafter")
+
+
+def merge_runs(runs: list[dict]) -> dict:
+    """Saved runs of one comparison (same models, device, settings) as one: their rows (a prompt measured by more
+    than one run: ValueError), the union of their sets, methods and ``num_draft``, and the summary recomputed.
+    ``meta`` is the first run's, with ``merged`` listing each run's date and rows."""
+    if not runs:
+        raise ValueError("nothing to merge")
+    meta = dict(runs[0]["meta"])
+    for r in runs[1:]:
+        diff = [k for k in MERGE_KEYS if r["meta"].get(k) != meta.get(k)]
+        if diff:
+            raise ValueError(f"runs differ in {', '.join(diff)}: not one comparison")
+    rows, seen = [], set()
+    for r in runs:
+        keys = {(x["set"], x["prompt"]) for x in r["rows"]}
+        if keys & seen:
+            raise ValueError(f"prompt {sorted(keys & seen)[0]} measured by more than one run")
+        seen |= keys
+        rows += r["rows"]
+    union = lambda key, order: [v for v in order if any(v in r["meta"][key] for r in runs)]  # noqa: E731
+    meta["sets"] = union("sets", EVAL_SETS)
+    meta["methods"] = union("methods", METHODS)
+    meta["num_draft"] = sorted({k for r in runs for k in r["meta"]["num_draft"]})
+    meta["prompts"] = max(len({x["prompt"] for x in rows if x["set"] == s}) for s in meta["sets"])
+    meta.pop("stopped_after", None)
+    meta["merged"] = [{"date": r["meta"].get("date"), "rows": len(r["rows"])} for r in runs]
+    return {"meta": meta, "summary": summarize(rows, meta["sets"], meta["methods"], meta["num_draft"]), "rows": rows}
+
+
 def labels(meta: dict) -> dict[str, str]:
     """Display names of the methods; ``auto`` says so where it was lookup drafting."""
     out = dict(LABELS)
@@ -282,6 +318,9 @@ def main(argv=None):
     ap.add_argument("--draft-model", default=None, help=f"mlx-lm's draft model (default: the fetched {assets.QWEN_CODER_05B})")
     ap.add_argument("--sets", type=_csv(str, EVAL_SETS), default=list(EVAL_SETS))
     ap.add_argument("--prompts", type=_positive, default=20, help="the first N prompts of each set")
+    ap.add_argument("--skip", type=int, default=0, metavar="K",
+                    help="leave out each set's first K prompts (--prompts N then runs prompts K+1 .. K+N): a run "
+                         "split over calls, joined by --merge")
     ap.add_argument("--max-tokens", type=_positive, default=256)
     ap.add_argument("--methods", type=_csv(str, METHODS), default=list(DEFAULT_METHODS),
                     help=f"of {','.join(METHODS)} (default {','.join(DEFAULT_METHODS)}; adaptive needs --drafter DIR)")
@@ -300,7 +339,24 @@ def main(argv=None):
                          "or a drafter directory, e.g. one trained but not shipped (its own schedule, as the CLI's)")
     ap.add_argument("--out", default="benchmarks/results/versus.json")
     ap.add_argument("--replot", default=None, metavar="JSON", help="only redraw the plot and table of a saved run")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="join saved runs of the same comparison (e.g. --skip 0 and --skip 10) into --out, with its "
+                         "table and plot")
     args = ap.parse_args(argv)
+    if args.skip < 0:
+        ap.error("--skip: must be >= 0")
+    if args.merge:
+        try:
+            merged = merge_runs([json.loads(Path(f).read_text()) for f in args.merge])
+        except (OSError, ValueError, KeyError) as e:
+            ap.error(f"--merge: {e}")
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(merged, indent=1) + "\n")
+        print(table(merged["summary"], merged["meta"]))
+        print(plot(merged["summary"], out.with_suffix(".png"), merged["meta"]))
+        print(f"results: {out}")
+        return
     if args.replot:
         saved = json.loads(Path(args.replot).read_text())
         print(table(saved["summary"], saved["meta"]))
@@ -364,6 +420,7 @@ def main(argv=None):
         "target": Path(str(name)).name, "draft": Path(str(args.draft_model or assets.QWEN_CODER_05B)).name,
         "dtype": args.dtype, "dequantize": args.dequantize, "draft_dequantize": args.draft_dequantize,
         "device": str(mx.default_device()), "mlx": mx.__version__, "sets": args.sets, "prompts": args.prompts,
+        "skip": args.skip,
         "max_tokens": args.max_tokens, "methods": args.methods, "num_draft": args.num_draft,
         "repeats": args.repeats, "same_as": same_as, "drafters": drafter_names, "drafter": args.drafter,
         "date": time.strftime("%Y-%m-%d %H:%M"),
@@ -392,7 +449,7 @@ def main(argv=None):
         return summary
 
     # round-robin over the sets, so that a run cut short (the JSON is saved after every prompt) covers each
-    per_set = {s: load_eval_set(s, args.prompts) for s in args.sets}
+    per_set = {s: load_eval_set(s, args.skip + args.prompts)[args.skip:] for s in args.sets}
     jobs = [(s, per_set[s][i]) for i in range(args.prompts) for s in args.sets if i < len(per_set[s])]
     warm = True
     for j, (set_name, prompt) in enumerate(jobs):

@@ -82,3 +82,49 @@ def test_ours_adaptive_schedules_a_drafter_directory(smol_f32, quick_calibration
     path = str(shipped_drafter_path(name))
     assert bench.ours_proposer(path, target, tok, name, dequantize=True).schedule is None
     assert bench.ours_proposer(path, target, tok, name, dequantize=True, adaptive=True).schedule is not None
+
+
+def _saved_run(prompts, date="d"):
+    """A saved bench_versus run in miniature: plain and mlx-spec k=2 rows for ``prompts`` of HumanEval."""
+    meta = {"target": "t.gguf", "draft": "d.gguf", "dtype": "auto", "dequantize": False, "draft_dequantize": False,
+            "device": "cpu", "mlx": "0", "sets": ["humaneval"], "prompts": len(prompts), "max_tokens": 4,
+            "methods": ["plain", "mlx-spec"], "num_draft": [2], "repeats": 1, "same_as": {}, "drafter": "auto",
+            "date": date}
+    rows = []
+    for i, p in enumerate(prompts):
+        for method, k, tps in (("plain", None, 10.0), ("mlx-spec", 2, 10.0 + i)):
+            rows.append({"set": "humaneval", "prompt": p, "method": method, "k": k, "tokens": 4, "rounds": 2 if k else 4,
+                         "seconds": 4 / tps, "tps": tps, "tau": 2.0 if k else 1.0, "identical": True,
+                         "tokens_out": [1, 2, 3, 4]})
+    return {"meta": meta, "summary": [], "rows": rows}
+
+
+def test_merge_joins_a_run_split_over_calls(tmp_path, capsys):
+    """``--merge`` joins runs of one comparison (``--skip 0`` and ``--skip K``) into ``--out``: the summary is the
+    one of all their rows; a prompt measured twice, or runs of different settings, are usage errors."""
+    import json
+
+    bench = _bench()
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(_saved_run(["HumanEval/0", "HumanEval/1"])))
+    b.write_text(json.dumps(_saved_run(["HumanEval/2"], date="e")))
+    out = tmp_path / "m.json"
+    bench.main(["--merge", str(a), str(b), "--out", str(out)])
+    m = json.loads(out.read_text())
+    assert len(m["rows"]) == 6 and m["meta"]["prompts"] == 3
+    spec = next(r for r in m["summary"] if r["method"] == "mlx-spec")
+    assert spec["prompts"] == 3 and spec["speedup"] == pytest.approx(1.0)  # median of 1.0, 1.1 (a) and 1.0 (b)
+    assert out.with_suffix(".png").exists()
+    for bad in (_saved_run(["HumanEval/1"]), {**_saved_run(["HumanEval/5"]), "meta": {
+            **_saved_run(["HumanEval/5"])["meta"], "max_tokens": 8}}):
+        b.write_text(json.dumps(bad))
+        with pytest.raises(SystemExit) as e:
+            bench.main(["--merge", str(a), str(b), "--out", str(out)])
+        assert e.value.code == 2
+        assert "--merge" in capsys.readouterr().err
+
+
+def test_skip_must_not_be_negative(capsys):
+    with pytest.raises(SystemExit) as e:
+        _bench().main(["--skip", "-1"])
+    assert e.value.code == 2

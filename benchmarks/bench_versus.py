@@ -12,6 +12,8 @@ it runs:
   the target under the adaptive schedule, or lookup drafting where none ships, which is the case for
   Qwen2.5-Coder-1.5B until issue 21's drafter is trained);
 - ``lookup``: ours with ``--drafter lookup`` (suffix matches of the request's own history, B = 8);
+- ``ours-plain`` (only when asked for): our loop without a proposer (``--drafter none``), the cost of our own plain
+  steps against ``mlx_lm``'s (what the adaptive schedule's plain rounds run);
 - ``adaptive`` (only when asked for, with ``--drafter DIR``): ours with that drafter under the adaptive schedule
   (``--adaptive``: the schedule a shipped drafter gets by default), where ``auto`` runs a drafter directory as
   the CLI's ``--drafter DIR`` does, fused with lookup in every round.
@@ -58,10 +60,10 @@ from mlx_dflash2.proposers import LookupProposer
 from mlx_dflash2.speculative import GenerationState, SpecStats, speculative_generate_step
 from mlx_dflash2.train.data import EVAL_SETS, load_eval_set
 
-METHODS = ("plain", "mlx-spec", "auto", "lookup", "adaptive")
+METHODS = ("plain", "mlx-spec", "auto", "lookup", "adaptive", "ours-plain")
 DEFAULT_METHODS = ("plain", "mlx-spec", "auto", "lookup")
 LABELS = {"plain": "plain mlx_lm", "mlx-spec": "mlx-lm speculative", "auto": "ours (auto)", "lookup": "ours (lookup)",
-          "adaptive": "ours (adaptive schedule)"}
+          "adaptive": "ours (adaptive schedule)", "ours-plain": "ours, no drafter (plain steps)"}
 
 
 def _csv(kind, choices=None):
@@ -147,13 +149,15 @@ def run_mlx(target, draft, ids, tcache, dcache, k, max_tokens, eos):
 
 def run_ours(target, proposer, ids, state, max_tokens, eos):
     """One request through our loop, reusing ``state`` (holds the prompt) as its prompt cache on a clone.
-    Returns tokens, seconds, rounds, stats."""
+    Returns tokens, seconds, rounds, stats. ``rounds`` counts target forwards as :func:`run_mlx` does: the first
+    token's forward (over the prompt's last token, which our statistics count with the prefill) is one; until
+    session 36 it was left out, so ours' tau was over by up to one token per prompt (e.g. 256 / 68 for 256 / 69)."""
     stats = SpecStats()
     st = state.clone()
     gen = speculative_generate_step(ids, target, proposer, max_tokens=max_tokens, stats=stats, state=st)
     toks, secs, _ = _timed(gen, eos, max_tokens)
     assert st.reused == len(ids) - 1, (st.reused, len(ids))  # the timed request never re-prefills
-    return toks, secs, stats.rounds, stats
+    return toks, secs, stats.rounds + (1 if toks else 0), stats
 
 
 def summarize(rows: list[dict], sets: list[str], methods: list[str], num_draft: list[int]) -> list[dict]:
@@ -414,7 +418,9 @@ def main(argv=None):
             proposers["adaptive"] = ours_proposer(args.drafter, target, tok, name, args.dequantize, adaptive=True)
         except (ValueError, FileNotFoundError) as e:
             sys.exit(f"bench_versus.py: error: --drafter: {e}")
-    drafter_names = {m: getattr(p, "name", str(p)) for m, p in proposers.items()}
+    if "ours-plain" in args.methods:
+        proposers["ours-plain"] = None  # the loop's plain decoding (pipelined, as mlx_lm.generate_step)
+    drafter_names = {m: getattr(p, "name", "none" if p is None else str(p)) for m, p in proposers.items()}
 
     meta = {
         "target": Path(str(name)).name, "draft": Path(str(args.draft_model or assets.QWEN_CODER_05B)).name,

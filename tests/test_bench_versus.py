@@ -128,3 +128,19 @@ def test_skip_must_not_be_negative(capsys):
     with pytest.raises(SystemExit) as e:
         _bench().main(["--skip", "-1"])
     assert e.value.code == 2
+
+
+def test_ours_plain_runs_our_loop_without_a_proposer(tmp_path):
+    """``--methods plain,ours-plain`` on the embedded SmolLM2 (no draft model loaded): our loop's plain steps, output
+    identical to ``mlx_lm``'s, one token per target forward, counted as mlx-lm's are (the first token's forward over
+    the prompt's last token included: until session 36 ours' tau left it out, 6 tokens in 5 rounds here)."""
+    import json
+
+    out = tmp_path / "v.json"
+    _bench().main(["--model", str(embedded_model_path()), "--methods", "plain,ours-plain", "--sets", "gsm8k",
+                   "--prompts", "1", "--max-tokens", "6", "--verify-widths", "0", "--dtype", "float32",
+                   "--dequantize", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    ours = next(r for r in saved["summary"] if r["method"] == "ours-plain")
+    assert ours["identical"] == 1 and ours["tau"] == 1.0
+    assert saved["meta"]["drafters"] == {"ours-plain": "none"}

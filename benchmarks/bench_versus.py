@@ -232,7 +232,10 @@ def merge_runs(runs: list[dict]) -> dict:
             raise ValueError(f"prompt {sorted(keys & seen)[0]} measured by more than one run")
         seen |= keys
         rows += r["rows"]
-    union = lambda key, order: [v for v in order if any(v in r["meta"][key] for r in runs)]  # noqa: E731
+
+    def union(key: str, order) -> list:
+        return [v for v in order if any(v in r["meta"][key] for r in runs)]
+
     meta["sets"] = union("sets", EVAL_SETS)
     meta["methods"] = union("methods", METHODS)
     meta["num_draft"] = sorted({k for r in runs for k in r["meta"]["num_draft"]})
@@ -311,7 +314,8 @@ def _title(meta: dict, summary: list[dict] = ()) -> str:
     if counts:
         n = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
     else:
-        n = meta["prompts"] if "stopped_after" not in meta else f"{meta['stopped_after']} prompts in all, <= {meta['prompts']}"
+        n = meta["prompts"] if "stopped_after" not in meta else \
+            f"{meta['stopped_after']} prompts in all, <= {meta['prompts']}"
     return (f"{meta['target']} vs draft {meta['draft']} on {meta['device']}: {n} prompts/set, "
             f"{meta['max_tokens']} tokens, greedy")
 

@@ -93,8 +93,8 @@ def _saved_run(prompts, date="d"):
     rows = []
     for i, p in enumerate(prompts):
         for method, k, tps in (("plain", None, 10.0), ("mlx-spec", 2, 10.0 + i)):
-            rows.append({"set": "humaneval", "prompt": p, "method": method, "k": k, "tokens": 4, "rounds": 2 if k else 4,
-                         "seconds": 4 / tps, "tps": tps, "tau": 2.0 if k else 1.0, "identical": True,
+            rows.append({"set": "humaneval", "prompt": p, "method": method, "k": k, "tokens": 4,
+                         "rounds": 2 if k else 4, "seconds": 4 / tps, "tps": tps, "tau": 2.0 if k else 1.0, "identical": True,
                          "tokens_out": [1, 2, 3, 4]})
     return {"meta": meta, "summary": [], "rows": rows}
 

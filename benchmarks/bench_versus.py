@@ -245,6 +245,19 @@ def merge_runs(runs: list[dict]) -> dict:
     return {"meta": meta, "summary": summarize(rows, meta["sets"], meta["methods"], meta["num_draft"]), "rows": rows}
 
 
+def read_run(path) -> dict:
+    """A saved run (``--out``'s JSON: an object with ``meta`` and ``rows``); ValueError naming the file otherwise."""
+    try:
+        run = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"{path}: {e.strerror or e}") from None
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise ValueError(f"{path}: not JSON ({e})") from None
+    if not isinstance(run, dict) or not isinstance(run.get("meta"), dict) or not isinstance(run.get("rows"), list):
+        raise ValueError(f"{path}: not a saved bench_versus run (a JSON object with 'meta' and 'rows')")
+    return run
+
+
 def labels(meta: dict) -> dict[str, str]:
     """Display names of the methods; ``auto`` says so where it was lookup drafting."""
     out = dict(LABELS)
@@ -268,7 +281,9 @@ def table(summary: list[dict], meta: dict | None = None) -> str:
 
 
 def plot(summary: list[dict], path: Path, meta: dict) -> Path | None:
-    """Speedup over plain and tau per set, one bar per method (None without matplotlib)."""
+    """Speedup over plain and tau per set, one bar per method (None without matplotlib, or with nothing to draw)."""
+    if not summary:  # no prompt done (matplotlib fails on a legend of no handles)
+        return None
     names = labels(meta)
     try:
         import matplotlib
@@ -355,20 +370,31 @@ def main(argv=None):
         ap.error("--skip: must be >= 0")
     if args.merge:
         try:
-            merged = merge_runs([json.loads(Path(f).read_text()) for f in args.merge])
-        except (OSError, ValueError, KeyError) as e:
+            merged = merge_runs([read_run(f) for f in args.merge])
+        except ValueError as e:
             ap.error(f"--merge: {e}")
+        except (KeyError, TypeError) as e:  # a row or meta without a field a saved run has
+            ap.error(f"--merge: not saved bench_versus runs ({type(e).__name__}: {e})")
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(merged, indent=1) + "\n")
         print(table(merged["summary"], merged["meta"]))
-        print(plot(merged["summary"], out.with_suffix(".png"), merged["meta"]))
+        png = plot(merged["summary"], out.with_suffix(".png"), merged["meta"])
+        if png:
+            print(f"plot: {png}")
         print(f"results: {out}")
         return
     if args.replot:
-        saved = json.loads(Path(args.replot).read_text())
+        try:
+            saved = read_run(args.replot)
+        except ValueError as e:
+            ap.error(f"--replot: {e}")
+        if "summary" not in saved:
+            ap.error(f"--replot: {args.replot}: no 'summary' (not a saved bench_versus run)")
         print(table(saved["summary"], saved["meta"]))
-        print(plot(saved["summary"], Path(args.replot).with_suffix(".png"), saved["meta"]))
+        png = plot(saved["summary"], Path(args.replot).with_suffix(".png"), saved["meta"])
+        if png:
+            print(f"plot: {png}")
         return
     if any(k < 1 for k in args.num_draft):
         ap.error("--num-draft: each value must be >= 1")

@@ -144,3 +144,27 @@ def test_ours_plain_runs_our_loop_without_a_proposer(tmp_path):
     ours = next(r for r in saved["summary"] if r["method"] == "ours-plain")
     assert ours["identical"] == 1 and ours["tau"] == 1.0
     assert saved["meta"]["drafters"] == {"ours-plain": "none"}
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", '"x"', "{", '{"rows": []}', '{"meta": {}}', '{"meta": [], "rows": []}'])
+@pytest.mark.parametrize("flag", ["--merge", "--replot"])
+def test_a_bad_saved_run_is_one_usage_error_naming_its_file(tmp_path, capsys, text, flag):
+    """``--merge`` / ``--replot`` of a file that is not a saved run (not JSON, not an object, no ``meta`` or
+    ``rows``): one usage error naming the file (exit 2), never a traceback (a JSON list was a TypeError, ``--replot``
+    of a missing or bad file a traceback; session 36's breaker)."""
+    bad = tmp_path / "bad.json"
+    bad.write_text(text)
+    for path in (bad, tmp_path / "missing.json"):
+        with pytest.raises(SystemExit) as e:
+            _bench().main([flag, str(path), "--out", str(tmp_path / "m.json")])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert f"{flag}: {path}" in err and "Traceback" not in err
+
+
+def test_an_empty_summary_draws_no_plot(tmp_path):
+    """A run with no prompt done (a time budget spent while loading, a merge of empty runs) draws no plot instead of
+    failing in matplotlib."""
+    bench = _bench()
+    assert bench.plot([], tmp_path / "p.png", _saved_run([])["meta"]) is None
+

@@ -398,6 +398,10 @@ def main(argv=None):
         return
     if any(k < 1 for k in args.num_draft):
         ap.error("--num-draft: each value must be >= 1")
+    for s in args.sets:  # (the whole file: past the standard count, e.g. GSM8K's first 200, as --skip reads it)
+        n = len(load_eval_set(s, None))
+        if args.skip >= n:
+            ap.error(f"--skip {args.skip}: {s} has {n} prompts, none left to run")
     if "adaptive" in args.methods and args.drafter in ("auto", "shipped"):
         ap.error("--methods adaptive: it runs a --drafter DIR under the adaptive schedule (auto has it already)")
     if args.drafter not in ("auto", "shipped"):

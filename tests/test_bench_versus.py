@@ -162,6 +162,18 @@ def test_a_bad_saved_run_is_one_usage_error_naming_its_file(tmp_path, capsys, te
         assert f"{flag}: {path}" in err and "Traceback" not in err
 
 
+def test_skip_beyond_a_set_is_a_usage_error_before_loading(monkeypatch, capsys):
+    """``--skip K`` at or past a set's size leaves no prompt to run: a usage error before any model loads (it loaded
+    the target, ran nothing and failed drawing an empty plot; session 36's breaker)."""
+    bench = _bench()
+    monkeypatch.setattr(bench, "load_target", lambda *a, **k: pytest.fail("loaded a model before checking"))
+    for skip in ("80", str(10**20)):
+        with pytest.raises(SystemExit) as e:
+            bench.main(["--sets", "humaneval,mtbench", "--skip", skip])
+        assert e.value.code == 2
+        assert "--skip" in capsys.readouterr().err
+
+
 def test_an_empty_summary_draws_no_plot(tmp_path):
     """A run with no prompt done (a time budget spent while loading, a merge of empty runs) draws no plot instead of
     failing in matplotlib."""

@@ -209,6 +209,27 @@ def ours_proposer(drafter: str, target, tokenizer, name: str, dequantize: bool, 
                          adaptive=adaptive)
 
 
+# how rows count "rounds" (meta["rounds"]); a run saved without it and without meta["skip"] (before session 36's
+# --skip, added minutes before the fix) left the first token's forward out of ours' rounds (run_ours), mlx-lm's counted it
+ROUNDS = "target forwards, the first token's included"
+MLX_METHODS = ("plain", "mlx-spec")
+
+
+def count_first_forward(run: dict) -> tuple[dict, bool]:
+    """``run`` with ours' rounds counted as :data:`ROUNDS` says: a run saved before gets one more round in each of
+    ours' rows that generated a token (exactly what :func:`run_ours` now adds), its ``tau`` recomputed. Returns
+    the run (a copy where changed) and whether it changed."""
+    if run["meta"].get("rounds") == ROUNDS or "skip" in run["meta"]:
+        return run, False
+    rows = []
+    for r in run["rows"]:
+        if r["method"] not in MLX_METHODS and r["tokens"]:
+            r = {**r, "rounds": r["rounds"] + 1}
+            r["tau"] = r["tokens"] / r["rounds"]
+        rows.append(r)
+    return {**run, "meta": {**run["meta"], "rounds": ROUNDS}, "rows": rows}, True
+
+
 # what runs joined by --merge must share (the rest, e.g. date, wall time, verify costs, stops, is per run)
 MERGE_KEYS = ("target", "draft", "dtype", "dequantize", "draft_dequantize", "device", "mlx", "max_tokens",
               "repeats", "drafter")
@@ -217,9 +238,12 @@ MERGE_KEYS = ("target", "draft", "dtype", "dequantize", "draft_dequantize", "dev
 def merge_runs(runs: list[dict]) -> dict:
     """Saved runs of one comparison (same models, device, settings) as one: their rows (a prompt measured by more
     than one run: ValueError), the union of their sets, methods and ``num_draft``, and the summary recomputed.
-    ``meta`` is the first run's, with ``merged`` listing each run's date and rows."""
+    ``meta`` is the first run's, with ``merged`` listing each run's date and rows. A run saved before ours' rounds
+    counted the first token's forward gets it (:func:`count_first_forward`; ``merged`` says which): a tau over
+    runs of both counts would mix them."""
     if not runs:
         raise ValueError("nothing to merge")
+    runs, counted = zip(*(count_first_forward(r) for r in runs))
     meta = dict(runs[0]["meta"])
     for r in runs[1:]:
         diff = [k for k in MERGE_KEYS if r["meta"].get(k) != meta.get(k)]
@@ -241,7 +265,10 @@ def merge_runs(runs: list[dict]) -> dict:
     meta["num_draft"] = sorted({k for r in runs for k in r["meta"]["num_draft"]})
     meta["prompts"] = max(len({x["prompt"] for x in rows if x["set"] == s}) for s in meta["sets"])
     meta.pop("stopped_after", None)
-    meta["merged"] = [{"date": r["meta"].get("date"), "rows": len(r["rows"])} for r in runs]
+    meta["rounds"] = ROUNDS
+    meta["skip"] = min(r["meta"].get("skip", 0) for r in runs)
+    meta["merged"] = [{"date": r["meta"].get("date"), "skip": r["meta"].get("skip", 0), "rows": len(r["rows"]),
+                       **({"rounds_counted_first_forward": True} if c else {})} for r, c in zip(runs, counted)]
     return {"meta": meta, "summary": summarize(rows, meta["sets"], meta["methods"], meta["num_draft"]), "rows": rows}
 
 
@@ -391,6 +418,12 @@ def main(argv=None):
             ap.error(f"--replot: {e}")
         if "summary" not in saved:
             ap.error(f"--replot: {args.replot}: no 'summary' (not a saved bench_versus run)")
+        saved, counted = count_first_forward(saved)
+        if counted:  # as --merge counts it, and benchmarks/README's corrected tables
+            m = saved["meta"]
+            saved["summary"] = summarize(saved["rows"], m["sets"], m["methods"], m["num_draft"])
+            print("(saved before ours' rounds counted the first token's forward: ours' tau recomputed with it)",
+                  file=sys.stderr)
         print(table(saved["summary"], saved["meta"]))
         png = plot(saved["summary"], Path(args.replot).with_suffix(".png"), saved["meta"])
         if png:
@@ -460,7 +493,7 @@ def main(argv=None):
         "target": Path(str(name)).name, "draft": Path(str(args.draft_model or assets.QWEN_CODER_05B)).name,
         "dtype": args.dtype, "dequantize": args.dequantize, "draft_dequantize": args.draft_dequantize,
         "device": str(mx.default_device()), "mlx": mx.__version__, "sets": args.sets, "prompts": args.prompts,
-        "skip": args.skip,
+        "skip": args.skip, "rounds": ROUNDS,
         "max_tokens": args.max_tokens, "methods": args.methods, "num_draft": args.num_draft,
         "repeats": args.repeats, "same_as": same_as, "drafters": drafter_names, "drafter": args.drafter,
         "date": time.strftime("%Y-%m-%d %H:%M"),

@@ -180,3 +180,47 @@ def test_an_empty_summary_draws_no_plot(tmp_path):
     bench = _bench()
     assert bench.plot([], tmp_path / "p.png", _saved_run([])["meta"]) is None
 
+
+def test_merge_counts_an_older_runs_rounds_as_a_new_run_does(tmp_path):
+    """A run saved before ours' rounds counted the first token's forward (no ``meta["rounds"]``, e.g. the committed
+    ``versus-gpu-15b-c7-h100.json``) merged with a new one: its ours rows get that forward (one more round each), so
+    the joined tau is one count, not two (merging them added over-counted taus silently; session 36's breaker)."""
+    bench = _bench()
+
+    def run(prompt, rounds, new):
+        r = _saved_run([prompt])
+        r["meta"]["methods"] = ["plain", "auto"]
+        r["rows"] = [x for x in r["rows"] if x["method"] == "plain"]
+        r["rows"].append({**r["rows"][0], "method": "auto", "rounds": rounds, "tau": 4 / rounds})
+        if new:
+            r["meta"]["rounds"] = bench.ROUNDS
+        return r
+
+    old, new = run("HumanEval/0", 1, False), run("HumanEval/1", 2, True)
+    m = bench.merge_runs([old, new])
+    ours = [x for x in m["rows"] if x["method"] == "auto"]
+    assert [x["rounds"] for x in ours] == [2, 2] and [x["tau"] for x in ours] == [2.0, 2.0]
+    assert next(r for r in m["summary"] if r["method"] == "auto")["tau"] == 2.0
+    assert m["meta"]["rounds"] == bench.ROUNDS
+    assert m["rows"][0]["method"] == "plain" and m["rows"][0]["rounds"] == 4  # mlx-lm's were always counted so
+    skipped = run("HumanEval/2", 2, False)
+    skipped["meta"]["skip"] = 2  # saved with --skip (session 36, after the fix) but before meta["rounds"]: counted
+    m = bench.merge_runs([skipped])
+    assert [x["rounds"] for x in m["rows"]] == [4, 2] and m["meta"]["rounds"] == bench.ROUNDS
+
+
+def test_replot_counts_an_older_runs_rounds_as_merge_does(tmp_path, capsys):
+    """``--replot`` of a run saved before ``meta["rounds"]``: ours' tau with the first token's forward, as ``--merge``
+    and benchmarks/README's corrected tables count it (the committed GPU run replotted 4.17 where the README says
+    4.06)."""
+    import json
+
+    bench = _bench()
+    r = _saved_run(["HumanEval/0"])
+    r["meta"]["methods"] = ["plain", "auto"]
+    r["rows"] = [x for x in r["rows"] if x["method"] == "plain"]
+    r["rows"].append({**r["rows"][0], "method": "auto", "rounds": 1, "tau": 4.0})
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(r))
+    bench.main(["--replot", str(path)])
+    assert "| humaneval | ours (auto) | 10.00 | 1.00x | 2.00 | 1/1 |" in capsys.readouterr().out

@@ -55,7 +55,7 @@ import mlx.core as mx
 
 from mlx_dflash2 import assets
 from mlx_dflash2.drafter.io import read_draft_vocab, read_drafter_checkpoint
-from mlx_dflash2.loading import drafter_dequantize, load_target, make_proposer
+from mlx_dflash2.loading import FLOAT_DTYPES, ModelNotFoundError, drafter_dequantize, load_target, make_proposer
 from mlx_dflash2.proposers import LookupProposer
 from mlx_dflash2.speculative import GenerationState, SpecStats, speculative_generate_step
 from mlx_dflash2.train.data import EVAL_SETS, load_eval_set
@@ -376,7 +376,7 @@ def main(argv=None):
                     help=f"of {','.join(METHODS)} (default {','.join(DEFAULT_METHODS)}; adaptive needs --drafter DIR)")
     ap.add_argument("--num-draft", type=_csv(int), default=[2, 4, 6], help="mlx-lm's num_draft_tokens values")
     ap.add_argument("--repeats", type=_positive, default=1, help="timed runs per request (median)")
-    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--dtype", default="auto", choices=("auto", *FLOAT_DTYPES))
     ap.add_argument("--dequantize", action="store_true", help="expand the target to dense (default: packed)")
     ap.add_argument("--draft-dequantize", action="store_true", help="expand the draft model to dense")
     ap.add_argument("--verify-widths", type=_csv(int), default=[1, 3, 5, 7, 8],
@@ -454,13 +454,19 @@ def main(argv=None):
     t_start = time.perf_counter()
     target_path = _model_path(args.model, assets.QWEN_CODER_15B, "--model")
     tic = time.perf_counter()
-    target, tok, name = load_target(target_path, dtype=args.dtype, dequantize=args.dequantize)
+    try:
+        target, tok, name = load_target(target_path, dtype=args.dtype, dequantize=args.dequantize)
+    except ModelNotFoundError as e:
+        ap.error(f"--model: {e}")
     log(f"target {Path(name).name} loaded ({'dense' if args.dequantize else 'packed'}) in {time.perf_counter() - tic:.0f} s")
     draft = None
     if "mlx-spec" in args.methods:
         draft_path = _model_path(args.draft_model, assets.QWEN_CODER_05B, "--draft-model")
         tic = time.perf_counter()
-        draft = load_target(draft_path, dtype=args.dtype, dequantize=args.draft_dequantize)[0]
+        try:
+            draft = load_target(draft_path, dtype=args.dtype, dequantize=args.draft_dequantize)[0]
+        except ModelNotFoundError as e:
+            ap.error(f"--draft-model: {e}")
         log(f"draft {Path(draft_path).name} loaded in {time.perf_counter() - tic:.0f} s")
     eos = set(tok.eos_token_ids)
 

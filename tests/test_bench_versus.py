@@ -224,3 +224,17 @@ def test_replot_counts_an_older_runs_rounds_as_merge_does(tmp_path, capsys):
     path.write_text(json.dumps(r))
     bench.main(["--replot", str(path)])
     assert "| humaneval | ours (auto) | 10.00 | 1.00x | 2.00 | 1/1 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad", [["--dtype", "bogus"], ["--model", "{tmp}/missing.gguf", "--methods", "plain"],
+                                 ["--model", "{model}", "--draft-model", "{tmp}/missing.gguf", "--methods",
+                                  "plain,mlx-spec", "--verify-widths", "0", "--dtype", "float32"]])
+def test_a_bad_model_or_dtype_is_one_usage_error(tmp_path, capsys, bad):
+    """A missing ``--model`` / ``--draft-model`` or an unknown ``--dtype``: one usage error (exit 2), not a traceback
+    of ``load_target`` (session 36's breaker)."""
+    args = [a.format(tmp=tmp_path, model=embedded_model_path()) for a in bad]
+    with pytest.raises(SystemExit) as e:
+        _bench().main([*args, "--out", str(tmp_path / "v.json")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and ("--dtype" in err or "not found" in err)

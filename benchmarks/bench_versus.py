@@ -210,7 +210,8 @@ def ours_proposer(drafter: str, target, tokenizer, name: str, dequantize: bool, 
 
 
 # how rows count "rounds" (meta["rounds"]); a run saved without it and without meta["skip"] (before session 36's
-# --skip, added minutes before the fix) left the first token's forward out of ours' rounds (run_ours), mlx-lm's counted it
+# --skip, added minutes before the fix) left the first token's forward out of ours' rounds (run_ours); mlx-lm's
+# counted it
 ROUNDS = "target forwards, the first token's included"
 MLX_METHODS = ("plain", "mlx-spec")
 

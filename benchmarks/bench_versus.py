@@ -14,9 +14,9 @@ it runs:
 - ``lookup``: ours with ``--drafter lookup`` (suffix matches of the request's own history, B = 8);
 - ``ours-plain`` (only when asked for): our loop without a proposer (``--drafter none``), the cost of our own plain
   steps against ``mlx_lm``'s (what the adaptive schedule's plain rounds run);
-- ``adaptive`` (only when asked for, with ``--drafter DIR``): ours with that drafter under the adaptive schedule
-  (``--adaptive``: the schedule a shipped drafter gets by default), where ``auto`` runs a drafter directory as
-  the CLI's ``--drafter DIR`` does, fused with lookup in every round.
+- ``adaptive`` (only when asked for, with ``--drafter DIR`` or ``shipped``): ours with that drafter under the
+  adaptive schedule (``--adaptive``: the schedule a shipped drafter gets by default), where ``auto`` runs a
+  drafter directory as the CLI's ``--drafter DIR`` does, fused with lookup in every round.
 
 Where ``auto`` resolves to the same lookup proposer as ``lookup`` it is measured once and reported for
 both (the JSON says so). Each prompt's K/V is prefilled once (all but the last prompt token, by our loop)
@@ -359,8 +359,8 @@ def _title(meta: dict, summary: list[dict] = ()) -> str:
     else:
         n = meta["prompts"] if "stopped_after" not in meta else \
             f"{meta['stopped_after']} prompts in all, <= {meta['prompts']}"
-    return (f"{meta['target']} vs draft {meta['draft']} on {meta['device']}: {n} prompts/set, "
-            f"{meta['max_tokens']} tokens, greedy")
+    draft = f" vs draft {meta['draft']}" if "mlx-spec" in meta.get("methods", ("mlx-spec",)) else ""
+    return f"{meta['target']}{draft} on {meta['device']}: {n} prompts/set, {meta['max_tokens']} tokens, greedy"
 
 
 def main(argv=None):
@@ -374,7 +374,8 @@ def main(argv=None):
                          "split over calls, joined by --merge")
     ap.add_argument("--max-tokens", type=_positive, default=256)
     ap.add_argument("--methods", type=_csv(str, METHODS), default=list(DEFAULT_METHODS),
-                    help=f"of {','.join(METHODS)} (default {','.join(DEFAULT_METHODS)}; adaptive needs --drafter DIR)")
+                    help=f"of {','.join(METHODS)} (default {','.join(DEFAULT_METHODS)}; adaptive needs --drafter DIR "
+                         "or shipped)")
     ap.add_argument("--num-draft", type=_csv(int), default=[2, 4, 6], help="mlx-lm's num_draft_tokens values")
     ap.add_argument("--repeats", type=_positive, default=1, help="timed runs per request (median)")
     ap.add_argument("--dtype", default="auto", choices=("auto", *FLOAT_DTYPES))
@@ -436,8 +437,9 @@ def main(argv=None):
         n = len(load_eval_set(s, None))
         if args.skip >= n:
             ap.error(f"--skip {args.skip}: {s} has {n} prompts, none left to run")
-    if "adaptive" in args.methods and args.drafter in ("auto", "shipped"):
-        ap.error("--methods adaptive: it runs a --drafter DIR under the adaptive schedule (auto has it already)")
+    if "adaptive" in args.methods and args.drafter == "auto":
+        ap.error("--methods adaptive: it runs --drafter DIR or shipped under the adaptive schedule (--drafter auto "
+                 "has it already)")
     if args.drafter not in ("auto", "shipped"):
         if "auto" not in args.methods and "adaptive" not in args.methods:
             ap.error("--drafter: it is the auto and adaptive methods' drafter, and --methods leaves both out")

@@ -62,8 +62,8 @@ def test_profile_train_step_refuses_bad_arguments(bad, capsys, monkeypatch):
 
 
 def test_the_adaptive_method_needs_a_drafter_directory(monkeypatch, capsys):
-    """``--methods adaptive`` runs a ``--drafter DIR`` under the adaptive schedule: without one, a usage error
-    before any model loads."""
+    """``--methods adaptive`` runs a ``--drafter DIR`` (or ``shipped``) under the adaptive schedule: with ``--drafter
+    auto``, which has it already, a usage error before any model loads."""
     bench = _bench()
     monkeypatch.setattr(bench, "load_target", lambda *a, **k: pytest.fail("loaded a model before checking"))
     with pytest.raises(SystemExit) as e:
@@ -94,8 +94,8 @@ def _saved_run(prompts, date="d"):
     for i, p in enumerate(prompts):
         for method, k, tps in (("plain", None, 10.0), ("mlx-spec", 2, 10.0 + i)):
             rows.append({"set": "humaneval", "prompt": p, "method": method, "k": k, "tokens": 4,
-                         "rounds": 2 if k else 4, "seconds": 4 / tps, "tps": tps, "tau": 2.0 if k else 1.0, "identical": True,
-                         "tokens_out": [1, 2, 3, 4]})
+                         "rounds": 2 if k else 4, "seconds": 4 / tps, "tps": tps, "tau": 2.0 if k else 1.0,
+                         "identical": True, "tokens_out": [1, 2, 3, 4]})
     return {"meta": meta, "summary": [], "rows": rows}
 
 
@@ -238,3 +238,10 @@ def test_a_bad_model_or_dtype_is_one_usage_error(tmp_path, capsys, bad):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "error:" in err and ("--dtype" in err or "not found" in err)
+
+
+def test_the_title_names_the_draft_model_only_where_it_ran():
+    bench = _bench()
+    meta = {"target": "t", "draft": "d.gguf", "device": "cpu", "prompts": 2, "max_tokens": 8}
+    assert "vs draft d.gguf" in bench._title({**meta, "methods": ["plain", "mlx-spec"]})
+    assert "draft" not in bench._title({**meta, "methods": ["plain", "ours-plain"]})

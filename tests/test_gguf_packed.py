@@ -297,3 +297,30 @@ def test_qwen_coder_15b_packed_answers_and_greedy_equals_mlx_lm(qwen15):
     text = tok.decode(ref)
     print(repr(text))
     assert "def " in text and "fib" in text.lower(), text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_qwen_coder_15b_default_drafter_is_the_shipped_one_and_lossless():
+    """The fetched 1.5B GGUF is recognised wherever it lies (size + sha256), so ``--drafter auto`` runs the
+    drafter shipped for it (fused with lookup, adaptive schedule) and ``shipped`` drafts with it every round;
+    the shipped drafter's greedy output equals plain decoding on the real target (dense float32, the CPU rule's
+    layout for this size, 24 tokens)."""
+    from conftest import plain_reference
+
+    from mlx_dflash2.assets import QWEN_CODER_15B
+    from mlx_dflash2.loading import load_target, make_proposer, shipped_drafter_path
+    from mlx_dflash2.proposers import DFlashProposer, FusedProposer
+    from mlx_dflash2.speculative import speculative_generate_step
+
+    path = str(_fetch(QWEN_CODER_15B))
+    assert shipped_drafter_path(path).name == QWEN_CODER_15B
+    target, tok, _ = load_target(path, dtype=mx.float32, dequantize=True)
+    auto = make_proposer("auto", target, tok, path, calibrate=False)
+    assert isinstance(auto, FusedProposer) and auto.schedule is not None
+    shipped = make_proposer("shipped", target, tok, path, lookup=False)
+    assert isinstance(shipped, DFlashProposer)
+    ids = tok.apply_chat_template([{"role": "user", "content": CODE_PROMPT}], add_generation_prompt=True)
+    ref, _ = plain_reference(target, ids, 24)
+    out = [t for t, _, _ in speculative_generate_step(ids, target, shipped, block_size=16, max_tokens=24)]
+    assert out == ref

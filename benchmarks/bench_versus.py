@@ -292,8 +292,10 @@ def labels(meta: dict) -> dict[str, str]:
     if meta.get("same_as", {}).get("auto") == "lookup":
         out["auto"] = "ours (auto = lookup: no drafter ships)"
     elif meta.get("drafter", "auto") != "auto":
-        out["auto"] = f"ours (drafter {Path(meta['drafter']).name}, every round)"
-        out["adaptive"] = f"ours (drafter {Path(meta['drafter']).name}, adaptive schedule)"
+        path = Path(meta["drafter"])
+        name = path.parent.name if path.name == "drafter" and path.parent.name else path.name  # runs/c8-q4/drafter
+        out["auto"] = f"ours (drafter {name}, every round)"
+        out["adaptive"] = f"ours (drafter {name}, adaptive schedule)"
     return out
 
 

@@ -247,3 +247,13 @@ def test_the_title_names_the_draft_model_only_where_it_ran():
     meta = {"target": "t", "draft": "d.gguf", "device": "cpu", "prompts": 2, "max_tokens": 8}
     assert "vs draft d.gguf" in bench._title({**meta, "methods": ["plain", "mlx-spec"]})
     assert "draft" not in bench._title({**meta, "methods": ["plain", "ours-plain"]})
+
+
+def test_a_run_directory_drafter_is_labelled_by_its_run():
+    """A drafter given as ``runs/<run>/drafter`` (how the training chain leaves one) is labelled by its run, not
+    as "drafter drafter"; another directory by its own name; lookup-only auto says so."""
+    labels = _bench().labels
+    assert labels({"drafter": "$WORK/runs/c8-q4/drafter"})["adaptive"] == "ours (drafter c8-q4, adaptive schedule)"
+    assert labels({"drafter": ".cache/train/c7-q4"})["auto"] == "ours (drafter c7-q4, every round)"
+    assert labels({"drafter": "drafter"})["auto"] == "ours (drafter drafter, every round)"
+    assert "lookup" in labels({"same_as": {"auto": "lookup"}})["auto"]

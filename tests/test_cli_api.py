@@ -717,3 +717,13 @@ def test_a_bad_drafter_config_fails_before_the_target_loads(tmp_path, monkeypatc
         L.load(None, drafter=str(d))
     with pytest.raises(FileNotFoundError):
         L.load(None, drafter=str(tmp_path / "missing"))
+
+
+def test_drafter_help_names_every_shipped_target():
+    """`--drafter shipped` also applies to the fetched Qwen2.5-Coder-1.5B-Instruct GGUF (issue 21); the help of
+    generate, the server and train said the embedded target only."""
+    from mlx_dflash2.loading import DRAFTER_HELP
+    from mlx_dflash2.train import cli as train_cli
+
+    assert "Qwen2.5-Coder-1.5B-Instruct" in DRAFTER_HELP and "SmolLM2-135M-Instruct" in DRAFTER_HELP
+    assert "Qwen2.5-Coder-1.5B-Instruct" in train_cli.FIT_HELP["init"]

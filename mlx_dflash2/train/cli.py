@@ -78,7 +78,8 @@ FIT_HELP = {
            "(float32; `mlx_dflash2.convert DIR OUT --from drafter --q-bits 4` makes a 4-bit copy)",
     "init": "drafter to fine-tune: a checkpoint directory (DFlash v1 ones become DFlash2 with no-op conv and "
             "selector; 4-bit ones train from their dequantized weights) or 'shipped' (the drafter shipped for the "
-            "embedded target). It fixes the drafter's shape (default: a new drafter)",
+            "target: the embedded SmolLM2-135M-Instruct or the fetched Qwen2.5-Coder-1.5B-Instruct GGUF). It fixes the "
+            "drafter's shape (default: a new drafter)",
     "architecture": "DFlash2DraftModel or DFlashDraftModel (v1: no conv, no selector)",
     "num_layers": "drafter decoder layers (default: 3 for a new drafter, the --init drafter's otherwise)",
     "num_taps": "target layers tapped for context features (default: one per drafter layer)",
@@ -311,7 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = parser("eval", "tau on held-out prompt sets (exact greedy replay) + plot")
     _add_target_args(e)
     e.add_argument("--drafter", action="append", required=True,
-                   help="LABEL=PATH or PATH (repeatable); PATH 'shipped' = the drafter shipped for the embedded target")
+                   help="LABEL=PATH or PATH (repeatable); PATH 'shipped' = the drafter shipped for the target "
+                        "(the embedded SmolLM2-135M-Instruct or the fetched Qwen2.5-Coder-1.5B-Instruct GGUF)")
     e.add_argument("--sets", default="humaneval,mtbench,gsm8k", help="held-out sets, comma-separated")
     e.add_argument("--block-sizes", default="4,8,16", help="block sizes B to replay, comma-separated")
     e.add_argument("--max-tokens", type=_checked(int, 1), default=256, help="tokens generated per prompt")

@@ -123,6 +123,16 @@ def _build_prompt(args, tokenizer) -> list[int]:
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **args.chat_template_args)
 
 
+def _shipped_drafter_in_use(drafter_arg: str, model):
+    """The directory of the shipped drafter that ``--drafter auto`` / ``shipped`` put in ``model``'s proposer, or
+    None (another drafter, lookup alone, plain decoding, or a target no drafter ships for)."""
+    if drafter_arg not in ("auto", "shipped") or model.proposer is None or model.proposer.name == "lookup":
+        return None
+    from .loading import shipped_drafter_path
+
+    return shipped_drafter_path(model.name)
+
+
 def main(argv=None) -> int:
     args = setup_arg_parser().parse_args(argv)
     try:
@@ -162,6 +172,9 @@ def main(argv=None) -> int:
             print(f"Target weights: {'packed %s-bit' % q.get('bits', '?') if isinstance(q, dict) else 'dense'}"
                   + (" (expanded by the CPU rule; --no-dequantize keeps them packed)"
                      if getattr(model.target, "cpu_rule_dense", False) else ""))
+            shipped = _shipped_drafter_in_use(args.drafter, model)
+            if shipped is not None:
+                print(f"Drafter weights: shipped for {shipped.name} ({shipped})")
         if args.compare:
             print(_compare(model, tokenizer, prompt, kwargs, text, stats))
     except (NotImplementedError, ValueError, FileNotFoundError) as e:

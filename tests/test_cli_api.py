@@ -93,6 +93,17 @@ def test_cli_stdin_prompt_and_raw_mode(capsys, monkeypatch, shared_embedded_load
     assert "5" in out
 
 
+def test_cli_verbose_names_the_shipped_drafter(capsys, shared_embedded_load):
+    """--verbose says when the drafter is the one shipped for the target, and where it lies (the proposer's name is
+    only its architecture); lookup alone gets no such line."""
+    argv = ["--prompt", "Hi", "--max-tokens", "3", "--verbose"]
+    rc, out, err = _main([*argv, "--drafter", "shipped"], capsys)
+    assert rc == 0, err
+    assert "Drafter weights: shipped for smollm2-135m-instruct (" in out
+    rc, out, err = _main([*argv, "--drafter", "lookup"], capsys)
+    assert rc == 0 and "Drafter weights" not in out, err
+
+
 CLI_ERRORS = [
     (["--drafter", "/nonexistent/drafter"], "not found"),
     (["--top-p", "1.5"], "top_p"),

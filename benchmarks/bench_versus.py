@@ -237,8 +237,9 @@ MERGE_KEYS = ("target", "draft", "dtype", "dequantize", "draft_dequantize", "dev
 
 
 def merge_runs(runs: list[dict]) -> dict:
-    """Saved runs of one comparison (same models, device, settings) as one: their rows (a prompt measured by more
-    than one run: ValueError), the union of their sets, methods and ``num_draft``, and the summary recomputed.
+    """Saved runs of one comparison (same models, device, settings, methods and ``num_draft``; otherwise
+    ValueError: a method's median would be over other prompts than plain's) as one: their rows (a prompt measured by
+    more than one run: ValueError), the union of their sets, and the summary recomputed.
     ``meta`` is the first run's, with ``merged`` listing each run's date and rows. A run saved before ours' rounds
     counted the first token's forward gets it (:func:`count_first_forward`; ``merged`` says which): a tau over
     runs of both counts would mix them."""
@@ -248,6 +249,7 @@ def merge_runs(runs: list[dict]) -> dict:
     meta = dict(runs[0]["meta"])
     for r in runs[1:]:
         diff = [k for k in MERGE_KEYS if r["meta"].get(k) != meta.get(k)]
+        diff += [k for k in ("methods", "num_draft") if set(r["meta"].get(k) or ()) != set(meta.get(k) or ())]
         if diff:
             raise ValueError(f"runs differ in {', '.join(diff)}: not one comparison")
     rows, seen = [], set()

@@ -125,6 +125,25 @@ def test_merge_joins_a_run_split_over_calls(tmp_path, capsys):
         assert "--merge" in capsys.readouterr().err
 
 
+def test_merge_refuses_runs_of_other_methods(tmp_path, capsys):
+    """Runs with other methods or other ``num_draft`` values are not one comparison: joined, a method's median
+    would be over other prompts than plain's (session 37's note: ``--merge`` took the union of their methods)."""
+    import json
+
+    bench = _bench()
+    a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "m.json"
+    a.write_text(json.dumps(_saved_run(["HumanEval/0"])))
+    other = _saved_run(["HumanEval/1"])
+    for meta in ({**other["meta"], "methods": ["plain"]}, {**other["meta"], "num_draft": [6]}):
+        b.write_text(json.dumps({**other, "meta": meta}))
+        with pytest.raises(SystemExit) as e:
+            bench.main(["--merge", str(a), str(b), "--out", str(out)])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "--merge" in err and ("methods" in err or "num_draft" in err)
+    assert not out.exists()
+
+
 def test_skip_must_not_be_negative(capsys):
     with pytest.raises(SystemExit) as e:
         _bench().main(["--skip", "-1"])

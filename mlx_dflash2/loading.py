@@ -310,6 +310,7 @@ def shipped_drafter_path(target_name: str) -> Path | None:
     assembles it). Shipped drafters: ``mlx_dflash2/drafters/<model name>/``.
     """
     if not assets.is_embedded_name(target_name):
+        target_name = str(Path(target_name).expanduser())  # as load_target reads it (`--model=~/m.gguf`)
         try:
             same = Path(target_name).resolve() == assets.embedded_model_path().resolve()
         except (OSError, assets.AssetNotFoundError):

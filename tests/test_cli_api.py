@@ -609,6 +609,33 @@ def test_a_copy_of_the_embedded_gguf_gets_the_shipped_drafter(tmp_path, monkeypa
     assert shipped_drafter_path(str(other)) is None
 
 
+def test_a_known_gguf_named_with_a_tilde_gets_the_shipped_drafter(tmp_path, monkeypatch, caplog):
+    """``load_target`` expands ``~`` in a model path (``--model=~/m.gguf``, where the shell leaves it, or
+    ``load("~/m.gguf")``), so the shipped drafter's lookup must too: it fell back to lookup alone (``--drafter
+    shipped``: "no drafter is shipped") for a byte-identical copy of a known model named so (a fresh user's find).
+    A modified copy named so still gets its one warning."""
+    import dataclasses
+    import hashlib
+    import logging
+
+    from mlx_dflash2 import assets
+    from mlx_dflash2.loading import make_proposer, shipped_drafter_path
+    from mlx_dflash2.proposers import LookupProposer
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    copy, bad = tmp_path / "copy.gguf", tmp_path / "bad.gguf"
+    copy.write_bytes(b"GGUF" + bytes(60))
+    bad.write_bytes(b"GGUF" + bytes(59) + b"x")
+    dist, fname, _, _ = assets._EMBEDDED[assets.DEFAULT_MODEL]
+    monkeypatch.setitem(assets._EMBEDDED, assets.DEFAULT_MODEL,
+                        (dist, fname, 64, hashlib.sha256(copy.read_bytes()).hexdigest()))
+    assert shipped_drafter_path("~/copy.gguf") == shipped_drafter_path(assets.DEFAULT_MODEL) is not None
+    with caplog.at_level(logging.WARNING, logger="mlx_dflash2"):
+        assert isinstance(make_proposer("auto", None, None, "~/bad.gguf"), LookupProposer)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and "sha256 differs" in msgs[0], msgs
+
+
 def test_shipped_drafter_dequantized_and_counted(smol_f32, capsys, shared_embedded_load):
     """--dequantize expands the shipped 4-bit drafter too (same proposals: dequantization is exact);
     its parameter count is that of the float drafter, quantized or not."""

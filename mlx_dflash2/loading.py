@@ -744,6 +744,10 @@ def load(
         read_drafter_checkpoint(drafter)  # a bad drafter path or config fails before the target loads
         if draft_vocab == "auto":
             read_draft_vocab(drafter)  # and a malformed draft_vocab.json
+    if drafter == "shipped":  # none shipped for this local target: an error before the loading, not after it
+        name = str(path_or_hf_repo or assets.DEFAULT_MODEL)  # load_target's name, which make_proposer resolves
+        if assets.is_embedded_name(name) or Path(name).expanduser().exists():
+            resolve_shipped(drafter, name)
     target, tokenizer, name = load_target(path_or_hf_repo, dtype=dtype, dequantize=dequantize, kernels=kernels)
     dequantize = drafter_dequantize(dequantize, target)
     proposer = make_proposer(drafter, target, tokenizer, name, lookup=lookup, dequantize=dequantize,

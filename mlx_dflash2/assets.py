@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+#: the targets a trained drafter ships for (``mlx_dflash2/drafters/<name>/``), as help texts and errors name them
+SHIPPED_DRAFTER_TARGETS = "the embedded SmolLM2-135M-Instruct or the fetched Qwen2.5-Coder-1.5B-Instruct GGUF"
 """Name of the embedded default target (accepted by ``--model``)."""
 
 _EMBEDDED = {

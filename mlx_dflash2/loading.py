@@ -357,8 +357,8 @@ def resolve_shipped(spec, target_name: str):
         return spec
     path = shipped_drafter_path(target_name)
     if path is None:
-        raise FileNotFoundError(f"no drafter is shipped for the target {target_name!r} (only for the embedded "
-                                "SmolLM2-135M-Instruct and the fetched Qwen2.5-Coder-1.5B-Instruct GGUF)")
+        raise FileNotFoundError(f"no drafter is shipped for the target {target_name!r} (only for "
+                                f"{assets.SHIPPED_DRAFTER_TARGETS})")
     return path
 
 
@@ -381,9 +381,8 @@ def default_min_confidence() -> float:
 
 DRAFTER_HELP = (
     "drafter checkpoint directory, 'lookup', 'none', 'init' (fresh DFlash2), 'shipped' (the trained DFlash2 "
-    "drafter shipped for the target: the embedded SmolLM2-135M-Instruct or the fetched Qwen2.5-Coder-1.5B-Instruct "
-    "GGUF) or 'auto' (the shipped drafter, drafting only in rounds where "
-    "it is measured to pay, else lookup/plain steps; lookup for other targets). Default: auto"
+    f"drafter shipped for the target: {assets.SHIPPED_DRAFTER_TARGETS}) or 'auto' (the shipped drafter, drafting "
+    "only in rounds where it is measured to pay, else lookup/plain steps; lookup for other targets). Default: auto"
 )
 DRAFT_CONFIDENCE_HELP = (
     "dynamic draft length: stop a draft once the drafter's cumulative confidence falls below C "

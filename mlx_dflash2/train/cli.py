@@ -23,6 +23,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
+from ..assets import SHIPPED_DRAFTER_TARGETS
 from .selfinstruct import STARTERS, parse_kinds
 from .trainer import COMPUTE_DTYPES, CPU_DEFAULTS, FIELD_RANGES, GPU_DEFAULTS, TrainConfig, in_range, range_text
 
@@ -78,8 +79,7 @@ FIT_HELP = {
            "(float32; `mlx_dflash2.convert DIR OUT --from drafter --q-bits 4` makes a 4-bit copy)",
     "init": "drafter to fine-tune: a checkpoint directory (DFlash v1 ones become DFlash2 with no-op conv and "
             "selector; 4-bit ones train from their dequantized weights) or 'shipped' (the drafter shipped for the "
-            "target: the embedded SmolLM2-135M-Instruct or the fetched Qwen2.5-Coder-1.5B-Instruct GGUF). It fixes the "
-            "drafter's shape (default: a new drafter)",
+            f"target: {SHIPPED_DRAFTER_TARGETS}). It fixes the drafter's shape (default: a new drafter)",
     "architecture": "DFlash2DraftModel or DFlashDraftModel (v1: no conv, no selector)",
     "num_layers": "drafter decoder layers (default: 3 for a new drafter, the --init drafter's otherwise)",
     "num_taps": "target layers tapped for context features (default: one per drafter layer)",
@@ -313,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target_args(e)
     e.add_argument("--drafter", action="append", required=True,
                    help="LABEL=PATH or PATH (repeatable); PATH 'shipped' = the drafter shipped for the target "
-                        "(the embedded SmolLM2-135M-Instruct or the fetched Qwen2.5-Coder-1.5B-Instruct GGUF)")
+                        f"({SHIPPED_DRAFTER_TARGETS})")
     e.add_argument("--sets", default="humaneval,mtbench,gsm8k", help="held-out sets, comma-separated")
     e.add_argument("--block-sizes", default="4,8,16", help="block sizes B to replay, comma-separated")
     e.add_argument("--max-tokens", type=_checked(int, 1), default=256, help="tokens generated per prompt")

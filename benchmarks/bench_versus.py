@@ -26,6 +26,9 @@ forward included, the EOS counted when it ends the answer). Reported per set and
 over the prompts, median speedup over plain (per prompt), tau (generated tokens per target forward,
 pooled over the set's prompts) and output identity with plain (prompts identical / prompts). The target's
 verify cost ``T(M)/T(1)`` on this machine is measured first (:func:`mlx_dflash2.calibrate.measure_verify_costs`).
+The methods' order turns from prompt to prompt (``--order rotate``, the default since session 39: prompt ``j`` starts
+at the ``j``-th method), so no method is always the one timed first after a prefill; ``--order fixed`` runs plain
+first every time, as every run before session 39 did.
 A progress line goes to stderr for every request; the JSON is rewritten after each, and a plot of
 speedup and tau per set is drawn at the end.
 
@@ -158,6 +161,19 @@ def run_ours(target, proposer, ids, state, max_tokens, eos):
     toks, secs, _ = _timed(gen, eos, max_tokens)
     assert st.reused == len(ids) - 1, (st.reused, len(ids))  # the timed request never re-prefills
     return toks, secs, stats.rounds + (1 if toks else 0), stats
+
+
+def method_order(todo: list, j: int) -> list:
+    """The methods of prompt ``j`` (0-based) in the order they run under ``--order rotate``: ``todo`` rotated left by
+    ``j``, so over ``len(todo)`` prompts each method runs once in each position (a method always timed first after
+    the prefill, or always after the others, would carry whatever that position costs or saves)."""
+    n = len(todo)
+    return todo[j % n:] + todo[:j % n] if n else []
+
+
+def method_label(meta: dict, row: dict) -> str:
+    """A row's method as the log names it: its label, with mlx-lm's ``k`` where it has one."""
+    return labels(meta)[row["method"]] + (f" k={row['k']}" if row.get("k") else "")
 
 
 def summarize(rows: list[dict], sets: list[str], methods: list[str], num_draft: list[int]) -> list[dict]:
@@ -382,6 +398,9 @@ def main(argv=None):
                          "or shipped)")
     ap.add_argument("--num-draft", type=_csv(int), default=[2, 4, 6], help="mlx-lm's num_draft_tokens values")
     ap.add_argument("--repeats", type=_positive, default=1, help="timed runs per request (median)")
+    ap.add_argument("--order", choices=("rotate", "fixed"), default="rotate",
+                    help="the methods' order per prompt: rotate (prompt j starts at the j-th method, so no method is "
+                         "always the first timed after a prefill) or fixed (plain first; runs before session 39)")
     ap.add_argument("--dtype", default="auto", choices=("auto", *FLOAT_DTYPES))
     ap.add_argument("--dequantize", action="store_true", help="expand the target to dense (default: packed)")
     ap.add_argument("--draft-dequantize", action="store_true", help="expand the draft model to dense")
@@ -508,7 +527,7 @@ def main(argv=None):
         "device": str(mx.default_device()), "mlx": mx.__version__, "sets": args.sets, "prompts": args.prompts,
         "skip": args.skip, "rounds": ROUNDS,
         "max_tokens": args.max_tokens, "methods": args.methods, "num_draft": args.num_draft,
-        "repeats": args.repeats, "same_as": same_as, "drafters": drafter_names, "drafter": args.drafter,
+        "repeats": args.repeats, "order": args.order, "same_as": same_as, "drafters": drafter_names, "drafter": args.drafter,
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "timing": "decode: generated tokens / seconds from the request's start (prompt but its last token "
                   "already cached) to its last token; EOS counted",
@@ -573,7 +592,11 @@ def main(argv=None):
 
         todo = [("plain", 0)] + [("mlx-spec", k) for k in args.num_draft if draft is not None]
         todo += [(m, 0) for m in proposers]
+        fixed = list(todo)  # the rows' order in the JSON, whatever order they ran in
+        if args.order == "rotate":
+            todo = method_order(todo, j)
         plain_row = None
+        done: list[tuple[dict, list[dict]]] = []  # (row, its aliases), in the order run
         for method, k in todo:
             runs = []
             for _ in range(args.repeats):
@@ -586,23 +609,30 @@ def main(argv=None):
                 runs.append((secs, toks, rounds))
             secs = statistics.median(r[0] for r in runs)
             toks, rounds = runs[0][1], runs[0][2]
-            ref = toks if plain_row is None else plain_row["tokens_out"]
-            same = toks == ref
             row = {"set": set_name, "prompt": prompt["id"], "prompt_tokens": len(ids), "method": method,
                    "k": k or None, "tokens": len(toks), "rounds": rounds, "seconds": secs,
-                   "tps": len(toks) / secs, "tau": len(toks) / max(1, rounds), "identical": same,
-                   "tokens_out": toks}
-            if plain_row is None:
+                   "tps": len(toks) / secs, "tau": len(toks) / max(1, rounds), "tokens_out": toks}
+            if method == "plain":
                 plain_row = row
+            aliases = [{"method": alias, "measured_as": method} for alias, m in same_as.items() if m == method]
+            done.append((row, aliases))  # (the same run stands for the method that resolved to it)
+            vs = f" ({row['tps'] / plain_row['tps']:.2f}x plain)" if plain_row else ""
+            log(f"[{j + 1}/{len(jobs)}] {set_name} {prompt['id']} {method_label(meta, row)}: "
+                f"{len(toks)} tokens in {secs:.1f} s = {row['tps']:.2f} tok/s{vs}, tau {row['tau']:.2f}")
+        ref = plain_row["tokens_out"]
+        for row, aliases in sorted(done, key=lambda d: fixed.index((d[0]["method"], d[0]["k"] or 0))):
+            toks = row["tokens_out"]
+            row["identical"] = toks == ref
             rows.append(row)
-            for alias, m in same_as.items():  # the same run stands for the method that resolved to it
-                if m == method:
-                    rows.append({**row, "method": alias, "measured_as": method})
-            diff = "" if same else " (differs from plain at token %d)" % next(
-                (i for i, (a, b) in enumerate(zip(toks, ref)) if a != b), min(len(toks), len(ref)))
-            log(f"[{j + 1}/{len(jobs)}] {set_name} {prompt['id']} {labels(meta)[method]}{f' k={k}' if k else ''}: "
-                f"{len(toks)} tokens in {secs:.1f} s = {row['tps']:.2f} tok/s ({row['tps'] / plain_row['tps']:.2f}x "
-                f"plain), tau {row['tau']:.2f}, {'identical' if same else 'NOT identical'}{diff}")
+            rows.extend({**row, **a} for a in aliases)
+            if not row["identical"]:
+                at = next((i for i, (a, b) in enumerate(zip(toks, ref)) if a != b), min(len(toks), len(ref)))
+                log(f"[{j + 1}/{len(jobs)}] {set_name} {prompt['id']} {method_label(meta, row)}: NOT identical to "
+                    f"plain (differs at token {at})")
+        log(f"[{j + 1}/{len(jobs)}] {set_name} {prompt['id']}: "
+            + ", ".join(f"{method_label(meta, r)} {r['tps'] / plain_row['tps']:.2f}x" for r, _ in done
+                        if r is not plain_row)
+            + f"; {sum(r['identical'] for r, _ in done)} of {len(done)} identical to plain")
         save()
 
     summary = save()

@@ -159,12 +159,27 @@ def test_ours_plain_runs_our_loop_without_a_proposer(tmp_path):
 
     out = tmp_path / "v.json"
     _bench().main(["--model", str(embedded_model_path()), "--methods", "plain,ours-plain", "--sets", "gsm8k",
-                   "--prompts", "1", "--max-tokens", "6", "--verify-widths", "0", "--dtype", "float32",
+                   "--prompts", "2", "--max-tokens", "6", "--verify-widths", "0", "--dtype", "float32",
                    "--dequantize", "--out", str(out)])
     saved = json.loads(out.read_text())
     ours = next(r for r in saved["summary"] if r["method"] == "ours-plain")
-    assert ours["identical"] == 1 and ours["tau"] == 1.0
-    assert saved["meta"]["drafters"] == {"ours-plain": "none"}
+    assert ours["identical"] == 2 and ours["tau"] == 1.0
+    assert saved["meta"]["drafters"] == {"ours-plain": "none"} and saved["meta"]["order"] == "rotate"
+    # the second prompt ran ours first (--order rotate); its rows are saved in the fixed order all the same
+    assert [r["method"] for r in saved["rows"]] == ["plain", "ours-plain"] * 2
+
+
+def test_rotate_runs_each_method_once_in_each_position():
+    """``--order rotate``: over as many prompts as methods, each method runs once in each position, so none is always
+    the first timed after a prompt's prefill (session 39: one MT-Bench request read our plain steps at 1.12x of
+    ``mlx_lm``'s with plain timed first; every earlier run timed plain first)."""
+    order = _bench().method_order
+    todo = [("plain", 0), ("mlx-spec", 2), ("mlx-spec", 6), ("auto", 0), ("adaptive", 0)]
+    runs = [order(todo, j) for j in range(len(todo))]
+    assert runs[0] == todo and runs[1][0] == ("mlx-spec", 2)
+    for pos in range(len(todo)):
+        assert sorted(r[pos] for r in runs) == sorted(todo)
+    assert order(todo, 7) == order(todo, 2) and order([], 3) == []
 
 
 @pytest.mark.parametrize("text", ["[1, 2]", '"x"', "{", '{"rows": []}', '{"meta": {}}', '{"meta": [], "rows": []}'])

@@ -26,9 +26,10 @@ forward included, the EOS counted when it ends the answer). Reported per set and
 over the prompts, median speedup over plain (per prompt), tau (generated tokens per target forward,
 pooled over the set's prompts) and output identity with plain (prompts identical / prompts). The target's
 verify cost ``T(M)/T(1)`` on this machine is measured first (:func:`mlx_dflash2.calibrate.measure_verify_costs`).
-The methods' order turns from prompt to prompt (``--order rotate``, the default since session 39: prompt ``j`` starts
-at the ``j``-th method), so no method is always the one timed first after a prefill; ``--order fixed`` runs plain
-first every time, as every run before session 39 did.
+The methods' order turns from prompt to prompt (``--order rotate``, the default since session 39: a set's ``i``-th
+prompt, counting those ``--skip`` leaves out, starts at the ``i``-th method), so within each set no method is always the
+one timed first after a prefill, and a run split by ``--skip`` goes on turning where the last part stopped; ``--order
+fixed`` runs plain first every time, as every run before session 39 did.
 A progress line goes to stderr for every request; the JSON is rewritten after each, and a plot of
 speedup and tau per set is drawn at the end.
 
@@ -164,11 +165,21 @@ def run_ours(target, proposer, ids, state, max_tokens, eos):
 
 
 def method_order(todo: list, j: int) -> list:
-    """The methods of prompt ``j`` (0-based) in the order they run under ``--order rotate``: ``todo`` rotated left by
-    ``j``, so over ``len(todo)`` prompts each method runs once in each position (a method always timed first after
-    the prefill, or always after the others, would carry whatever that position costs or saves)."""
+    """The methods of a prompt of turn ``j`` (:func:`prompt_jobs`) in the order they run under ``--order rotate``:
+    ``todo`` rotated left by ``j``, so over ``len(todo)`` prompts of a set each method runs once in each position (a
+    method always timed first after the prefill, or always after the others, would carry whatever that position costs
+    or saves)."""
     n = len(todo)
     return todo[j % n:] + todo[:j % n] if n else []
+
+
+def prompt_jobs(per_set: dict[str, list], prompts: int, skip: int) -> list[tuple[str, dict, int]]:
+    """The run's requests, round-robin over the sets (so that a run cut short covers each), each as ``(set, prompt,
+    turn)``: ``turn`` is the prompt's index in its set counting the ``skip`` left out, the :func:`method_order` it
+    runs in. (Turned by the request's index in the run instead, as in session 39's first version, a set whose count
+    shares a factor with the methods' saw only some of the turns: two sets and two methods ran plain first on every
+    prompt of one set and last on every prompt of the other.)"""
+    return [(s, ps[i], skip + i) for i in range(prompts) for s, ps in per_set.items() if i < len(ps)]
 
 
 def method_label(meta: dict, row: dict) -> str:
@@ -399,8 +410,9 @@ def main(argv=None):
     ap.add_argument("--num-draft", type=_csv(int), default=[2, 4, 6], help="mlx-lm's num_draft_tokens values")
     ap.add_argument("--repeats", type=_positive, default=1, help="timed runs per request (median)")
     ap.add_argument("--order", choices=("rotate", "fixed"), default="rotate",
-                    help="the methods' order per prompt: rotate (prompt j starts at the j-th method, so no method is "
-                         "always the first timed after a prefill) or fixed (plain first; runs before session 39)")
+                    help="the methods' order per prompt: rotate (a set's i-th prompt, counting --skip's, starts at the "
+                         "i-th method, so no method is always the first timed after a prefill) or fixed (plain "
+                         "first; runs before session 39)")
     ap.add_argument("--dtype", default="auto", choices=("auto", *FLOAT_DTYPES))
     ap.add_argument("--dequantize", action="store_true", help="expand the target to dense (default: packed)")
     ap.add_argument("--draft-dequantize", action="store_true", help="expand the draft model to dense")
@@ -527,7 +539,8 @@ def main(argv=None):
         "device": str(mx.default_device()), "mlx": mx.__version__, "sets": args.sets, "prompts": args.prompts,
         "skip": args.skip, "rounds": ROUNDS,
         "max_tokens": args.max_tokens, "methods": args.methods, "num_draft": args.num_draft,
-        "repeats": args.repeats, "order": args.order, "same_as": same_as, "drafters": drafter_names, "drafter": args.drafter,
+        "repeats": args.repeats, "order": args.order, "same_as": same_as, "drafters": drafter_names,
+        "drafter": args.drafter,
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "timing": "decode: generated tokens / seconds from the request's start (prompt but its last token "
                   "already cached) to its last token; EOS counted",
@@ -555,9 +568,9 @@ def main(argv=None):
 
     # round-robin over the sets, so that a run cut short (the JSON is saved after every prompt) covers each
     per_set = {s: load_eval_set(s, args.skip + args.prompts)[args.skip:] for s in args.sets}
-    jobs = [(s, per_set[s][i]) for i in range(args.prompts) for s in args.sets if i < len(per_set[s])]
+    jobs = prompt_jobs(per_set, args.prompts, args.skip)
     warm = True
-    for j, (set_name, prompt) in enumerate(jobs):
+    for j, (set_name, prompt, turn) in enumerate(jobs):
         if args.time_budget is not None and time.perf_counter() - t_start > 60 * args.time_budget:
             log(f"time budget of {args.time_budget:g} min spent: stopping after {j} of {len(jobs)} prompts")
             meta["stopped_after"] = j
@@ -594,7 +607,7 @@ def main(argv=None):
         todo += [(m, 0) for m in proposers]
         fixed = list(todo)  # the rows' order in the JSON, whatever order they ran in
         if args.order == "rotate":
-            todo = method_order(todo, j)
+            todo = method_order(todo, turn)
         plain_row = None
         done: list[tuple[dict, list[dict]]] = []  # (row, its aliases), in the order run
         for method, k in todo:

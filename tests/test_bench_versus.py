@@ -182,6 +182,51 @@ def test_rotate_runs_each_method_once_in_each_position():
     assert order(todo, 7) == order(todo, 2) and order([], 3) == []
 
 
+def test_rotate_turns_within_each_set_and_across_a_skip():
+    """Each set's prompts take the turns in order, whatever the other sets (turned by the request's index in the run,
+    two sets and two methods ran plain first on every prompt of one set and last on every prompt of the other), and a
+    run split by ``--skip`` goes on where the first part stopped."""
+    bench = _bench()
+    per_set = {"gsm8k": ["g0", "g1", "g2", "g3"], "mtbench": ["m0", "m1"]}
+    jobs = bench.prompt_jobs(per_set, 4, 0)
+    assert jobs == [("gsm8k", "g0", 0), ("mtbench", "m0", 0), ("gsm8k", "g1", 1), ("mtbench", "m1", 1),
+                    ("gsm8k", "g2", 2), ("gsm8k", "g3", 3)]
+    todo = [("plain", 0), ("ours-plain", 0)]
+    for s in per_set:
+        firsts = [bench.method_order(todo, turn)[0] for name, _, turn in jobs if name == s]
+        assert sorted(firsts[:2]) == sorted(todo)
+    assert [t for _, _, t in bench.prompt_jobs({"gsm8k": ["g2", "g3"]}, 2, 2)] == [2, 3]
+
+
+@pytest.mark.slow  # the real SmolLM2, two runs (~25 s on a 2-core host); runs in make test-all
+def test_rotate_runs_each_sets_prompts_in_turn(tmp_path, capsys):
+    """The run order the log shows: with two sets and two methods each set's two prompts start at different methods,
+    and ``--skip 1`` starts its one prompt at the second method."""
+    import re
+
+    def firsts(args):
+        _bench().main(["--model", str(embedded_model_path()), "--methods", "plain,ours-plain", "--max-tokens", "2",
+                       "--verify-widths", "0", "--dtype", "float32", "--dequantize", "--out", str(tmp_path / "v.json"),
+                       *args])
+        out = {}
+        identical.clear()
+        for line in capsys.readouterr().err.splitlines():
+            m = re.search(r"\[\d+/\d+\] (\S+) (\S+) (.+?): \d+ tokens in ", line)
+            if m:
+                out.setdefault((m[1], m[2]), m[3])
+            identical.extend(re.findall(r"; (\d+ of \d+) identical to plain$", line))
+        return out
+
+    identical = []
+
+    first = firsts(["--sets", "gsm8k,mtbench", "--prompts", "2"])
+    assert len(first) == 4
+    for s in ("gsm8k", "mtbench"):
+        assert len({m for (name, _), m in first.items() if name == s}) == 2, first
+    assert list(firsts(["--sets", "gsm8k", "--prompts", "1", "--skip", "1"]).values()) == [
+        _bench().LABELS["ours-plain"]]
+
+
 @pytest.mark.parametrize("text", ["[1, 2]", '"x"', "{", '{"rows": []}', '{"meta": {}}', '{"meta": [], "rows": []}'])
 @pytest.mark.parametrize("flag", ["--merge", "--replot"])
 def test_a_bad_saved_run_is_one_usage_error_naming_its_file(tmp_path, capsys, text, flag):

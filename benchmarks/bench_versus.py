@@ -263,9 +263,15 @@ MERGE_KEYS = ("target", "draft", "dtype", "dequantize", "draft_dequantize", "dev
               "repeats", "drafter")
 
 
+def run_order(run: dict) -> str:
+    """A saved run's ``--order`` (a run saved before session 39's ``--order`` ran the fixed one)."""
+    return run["meta"].get("order", "fixed")
+
+
 def merge_runs(runs: list[dict]) -> dict:
-    """Saved runs of one comparison (same models, device, settings, methods and ``num_draft``; otherwise
-    ValueError: a method's median would be over other prompts than plain's) as one: their rows (a prompt measured by
+    """Saved runs of one comparison (same models, device, settings, methods, ``num_draft`` and ``--order``; otherwise
+    ValueError: a method's median would be over other prompts than plain's, or over requests timed in two orders under
+    one ``meta.order``, the first run's) as one: their rows (a prompt measured by
     more than one run: ValueError), the union of their sets, and the summary recomputed.
     ``meta`` is the first run's, with ``merged`` listing each run's date and rows. A run saved before ours' rounds
     counted the first token's forward gets it (:func:`count_first_forward`; ``merged`` says which): a tau over
@@ -277,6 +283,7 @@ def merge_runs(runs: list[dict]) -> dict:
     for r in runs[1:]:
         diff = [k for k in MERGE_KEYS if r["meta"].get(k) != meta.get(k)]
         diff += [k for k in ("methods", "num_draft") if set(r["meta"].get(k) or ()) != set(meta.get(k) or ())]
+        diff += ["order"] if run_order(r) != run_order(runs[0]) else []
         if diff:
             raise ValueError(f"runs differ in {', '.join(diff)}: not one comparison")
     rows, seen = [], set()
@@ -296,6 +303,7 @@ def merge_runs(runs: list[dict]) -> dict:
     meta["prompts"] = max(len({x["prompt"] for x in rows if x["set"] == s}) for s in meta["sets"])
     meta.pop("stopped_after", None)
     meta["rounds"] = ROUNDS
+    meta["order"] = run_order(runs[0])
     meta["skip"] = min(r["meta"].get("skip", 0) for r in runs)
     meta["merged"] = [{"date": r["meta"].get("date"), "skip": r["meta"].get("skip", 0), "rows": len(r["rows"]),
                        **({"rounds_counted_first_forward": True} if c else {})} for r, c in zip(runs, counted)]

@@ -144,6 +144,30 @@ def test_merge_refuses_runs_of_other_methods(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_merge_refuses_runs_of_another_order(tmp_path, capsys):
+    """A ``--order rotate`` run and a ``--order fixed`` one (or one saved before ``--order``: plain first) are not one
+    comparison: joined, the merged ``meta.order`` named the first run's order for all the rows. Runs of one order
+    merge, and the merged meta says which (``fixed`` for runs saved before ``--order``)."""
+    import json
+
+    bench = _bench()
+    a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "m.json"
+    rot = _saved_run(["HumanEval/0"])
+    rot["meta"]["order"] = "rotate"
+    a.write_text(json.dumps(rot))
+    old = _saved_run(["HumanEval/1"])  # no "order": saved before it
+    for other in ({**old, "meta": {**old["meta"], "order": "fixed"}}, old):
+        b.write_text(json.dumps(other))
+        with pytest.raises(SystemExit) as e:
+            bench.main(["--merge", str(a), str(b), "--out", str(out)])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "--merge" in err and "order" in err
+    assert not out.exists()
+    assert bench.merge_runs([old, _saved_run(["HumanEval/2"])])["meta"]["order"] == "fixed"
+    assert bench.merge_runs([rot, {**old, "meta": {**old["meta"], "order": "rotate"}}])["meta"]["order"] == "rotate"
+
+
 def test_skip_must_not_be_negative(capsys):
     with pytest.raises(SystemExit) as e:
         _bench().main(["--skip", "-1"])

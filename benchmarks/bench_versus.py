@@ -650,10 +650,11 @@ def main(argv=None):
                 at = next((i for i, (a, b) in enumerate(zip(toks, ref)) if a != b), min(len(toks), len(ref)))
                 log(f"[{j + 1}/{len(jobs)}] {set_name} {prompt['id']} {method_label(meta, row)}: NOT identical to "
                     f"plain (differs at token {at})")
-        log(f"[{j + 1}/{len(jobs)}] {set_name} {prompt['id']}: "
-            + ", ".join(f"{method_label(meta, r)} {r['tps'] / plain_row['tps']:.2f}x" for r, _ in done
-                        if r is not plain_row)
-            + f"; {sum(r['identical'] for r, _ in done)} of {len(done)} identical to plain")
+        others = [r for r, _ in done if r is not plain_row]  # (plain is its own reference: not counted)
+        if others:
+            log(f"[{j + 1}/{len(jobs)}] {set_name} {prompt['id']}: "
+                + ", ".join(f"{method_label(meta, r)} {r['tps'] / plain_row['tps']:.2f}x" for r in others)
+                + f"; {sum(r['identical'] for r in others)} of {len(others)} identical to plain")
         save()
 
     summary = save()

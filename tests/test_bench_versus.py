@@ -225,7 +225,8 @@ def test_rotate_turns_within_each_set_and_across_a_skip():
 @pytest.mark.slow  # the real SmolLM2, two runs (~25 s on a 2-core host); runs in make test-all
 def test_rotate_runs_each_sets_prompts_in_turn(tmp_path, capsys):
     """The run order the log shows: with two sets and two methods each set's two prompts start at different methods,
-    and ``--skip 1`` starts its one prompt at the second method."""
+    and ``--skip 1`` starts its one prompt at the second method; each prompt's last line counts the methods other
+    than plain that are identical to it."""
     import re
 
     def firsts(args):
@@ -244,6 +245,7 @@ def test_rotate_runs_each_sets_prompts_in_turn(tmp_path, capsys):
     identical = []
 
     first = firsts(["--sets", "gsm8k,mtbench", "--prompts", "2"])
+    assert identical == ["1 of 1"] * 4  # ours-plain against plain, plain itself not counted (it said 2 of 2)
     assert len(first) == 4
     for s in ("gsm8k", "mtbench"):
         assert len({m for (name, _), m in first.items() if name == s}) == 2, first

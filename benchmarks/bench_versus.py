@@ -271,8 +271,8 @@ def run_order(run: dict) -> str:
 def merge_runs(runs: list[dict]) -> dict:
     """Saved runs of one comparison (same models, device, settings, methods, ``num_draft`` and ``--order``; otherwise
     ValueError: a method's median would be over other prompts than plain's, or over requests timed in two orders under
-    one ``meta.order``, the first run's) as one: their rows (a prompt measured by
-    more than one run: ValueError), the union of their sets, and the summary recomputed.
+    one ``meta.order``) as one: their rows (a prompt measured by more than one run: ValueError), the union of their
+    sets, and the summary recomputed.
     ``meta`` is the first run's, with ``merged`` listing each run's date and rows. A run saved before ours' rounds
     counted the first token's forward gets it (:func:`count_first_forward`; ``merged`` says which): a tau over
     runs of both counts would mix them."""
@@ -613,7 +613,7 @@ def main(argv=None):
 
         todo = [("plain", 0)] + [("mlx-spec", k) for k in args.num_draft if draft is not None]
         todo += [(m, 0) for m in proposers]
-        fixed = list(todo)  # the rows' order in the JSON, whatever order they ran in
+        fixed = list(todo)  # the rows' order in the JSON
         if args.order == "rotate":
             todo = method_order(todo, turn)
         plain_row = None
@@ -641,7 +641,8 @@ def main(argv=None):
             log(f"[{j + 1}/{len(jobs)}] {set_name} {prompt['id']} {method_label(meta, row)}: "
                 f"{len(toks)} tokens in {secs:.1f} s = {row['tps']:.2f} tok/s{vs}, tau {row['tau']:.2f}")
         ref = plain_row["tokens_out"]
-        for row, aliases in sorted(done, key=lambda d: fixed.index((d[0]["method"], d[0]["k"] or 0))):
+        by_method = {(r["method"], r["k"] or 0): (r, a) for r, a in done}
+        for row, aliases in (by_method[m] for m in fixed):  # saved in the fixed order, whatever order they ran in
             toks = row["tokens_out"]
             row["identical"] = toks == ref
             rows.append(row)

@@ -77,10 +77,13 @@ def main(argv=None) -> int:
     import matplotlib.pyplot as plt
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    for label, rows, batch in runs:
+    # one colour per run: the default cycle repeats after 10 runs, tab20 after 20
+    colours = plt.get_cmap("tab10" if len(runs) <= 10 else "tab20").colors
+    for i, (label, rows, batch) in enumerate(runs):
         x = [r["step"] * batch / 1000 for r in rows]
-        a1.plot(x, [r["acc"][0] for r in rows], label=f"{label} ({batch}/step)")
-        a2.plot(x, [r["loss"] for r in rows], label=label)
+        c = colours[i % len(colours)]
+        a1.plot(x, [r["acc"][0] for r in rows], color=c, label=f"{label} ({batch}/step)")
+        a2.plot(x, [r["loss"] for r in rows], color=c, label=label)
         print(f"{label}: {rows[-1]['step']} steps x {batch} = {rows[-1]['step'] * batch:,} sequences, "
               f"acc@1 {rows[-1]['acc'][0]:.3f}, loss {rows[-1]['loss']:.3f}")
     a1.set(xlabel="sequences seen (thousands)", ylabel="training accuracy at block position 1")

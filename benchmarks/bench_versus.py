@@ -206,7 +206,8 @@ def summarize(rows: list[dict], sets: list[str], methods: list[str], num_draft: 
                 "tps": statistics.median(r["tps"] for r in ok),
                 "speedup": statistics.median(r["tps"] / plain[r["prompt"]]["tps"] for r in ok),
                 "tau": sum(r["tokens"] for r in ok) / max(1, sum(r["rounds"] for r in ok)),
-                "identical": sum(r["tokens_out"] == plain[r["prompt"]]["tokens_out"] for r in ok),
+                "identical": sum(r.get("identical", r["tokens_out"] == plain[r["prompt"]]["tokens_out"])
+                                 for r in ok),
             }
 
         for m in methods:
@@ -633,6 +634,11 @@ def main(argv=None):
             row = {"set": set_name, "prompt": prompt["id"], "prompt_tokens": len(ids), "method": method,
                    "k": k or None, "tokens": len(toks), "rounds": rounds, "seconds": secs,
                    "tps": len(toks) / secs, "tau": len(toks) / max(1, rounds), "tokens_out": toks}
+            if args.repeats > 1:  # the first run's tokens are saved: every other run must have given them too
+                row["repeats_agree"] = all(r[1] == toks for r in runs[1:])
+                if not row["repeats_agree"]:
+                    log(f"[{j + 1}/{len(jobs)}] {set_name} {prompt['id']} {method_label(meta, row)}: its "
+                        f"{args.repeats} runs gave different tokens")
             if method == "plain":
                 plain_row = row
             aliases = [{"method": alias, "measured_as": method} for alias, m in same_as.items() if m == method]
@@ -644,13 +650,16 @@ def main(argv=None):
         by_method = {(r["method"], r["k"] or 0): (r, a) for r, a in done}
         for row, aliases in (by_method[m] for m in fixed):  # saved in the fixed order, whatever order they ran in
             toks = row["tokens_out"]
-            row["identical"] = toks == ref
+            # identical: every run of this method gave plain's tokens, and plain's runs agree among themselves
+            row["identical"] = (toks == ref and row.get("repeats_agree", True)
+                                and plain_row.get("repeats_agree", True))
             rows.append(row)
             rows.extend({**row, **a} for a in aliases)
             if not row["identical"]:
                 at = next((i for i, (a, b) in enumerate(zip(toks, ref)) if a != b), min(len(toks), len(ref)))
+                why = f"differs at token {at}" if toks != ref else "the runs of one of them differ"
                 log(f"[{j + 1}/{len(jobs)}] {set_name} {prompt['id']} {method_label(meta, row)}: NOT identical to "
-                    f"plain (differs at token {at})")
+                    f"plain ({why})")
         others = [r for r, _ in done if r is not plain_row]  # (plain is its own reference: not counted)
         if others:
             log(f"[{j + 1}/{len(jobs)}] {set_name} {prompt['id']}: "

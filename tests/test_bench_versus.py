@@ -362,3 +362,30 @@ def test_a_run_directory_drafter_is_labelled_by_its_run():
     assert labels({"drafter": ".cache/train/c7-q4"})["auto"] == "ours (drafter c7-q4, every round)"
     assert labels({"drafter": "drafter"})["auto"] == "ours (drafter drafter, every round)"
     assert "lookup" in labels({"same_as": {"auto": "lookup"}})["auto"]
+
+
+def test_repeats_that_give_other_tokens_are_not_identical(tmp_path, monkeypatch):
+    """``--repeats 2``: a method whose second run gives other tokens than its first is not identical to plain, even
+    where the first run (the tokens the row saves) is; until session 40 only the first run was compared."""
+    import json
+
+    bench = _bench()
+    real, calls = bench.run_ours, []
+
+    def second_run_differs(*a, **k):
+        toks, secs, rounds, stats = real(*a, **k)
+        calls.append(len(toks))
+        if len(calls) % 2 == 1 and len(calls) > 1:  # (the first call is the warm-up) every second timed run
+            toks = toks[:-1] + [toks[-1] + 1]
+        return toks, secs, rounds, stats
+
+    monkeypatch.setattr(bench, "run_ours", second_run_differs)
+    out = tmp_path / "v.json"
+    bench.main(["--model", str(embedded_model_path()), "--methods", "plain,ours-plain", "--sets", "gsm8k",
+                "--prompts", "1", "--max-tokens", "4", "--verify-widths", "0", "--dtype", "float32", "--dequantize",
+                "--repeats", "2", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    plain, ours = saved["rows"]
+    assert ours["tokens_out"] == plain["tokens_out"] and ours["repeats_agree"] is False
+    assert ours["identical"] is False and plain["identical"] is True and plain["repeats_agree"] is True
+    assert next(r for r in saved["summary"] if r["method"] == "ours-plain")["identical"] == 0

@@ -269,6 +269,14 @@ def run_order(run: dict) -> str:
     return run["meta"].get("order", "fixed")
 
 
+def identity_first_run_only(run: dict) -> bool:
+    """Whether a saved run's ``identical`` compared only each method's first run: a ``--repeats`` > 1 run saved before
+    session 40 (no row has ``repeats_agree``); a run since then compares every run (its rows say ``repeats_agree``).
+    The other runs' tokens were not saved, so such a run cannot be brought to the new count."""
+    return (run["meta"].get("repeats") or 1) > 1 and bool(run["rows"]) \
+        and not any("repeats_agree" in x for x in run["rows"])
+
+
 def merge_runs(runs: list[dict]) -> dict:
     """Saved runs of one comparison (same models, device, settings, methods, ``num_draft`` and ``--order``; otherwise
     ValueError: a method's median would be over other prompts than plain's, or over requests timed in two orders under
@@ -276,7 +284,9 @@ def merge_runs(runs: list[dict]) -> dict:
     sets, and the summary recomputed.
     ``meta`` is the first run's, with ``merged`` listing each run's date and rows. A run saved before ours' rounds
     counted the first token's forward gets it (:func:`count_first_forward`; ``merged`` says which): a tau over
-    runs of both counts would mix them."""
+    runs of both counts would mix them. A ``--repeats`` run whose identity compared only its first runs
+    (:func:`identity_first_run_only`) is marked in ``merged`` (``identical_first_run_only``): its prompts' identity
+    cannot be recounted, and the joined "identical" column would claim every run of them was compared."""
     if not runs:
         raise ValueError("nothing to merge")
     runs, counted = zip(*(count_first_forward(r) for r in runs))
@@ -307,7 +317,9 @@ def merge_runs(runs: list[dict]) -> dict:
     meta["order"] = run_order(runs[0])
     meta["skip"] = min(r["meta"].get("skip", 0) for r in runs)
     meta["merged"] = [{"date": r["meta"].get("date"), "skip": r["meta"].get("skip", 0), "rows": len(r["rows"]),
-                       **({"rounds_counted_first_forward": True} if c else {})} for r, c in zip(runs, counted)]
+                       **({"rounds_counted_first_forward": True} if c else {}),
+                       **({"identical_first_run_only": True} if identity_first_run_only(r) else {})}
+                      for r, c in zip(runs, counted)]
     return {"meta": meta, "summary": summarize(rows, meta["sets"], meta["methods"], meta["num_draft"]), "rows": rows}
 
 
@@ -448,6 +460,10 @@ def main(argv=None):
             ap.error(f"--merge: {e}")
         except (KeyError, TypeError) as e:  # a row or meta without a field a saved run has
             ap.error(f"--merge: not saved bench_versus runs ({type(e).__name__}: {e})")
+        for f, entry in zip(args.merge, merged["meta"]["merged"]):
+            if entry.get("identical_first_run_only"):
+                print(f"({f}: saved before session 40, its identity to plain compared only the first of each "
+                      f"method's {merged['meta']['repeats']} runs; meta.merged marks it)", file=sys.stderr)
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(merged, indent=1) + "\n")

@@ -389,3 +389,32 @@ def test_repeats_that_give_other_tokens_are_not_identical(tmp_path, monkeypatch)
     assert ours["tokens_out"] == plain["tokens_out"] and ours["repeats_agree"] is False
     assert ours["identical"] is False and plain["identical"] is True and plain["repeats_agree"] is True
     assert next(r for r in saved["summary"] if r["method"] == "ours-plain")["identical"] == 0
+
+
+def test_merge_says_which_runs_compared_only_their_first_repeat(tmp_path, capsys):
+    """A ``--repeats 2`` run saved before session 40 (no row has ``repeats_agree``: its ``identical`` compared each
+    method's first run only) merged with a new one: the merged ``meta.merged`` marks it and ``--merge`` says so on
+    stderr, instead of a joined "identical" column that silently claims every run was compared; runs of one
+    repeat, and new runs, are not marked."""
+    import json
+
+    bench = _bench()
+
+    def run(prompt, repeats, new):
+        r = _saved_run([prompt])
+        r["meta"].update(repeats=repeats, rounds=bench.ROUNDS)
+        if new:
+            for x in r["rows"]:
+                x["repeats_agree"] = True
+        return r
+
+    m = bench.merge_runs([run("HumanEval/0", 2, False), run("HumanEval/1", 2, True)])
+    assert [e.get("identical_first_run_only", False) for e in m["meta"]["merged"]] == [True, False]
+    m = bench.merge_runs([run("HumanEval/0", 1, False), run("HumanEval/1", 1, False)])
+    assert not any("identical_first_run_only" in e for e in m["meta"]["merged"])
+    a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "m.json"
+    a.write_text(json.dumps(run("HumanEval/0", 2, False)))
+    b.write_text(json.dumps(run("HumanEval/1", 2, True)))
+    bench.main(["--merge", str(a), str(b), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert str(a) in err and "first" in err and str(b) not in err

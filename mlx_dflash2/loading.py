@@ -649,6 +649,7 @@ def make_proposer(
             costs = measure(target, target_name, p, block_size=max(block_size or 1, p.block_size),
                             rerun=calibrate is True)
             p.schedule.widths = WidthPolicy(costs)
+            p.drafter.verify_costs = costs  # the dynamic draft length's cut verified at the cheapest width past it
     materialize(p)  # a server builds it here and runs it on its worker thread
     return p
 

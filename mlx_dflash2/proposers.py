@@ -267,7 +267,12 @@ class DFlashProposer(Proposer):
             ``benchmarks/profile_round.py``). Lossless, greedy and sampled:
             whether a slot is verified depends only on the slots before it
             (adaptive draft length, e.g. SpecDec++, arXiv 2405.19715); it
-            costs one host synchronisation per round.
+            costs one host synchronisation per round. With a calibration in
+            :attr:`verify_costs` (:class:`~.calibrate.VerifyCosts`; set by
+            :func:`~.loading.make_proposer` with the adaptive schedule's), a
+            cut draft is verified at the cheapest width at or past the cut
+            (:func:`padded_length`): where a verify of 16 rows costs less
+            than one of 5-9 (a 2-core CPU), the drafts past the cut come back.
         context_window: the drafter's context window ``W`` (rows of committed
             positions it attends to; :class:`~.drafter.model.DraftContext`):
             its memory per request stays ``~W`` rows per layer whatever the
@@ -302,6 +307,7 @@ class DFlashProposer(Proposer):
                  context_window: int = DEFAULT_CONTEXT_WINDOW, fit_blocks: bool = False, draft_vocab=None):
         self.fit_blocks = bool(fit_blocks)
         self.min_confidence = check_confidence(min_confidence, "min_confidence") or 0.0
+        self.verify_costs = None  # a calibration: the dynamic draft length verifies the cheapest width past its cut
         self.context_window = check_drafter_window(context_window)
         self.model = model
         self.target = target
@@ -558,7 +564,11 @@ class _DFlashSession(ProposerSession):
         else:
             prop = Proposal(p.to_ids(mx.argmax(unary, axis=-1).astype(mx.int32)), source="drafter")
         if p.min_confidence > 0 and n > 1:
-            prop = _cut(prop, unary, p.min_confidence, p.to_positions)
+            pad = None
+            if p.verify_costs is not None:
+                context = self._ctx.offset
+                pad = lambda keep, n_: padded_length(keep, n_, p.verify_costs, context)  # noqa: E731
+            prop = _cut(prop, unary, p.min_confidence, p.to_positions, pad)
         return prop
 
 
@@ -603,14 +613,49 @@ def confident_length(logq: mx.array, min_confidence: float) -> mx.array:
     return (1 + mx.sum(prefix >= math.log(min_confidence), axis=-1)).astype(mx.int32)
 
 
-def _cut(prop: Proposal, unary: mx.array, min_confidence: float, positions=None) -> Proposal:
+def padded_length(keep: int, n: int, costs, context: int | None = None) -> int:
+    """How many of ``n`` drafts a round verifies once the dynamic draft length kept ``keep`` of them: the count
+    in ``keep..n`` whose verify (``count + 1`` target rows) costs least by ``costs``, the longest among equal
+    costs. Where a verify's cost does not grow with its width this gives back drafts the cut dropped, for free:
+    on the 2-core CPU a Qwen2.5-Coder-1.5B verify of 5-9 rows costs 1.8-1.9 plain steps and one of 16 rows 1.5
+    (the BLAS kernel's native panel is 16 rows; narrower products take its slow edge path,
+    ``benchmarks/README.md``, session 41), and the cut at confidence 0.05 had verified 4-9 rows in most rounds.
+    Verifying more drafts never emits fewer tokens, so the cheapest width at or past the cut dominates.
+
+    Lossless as the cut itself: the count depends on ``keep`` (the confidences of the drafts before the cut),
+    the calibration and the context, never on the drafts it gives back.
+
+    Args:
+        keep: drafts the cut kept (``1..n``).
+        n: drafts proposed.
+        costs: a :class:`~.calibrate.VerifyCosts` (``verify(m, context)`` in seconds: measured widths, linear
+            between them), or ``None``: ``keep`` unchanged.
+        context: tokens in the target's cache the verify rows attend to (``None``: the calibration's own).
+
+    Returns:
+        The number of drafts to verify, ``keep..n``.
+    """
+    if costs is None or keep >= n:
+        return keep
+    best, best_t = keep, costs.verify(keep + 1, context)
+    for k in sorted({n} | {m - 1 for m in costs.verify_s if keep + 1 < m <= n + 1}):
+        t = costs.verify(k + 1, context)
+        if t <= best_t:
+            best, best_t = k, t
+    return best
+
+
+def _cut(prop: Proposal, unary: mx.array, min_confidence: float, positions=None, pad=None) -> Proposal:
     """``prop`` cut to :func:`confident_length` slots, the confidence of a slot
     being the unary softmax probability of its drafted token; one host
-    synchronisation. ``positions``: token ids -> positions of ``unary``'s last axis (a draft vocabulary)."""
+    synchronisation. ``positions``: token ids -> positions of ``unary``'s last axis (a draft vocabulary);
+    ``pad``: ``(keep, n) -> count`` (:func:`padded_length`), drafts given back where a wider verify costs no more."""
     u = unary.astype(mx.float32)
     pos = prop.tokens if positions is None else positions(prop.tokens)
     logq = mx.take_along_axis(u, pos[:, None], axis=-1)[:, 0] - mx.logsumexp(u, axis=-1)
     keep = int(confident_length(logq, min_confidence).item())
+    if pad is not None:
+        keep = pad(keep, prop.n)
     if keep >= prop.n:
         return prop
     if prop.q is None:

@@ -528,3 +528,21 @@ def test_cli_calibrate_flag_end_to_end():
     (entry,) = [e for k, e in entries.items() if e != before.get(k)]  # this run's (new or measured again)
     assert sorted(map(int, entry["verify_s"])) == list(DEFAULT_WIDTHS)
     assert entry["fingerprint"]["target"] == "smollm2-135m-instruct" and entry["meta"]["passes"] >= 1, took
+
+
+def test_padded_length_verifies_the_cheapest_width_at_or_past_the_cut():
+    """The dynamic draft length's cut, given back where a wider verify costs no more (the 2-core CPU's 1.5B: 16 rows
+    cheaper than 4-12, session 41); unchanged where the cost grows with the width, or without a calibration."""
+    from mlx_dflash2.proposers import padded_length
+
+    cpu = VerifyCosts({1: 0.48, 2: 0.59, 3: 0.70, 4: 0.85, 6: 0.88, 8: 0.91, 12: 1.47, 16: 0.75})
+    assert padded_length(4, 15, cpu) == 15  # 5 rows (between 4 and 6: ~0.87 s) -> 16 rows (0.75 s)
+    assert padded_length(1, 15, cpu) == 1  # 2 rows stay the cheapest
+    assert padded_length(2, 15, cpu) == 2  # 3 rows (0.70) beat 16 (0.75)
+    assert padded_length(4, 10, cpu) == 4  # 16 rows out of reach: 5 rows (~0.87) against 8 (0.91), 11 (~1.33)
+    assert padded_length(5, 7, cpu) == 5  # 6 rows 0.88, 8 rows 0.91: the cut stands
+    growing = VerifyCosts({1: 1.0, 4: 1.5, 8: 2.0, 16: 3.0})
+    assert [padded_length(k, 15, growing) for k in (1, 3, 7, 14)] == [1, 3, 7, 14]
+    flat = VerifyCosts({1: 1.0, 4: 2.0, 8: 2.0, 16: 2.0})
+    assert padded_length(3, 15, flat) == 15  # equal costs: the longest
+    assert padded_length(3, 15, None) == 3 and padded_length(15, 15, cpu) == 15

@@ -330,6 +330,26 @@ def test_dynamic_draft_length_f32_identical(smol_f32, refs, fresh_dflash2, conf)
     assert 0 < stats.drafted < stats.rounds * 15  # some blocks were cut
 
 
+def test_dynamic_draft_length_padded_to_the_cheapest_width_f32_identical(smol_f32, refs, fresh_dflash2):
+    """With a calibration where 16 rows cost less than 4-15 (the 2-core CPU's 1.5B), a draft cut to 3 is verified
+    at 16 rows instead (cuts to 1-2 drafts stay: 2-3 rows are cheaper still), and the output is unchanged. The fresh
+    drafter's cuts keep 1-3 drafts, so without the calibration no round verifies 16 rows."""
+    from mlx_dflash2.calibrate import VerifyCosts
+
+    target, tok = smol_f32
+    ids, ref = refs.get("math", 30)
+    widths = []
+    for costs in (None, VerifyCosts({1: 0.48, 2: 0.59, 3: 0.70, 4: 0.85, 6: 0.88, 8: 0.91, 12: 1.47, 16: 0.75})):
+        dp = DFlashProposer(fresh_dflash2, target, len(tok), min_confidence=0.05)
+        dp.verify_costs = costs
+        stats = SpecStats()
+        assert run(target, ids, dp, 16, 30, stats) == ref[:30]
+        widths.append(stats.verify_widths)
+    assert max(widths[0]) <= 4 and 16 in widths[1], widths
+    # 4 rows only where max_tokens left fewer than 15 drafts (16 rows out of reach); nothing between 5 and 15
+    assert not any(4 < m < 16 for m in widths[1]) and widths[1].get(4, 0) < widths[0][4], widths
+
+
 def test_dynamic_draft_length_is_a_prefix(smol_f32, fresh_dflash2):
     """The cut keeps a prefix of the full proposal (same key), with its own q rows intact."""
     target, tok = smol_f32

@@ -273,6 +273,10 @@ class DFlashProposer(Proposer):
             cut draft is verified at the cheapest width at or past the cut
             (:func:`padded_length`): where a verify of 16 rows costs less
             than one of 5-9 (a 2-core CPU), the drafts past the cut come back.
+            Only in a request whose session is ``adaptive`` (the loop's
+            ``adaptive``): not a seeded sampled one, whose output must not
+            depend on a measured table, nor a row of a batch of several
+            (:meth:`propose_many` leaves every row's cut as it is).
         context_window: the drafter's context window ``W`` (rows of committed
             positions it attends to; :class:`~.drafter.model.DraftContext`):
             its memory per request stays ``~W`` rows per layer whatever the
@@ -565,7 +569,11 @@ class _DFlashSession(ProposerSession):
             prop = Proposal(p.to_ids(mx.argmax(unary, axis=-1).astype(mx.int32)), source="drafter")
         if p.min_confidence > 0 and n > 1:
             pad = None
-            if p.verify_costs is not None:
+            # only where the request lets measured costs choose its rounds (adaptive): a seeded sampled request
+            # (adaptive=False) must not depend on a calibration (its output would change with each measurement),
+            # and a row of a batch of several verifies at the batch's width (its rows' cuts stand unpadded in
+            # _propose_rows too)
+            if p.verify_costs is not None and self.adaptive:
                 context = self._ctx.offset
                 pad = lambda keep, n_: padded_length(keep, n_, p.verify_costs, context)  # noqa: E731
             prop = _cut(prop, unary, p.min_confidence, p.to_positions, pad)
@@ -1032,6 +1040,14 @@ class _FusedSession(ProposerSession):
         self._width = None  # (kind, tokens proposed) of the round being verified (the schedule's width policy)
         self._plain_run = 0  # plain rounds in a row proposed, the last one included (the loop's streak)
         self._held: list = []  # (context, arm, tokens, seconds) of the settling rounds of the current plain run
+
+    @property
+    def adaptive(self) -> bool:  # the drafter session's: it pads a cut draft only where the loop allows (see there)
+        return self.d.adaptive
+
+    @adaptive.setter
+    def adaptive(self, value: bool) -> None:
+        self.d.adaptive = bool(value)
 
     def verified(self, tokens):
         sch = self.p.schedule

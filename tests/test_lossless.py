@@ -350,6 +350,32 @@ def test_dynamic_draft_length_padded_to_the_cheapest_width_f32_identical(smol_f3
     assert not any(4 < m < 16 for m in widths[1]) and widths[1].get(4, 0) < widths[0][4], widths
 
 
+def test_padded_draft_length_only_where_the_request_is_adaptive(smol_f32, fresh_dflash2):
+    """The padding reads a measured table, so it runs only in an adaptive session: a seeded sampled request
+    (``adaptive=False``) keeps its plain cut whatever the calibration (same seed, same output), as does a row of a
+    batch of several (``_propose_rows`` never pads; a lone drafting row of such a batch must not either). A
+    ``FusedProposer``'s session hands its ``adaptive`` to its drafter's."""
+    from mlx_dflash2.calibrate import VerifyCosts
+
+    target, tok = smol_f32
+    ids = chat_ids(tok, PROMPTS["chat"])
+    dp = DFlashProposer(fresh_dflash2, target, len(tok), min_confidence=0.05)
+    dp.verify_costs = VerifyCosts({1: 1.0, 2: 2.0, 4: 4.0, 8: 6.0, 16: 0.5})  # 16 rows cheapest: every cut padded
+    s = dp.start(ids)
+    s.extend(ids, target.forward(mx.array(ids, mx.int32), target.make_cache(), dp.tap_ids).features)
+    for temp in (0.0, 0.8):
+        s.adaptive = False
+        cut = s.propose(ids[-1], 15, temp, mx.random.key(3))
+        s.adaptive = True
+        padded = s.propose(ids[-1], 15, temp, mx.random.key(3))
+        assert cut.n < padded.n == 15 and padded.tokens[: cut.n].tolist() == cut.tokens.tolist(), (cut.n, padded.n)
+        if temp > 0:
+            assert padded.q.shape[0] == padded.cand_ids.shape[0] == 15
+    fused = FusedProposer(dp, LookupProposer(block_size=16)).start(ids)
+    fused.adaptive = False
+    assert fused.d.adaptive is False and fused.adaptive is False
+
+
 def test_dynamic_draft_length_is_a_prefix(smol_f32, fresh_dflash2):
     """The cut keeps a prefix of the full proposal (same key), with its own q rows intact."""
     target, tok = smol_f32

@@ -226,15 +226,17 @@ def summarize(rows: list[dict], sets: list[str], methods: list[str], num_draft: 
     return out
 
 
-def ours_proposer(drafter: str, target, tokenizer, name: str, dequantize: bool, adaptive: bool | None = None):
+def ours_proposer(drafter: str, target, tokenizer, name: str, dequantize: bool, adaptive: bool | None = None,
+                  trees: bool = True):
     """Our proposer for the ``auto`` method as ``mlx_dflash2.load`` builds it: ``drafter`` (``"auto"`` or a drafter
     directory) fused with lookup under its schedule, a quantized drafter expanded to dense where the target is
     (:func:`mlx_dflash2.loading.drafter_dequantize`: on MLX's CPU backend a quantized matmul costs time linear in
     its rows, and the drafter runs 16 of them; until session 34 this bench kept the drafter packed beside a dense
     target, ~2x the CLI's round time on this CPU). ``adaptive``: as ``load``'s (``None``: the adaptive schedule
-    for ``"auto"`` only; ``True``: for a drafter directory too, as ``--adaptive``)."""
+    for ``"auto"`` only; ``True``: for a drafter directory too, as ``--adaptive``). ``trees``: as ``load``'s
+    (``--no-trees``: chains only)."""
     return make_proposer(drafter, target, tokenizer, name, dequantize=drafter_dequantize(dequantize, target),
-                         adaptive=adaptive)
+                         adaptive=adaptive, trees=trees)
 
 
 # how rows count "rounds" (meta["rounds"]); a run saved without it and without meta["skip"] (before session 36's
@@ -437,6 +439,7 @@ def main(argv=None):
     ap.add_argument("--dtype", default="auto", choices=("auto", *FLOAT_DTYPES))
     ap.add_argument("--dequantize", action="store_true", help="expand the target to dense (default: packed)")
     ap.add_argument("--draft-dequantize", action="store_true", help="expand the draft model to dense")
+    ap.add_argument("--no-trees", action="store_true", help="our greedy rounds verify chains only (load(trees=False))")
     ap.add_argument("--verify-widths", type=_csv(int), default=[1, 3, 5, 7, 8],
                     help="widths M whose target forward T(M)/T(1) is measured first ('0' skips it)")
     ap.add_argument("--time-budget", type=float, default=None, metavar="MIN",
@@ -539,7 +542,7 @@ def main(argv=None):
         proposers["lookup"] = make_proposer("lookup", target, tok, name)
     if "auto" in args.methods:
         try:
-            p = ours_proposer(args.drafter, target, tok, name, args.dequantize)
+            p = ours_proposer(args.drafter, target, tok, name, args.dequantize, trees=not args.no_trees)
         except (ValueError, FileNotFoundError) as e:  # e.g. a drafter of another target (DrafterConfigError)
             sys.exit(f"bench_versus.py: error: --drafter: {e}")
         lk = proposers.get("lookup")
@@ -551,7 +554,8 @@ def main(argv=None):
             proposers["auto"] = p
     if "adaptive" in args.methods:
         try:
-            proposers["adaptive"] = ours_proposer(args.drafter, target, tok, name, args.dequantize, adaptive=True)
+            proposers["adaptive"] = ours_proposer(args.drafter, target, tok, name, args.dequantize, adaptive=True,
+                                                  trees=not args.no_trees)
         except (ValueError, FileNotFoundError) as e:
             sys.exit(f"bench_versus.py: error: --drafter: {e}")
     if "ours-plain" in args.methods:
@@ -565,7 +569,7 @@ def main(argv=None):
         "skip": args.skip, "rounds": ROUNDS,
         "max_tokens": args.max_tokens, "methods": args.methods, "num_draft": args.num_draft,
         "repeats": args.repeats, "order": args.order, "same_as": same_as, "drafters": drafter_names,
-        "drafter": args.drafter,
+        "drafter": args.drafter, "trees": not args.no_trees and bool(getattr(target, "tree_capable", False)),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "timing": "decode: generated tokens / seconds from the request's start (prompt but its last token "
                   "already cached) to its last token; EOS counted",

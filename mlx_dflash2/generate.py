@@ -32,6 +32,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", "--draft-model", default="auto", help=DRAFTER_HELP)
     p.add_argument("--no-lookup", action="store_true", help="do not fuse lookup proposals with the drafter's")
+    p.add_argument("--no-trees", action="store_true",
+                   help="greedy requests verify the drafter's chain only, not a tree of its candidates (same output)")
     p.add_argument("--draft-confidence", type=draft_confidence_arg, default=None, metavar="C",
                    help=DRAFT_CONFIDENCE_HELP)
     p.add_argument("--drafter-window", type=drafter_window_arg, default=None, metavar="N",
@@ -150,6 +152,7 @@ def main(argv=None) -> int:
             calibrate=args.calibrate,
             drafter_window=args.drafter_window,
             draft_vocab=args.draft_vocab,
+            trees=not args.no_trees,
             names="cli",  # its errors name the flags (--no-lookup), not load()'s arguments
         )
         prompt = _build_prompt(args, tokenizer)

@@ -558,6 +558,7 @@ def make_proposer(
     block_size: int | None = None,
     drafter_window: int = DEFAULT_CONTEXT_WINDOW,
     draft_vocab="auto",
+    trees: bool = True,
 ) -> Proposer | None:
     """Build the proposer for ``drafter``.
 
@@ -586,6 +587,8 @@ def make_proposer(
         draft_vocab: the token ids the drafter may propose (:class:`~.proposers.DFlashProposer`):
             ``"auto"`` (default) the drafter directory's ``draft_vocab.json`` where it ships one
             (:func:`~.drafter.io.read_draft_vocab`), else every id; ``"full"``: every id; or a list of ids.
+        trees: a DFlash2 drafter proposes tree drafts to greedy requests without logits processors on targets
+            that can verify them (:mod:`~.tree`); ``False``: chains only.
 
     Raises:
         FileNotFoundError, DrafterConfigError, DrafterLoadError: bad drafter (or draft vocabulary file).
@@ -633,7 +636,7 @@ def make_proposer(
     try:
         p = DFlashProposer(model, target, valid_vocab=len(tokenizer), min_confidence=min_confidence,
                            context_window=drafter_window,
-                           draft_vocab=None if isinstance(draft_vocab, str) else draft_vocab)
+                           draft_vocab=None if isinstance(draft_vocab, str) else draft_vocab, trees=trees)
     except ValueError as e:  # the ids checked against the target (check_vocab_ids): name the file they came from
         if vocab_file is None or isinstance(draft_vocab, str):
             raise
@@ -668,6 +671,7 @@ def load(
     calibrate: bool | None = None,
     drafter_window: int | None = None,
     draft_vocab=None,
+    trees: bool = True,
     names: Names = "python",
 ):
     """Load a target and its drafter (mirrors ``mlx_lm.load``).
@@ -698,6 +702,7 @@ def load(
             unbounded. Lossless either way; a smaller window can cost acceptance on long prompts.
         draft_vocab: the ids the drafter may propose, see :func:`make_proposer` (``None``, the default, or
             ``"auto"``: the drafter's ``draft_vocab.json`` where it ships one; ``"full"``: every id; a list of ids).
+        trees: tree drafts for greedy requests (see :func:`make_proposer`; ``False``: chains only, the same output).
         names: how the errors below name the settings: ``"python"`` (default), these arguments
             (``lookup=False``); ``"cli"``, the command-line flags (``--no-lookup``; the generate and server
             commands).
@@ -753,7 +758,7 @@ def load(
     proposer = make_proposer(drafter, target, tokenizer, name, lookup=lookup, dequantize=dequantize,
                              min_confidence=draft_confidence, adaptive=adaptive, kernels=kernels,
                              calibrate=calibrate, block_size=block_size, drafter_window=drafter_window,
-                             draft_vocab=draft_vocab)
+                             draft_vocab=draft_vocab, trees=trees)
     if calibrate and getattr(proposer, "calibration", None) is None:
         logger.warning("calibrate: drafter %r has no adaptive schedule to choose verify widths; nothing measured",
                        getattr(proposer, "name", "none"))

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from .drafter.model import DEFAULT_CONTEXT_WINDOW, DraftContext, DraftModel, top_k_ids
 from .lookup import SuffixIndex
@@ -84,12 +85,15 @@ class Proposal:
         source: what made it, for the statistics: ``"drafter"`` (a drafter
             forward ran), ``"lookup"`` (copied from the history) or ``""``
             (unspecified, e.g. a custom proposer: counted as ``"drafter"``).
+        tree: a :class:`~.tree.DraftTree` when ``tokens`` are the nodes of a tree draft (greedy only: ``q`` is
+            ``None``), or ``None`` for a chain ``d_1..d_n``.
     """
 
     tokens: mx.array
     cand_ids: mx.array | None = None
     q: mx.array | None = None
     source: str = ""
+    tree: object = None
 
     @property
     def n(self) -> int:
@@ -161,10 +165,14 @@ class ProposerSession:
     ``plain_pipelined``: whether the loop queues plain rounds ahead from the
     second in a row on (``speculative_generate_step`` on a GPU with a greedy
     verifier; set by the loop, read by an adaptive schedule's timing).
+    ``trees``: whether proposals may be tree drafts (:mod:`~mlx_dflash2.tree`; set by the solo loop for a
+    greedy request without logits processors on a :attr:`~.target.TargetAdapter.tree_capable` target, read by
+    DFlash2 drafter sessions whose proposer has ``trees``).
     """
 
     adaptive: bool = True
     plain_pipelined: bool = False
+    trees: bool = False
 
     def end_run(self) -> None:
         """The loop stopped (whatever the reason): a session that times its rounds settles its bookkeeping."""
@@ -305,11 +313,18 @@ class DFlashProposer(Proposer):
             which tokens are drafted changes, verification does not. A drafter directory's
             ``draft_vocab.json`` (:func:`~.drafter.io.read_draft_vocab`) is the default of
             :func:`~.loading.make_proposer`.
+        trees: propose tree drafts where the request's session allows them (``trees``: greedy, no logits
+            processors, a tree-capable target): the same number of verify rows as the chain, filled with the
+            drafter lattice's most probable nodes (:func:`~.tree.build_tree`) instead of its greedy walk; a
+            DFlash2 drafter only. On the 2-core CPU a Qwen2.5-Coder-1.5B round verified 15 tree nodes for 2.38
+            tokens where the chain of 15 gave 1.93 (``benchmarks/tree_sim.py``).
     """
 
     def __init__(self, model: DraftModel, target, valid_vocab: int, min_confidence: float = 0.0,
-                 context_window: int = DEFAULT_CONTEXT_WINDOW, fit_blocks: bool = False, draft_vocab=None):
+                 context_window: int = DEFAULT_CONTEXT_WINDOW, fit_blocks: bool = False, draft_vocab=None,
+                 trees: bool = True):
         self.fit_blocks = bool(fit_blocks)
+        self.trees = bool(trees) and model.config.is_dflash2  # the lattice comes from the selector
         self.min_confidence = check_confidence(min_confidence, "min_confidence") or 0.0
         self.verify_costs = None  # a calibration: the dynamic draft length verifies the cheapest width past its cut
         self.context_window = check_drafter_window(context_window)
@@ -559,6 +574,8 @@ class _DFlashSession(ProposerSession):
             emb = emb * cfg.input_embedding_scale
         h = model(emb, self.ctx, n + 1)[0, 1:]  # the last layer over slots 0..n only
         unary = p.unary(h)
+        if p.trees and self.trees and temperature == 0 and n > 1:
+            return self._tree(anchor, n, unary, h)
         if cfg.is_dflash2:
             out = model.candidate_selector.walk(unary, h, mx.array(anchor, dtype=mx.int32), temperature, key,
                                                 model.kernel_mode, p.vocab_ids)
@@ -578,6 +595,37 @@ class _DFlashSession(ProposerSession):
                 pad = lambda keep, n_: padded_length(keep, n_, p.verify_costs, context)  # noqa: E731
             prop = _cut(prop, unary, p.min_confidence, p.to_positions, pad)
         return prop
+
+
+    def _tree(self, anchor: int, n: int, unary: mx.array, h: mx.array) -> Proposal:
+        """A tree draft of at most ``n`` nodes from the selector's lattice (:func:`~.tree.build_tree`), one host
+        synchronisation (the lattice, ``n x 16 x 16`` scores). A node's confidence is its path probability: the
+        selector's softmax over each slot's K candidates times the share of the slot's unary distribution those
+        K hold; with a dynamic draft length (``min_confidence``) the tree keeps the nodes whose confidence is at
+        least that (at least one) and, with a calibration, grows back to the cheapest verify width at or past
+        that count (:func:`padded_length`), as a chain's cut does. A tree that is a chain is proposed as one."""
+        from .kernels.selector_walk import lattice_scores
+        from .tree import build_tree
+
+        p = self.p
+        sel = p.model.candidate_selector
+        cand, u, H = sel.candidates(unary[None], h[None], p.vocab_ids)
+        first, edges = lattice_scores(cand, u, H, sel.predecessor_codebook, sel.successor_codebook,
+                                      mx.array([anchor], dtype=mx.int32))
+        mass = mx.logsumexp(u[0], axis=-1) - mx.logsumexp(unary.astype(mx.float32), axis=-1)  # [T] log share
+        first = first[0] - mx.logsumexp(first[0], axis=-1, keepdims=True) + mass[0]
+        edges = edges[0] - mx.logsumexp(edges[0], axis=-1, keepdims=True) + mass[1:, None, None]
+        mx.eval(cand, first, edges)
+        tree, nodes = build_tree(np.array(first), np.array(edges), n)
+        keep = tree.n
+        if p.min_confidence > 0:
+            keep = max(1, sum(lp >= math.log(p.min_confidence) for lp in tree.logp))
+            if p.verify_costs is not None and self.adaptive:
+                keep = padded_length(keep, tree.n, p.verify_costs, self._ctx.offset)
+        tree = tree.prefix(keep)
+        c = np.array(cand[0])
+        tokens = mx.array([int(c[t, k]) for t, k in nodes[:keep]], dtype=mx.int32)
+        return Proposal(tokens, source="drafter", tree=None if tree.is_chain else tree)
 
 
 def check_vocab_ids(ids, valid_vocab: int, vocab_rows: int) -> list[int]:
@@ -1049,6 +1097,14 @@ class _FusedSession(ProposerSession):
     def adaptive(self, value: bool) -> None:
         self.d.adaptive = bool(value)
 
+    @property
+    def trees(self) -> bool:  # the drafter session's (it builds the trees)
+        return self.d.trees
+
+    @trees.setter
+    def trees(self, value: bool) -> None:
+        self.d.trees = bool(value)
+
     def verified(self, tokens):
         sch = self.p.schedule
         if self._round is not None:  # the round ends at its host synchronisation (consumer time excluded)
@@ -1176,6 +1232,13 @@ class _FusedSession(ProposerSession):
             # ones agree with them would make the proposal differ from the q the verifier is given
             # (emitting a lookup token d_1 = l_1 would have probability p(1 - r(1 - q(l_1))) instead
             # of p, r = P(d_2 = l_2 | d_1 = l_1)): biased sampling.
+            return dp
+        if dp.tree is not None:  # the tree's greedy walk starts with node 0 and node 0's first child
+            host = dp.tokens.tolist()
+            child = next((i for i, q in enumerate(dp.tree.parents) if q == 0), None)
+            if child is not None and lt[:2] == [host[0], host[child]]:
+                return Proposal(mx.array(lt[: dp.n], dtype=mx.int32), source="drafter")  # the chain rule's
+                # choice (the lookup's tokens where the drafter agrees on the first two), without a drafter tail
             return dp
         lt = lt[: dp.n]  # the drafter may have cut its draft short (min_confidence)
         lookup_tokens = mx.concatenate([mx.array(lt, dtype=mx.int32), dp.tokens[len(lt) :]])

@@ -39,6 +39,7 @@ import mlx.core as mx
 
 from .proposers import PLAIN_RUN_AHEAD_AFTER, Proposal, Proposer
 from .target import TargetAdapter, cache_length, trim_cache
+from .tree import compact_cache
 from .verify import GreedyVerifier, Verifier
 
 __all__ = ["SpecStats", "speculative_generate_step", "GenerationState", "PLAIN_PROPOSER", "start_request", "RequestSetup"]
@@ -318,7 +319,7 @@ class RequestSetup:
 def start_request(prompt: list[int], target: TargetAdapter, proposer: Proposer | None = None, *,
                   verifier: Verifier | None = None, block_size: int | None = None,
                   stats: SpecStats | None = None, state: GenerationState | None = None,
-                  adaptive: bool = True) -> RequestSetup:
+                  adaptive: bool = True, trees: bool = False) -> RequestSetup:
     """Validate a request and prepare its caches, before its prefill: the one setup of the solo loop
     (:func:`speculative_generate_step`) and of a batch's join (:meth:`~.batch.SpeculativeBatch.add`).
 
@@ -333,6 +334,9 @@ def start_request(prompt: list[int], target: TargetAdapter, proposer: Proposer |
         prompt: token ids (non-empty; ``int`` list).
         target, proposer, verifier, block_size, stats, state, adaptive: as
             :func:`speculative_generate_step`'s.
+        trees: the caller verifies tree drafts (:mod:`~mlx_dflash2.tree`): the session may propose them where
+            the verifier allows (:attr:`~.verify.Verifier.trees_ok`) and the target can run them
+            (:attr:`~.target.TargetAdapter.tree_capable`); a batch's rows do not.
 
     Returns:
         A :class:`RequestSetup`: the effective proposer, verifier and block size, the tap layer ids,
@@ -383,6 +387,8 @@ def start_request(prompt: list[int], target: TargetAdapter, proposer: Proposer |
         cache = target.make_cache()
         session = proposer.start(prompt)
     session.adaptive = adaptive  # read by sessions that have a schedule (FusedProposer)
+    dflash = getattr(proposer, "drafter", proposer)
+    session.trees = bool(trees and getattr(dflash, "trees", False) and verifier.trees_ok and target.tree_capable)
     if state is not None:
         state.cache, state.session, state.proposer, state.reused = cache, session, proposer, reuse
         state.tokens = prompt[:reuse]
@@ -443,7 +449,7 @@ def speculative_generate_step(
         return
     stats = stats if stats is not None else SpecStats()
     setup = start_request(prompt, target, proposer, verifier=verifier, block_size=block_size, stats=stats,
-                          state=state, adaptive=adaptive)
+                          state=state, adaptive=adaptive, trees=True)
     proposer, verifier, B, tap_ids = setup.proposer, setup.verifier, setup.block_size, setup.tap_ids
     cache, session, reuse = setup.cache, setup.session, setup.reused
     limit = target.max_context
@@ -546,7 +552,7 @@ def speculative_generate_step(
             if prop.n:  # the drafter's forward runs on the device while the host builds the verify graph
                 mx.async_eval(prop.tokens)
             verify_in = mx.concatenate([mx.array([anchor], dtype=mx.int32), prop.tokens.astype(mx.int32)])
-            res = target.forward(verify_in, cache, tap_ids)
+            res = target.forward(verify_in, cache, tap_ids, tree=prop.tree)
             vr = verifier.verify(res.logits, prop, history)
             mx.async_eval(vr.num_accepted, vr.tokens, vr.logprobs)
             return prop, res, vr, anchor
@@ -592,9 +598,16 @@ def speculative_generate_step(
             a = int(vr.num_accepted.item())  # the round's one host synchronisation
             session.verified(a + 1)
             toks = vr.tokens[: a + 1].tolist()
+            kept = None
+            if vr.rows is not None:  # a tree round: the accepted path's rows first, as if fed alone
+                kept = vr.rows[: a + 1]
+                compact_cache(cache, cache_length(cache) - (n + 1), vr.rows, a + 1)
             trim_cache(cache, n - a)  # rollback of the rejected drafts
             # commit the round (the drafter's context, the history) and queue the next one before yielding
-            session.extend([anc] + toks[:a], feats(res.features[: a + 1] if tap_ids else None))
+            if tap_ids:
+                session.extend([anc] + toks[:a], res.features[: a + 1] if kept is None else res.features[kept])
+            else:
+                session.extend([anc] + toks[:a], None)
             history.extend(toks)
             committed = cache_length(cache) - (pre is not None)
             if pre is None:

@@ -87,6 +87,37 @@ class _Tap:
         return getattr(self.layer, name)
 
 
+class _TreeCache:
+    """A layer's ``KVCache`` during a tree forward (:mod:`mlx_dflash2.tree`): its own update, offset and buffers,
+    and the tree's attention mask in place of the causal one (mlx-lm's models ask the first layer's cache for
+    the mask, ``create_attention_mask``)."""
+
+    __slots__ = ("cache", "mask")
+
+    def __init__(self, cache, mask: mx.array):
+        self.cache, self.mask = cache, mask
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        return self.mask
+
+    def __getattr__(self, name):
+        return getattr(self.cache, name)
+
+
+class _TreeRope:
+    """An attention's RoPE during a tree forward: row ``i`` of ``[1, H, L, D]`` rotated at ``positions[i]``
+    (its depth past the cache), through the model's own RoPE module (any scaling) with per-example offsets: the
+    rows are laid out as a batch of ``L`` one-row sequences for the call."""
+
+    __slots__ = ("rope", "positions")
+
+    def __init__(self, rope, positions: mx.array):
+        self.rope, self.positions = rope, positions
+
+    def __call__(self, x: mx.array, offset=0) -> mx.array:
+        return self.rope(x.swapaxes(0, 2), offset=self.positions).swapaxes(0, 2)
+
+
 def text_config(config: dict) -> dict:
     """The text model's config: ``text_config`` merged over the top level (Qwen3.5 and Gemma 3/4
     vision-language checkpoints nest it there), else ``config`` itself."""
@@ -188,6 +219,7 @@ class TargetAdapter:
             self._padding = mx.arange(rows) >= self.vocab_size
             mx.eval(self._padding)  # not lazy: the adapter may be used on another thread (server worker)
         self._routes: list = []
+        self._tree_ok: bool | None = None  # tree_capable, decided at its first use
         self.kernels = "reference"
         self.kernel_choice: dict = {}  # what route_kernels measured and decided (printed by --verbose)
         if probe:
@@ -350,6 +382,7 @@ class TargetAdapter:
         cache: list,
         tap_ids: Sequence[int] = (),
         last_only: bool = False,
+        tree=None,
     ) -> ForwardResult:
         """Run the target on new tokens, appending them to ``cache``.
 
@@ -358,11 +391,17 @@ class TargetAdapter:
             cache: the request's cache from :meth:`make_cache` (mutated: grows by ``L`` positions).
             tap_ids: 0-based decoder layer ids whose outputs are tapped.
             last_only: compute logits for the last position only.
+            tree: a :class:`~.tree.DraftTree` of ``L - 1`` nodes: ``tokens`` are the anchor and the nodes, each
+                node at position ``offset + depth`` attending to the cache, the anchor and its ancestors only
+                (needs :attr:`tree_capable`; the cache then holds the rows in node order until
+                :func:`~.tree.compact_cache`).
 
         Returns:
             :class:`ForwardResult` with logits ``[L, V]`` (``[1, V]`` if
             ``last_only``) and features ``[L, len(tap_ids)*D]`` or None.
         """
+        if tree is not None:
+            return self._tree_forward(tokens, cache, tap_ids, tree)
         h, taps = self._call(lambda: self.inner(tokens[None], cache=cache), tap_ids)
         features = None
         if tap_ids:
@@ -370,6 +409,101 @@ class TargetAdapter:
         if last_only:
             h = h[:, -1:]
         return ForwardResult(self.logits(h)[0], features)
+
+    @property
+    def tree_capable(self) -> bool:
+        """Whether :meth:`forward` can verify tree drafts: a dense family whose every layer is full attention
+        with mlx-lm's ``KVCache`` and has a RoPE module, no routed kernels (:meth:`route_kernels`: their row
+        invariance covers chains only), and the tree probe (:meth:`check_tree`, run at the first call: a tree's
+        rows against the same tokens fed as chains) passed."""
+        if self._tree_ok is None:
+            self._tree_ok = self._tree_layout() and self.check_tree()
+        return self._tree_ok
+
+    def _tree_layout(self) -> bool:
+        if self.config.get("model_type") not in DENSE_MODEL_TYPES or self._window:
+            return False
+        if self._routes:
+            # routed kernels make the plain step and the verify compute every row alike (greedy output equals
+            # plain decoding even at near-ties); a tree's rows would take MLX's attention with an explicit mask
+            # instead of verify_attention, so a tie could break otherwise: chains only (a tree mask in
+            # verify_attention would lift this)
+            return False
+        if not all(type(c) is KVCache for c in self.make_cache()):
+            return False
+        for layer in self.layers:
+            attn = getattr(layer, "self_attn", None)
+            if attn is None or not hasattr(attn, "rope"):
+                return False
+        return True
+
+    def _swap_ropes(self, positions: mx.array):
+        """Put a :class:`_TreeRope` in every attention (this model object only); returns the undo."""
+        undo = []
+        for layer in self.inner.layers:
+            attn = layer.self_attn  # an instance attribute shadows the module's child for the call
+            object.__setattr__(attn, "rope", _TreeRope(attn.rope, positions))
+            undo.append(lambda attn=attn: object.__delattr__(attn, "rope"))
+
+        def restore():
+            for u in undo:
+                u()
+
+        return restore
+
+    def _tree_forward(self, tokens, cache, tap_ids, tree) -> ForwardResult:
+        if tokens.shape[0] != tree.n + 1:
+            raise ValueError(f"a tree of {tree.n} nodes verifies {tree.n + 1} tokens, got {tokens.shape[0]}")
+        offset = cache[0].offset
+        positions = mx.array([offset] + [offset + d for d in tree.depths], dtype=mx.int32)
+        views = [_TreeCache(c, tree.mask(offset)) for c in cache]
+        restore = self._swap_ropes(positions)
+        try:
+            h, taps = self._call(lambda: self.inner(tokens[None], cache=views), tap_ids)
+        finally:
+            restore()
+        features = None
+        if tap_ids:
+            features = mx.concatenate([taps[i].out for i in tap_ids], axis=-1)[0]
+        return ForwardResult(self.logits(h)[0], features)
+
+    def check_tree(self) -> bool:
+        """Tree probe: after a 5-token prefix, a tree of an anchor and four nodes (two children of the anchor,
+        each with one child) must give each row the logits of the same tokens fed as a chain (relative tolerance
+        1e-3 in float32, 0.05 in 16-bit; a wrong position or mask is off by the logits' scale). A failure
+        disables tree drafts with one warning line (chains go on as before)."""
+        from .tree import DraftTree
+
+        V = self.vocab_size
+        ids = [(17 + 7919 * i) % V for i in range(10)]
+        prefix, anchor, a, b, c, d = ids[:5], ids[5], ids[6], ids[7], ids[8], ids[9]
+        tree = DraftTree((-1, -1, 0, 1), (1, 1, 2, 2))
+        try:
+            cache = self.make_cache()
+            self.forward(mx.array(prefix, dtype=mx.int32), cache)
+            rows = self.forward(mx.array([anchor, a, b, c, d], dtype=mx.int32), cache, tree=tree).logits
+            ref = []
+            for chain in ([anchor, a, c], [anchor, b, d]):
+                cc = self.make_cache()
+                self.forward(mx.array(prefix, dtype=mx.int32), cc)
+                ref.append(self.forward(mx.array(chain, dtype=mx.int32), cc).logits)
+            want = [ref[0][0], ref[0][1], ref[1][1], ref[0][2], ref[1][2]]
+            got = [rows[i] for i in range(5)]
+            diff = _relative_difference([w[:V].astype(mx.float32) for w in want],
+                                        [g[:V].astype(mx.float32) for g in got])
+        except Exception as e:  # noqa: BLE001 (any failure of the tree path disables it, never the chain)
+            diff, err = float("inf"), e
+        else:
+            err = None
+        tol = 1e-3 if self.dtype == mx.float32 else 0.05
+        if not diff <= tol:
+            import logging
+
+            logging.getLogger("mlx_dflash2").warning(
+                "mlx_dflash2: tree drafts disabled: the target's tree forward differs from its chain forward by "
+                "%s; verifying chains", f"{diff:.3g} (relative, > {tol})" if err is None else f"an error ({err})")
+            return False
+        return True
 
     def taps(self, tokens: mx.array, tap_ids: Sequence[int], final: bool = False):
         """Context features of whole sequences, without a cache (training, replay).
@@ -480,6 +614,7 @@ class TargetAdapter:
         K.qmm_fuse_enabled()  # and a bad MLX_DFLASH2_QMM_FUSE
         if self._routes or (not force and (mode == "reference" or K.backend() == "cpu")):
             return len(self._routes)
+        self._tree_ok = None  # the tree probe runs again on the routed layers
         ref = self._probe_logits(own=False) if probe else None
         t_ref = self.time_step() if mode == "auto" else None
         emb = self.inner.embed_tokens

@@ -26,6 +26,7 @@ import mlx.core as mx
 from .kernels.greedy_accept import greedy_accept
 from .proposers import Proposal
 from .sampling import SamplingParams, process_rows, rejection_sample, sparse_to_dense, target_probs
+from .tree import tree_accept
 
 __all__ = ["VerifyResult", "Verifier", "GreedyVerifier", "RejectionVerifier", "make_verifier"]
 
@@ -33,11 +34,14 @@ __all__ = ["VerifyResult", "Verifier", "GreedyVerifier", "RejectionVerifier", "m
 @dataclass
 class VerifyResult:
     """See the module docstring. ``tokens``: int32 ``[n+1]``; ``num_accepted``:
-    int32 scalar; ``logprobs``: float ``[n+1, V]``."""
+    int32 scalar; ``logprobs``: float ``[n+1, V]``; ``rows``: for a tree draft, int32 ``[n+1]`` the verify rows
+    of the kept positions (:func:`~.tree.tree_accept`: the anchor's, then the accepted path's; ``tokens`` and
+    ``logprobs`` are already in that order), ``None`` for a chain (row ``i`` is position ``i``)."""
 
     num_accepted: mx.array
     tokens: mx.array
     logprobs: mx.array
+    rows: mx.array | None = None
 
 
 class Verifier:
@@ -50,6 +54,7 @@ class Verifier:
 
     greedy: bool = True
     needs_history: bool = False
+    trees_ok: bool = False  # whether proposals may be tree drafts (:class:`GreedyVerifier` without processors)
 
     def verify(self, logits: mx.array, proposal: Proposal, history: list[int] | None = None) -> VerifyResult:
         raise NotImplementedError
@@ -68,8 +73,16 @@ class GreedyVerifier(Verifier):
         self.params = params or SamplingParams()
         self.needs_history = self.params.needs_history
         self.kernel_mode = kernel_mode
+        # tree drafts (mlx_dflash2.tree): greedy rows without logits processors (a penalty or a bias would have
+        # to be applied along each branch's own history)
+        self.trees_ok = not self.params.processors
 
     def verify(self, logits, proposal, history=None):
+        if proposal.tree is not None:  # (proposed only where trees_ok: no logits processors)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            argmax = mx.argmax(logits, axis=-1).astype(mx.int32)
+            a, rows = tree_accept(argmax, proposal.tokens, proposal.tree)
+            return VerifyResult(a, argmax[rows], logprobs[rows], rows)
         logits = process_rows(logits, self.params, history, proposal.tokens)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         a, target = greedy_accept(logits, proposal.tokens, mode=self.kernel_mode)

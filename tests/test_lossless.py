@@ -333,14 +333,15 @@ def test_dynamic_draft_length_f32_identical(smol_f32, refs, fresh_dflash2, conf)
 def test_dynamic_draft_length_padded_to_the_cheapest_width_f32_identical(smol_f32, refs, fresh_dflash2):
     """With a calibration where 16 rows cost less than 4-15 (the 2-core CPU's 1.5B), a draft cut to 3 is verified
     at 16 rows instead (cuts to 1-2 drafts stay: 2-3 rows are cheaper still), and the output is unchanged. The fresh
-    drafter's cuts keep 1-3 drafts, so without the calibration no round verifies 16 rows."""
+    drafter's cuts keep 1-3 drafts, so without the calibration no round verifies 16 rows. (Chains: a tree draft's
+    cut counts nodes, test_tree.py.)"""
     from mlx_dflash2.calibrate import VerifyCosts
 
     target, tok = smol_f32
     ids, ref = refs.get("math", 30)
     widths = []
     for costs in (None, VerifyCosts({1: 0.48, 2: 0.59, 3: 0.70, 4: 0.85, 6: 0.88, 8: 0.91, 12: 1.47, 16: 0.75})):
-        dp = DFlashProposer(fresh_dflash2, target, len(tok), min_confidence=0.05)
+        dp = DFlashProposer(fresh_dflash2, target, len(tok), min_confidence=0.05, trees=False)
         dp.verify_costs = costs
         stats = SpecStats()
         assert run(target, ids, dp, 16, 30, stats) == ref[:30]

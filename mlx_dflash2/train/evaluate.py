@@ -369,12 +369,14 @@ def plot_acceptance(report: dict, path: str | Path) -> Path | None:
 
 
 def check_against_loop(target, tokenizer, drafter, rows: list[dict], block_size: int, max_tokens: int) -> list[tuple]:
-    """Run the real loop on ``rows`` and compare with replay: ``[(loop_tau, replay_tau, same_tokens)]``."""
+    """Run the real loop on ``rows`` and compare with replay: ``[(loop_tau, replay_tau, same_tokens)]``. The loop
+    verifies chains here, as the replay does (tree drafts, the product's default for greedy requests, accept more:
+    ``benchmarks/tree_sim.py`` replays them)."""
     from ..proposers import DFlashProposer
     from ..speculative import speculative_generate_step
 
     out = []
-    prop = DFlashProposer(drafter, target, len(tokenizer))
+    prop = DFlashProposer(drafter, target, len(tokenizer), trees=False)
     eos = set(tokenizer.eos_token_ids)
     for r in rows:
         st = SpecStats()

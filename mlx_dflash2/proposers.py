@@ -18,12 +18,16 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
 
 from .drafter.model import DEFAULT_CONTEXT_WINDOW, DraftContext, DraftModel, top_k_ids
 from .lookup import SuffixIndex
+
+if TYPE_CHECKING:
+    from .tree import DraftTree
 
 logger = logging.getLogger("mlx_dflash2")
 
@@ -93,7 +97,7 @@ class Proposal:
     cand_ids: mx.array | None = None
     q: mx.array | None = None
     source: str = ""
-    tree: object = None
+    tree: DraftTree | None = None
 
     @property
     def n(self) -> int:
@@ -595,7 +599,6 @@ class _DFlashSession(ProposerSession):
                 pad = lambda keep, n_: padded_length(keep, n_, p.verify_costs, context)  # noqa: E731
             prop = _cut(prop, unary, p.min_confidence, p.to_positions, pad)
         return prop
-
 
     def _tree(self, anchor: int, n: int, unary: mx.array, h: mx.array) -> Proposal:
         """A tree draft of at most ``n`` nodes from the selector's lattice (:func:`~.tree.build_tree`), one host

@@ -549,6 +549,11 @@ def speculative_generate_step(
 
         def build(anchor: int, prop: Proposal):
             """Build and queue the round verifying ``prop`` after ``anchor``."""
+            if prop.tree is not None and not (verifier.trees_ok and target.tree_capable):
+                # (a custom proposer's tree: verified as a chain it would emit wrong tokens)
+                raise ValueError(f"the proposer {proposer.name!r} proposed a tree draft, which this request cannot "
+                                 "verify (trees need a greedy request without logits processors on a dense target "
+                                 "without routed kernels)")
             if prop.n:  # the drafter's forward runs on the device while the host builds the verify graph
                 mx.async_eval(prop.tokens)
             verify_in = mx.concatenate([mx.array([anchor], dtype=mx.int32), prop.tokens.astype(mx.int32)])

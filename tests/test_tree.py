@@ -297,3 +297,17 @@ def test_no_trees_with_routed_kernels_nor_on_hybrids(padded_dir, tmp_path, smol_
     assert not target.tree_capable
     hybrid, _, _ = load_target(str(tiny_hybrid_dir(tmp_path / "h", "qwen3_5", smol_f32[1])), dtype=mx.float32)
     assert not hybrid.tree_capable
+
+
+def test_a_tree_the_request_cannot_verify_is_an_error(smol_f32):
+    """A custom proposer's tree draft in a sampled request would be verified as a chain (wrong tokens): refused."""
+    from mlx_dflash2.sampling import SamplingParams
+    from mlx_dflash2.verify import make_verifier
+
+    target, tok = smol_f32
+    ids = chat_ids(tok, PROMPTS["math"])
+    ref = plain_reference(target, ids, 24)[0]
+    prop = TreeScripted(len(ids), ref, [2], 16, target.vocab_rows)
+    v = make_verifier(SamplingParams(temp=0.7), mx.random.key(1))
+    with pytest.raises(ValueError, match="tree draft"):
+        list(speculative_generate_step(ids, target, prop, verifier=v, block_size=16, max_tokens=8))

@@ -286,10 +286,11 @@ def stream_generate(
     prompt = list(prompt)
     proposer = model.proposer
     if drafter is not None:
-        # the loaded model's drafter context window carries over (a fused proposer keeps it on its drafter part)
+        # the loaded model's drafter context window and tree setting carry over (a fused proposer keeps the window
+        # on its drafter part)
         loaded = getattr(model.proposer, "drafter", model.proposer)
         window = getattr(loaded, "context_window", None)
-        proposer = make_proposer(drafter, model.target, tokenizer, model.name,
+        proposer = make_proposer(drafter, model.target, tokenizer, model.name, trees=model.trees,
                                  **({} if window is None else {"drafter_window": window}))
     if block_size is not None:
         check_block_size(block_size)  # also without a drafter (where B is then 1), as the CLI refuses it

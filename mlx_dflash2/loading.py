@@ -55,6 +55,7 @@ class SpeculativeModel:
         name: the target's name (path or embedded name).
         config: the target's config dict.
         kernels: the kernel mode (:mod:`mlx_dflash2.kernels`; ``None``: ``MLX_DFLASH2_KERNELS``).
+        trees: tree drafts for greedy requests (``load(trees=)``; a request's own drafter keeps it).
     """
 
     target: TargetAdapter
@@ -63,6 +64,7 @@ class SpeculativeModel:
     name: str
     config: dict
     kernels: str | None = None  # kernel mode of the request's verifier (see mlx_dflash2.kernels)
+    trees: bool = True
 
 
 def materialize(*objs) -> None:
@@ -765,7 +767,7 @@ def load(
     B = block_size if block_size is not None else (proposer.block_size if proposer else 1)
     if proposer is not None:
         proposer.check_block_size(B)  # a note (once) for a block past the drafter's trained one
-    return SpeculativeModel(target, proposer, B, name, target.config, kernels), tokenizer
+    return SpeculativeModel(target, proposer, B, name, target.config, kernels, bool(trees)), tokenizer
 
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")

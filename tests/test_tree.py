@@ -311,3 +311,20 @@ def test_a_tree_the_request_cannot_verify_is_an_error(smol_f32):
     v = make_verifier(SamplingParams(temp=0.7), mx.random.key(1))
     with pytest.raises(ValueError, match="tree draft"):
         list(speculative_generate_step(ids, target, prop, verifier=v, block_size=16, max_tokens=8))
+
+
+def test_load_trees_false_carries_over_to_a_per_request_drafter(monkeypatch):
+    """``load(trees=False)`` holds for a request that names its own drafter (found by a breaker helper: the
+    request's proposer was built with trees on)."""
+    from mlx_dflash2 import load, stream_generate
+    from mlx_dflash2.target import TargetAdapter
+
+    calls = []
+    orig = TargetAdapter._tree_forward
+    monkeypatch.setattr(TargetAdapter, "_tree_forward", lambda self, *a, **k: calls.append(1) or orig(self, *a, **k))
+    model, tok = load(dtype="float32", trees=False, calibrate=False)
+    assert model.trees is False
+    p = tok.apply_chat_template([{"role": "user", "content": PROMPTS["code"]}], add_generation_prompt=True,
+                                tokenize=False)
+    list(stream_generate(model, tok, p, max_tokens=24, drafter="shipped"))
+    assert not calls, f"{len(calls)} tree forwards with load(trees=False)"

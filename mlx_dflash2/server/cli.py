@@ -142,6 +142,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", "--draft-model", default="auto", help=DRAFTER_HELP)
     p.add_argument("--no-lookup", action="store_true", help="do not fuse lookup proposals with the drafter's")
+    p.add_argument("--no-trees", action="store_true",
+                   help="greedy requests served alone (--max-batch 0) verify the drafter's chain only, not a tree of "
+                        "its candidates (same output; batched rows always verify chains)")
     p.add_argument("--draft-confidence", type=draft_confidence_arg, default=None, metavar="C",
                    help=DRAFT_CONFIDENCE_HELP)
     p.add_argument("--drafter-window", type=drafter_window_arg, default=None, metavar="N",
@@ -229,6 +232,7 @@ def build_app(args: argparse.Namespace, model=None, tokenizer=None):
             calibrate=args.calibrate,
             drafter_window=args.drafter_window,
             draft_vocab=args.draft_vocab,
+            trees=not args.no_trees,
             names="cli",  # its errors name the flags (--no-lookup), not load()'s arguments
         )
     if args.chat_template:

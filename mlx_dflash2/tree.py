@@ -69,8 +69,7 @@ class DraftTree:
         and the row's own ancestors and itself)."""
         n = self.n
         anc = np.zeros((n + 1, n + 1), dtype=bool)
-        anc[:, 0] = True
-        anc[0, 0] = True
+        anc[:, 0] = True  # every row sees the anchor
         for i, p in enumerate(self.parents):
             anc[i + 1] = anc[p + 1]
             anc[i + 1, i + 1] = True

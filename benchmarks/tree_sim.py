@@ -9,6 +9,11 @@ verification rule is replayed on top of it in numpy:
 * ``tree N``: the product's tree (:func:`mlx_dflash2.tree.build_tree` on the confidences
   ``DFlashProposer`` gives it): the ``N`` lattice nodes of highest path probability, verified as one tree
   (``rows = N + 1``: a tree attention mask, positions = depth);
+* ``tree N + lookup``: the product's tree with the lookup's copy (:mod:`mlx_dflash2.lookup`, the longest
+  repeated suffix of the history) fused as :class:`~mlx_dflash2.proposers.FusedProposer` does: a match of 8 or
+  more tokens is verified alone (a chain), a shorter one grafted into the tree (:func:`~mlx_dflash2.tree.graft`,
+  its first ``min(8, (N + 1) // 2)`` tokens); ``tree N + lookup (agree)``: session 42's rule instead of the graft (the
+  lookup's chain where its match is 6-7 tokens and the tree's first two levels start with its first two tokens);
 * ``paths K x L``: ``K`` chains of ``L`` drafts that share a prefix (the greedy walk, then each further chain
   leaves an earlier one at the untried sibling of highest path probability and walks greedily), verified as
   ``K`` batch rows of ``L + 1`` (``rows = K (L + 1)``: no tree mask, the shared prefix recomputed).
@@ -32,7 +37,9 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_dflash2.kernels.selector_walk import lattice_scores
-from mlx_dflash2.tree import build_tree
+from mlx_dflash2.lookup import SuffixIndex
+from mlx_dflash2.proposers import GRAFT_TOKENS
+from mlx_dflash2.tree import build_tree, graft
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -112,6 +119,41 @@ def tree_accept(cand, nodes, truth):
     return a
 
 
+def lookup_rule(N, T, graft_it):
+    """``tree N + lookup``: ``rule(cand, first, edges, truth, hist)`` (``hist``: the tokens up to the anchor)."""
+    def rule(cand, first, edges, truth, hist):
+        idx = SuffixIndex(2, 16)
+        idx.extend(hist[:-1])
+        m, lt = idx.propose(hist[-1:], N)
+        if m >= 8:  # FusedProposer.long_match: the lookup alone
+            chain = [(0, 0, i - 1) for i in range(len(lt))]
+            return _token_accept(lt, chain, truth), len(lt) + 1
+        tree, nodes = build_tree(first, edges, N)
+        toks = [int(cand[t, k]) for t, k in nodes]
+        if lt and graft_it:
+            tree, toks = graft(tree, toks, lt[: min(GRAFT_TOKENS, (N + 1) // 2)], N)
+        elif lt and m >= 6:  # session 42's rule: the lookup's chain if the tree's first two levels agree with it
+            child = next((i for i, q in enumerate(tree.parents) if q == 0), None)
+            if child is not None and lt[:2] == [toks[0], toks[child]]:
+                return _token_accept(lt, [(0, 0, i - 1) for i in range(len(lt))], truth), len(lt) + 1
+        return _token_accept(toks, [(0, 0, q) for q in tree.parents], truth), N + 1
+    return rule
+
+
+def _token_accept(tokens, nodes, truth):
+    """Deepest path of ``nodes`` (``(_, _, parent)``) whose ``tokens`` equal ``truth``."""
+    children = {}
+    for i, (_, _, parent) in enumerate(nodes):
+        children.setdefault(parent, []).append(i)
+    a, cur = 0, -1
+    while a < len(truth):
+        nxt = [i for i in children.get(cur, []) if tokens[i] == truth[a]]
+        if not nxt:
+            break
+        cur, a = nxt[0], a + 1
+    return a
+
+
 def paths(first, edges, K, L):
     """``K`` chains of ``L`` candidate indices: the greedy walk, then branches at the best untried sibling."""
     def walk_from(prefix):
@@ -168,7 +210,7 @@ def replay_rule(lat, seq, P, resp_len, max_tokens, rule):
     while emitted < min(resp_len, max_tokens):
         i = p - P
         truth = seq[p + 1 : p + 1 + cand.shape[1]]
-        a, r = rule(cand[i], first[i], edges[i], truth)
+        a, r = rule(cand[i], first[i], edges[i], truth, seq[: p + 1])
         a = min(a, max_tokens - emitted - 1)
         e = int(min(a + 1, resp_len - emitted))
         rounds, tokens, rows = rounds + 1, tokens + e, rows + r
@@ -204,12 +246,16 @@ def main(argv=None):
         ids = mx.array(ids, dtype=mx.int32)
         vocab = (ids, target.head_rows(ids))
     T = drafter.config.block_size - 1
-    rules = {f"chain {L}": (lambda L: lambda c, f, e, t: chain_accept(c, f, e, t, L))(L) for L in (3, 7, 15)}
+    rules = {f"chain {L}": (lambda L: lambda c, f, e, t, h: chain_accept(c, f, e, t, L))(L) for L in (3, 7, 15)}
     for N in (7, 15, 23, 31, 47, 63):
-        rules[f"tree {N}"] = (lambda N: lambda c, f, e, t: (tree_accept(c, best_first_tree(f, e, N, T), t), N + 1))(N)
+        rules[f"tree {N}"] = (lambda N: lambda c, f, e, t, h: (tree_accept(c, best_first_tree(f, e, N, T), t),
+                                                                N + 1))(N)
+    for N in (7, 15, 31):
+        rules[f"tree {N} + lookup (agree)"] = lookup_rule(N, T, False)
+        rules[f"tree {N} + lookup"] = lookup_rule(N, T, True)
     for K, L in ((2, 7), (2, 15), (3, 7), (4, 3), (4, 7), (4, 15), (8, 3)):
-        rules[f"paths {K}x{L}"] = (lambda K, L: lambda c, f, e, t: (paths_accept(c, paths(f, e, K, L), t),
-                                                                    K * (L + 1)))(K, L)
+        rules[f"paths {K}x{L}"] = (lambda K, L: lambda c, f, e, t, h: (paths_accept(c, paths(f, e, K, L), t),
+                                                                       K * (L + 1)))(K, L)
     fp = target_fingerprint(target)
     report = {"model": Path(args.model).name, "drafter": str(args.drafter), "max_tokens": args.max_tokens,
               "limit": args.limit, "sets": {}}
@@ -231,7 +277,7 @@ def main(argv=None):
         report["sets"][s] = {r: {"rounds": a[0], "tokens": a[1], "rows_per_round": a[2] / max(a[0], 1),
                                  "tau": a[1] / max(a[0], 1)} for r, a in agg.items()}
         for r, v in report["sets"][s].items():
-            print(f"{s:10s} {r:12s} tau {v['tau']:.3f} rows {v['rows_per_round']:.1f}")
+            print(f"{s:10s} {r:26s} tau {v['tau']:.3f} rows {v['rows_per_round']:.1f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"report: {args.out}")

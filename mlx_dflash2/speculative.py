@@ -32,7 +32,7 @@ mlx-lm's (``mx.async_eval`` of the next step before reading the current one).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Generator, Iterable
 
 import mlx.core as mx
@@ -549,6 +549,8 @@ def speculative_generate_step(
 
         def build(anchor: int, prop: Proposal):
             """Build and queue the round verifying ``prop`` after ``anchor``."""
+            if prop.tree is not None and prop.tree.is_chain:  # verified as a chain: the causal forward, no compaction
+                prop = replace(prop, tree=None)
             if prop.tree is not None and not (verifier.trees_ok and target.tree_capable):
                 # (a custom proposer's tree: verified as a chain it would emit wrong tokens)
                 raise ValueError(f"the proposer {proposer.name!r} proposed a tree draft, which this request cannot "

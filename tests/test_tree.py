@@ -11,7 +11,7 @@ from conftest import PROMPTS, chat_ids, plain_reference
 from mlx_dflash2.proposers import Proposal, Proposer, ProposerSession
 from mlx_dflash2.speculative import GenerationState, SpecStats, speculative_generate_step
 from mlx_dflash2.target import cache_length, trim_cache
-from mlx_dflash2.tree import DraftTree, build_tree, compact_cache, tree_accept
+from mlx_dflash2.tree import DraftTree, build_tree, compact_cache, graft, tree_accept
 
 
 def _lattice(T=5, K=6, seed=0):
@@ -51,6 +51,63 @@ def test_build_tree_peaked_lattice_is_the_greedy_chain():
     tree, nodes = build_tree(first, edges, T)
     assert tree.is_chain
     assert nodes == [(0, 1)] + [(t, 2) for t in range(1, T)]
+
+
+def _paths(tree, toks):
+    """Every root-to-node token path of a tree."""
+    out = []
+    for i in range(tree.n):
+        path, j = [], i
+        while j >= 0:
+            path.append(toks[j])
+            j = tree.parents[j]
+        out.append(tuple(reversed(path)))
+    return out
+
+
+def _check_tree(tree, toks):
+    assert len(toks) == tree.n
+    seen = set()
+    for i, (p, d) in enumerate(zip(tree.parents, tree.depths)):
+        assert p < i and d == (1 if p < 0 else tree.depths[p] + 1)
+        assert (p, toks[i]) not in seen  # siblings carry distinct tokens
+        seen.add((p, toks[i]))
+
+
+def test_graft_follows_the_tree_then_branches_and_keeps_the_budget():
+    # anchor -> 10 (-0.1) -> 11 (-0.5) -> 12 (-0.9); 10 -> 21 (-1.2); anchor -> 30 (-2.0)
+    tree = DraftTree((-1, 0, 1, 0, -1), (1, 2, 3, 2, 1), (-0.1, -0.5, -0.9, -1.2, -2.0))
+    toks = [10, 11, 12, 21, 30]
+    t2, k2 = graft(tree, toks, [10, 21, 7, 8], budget=5)
+    _check_tree(t2, k2)
+    assert t2.n == 5
+    assert (10, 21, 7, 8) in _paths(t2, k2)  # followed 10 and 21, then two new nodes
+    assert (30,) not in _paths(t2, k2) and (10, 11, 12) not in _paths(t2, k2)  # the two least probable leaves
+    assert (10, 11) in _paths(t2, k2)  # 11 became a leaf when 12 went, but 30 was less probable
+    # budget left as it is: nothing dropped; a path longer than the budget is cut to it
+    t3, k3 = graft(tree, toks, [10, 11, 12], budget=5)
+    assert (t3, k3) == (tree, toks)
+    t4, k4 = graft(tree, toks, [5, 6, 7, 8, 9, 4], budget=3)
+    _check_tree(t4, k4)
+    assert _paths(t4, k4) == [(5,), (5, 6), (5, 6, 7)]
+    # a chain grafted with its own continuation stays a chain
+    chain = DraftTree((-1, 0), (1, 2), (-0.1, -0.2))
+    t5, k5 = graft(chain, [1, 2], [1, 2, 3], budget=3)
+    assert t5.is_chain and k5 == [1, 2, 3]
+
+
+def test_graft_keeps_random_trees_valid():
+    rng = np.random.default_rng(1)
+    for seed in range(20):
+        first, edges = _lattice(T=6, K=5, seed=seed)
+        tree, nodes = build_tree(first, edges, 11)
+        toks = [int(100 * t + k) for t, k in nodes]
+        path = [int(x) for x in rng.integers(0, 3, size=int(rng.integers(1, 8)))]
+        path = [toks[0]] + [100 * (d + 1) + x for d, x in enumerate(path)]
+        t2, k2 = graft(tree, toks, path, budget=11)
+        _check_tree(t2, k2)
+        assert t2.n == 11
+        assert tuple(path[:11]) in _paths(t2, k2)
 
 
 def test_mask_and_ancestors():
@@ -234,6 +291,35 @@ def test_shipped_drafter_proposes_trees_and_stays_identical(smol_f32):
         assert out == ref[:48]
         taus[trees] = stats.tau
     assert taus[True] > taus[False], taus
+
+
+def test_lookup_grafted_into_trees_stays_identical(smol_f32, monkeypatch):
+    """The drafter with lookup (the product's default): a tree round takes a lookup match as a grafted branch;
+    output equals plain decoding in float32, whatever the graft does (a graft that branches at every node's first
+    token is exercised too)."""
+    import mlx_dflash2.proposers as proposers
+    from mlx_dflash2.loading import make_proposer
+    from mlx_dflash2.tree import graft as real_graft
+
+    target, tok = smol_f32
+    ids = chat_ids(tok, "Repeat this list three times, one line each: apple, banana, cherry, dates, elderberry.")
+    ref = plain_reference(target, ids, 64)[0]
+    grafts = []
+
+    def spy(tree, toks, path, budget):
+        grafts.append(len(path))
+        return real_graft(tree, toks, path, budget)
+
+    def wrong(tree, toks, path, budget):  # a graft whose every branch but the first node's misses
+        return real_graft(tree, toks, [path[0]] + [t + 1 for t in path[1:]], budget)
+
+    for g in (spy, wrong):
+        monkeypatch.setattr(proposers, "graft", g)
+        prop = make_proposer("shipped", target, tok, "smollm2-135m-instruct", lookup=True, adaptive=False,
+                             min_confidence=0.0)
+        out = [t for t, _, _ in speculative_generate_step(ids, target, prop, max_tokens=64)]
+        assert out == ref[:64], g.__name__
+    assert grafts and max(grafts) >= 2
 
 
 def test_trees_only_for_greedy_requests_without_processors(smol_f32):

@@ -43,9 +43,16 @@ SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + ("qwen3_next", "qwen3_5", "gemma3", 
                                              "gemma4_text")
 
 PARITY_TOLERANCE = 1e-3
-# kernels="auto" keeps the routed kernels only if a one-token step costs at most this much more than with MLX's
-# ops (the plain loop must not get slower than mlx-lm's; on the H200 the routed 8B step measured 1.8x)
+# kernels="auto" keeps the routed kernels only if a one-token step plus a 16-row verify (what speculative rounds and
+# the schedule's plain rounds run) cost at most this much more than with MLX's ops (on the H200 the routed 8B step
+# measured 1.8x; the 1.5B's 16-row verify 1.1 plain steps routed and 2.5-3.0 with MLX's ops, while its routed step
+# read 0.9-1.1x MLX's, so a decision on the step alone flipped between runs) ...
 AUTO_STEP_LIMIT = 1.10
+# ... and the routed one-token step alone at most this much more (the plain loop, `--drafter none`, must not get
+# much slower than mlx-lm's)
+AUTO_PLAIN_LIMIT = 1.25
+#: verify rows :meth:`TargetAdapter.route_kernels` times in mode "auto" (the widest block the loop verifies)
+AUTO_VERIFY_ROWS = 16
 
 
 class TargetCompatibilityError(ValueError):
@@ -581,11 +588,12 @@ class TargetAdapter:
         use the registry's kernels on a GPU. Then the probe runs again against the unrouted model's
         logits (relative tolerance 1e-3 in float32, 0.1 in 16-bit): a mismatch puts the original
         modules back with one warning line, never a wrong token. In mode ``"auto"`` the routes also
-        have to pay: a one-token step (the plain loop's, and the schedule's plain rounds) is timed with
-        MLX's ops and routed (:meth:`time_step`), and the kernels are kept only if the routed step costs
-        at most :data:`AUTO_STEP_LIMIT` times MLX's (``"kernel"`` keeps them regardless: greedy
-        speculative output then equals plain decoding token for token). ``kernel_choice`` records the
-        times and the decision.
+        have to pay: a one-token step (the plain loop's, and the schedule's plain rounds) and a verify of
+        :data:`AUTO_VERIFY_ROWS` rows (a speculative round's) are timed with MLX's ops and routed
+        (:meth:`time_step`), and the kernels are kept only if the routed step and verify together cost at most
+        :data:`AUTO_STEP_LIMIT` times MLX's, and the routed step alone at most :data:`AUTO_PLAIN_LIMIT` times
+        (``"kernel"`` keeps them regardless: greedy speculative output then equals plain decoding token for
+        token). ``kernel_choice`` records the times and the decision.
 
         Args:
             mode: kernel mode (``None``: ``MLX_DFLASH2_KERNELS``). ``"reference"``, or a CPU backend,
@@ -616,7 +624,8 @@ class TargetAdapter:
             return len(self._routes)
         self._tree_ok = None  # the tree probe runs again on the routed layers
         ref = self._probe_logits(own=False) if probe else None
-        t_ref = self.time_step() if mode == "auto" else None
+        rows = min(AUTO_VERIFY_ROWS, self.rollback)
+        t_ref = (self.time_step(), self.time_step(rows=rows)) if mode == "auto" else None
         emb = self.inner.embed_tokens
         swaps = K.route_quantized_linears(self.model, mode)
         swaps += (K.route_mlps(self.layers, mode) + K.route_attention(self.layers, mode)  # its classes only
@@ -654,17 +663,19 @@ class TargetAdapter:
                 "using the MLX reference path", diff, tol, why)
             return 0
         if t_ref is not None:
-            t_k = self.time_step()
-            keep = t_k <= AUTO_STEP_LIMIT * t_ref
-            self.kernel_choice.update(step_ms_reference=t_ref * 1e3, step_ms_kernel=t_k * 1e3, routed=keep)
+            t_k = (self.time_step(), self.time_step(rows=rows))
+            keep = keep_kernels(t_ref, t_k)
+            self.kernel_choice.update(step_ms_reference=t_ref[0] * 1e3, step_ms_kernel=t_k[0] * 1e3,
+                                      verify_ms_reference=t_ref[1] * 1e3, verify_ms_kernel=t_k[1] * 1e3,
+                                      routed=keep)
             if not keep:
                 K.undo_routes(swaps)
                 self._routes, self.kernels, self._head = [], "reference", old_head
                 import logging
 
                 logging.getLogger("mlx_dflash2").info(
-                    "mlx_dflash2: a one-token step takes %.2f ms with the fused kernels and %.2f ms with MLX's ops: "
-                    "using MLX's ops (--kernels kernel keeps the kernels)", t_k * 1e3, t_ref * 1e3)
+                    "mlx_dflash2: a one-token step and a %d-row verify take %.2f and %.2f ms with the fused kernels, "
+                    "%.2f and %.2f ms with MLX's ops: using MLX's ops (--kernels kernel keeps the kernels)", rows, t_k[0] * 1e3, t_k[1] * 1e3, t_ref[0] * 1e3, t_ref[1] * 1e3)
                 return 0
         return len(swaps)
 
@@ -697,23 +708,24 @@ class TargetAdapter:
             self.model.update(saved)
         return _relative_difference(ref, f32)
 
-    def time_step(self, context: int = 32, warmup: int = 3, repeats: int = 7) -> float:
-        """Median seconds of a one-token cached step after ``context`` tokens (the plain loop's unit),
-        through :meth:`forward` with this adapter's current routes; ``warmup`` untimed steps first (a GPU
-        compiles its kernels there). Each step is trimmed off again, so every timed step sees the same
-        context.
+    def time_step(self, context: int = 32, warmup: int = 3, repeats: int = 7, rows: int = 1) -> float:
+        """Median seconds of a cached forward of ``rows`` tokens after ``context`` tokens (``rows=1``: the plain
+        loop's unit; more: a verify of that many rows), through :meth:`forward` with this adapter's current
+        routes; ``warmup`` untimed forwards first (a GPU compiles its kernels there). Each forward is trimmed
+        off again, so every timed one sees the same context.
 
         Raises:
-            ValueError: ``context``, ``warmup`` or ``repeats`` < 1 (``warmup`` < 0).
+            ValueError: ``context``, ``repeats`` or ``rows`` < 1, or ``warmup`` < 0.
         """
         import time
 
-        if context < 1 or repeats < 1 or warmup < 0:
-            raise ValueError(f"need context >= 1, repeats >= 1, warmup >= 0; got {context}, {repeats}, {warmup}")
+        if context < 1 or repeats < 1 or warmup < 0 or rows < 1:
+            raise ValueError("need context >= 1, repeats >= 1, warmup >= 0, rows >= 1; got "
+                             f"{context}, {repeats}, {warmup}, {rows}")
         if self._window:
-            context = max(1, min(context, self._window - 1))
+            context = max(1, min(context, self._window - rows))
         V = self.vocab_size
-        ids = mx.array([(29 + 7919 * i) % V for i in range(context + 1)], dtype=mx.int32)
+        ids = mx.array([(29 + 7919 * i) % V for i in range(context + rows)], dtype=mx.int32)
         cache = self.make_cache()
         mx.eval(self.forward(ids[:context], cache).logits)
         times = []
@@ -722,9 +734,17 @@ class TargetAdapter:
             mx.eval(self.forward(ids[context:], cache).logits)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
-            trim_cache(cache, 1)
+            trim_cache(cache, rows)
         times.sort()
         return times[len(times) // 2]
+
+
+def keep_kernels(t_ref: tuple[float, float], t_kernel: tuple[float, float]) -> bool:
+    """``kernels="auto"``'s decision from ``(one-token step, verify of AUTO_VERIFY_ROWS rows)`` seconds with MLX's
+    ops (``t_ref``) and routed (``t_kernel``): keep the kernels if the routed step plus verify cost at most
+    :data:`AUTO_STEP_LIMIT` times MLX's and the routed step alone at most :data:`AUTO_PLAIN_LIMIT` times."""
+    return (t_kernel[0] + t_kernel[1] <= AUTO_STEP_LIMIT * (t_ref[0] + t_ref[1])
+            and t_kernel[0] <= AUTO_PLAIN_LIMIT * t_ref[0])
 
 
 def trim_cache(cache: list, n: int) -> None:

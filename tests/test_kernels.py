@@ -704,41 +704,52 @@ def test_rounding_sensitivity_puts_the_parameters_back():
     assert mx.array_equal(t.forward(ids, t.make_cache()).logits, logits)
 
 
-@pytest.mark.parametrize("kernel_ms, routed", [(18.5, False), (10.6, True)])
-def test_auto_keeps_kernels_only_where_the_one_token_step_pays(monkeypatch, caplog, kernel_ms, routed):
-    """kernels="auto" times a one-token step with MLX's ops and routed, and keeps the kernels only if the
-    routed step costs at most AUTO_STEP_LIMIT times MLX's (the H200 measured 18.5 vs 10.2 ms at the 8B
-    shape: the plain loop ran at 0.42x of mlx-lm's); "kernel" keeps them whatever the times."""
+@pytest.mark.parametrize("step_ms, verify_ms, routed", [
+    (18.5, 30.0, False),  # the 8B shape on the H200: a routed step of 1.8x MLX's loses the plain loop
+    (10.6, 30.0, True),  # within the step limit, the verify as MLX's
+    (11.8, 11.0, True),  # the 1.5B on an H100/H200: a step ~1.1x slower but a verify ~2.7x faster
+    (10.0, 35.0, False),  # the step as MLX's, a slower verify
+    (13.0, 10.0, False),  # the round pays, but the plain step alone past AUTO_PLAIN_LIMIT
+])
+def test_auto_keeps_kernels_only_where_a_step_and_a_verify_pay(monkeypatch, caplog, step_ms, verify_ms, routed):
+    """kernels="auto" times a one-token step and a 16-row verify with MLX's ops (here 10 and 30 ms) and routed,
+    and keeps the kernels only if the routed pair costs at most AUTO_STEP_LIMIT times MLX's and the routed step
+    at most AUTO_PLAIN_LIMIT times; "kernel" keeps them whatever the times."""
     import mlx.nn as nn
 
     from mlx_dflash2.kernels import KernelQuantizedLinear
-    from mlx_dflash2.target import AUTO_STEP_LIMIT, TargetAdapter
+    from mlx_dflash2.target import AUTO_PLAIN_LIMIT, AUTO_STEP_LIMIT, TargetAdapter
 
-    assert AUTO_STEP_LIMIT < 18.5 / 10.0
+    assert AUTO_STEP_LIMIT < AUTO_PLAIN_LIMIT < 18.5 / 10.0
     t = _tiny_quantized_target()
-    times = iter([0.010, kernel_ms / 1e3])
-    monkeypatch.setattr(TargetAdapter, "time_step", lambda self: next(times))
+    times = {1: iter([0.010, step_ms / 1e3]), 16: iter([0.030, verify_ms / 1e3])}
+    monkeypatch.setattr(TargetAdapter, "time_step", lambda self, rows=1: next(times[rows]))
     with caplog.at_level(logging.INFO, logger="mlx_dflash2"):
         n = t.route_kernels("auto", force=True)
     assert (n > 0) == routed and t.kernels == ("auto" if routed else "reference")
-    assert {k: t.kernel_choice[k] for k in ("step_ms_reference", "step_ms_kernel", "routed")} == {
-        "step_ms_reference": 10.0, "step_ms_kernel": kernel_ms, "routed": routed}
+    got = {k: t.kernel_choice[k] for k in ("step_ms_reference", "step_ms_kernel", "verify_ms_reference",
+                                            "verify_ms_kernel", "routed")}
+    assert got == pytest.approx({"step_ms_reference": 10.0, "step_ms_kernel": step_ms, "verify_ms_reference": 30.0,
+                                 "verify_ms_kernel": verify_ms, "routed": routed})
     assert isinstance(t.layers[0].mlp.down_proj, KernelQuantizedLinear if routed else nn.QuantizedLinear)
     assert any("using MLX's ops" in r.getMessage() for r in caplog.records) == (not routed)
     t2 = _tiny_quantized_target()
-    monkeypatch.setattr(TargetAdapter, "time_step", lambda self: pytest.fail("kernel mode does not time"))
+    monkeypatch.setattr(TargetAdapter, "time_step", lambda self, rows=1: pytest.fail("kernel mode does not time"))
     assert t2.route_kernels("kernel", force=True) > 0 and t2.kernels == "kernel"
 
 
 def test_time_step_is_a_cached_one_token_step():
-    """time_step leaves the adapter as it was (same logits after) and returns a positive median."""
+    """time_step (one row or a verify's 16) leaves the adapter as it was (same logits after) and returns a
+    positive median."""
     t = _tiny_quantized_target()
     ids = mx.array([5, 9, 17, 23], dtype=mx.int32)
     before = t.forward(ids, t.make_cache()).logits
     assert t.time_step(context=5, warmup=1, repeats=3) > 0
+    assert t.time_step(context=5, warmup=1, repeats=3, rows=16) > 0
     assert mx.array_equal(t.forward(ids, t.make_cache()).logits, before)
-    with pytest.raises(ValueError):
-        t.time_step(repeats=0)
+    for bad in ({"repeats": 0}, {"rows": 0}):
+        with pytest.raises(ValueError):
+            t.time_step(**bad)
 
 
 def test_verify_attention_max_keys(monkeypatch):

@@ -106,17 +106,8 @@ def best_first_tree(first, edges, N, T):
 
 
 def tree_accept(cand, nodes, truth):
-    """Deepest tree path equal to ``truth``."""
-    children = {}
-    for i, (d, k, parent) in enumerate(nodes):
-        children.setdefault(parent, []).append(i)
-    a, cur = 0, -1
-    while a < len(truth):
-        nxt = [i for i in children.get(cur, []) if cand[nodes[i][0], nodes[i][1]] == truth[a]]
-        if not nxt:
-            break
-        cur, a = nxt[0], a + 1
-    return a
+    """Deepest tree path equal to ``truth`` (``nodes``: ``[(slot, cand index, parent)]``)."""
+    return _token_accept([int(cand[t, k]) for t, k, _ in nodes], nodes, truth)
 
 
 def lookup_rule(N, T, graft_it):

@@ -624,7 +624,7 @@ class TargetAdapter:
             return len(self._routes)
         self._tree_ok = None  # the tree probe runs again on the routed layers
         ref = self._probe_logits(own=False) if probe else None
-        rows = min(AUTO_VERIFY_ROWS, self.rollback)
+        rows = max(1, min(AUTO_VERIFY_ROWS, self.rollback))
         t_ref = (self.time_step(), self.time_step(rows=rows)) if mode == "auto" else None
         emb = self.inner.embed_tokens
         swaps = K.route_quantized_linears(self.model, mode)
@@ -715,10 +715,13 @@ class TargetAdapter:
         off again, so every timed one sees the same context.
 
         Raises:
-            ValueError: ``context``, ``repeats`` or ``rows`` < 1, or ``warmup`` < 0.
+            ValueError: ``context``, ``repeats`` or ``rows`` < 1, ``warmup`` < 0, or one of them not an int.
         """
         import time
 
+        if any(not isinstance(v, int) or isinstance(v, bool) for v in (context, warmup, repeats, rows)):
+            raise ValueError("context, warmup, repeats and rows must be integers; got "
+                             f"{context!r}, {warmup!r}, {repeats!r}, {rows!r}")
         if context < 1 or repeats < 1 or warmup < 0 or rows < 1:
             raise ValueError("need context >= 1, repeats >= 1, warmup >= 0, rows >= 1; got "
                              f"{context}, {repeats}, {warmup}, {rows}")

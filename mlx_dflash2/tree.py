@@ -139,11 +139,18 @@ def graft(tree: DraftTree, tokens: list[int], path: list[int], budget: int) -> t
 
     Returns:
         ``(tree, tokens)``: the new tree and its node tokens.
+
+    Raises:
+        ValueError: ``budget < 1``, or ``len(tokens) != tree.n``.
     """
+    if budget < 1:
+        raise ValueError(f"graft needs a budget of at least 1 node, got {budget}")
+    if len(tokens) != tree.n:
+        raise ValueError(f"graft got {len(tokens)} tokens for a tree of {tree.n} nodes")
     parents, depths, logp, toks = list(tree.parents), list(tree.depths), list(tree.logp or [0.0] * tree.n), \
         list(tokens)
     on_path, cur = set(), -1
-    for d, tok in enumerate(path[: max(budget, 0)]):
+    for d, tok in enumerate(path[:budget]):
         nxt = next((i for i, p in enumerate(parents) if p == cur and toks[i] == tok), None)
         if nxt is None:
             parents.append(cur)

@@ -747,7 +747,7 @@ def test_time_step_is_a_cached_one_token_step():
     assert t.time_step(context=5, warmup=1, repeats=3) > 0
     assert t.time_step(context=5, warmup=1, repeats=3, rows=16) > 0
     assert mx.array_equal(t.forward(ids, t.make_cache()).logits, before)
-    for bad in ({"repeats": 0}, {"rows": 0}):
+    for bad in ({"repeats": 0}, {"rows": 0}, {"rows": 2.5}, {"rows": True}, {"context": "3"}):
         with pytest.raises(ValueError):
             t.time_step(**bad)
 

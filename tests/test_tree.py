@@ -90,6 +90,10 @@ def test_graft_follows_the_tree_then_branches_and_keeps_the_budget():
     t4, k4 = graft(tree, toks, [5, 6, 7, 8, 9, 4], budget=3)
     _check_tree(t4, k4)
     assert _paths(t4, k4) == [(5,), (5, 6), (5, 6, 7)]
+    for bad in ({"budget": 0}, {"tokens": toks[:-1]}):  # below the documented minimum; tokens not the tree's
+        args = {"tree": tree, "tokens": toks, "path": [10], "budget": 5, **bad}
+        with pytest.raises(ValueError):
+            graft(**args)
     # a chain grafted with its own continuation stays a chain
     chain = DraftTree((-1, 0), (1, 2), (-0.1, -0.2))
     t5, k5 = graft(chain, [1, 2], [1, 2, 3], budget=3)

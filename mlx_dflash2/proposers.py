@@ -611,7 +611,8 @@ class _DFlashSession(ProposerSession):
         selector's softmax over each slot's K candidates times the share of the slot's unary distribution those
         K hold; with a dynamic draft length (``min_confidence``) the tree keeps the nodes whose confidence is at
         least that (at least one) and, with a calibration, grows back to the cheapest verify width at or past
-        that count (:func:`padded_length`), as a chain's cut does. A chain-shaped tree stays a tree (the loop verifies it as a chain)."""
+        that count (:func:`padded_length`), as a chain's cut does. A chain-shaped tree stays a tree (the loop
+        verifies it as a chain)."""
         from .kernels.selector_walk import lattice_scores
         from .tree import build_tree
 

@@ -49,7 +49,10 @@ Data flow of one round (:meth:`SpeculativeBatch.step`)
    sampled request's walk alone with its key, every dynamic draft length read with one host
    synchronisation), and each session finishes its own proposal from its row (the fused lookup rule).
    Each row's proposal equals its solo proposal (float32: the same tokens, up to near-ties of the
-   wider matmuls).
+   wider matmuls). A batch's only row proposes as the solo loop does (its session's ``propose``): a greedy
+   request may then get a tree draft (``trees``, lookup grafts included), verified by the target's tree
+   forward over the row's cache and compacted to the accepted path (:func:`~.tree.compact_cache`) before
+   the trim below; rows of a batch of several propose chains.
 3. **verify**: one target forward over a padded ``[N, M]`` block, ``M = max_i(n_i + 1)``: row ``i`` is
    ``[anchor_i, d_1..d_{n_i}, pad...]``. Each row's new K/V are written at that row's own offset
    (its committed length) and RoPE runs at each row's own positions; the mask lets query ``q`` of row
@@ -134,7 +137,8 @@ Missing for the full issue 22 (later steps)
   confidence; sampled rows keep their widths);
 * the single-request generator as a batch of one (the server wiring is done: continuous batching,
   FIFO under ``--max-batch``, cancellation, ``/metrics``; a lone row added with ``adaptive`` already
-  runs the solo loop's adaptive rounds, :meth:`SpeculativeBatch.add`, and on a routed target the kernels'
+  runs the solo loop's adaptive rounds, :meth:`SpeculativeBatch.add`, a lone greedy row its tree drafts
+  (session 44), and on a routed target the kernels'
   fast path: :meth:`RaggedKVCache.solo_length`; on this CPU a lone row runs at the solo loop's speed with the
   same tokens (session 20). Before the CLI and :func:`~.api.stream_generate` move here from
   :mod:`~.speculative`'s loop: a batch of N > 1 rows runs mlx-lm's attention and, past 16 rows in all, MLX's
@@ -145,7 +149,7 @@ Missing for the full issue 22 (later steps)
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import mlx.core as mx
@@ -156,6 +160,7 @@ from .caches import RaggedRecurrentCache, RecurrentCache, WindowKVCache
 from .proposers import DraftCall, Proposal, Proposer
 from .speculative import GenerationState, SpecStats, start_request
 from .target import TargetAdapter, TargetCompatibilityError
+from .tree import compact_cache
 from .verify import GreedyVerifier, Verifier
 
 __all__ = ["RaggedKVCache", "RaggedRecurrentCache", "BatchEvent", "SpeculativeBatch", "WidthSchedule", "warm_up_shapes"]
@@ -531,6 +536,7 @@ class _Request:
     draft_key: mx.array | None = None  # split once per round that drafts, as the solo loop does
     want_logprobs: bool = False
     adaptive: bool = False  # the proposer's adaptive schedule chooses its rounds while it is the only row
+    trees: bool = False  # it may verify tree drafts while it is the only row (greedy, no processors, a tree target)
     snapshots: dict = field(default_factory=dict)  # hybrid targets: prompt position -> recurrent arrays
     n_out: int = 0
     out: list[int] = field(default_factory=list)  # emitted, not yet reported
@@ -880,13 +886,18 @@ class SpeculativeBatch:
             statistics equal its solo ones) or ``"auto"`` (a :class:`WidthSchedule` caps the width of
             rounds with two rows or more by measured throughput: what the server runs), or a
             :class:`WidthSchedule`.
+        trees: a request that is the batch's only row verifies tree drafts where the solo loop would
+            (:func:`~.speculative.start_request`'s ``trees``: its proposer proposes them, a greedy verifier
+            without logits processors, a :attr:`~.target.TargetAdapter.tree_capable` target), so a batch of
+            one runs the solo loop's rounds; rows of a batch of several verify chains (``False``: chains
+            always).
     Raises:
         TargetCompatibilityError: a target with a cache kind other than these (named).
         ValueError: an unknown ``schedule``.
     """
 
     def __init__(self, target: TargetAdapter, proposer: Proposer | None = None, *, block_size: int | None = None,
-                 prefill_step_size: int = 2048, schedule: "str | WidthSchedule" = "full"):
+                 prefill_step_size: int = 2048, schedule: "str | WidthSchedule" = "full", trees: bool = True):
         kinds = target.make_cache()
         bad = sorted({type(c).__name__ for c in kinds
                       if type(c) is not KVCache and not isinstance(c, (RecurrentCache, WindowKVCache))})
@@ -905,6 +916,7 @@ class SpeculativeBatch:
         self.target = target
         self.proposer = proposer
         self.block_size = block_size
+        self.trees = bool(trees)
         self.prefill_step_size = int(prefill_step_size)
         self._recurrent = [i for i, c in enumerate(kinds) if isinstance(c, RecurrentCache)]  # GatedDeltaNet layers
         self.cache = self._make_caches(kinds)
@@ -1034,13 +1046,14 @@ class SpeculativeBatch:
         B = block_size if block_size is not None else self.block_size
         stats = SpecStats()
         setup = start_request(prompt, self.target, proposer, verifier=verifier, block_size=B, stats=stats,
-                              state=state, adaptive=bool(adaptive))
-        setup.session.adaptive = False  # set round by round (step): while it is the only row
+                              state=state, adaptive=bool(adaptive), trees=self.trees)
+        trees = setup.session.trees  # what the solo loop would allow this request (start_request decides)
+        setup.session.adaptive = setup.session.trees = False  # set round by round (step): while it is the only row
         self._next_uid += 1
         req = _Request(uid, max_tokens, frozenset(int(e) for e in eos_token_ids), setup.block_size,
                        setup.tap_ids, setup.session, setup.verifier, stats, list(prompt),
                        proposer=setup.proposer, keep_state=keep_state, draft_temperature=draft_temperature,
-                       draft_key=draft_key, want_logprobs=bool(logprobs), adaptive=bool(adaptive),
+                       draft_key=draft_key, want_logprobs=bool(logprobs), adaptive=bool(adaptive), trees=trees,
                        snapshots=dict(state.snapshots) if state is not None and keep_state else {})
         n = setup.reused
         for layer, c in zip(self._jcache, setup.cache):
@@ -1321,8 +1334,10 @@ class SpeculativeBatch:
             # a step that prefilled joins is not measured (record): it runs the best cap, no trial
             cap = self.schedule.choose(len(rows), max(r.block_size for r in greedy),
                                        explore=not self.last_prefill["rows"])
-        for r in rows:  # a lone row's rounds are the solo loop's (its adaptive schedule, where allowed)
-            r.session.adaptive = r.adaptive and len(rows) == 1
+        lone = len(rows) == 1
+        for r in rows:  # a lone row's rounds are the solo loop's (its adaptive schedule and trees, where allowed)
+            r.session.adaptive = r.adaptive and lone
+            r.session.trees = r.trees and lone
             r.session.plain_pipelined = False  # a batch queues nothing ahead
         props: list[Proposal | None] = []
         calls: dict = {}  # id(drafter) -> (drafter, [(row, DraftCall)])
@@ -1342,7 +1357,10 @@ class SpeculativeBatch:
                 sub = None
                 if r.draft_key is not None:  # the solo loop's order: one split per round that drafts
                     r.draft_key, sub = mx.random.split(r.draft_key)
-                prop = r.session.begin(r.history[-1], n, r.draft_temperature, sub)
+                if r.session.trees:  # the solo loop's proposal (a tree draft, a lookup grafted into it)
+                    prop = r.session.propose(r.history[-1], n, r.draft_temperature, sub)
+                else:
+                    prop = r.session.begin(r.history[-1], n, r.draft_temperature, sub)
                 if isinstance(prop, DraftCall):
                     calls.setdefault(id(prop.proposer), (prop.proposer, []))[1].append((i, prop))
                     prop = None
@@ -1350,6 +1368,12 @@ class SpeculativeBatch:
         for drafter, items in calls.values():
             for (i, call), dp in zip(items, drafter.propose_many([c for _, c in items])):
                 props[i] = call.done(dp)
+        for i, p in enumerate(props):
+            if p.tree is not None and p.tree.is_chain:  # verified as a chain (as the solo loop's build does)
+                props[i] = replace(p, tree=None)
+            elif p.tree is not None and not (lone and rows[0].trees):
+                raise ValueError(f"request {rows[i].uid}'s proposer proposed a tree draft, which a row of a "
+                                 "batch of several cannot verify")
         t_verify = self._mark("propose", tic, [p.tokens for p in props]) if self.timings is not None else 0.0
         widths = [p.n + 1 for p in props]
         M = max(widths)
@@ -1357,17 +1381,23 @@ class SpeculativeBatch:
 
         # 2. one target forward over the padded block (padding after each row's real tokens)
         tap_ids = tuple(dict.fromkeys(t for r in rows for t in r.tap_ids))
-        block = mx.stack([
-            mx.concatenate([mx.array([r.history[-1]], mx.int32), p.tokens.astype(mx.int32),
-                            mx.zeros((M - w,), mx.int32)])
-            for r, p, w in zip(rows, props, widths)])
-        h, taps = self.target._call(lambda: self.target.inner(block, cache=self.cache), tap_ids)
-        # the LM head on the real rows only ([sum(w), V]; padding never reaches it)
-        if all(w == M for w in widths):
-            logits = self.target.logits(h.reshape(len(rows) * M, -1))
+        tree = props[0].tree  # a lone row's tree draft (else None): the solo loop's tree forward
+        if tree is not None:
+            verify_in = mx.concatenate([mx.array([rows[0].history[-1]], mx.int32), props[0].tokens.astype(mx.int32)])
+            tres = self.target.forward(verify_in, self.cache, tap_ids, tree=tree)
+            logits = tres.logits
         else:
-            real = mx.array([i * M + j for i, w in enumerate(widths) for j in range(w)], mx.int32)
-            logits = self.target.logits(h.reshape(len(rows) * M, -1)[real])
+            block = mx.stack([
+                mx.concatenate([mx.array([r.history[-1]], mx.int32), p.tokens.astype(mx.int32),
+                                mx.zeros((M - w,), mx.int32)])
+                for r, p, w in zip(rows, props, widths)])
+            h, taps = self.target._call(lambda: self.target.inner(block, cache=self.cache), tap_ids)
+            # the LM head on the real rows only ([sum(w), V]; padding never reaches it)
+            if all(w == M for w in widths):
+                logits = self.target.logits(h.reshape(len(rows) * M, -1))
+            else:
+                real = mx.array([i * M + j for i, w in enumerate(widths) for j in range(w)], mx.int32)
+                logits = self.target.logits(h.reshape(len(rows) * M, -1)[real])
         starts = [sum(widths[:i]) for i in range(len(widths))]
 
         # 3. per-request accept; one host synchronisation for the batch. Plain greedy rows (no logits
@@ -1375,7 +1405,7 @@ class SpeculativeBatch:
         # with their drafts on the host, the reference of kernels.greedy_accept (first maximal id); the
         # others run their own verifier (penalties, logit bias, sampling, logprobs).
         plain = [type(r.verifier) is GreedyVerifier and not r.verifier.params.processors and not r.want_logprobs
-                 for r in rows]
+                 and p.tree is None for r, p in zip(rows, props)]
         results = [None if pl else r.verifier.verify(logits[s0 : s0 + w], p, r.history)
                    for r, p, w, s0, pl in zip(rows, props, widths, starts, plain)]
         best = mx.argmax(logits, axis=-1).astype(mx.int32) if any(plain) else None
@@ -1402,13 +1432,17 @@ class SpeculativeBatch:
                 a = int(vr.num_accepted.item())
                 toks = vr.tokens[: a + 1].tolist()
             r.session.verified(a + 1)
+            P = lengths[i]
             feats = None
-            if r.tap_ids:
+            if tree is not None:  # the accepted path's K/V rows first, as if fed alone (then the usual trim)
+                kept = vr.rows[: a + 1]
+                compact_cache(self.cache, P, vr.rows, a + 1)
+                feats = tres.features[kept] if r.tap_ids else None
+            elif r.tap_ids:
                 if r.tap_ids not in tapped:  # every row's features of these taps: one concatenation
                     tapped[r.tap_ids] = mx.concatenate([taps[t].out for t in r.tap_ids], axis=-1)
                 feats = tapped[r.tap_ids][i, : a + 1]
             r.session.extend([r.history[-1]] + toks[:a], feats)
-            P = lengths[i]
             emitted = 0
             for j, tok in enumerate(toks):
                 r.history.append(tok)

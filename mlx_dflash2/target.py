@@ -395,7 +395,8 @@ class TargetAdapter:
 
         Args:
             tokens: int ``[L]`` new token ids (positions ``cache offset ..+L-1``).
-            cache: the request's cache from :meth:`make_cache` (mutated: grows by ``L`` positions).
+            cache: the request's cache from :meth:`make_cache` (mutated: grows by ``L`` positions); with
+                ``tree``, also a batch's cache of one full-attention row (:class:`~.batch.RaggedKVCache`).
             tap_ids: 0-based decoder layer ids whose outputs are tapped.
             last_only: compute logits for the last position only.
             tree: a :class:`~.tree.DraftTree` of ``L - 1`` nodes: ``tokens`` are the anchor and the nodes, each
@@ -406,6 +407,9 @@ class TargetAdapter:
         Returns:
             :class:`ForwardResult` with logits ``[L, V]`` (``[1, V]`` if
             ``last_only``) and features ``[L, len(tap_ids)*D]`` or None.
+
+        Raises:
+            ValueError: a tree whose node count is not ``L - 1``, or a tree over a batch cache of several rows.
         """
         if tree is not None:
             return self._tree_forward(tokens, cache, tap_ids, tree)
@@ -462,6 +466,10 @@ class TargetAdapter:
         if tokens.shape[0] != tree.n + 1:
             raise ValueError(f"a tree of {tree.n} nodes verifies {tree.n + 1} tokens, got {tokens.shape[0]}")
         offset = cache[0].offset
+        if not isinstance(offset, int):  # a batch's cache (RaggedKVCache): one full-attention row only
+            offset = cache[0].solo_length() if hasattr(cache[0], "solo_length") else None
+            if offset is None:
+                raise ValueError("a tree forward needs a solo cache or a batch cache of one full-attention row")
         positions = mx.array([offset] + [offset + d for d in tree.depths], dtype=mx.int32)
         views = [_TreeCache(c, tree.mask(offset)) for c in cache]
         restore = self._swap_ropes(positions)

@@ -418,3 +418,76 @@ def test_load_trees_false_carries_over_to_a_per_request_drafter(monkeypatch):
                                 tokenize=False)
     list(stream_generate(model, tok, p, max_tokens=24, drafter="shipped"))
     assert not calls, f"{len(calls)} tree forwards with load(trees=False)"
+
+
+def test_a_batch_of_one_verifies_the_solo_loops_trees(smol_f32, monkeypatch):
+    """Issue 22's "a batch of one is the single-request case": a greedy request alone in a
+    :class:`~mlx_dflash2.batch.SpeculativeBatch` (the server's lone request) gets the solo loop's tree rounds,
+    lookup grafts included: the same tokens (plain decoding's, float32), rounds and statistics. When a second
+    request joins, both verify chains (a batch's rows are padded chains) and stay exact; alone again, trees
+    again. ``SpeculativeBatch(trees=False)``: chains only, the same tokens."""
+    from mlx_dflash2.batch import SpeculativeBatch
+    from mlx_dflash2.loading import make_proposer
+    from mlx_dflash2.target import TargetAdapter
+
+    target, tok = smol_f32
+    assert target.tree_capable  # its probe (a tree forward at first use) before the count
+    trees = []
+    orig = TargetAdapter._tree_forward
+    monkeypatch.setattr(TargetAdapter, "_tree_forward", lambda self, *a, **k: trees.append(1) or orig(self, *a, **k))
+
+    def proposer():
+        return make_proposer("shipped", target, tok, "smollm2-135m-instruct", lookup=True, adaptive=False,
+                             min_confidence=0.0)
+
+    ids = chat_ids(tok, PROMPTS["code"])
+    other = chat_ids(tok, PROMPTS["math"])
+    n = 40
+    ref = plain_reference(target, ids, n)[0]
+    ref_other = plain_reference(target, other, 12)[0]
+    solo = SpecStats()
+    assert [t for t, _, _ in speculative_generate_step(ids, target, proposer(), max_tokens=n, stats=solo)] == ref[:n]
+    solo_trees = len(trees)
+    assert solo_trees > 0
+
+    def drain(batch):
+        out = {}
+        while batch.active or batch.pending:
+            for ev in batch.step():
+                out[ev.uid] = out.get(ev.uid, []) + ev.tokens
+        return out
+
+    trees.clear()
+    batch = SpeculativeBatch(target)
+    uid = batch.add(ids, n, proposer=proposer())
+    stats = batch.stats(uid)
+    assert drain(batch)[uid] == ref[:n]
+    assert len(trees) == solo_trees
+    for f in ("rounds", "drafted", "accepted", "accept_hist", "verify_widths"):
+        assert getattr(stats, f) == getattr(solo, f), f
+
+    # a second request joins after a few rounds, leaves before the first: chains while both are rows
+    trees.clear()
+    batch = SpeculativeBatch(target)
+    a = batch.add(ids, n, proposer=proposer())
+    out = {a: []}
+    for _ in range(3):
+        for ev in batch.step():
+            out[ev.uid] += ev.tokens
+    before = len(trees)
+    b = batch.add(other, 12, proposer=proposer())
+    out[b] = []
+    while batch.active or batch.pending:
+        rows = len(batch.lengths())
+        k = len(trees)
+        for ev in batch.step():
+            out[ev.uid] += ev.tokens
+        if rows == 2:
+            assert len(trees) == k, "a tree forward in a round of two rows"
+    assert out[a] == ref[:n] and out[b] == ref_other[:12]
+    assert before > 0 and len(trees) > before  # trees before the join and after the leave
+
+    trees.clear()
+    batch = SpeculativeBatch(target, trees=False)
+    uid = batch.add(ids, n, proposer=proposer())
+    assert drain(batch)[uid] == ref[:n] and not trees

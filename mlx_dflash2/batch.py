@@ -1371,9 +1371,14 @@ class SpeculativeBatch:
         for i, p in enumerate(props):
             if p.tree is not None and p.tree.is_chain:  # verified as a chain (as the solo loop's build does)
                 props[i] = replace(p, tree=None)
-            elif p.tree is not None and not (lone and rows[0].trees):
-                raise ValueError(f"request {rows[i].uid}'s proposer proposed a tree draft, which a row of a "
-                                 "batch of several cannot verify")
+            elif p.tree is not None and not (lone and self.trees and rows[0].verifier.trees_ok
+                                             and self.target.tree_capable):
+                # the solo loop's rule (a custom proposer's tree too, whatever its ``trees``): verified as a chain
+                # it would emit wrong tokens
+                why = ("a row of a batch of several cannot verify" if not lone else
+                       "this request cannot verify (trees need a greedy request without logits processors on a "
+                       "dense target, in a SpeculativeBatch with trees)")
+                raise ValueError(f"request {rows[i].uid}'s proposer proposed a tree draft, which {why}")
         t_verify = self._mark("propose", tic, [p.tokens for p in props]) if self.timings is not None else 0.0
         widths = [p.n + 1 for p in props]
         M = max(widths)

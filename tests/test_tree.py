@@ -491,3 +491,35 @@ def test_a_batch_of_one_verifies_the_solo_loops_trees(smol_f32, monkeypatch):
     batch = SpeculativeBatch(target, trees=False)
     uid = batch.add(ids, n, proposer=proposer())
     assert drain(batch)[uid] == ref[:n] and not trees
+
+
+def test_a_batch_of_one_verifies_a_custom_proposers_trees_as_the_solo_loop_does(smol_f32):
+    """A proposer without a ``trees`` attribute that proposes tree drafts anyway (:class:`TreeScripted`): the solo
+    loop verifies them (a greedy request on a tree-capable target), so a batch of one does too (same tokens);
+    with ``trees=False`` or a sampled request the refusal names the request's case, not "a batch of several"."""
+    from mlx_dflash2.batch import SpeculativeBatch
+    from mlx_dflash2.sampling import SamplingParams
+    from mlx_dflash2.verify import make_verifier
+
+    target, tok = smol_f32
+    ids = chat_ids(tok, PROMPTS["math"])
+    ref = plain_reference(target, ids, 24)[0]
+    prop = TreeScripted(len(ids), ref, [4, 1, 4, 0], 16, target.vocab_rows)
+    assert not hasattr(prop, "trees")
+    assert [t for t, _, _ in speculative_generate_step(ids, target, prop, block_size=16, max_tokens=20)] == ref[:20]
+
+    def drain(batch):
+        out = []
+        while batch.active or batch.pending:
+            for ev in batch.step():
+                out += ev.tokens
+        return out
+
+    batch = SpeculativeBatch(target)
+    batch.add(ids, 20, proposer=prop, block_size=16)
+    assert drain(batch) == ref[:20]
+    sampled = make_verifier(SamplingParams(temp=0.7), mx.random.key(1))
+    for batch, kw in ((SpeculativeBatch(target, trees=False), {}), (SpeculativeBatch(target), {"verifier": sampled})):
+        batch.add(ids, 20, proposer=prop, block_size=16, **kw)
+        with pytest.raises(ValueError, match="tree draft, which this request cannot verify"):
+            drain(batch)

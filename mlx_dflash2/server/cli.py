@@ -143,8 +143,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", "--draft-model", default="auto", help=DRAFTER_HELP)
     p.add_argument("--no-lookup", action="store_true", help="do not fuse lookup proposals with the drafter's")
     p.add_argument("--no-trees", action="store_true",
-                   help="greedy requests served alone (--max-batch 0) verify the drafter's chain only, not a tree of "
-                        "its candidates (same output; batched rows always verify chains)")
+                   help="greedy requests served alone (a batch's only row, or --max-batch 0) verify the drafter's "
+                        "chain only, not a tree of its candidates (same output; rows of a batch of several always "
+                        "verify chains)")
     p.add_argument("--draft-confidence", type=draft_confidence_arg, default=None, metavar="C",
                    help=DRAFT_CONFIDENCE_HELP)
     p.add_argument("--drafter-window", type=drafter_window_arg, default=None, metavar="N",

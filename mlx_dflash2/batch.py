@@ -1,10 +1,10 @@
 """Batched speculative rounds for every target family: dense, hybrid GatedDeltaNet, sliding-window (issue 22).
 
 Every request kind shares a batch: greedy and sampled (each with its own verifier, logits processors
-and random keys), with or without logprobs. The server's engine (:mod:`~.server.engine`) runs its
-requests through it (continuous batching); the CLI and
-:func:`~.api.stream_generate` still use :mod:`~.speculative`'s loop. This module advances **N requests
-by one round with one target forward**.
+and random keys), with or without logprobs. This is **the one decoding loop**: the server's engine
+(:mod:`~.server.engine`) runs its requests through it (continuous batching), and the CLI,
+:func:`~.api.stream_generate` and the benchmarks run a batch of one (:func:`~.speculative.speculative_generate_step`).
+This module advances **N requests by one round with one target forward**.
 
 Layers: every attention layer's rows live in one :class:`RaggedKVCache` (per-row lengths; a
 sliding-window layer's with its window: each row's front evicted past the window and a rollback slack,
@@ -128,22 +128,21 @@ Missing for the full issue 22 (later steps)
   :class:`RaggedKVCache`; a GatedDeltaNet rollback replays on the reference path, one more mixer forward
   of the block per GatedDeltaNet layer, where the routed GPU path selects; a window layer attends over
   up to ``window + slack + step`` rows, its eviction one gather per ``step``-ish positions);
-* pipelining (queueing round r+1 before r's tokens are handed out, as the solo loop does)
-  (done: batched, chunked prefill of joins interleaved with the rounds; prompt-cache reuse for joins,
-  ``add(state=)``; stop strings, the server's through ``remove``);
+* joins and stops (done: batched, chunked prefill of joins interleaved with the rounds; prompt-cache reuse
+  for joins, ``add(state=)``; stop strings, the server's through ``remove``, the generator's through
+  :meth:`stop`); a lone row's plain steps queued ahead (done); round r+1 queued before r's tokens are handed
+  out (not done, below);
 * widths by the drafter's own confidence per row within a per-round budget (:class:`WidthSchedule`
   caps the round's width by measured throughput, the same cap for every greedy row, with bounded trial
   rounds; inside the cap a drafter with a dynamic draft length cuts each row's draft at its own
   confidence; sampled rows keep their widths);
-* the single-request generator as a batch of one (the server wiring is done: continuous batching,
-  FIFO under ``--max-batch``, cancellation, ``/metrics``; a lone row added with ``adaptive`` already
-  runs the solo loop's adaptive rounds, :meth:`SpeculativeBatch.add`, a lone greedy row its tree drafts
-  (session 44), and on a routed target the kernels'
-  fast path: :meth:`RaggedKVCache.solo_length`; on this CPU a lone row runs at the solo loop's speed with the
-  same tokens (session 20). Before the CLI and :func:`~.api.stream_generate` move here from
-  :mod:`~.speculative`'s loop: a batch of N > 1 rows runs mlx-lm's attention and, past 16 rows in all, MLX's
-  matmuls (no per-row-length ``verify_attention``, ``qmm`` takes at most 16 rows), and :meth:`step` queues
-  nothing ahead (the solo loop's pipelining, run-ahead plain rounds)).
+* the single-request generator as a batch of one (done: :func:`~.speculative.speculative_generate_step` adds its
+  request to a batch and yields each step's tokens; a lone row runs the single-request rounds: its adaptive
+  schedule, tree drafts for a greedy row, and plain steps queued ahead of the host read, :meth:`_runs_ahead`; a
+  consumer's stop cuts the row back, :meth:`stop`). Not done: round r+1 queued before round r's tokens are
+  handed out (the old solo loop's pipelining: the consumer's per-token work now runs between rounds), and a
+  batch of N > 1 rows runs mlx-lm's attention and, past 16 rows in all, MLX's matmuls (no per-row-length
+  ``verify_attention``; ``qmm`` takes at most 16 rows).
 """
 
 from __future__ import annotations
@@ -157,7 +156,7 @@ from mlx_lm.models.cache import KVCache
 
 from . import speculative
 from .caches import RaggedRecurrentCache, RecurrentCache, WindowKVCache
-from .proposers import DraftCall, Proposal, Proposer
+from .proposers import PLAIN_RUN_AHEAD_AFTER, DraftCall, Proposal, Proposer
 from .speculative import GenerationState, SpecStats, start_request
 from .target import TargetAdapter, TargetCompatibilityError
 from .tree import compact_cache
@@ -482,8 +481,13 @@ class RaggedKVCache:
 
     def extract(self, i: int) -> KVCache | WindowKVCache:
         """Row ``i`` as a single sequence's cache (a copy: e.g. a finished request's prompt cache): an
-        mlx-lm ``KVCache``, or for a window a :class:`~.caches.WindowKVCache` holding the same rows."""
+        mlx-lm ``KVCache``, or for a window a :class:`~.caches.WindowKVCache` holding what the row needs: its
+        window and rollback slack."""
         k, v, s = self.row(i)
+        if self.max_size is not None and k is not None:  # what a WindowKVCache keeps: the window and its slack
+            cut = max(0, self._lengths[i] - (self.max_size - 1 + self.slack) - s)
+            if cut:
+                k, v, s = k[..., cut:, :], v[..., cut:, :], s + cut
         if self.max_size is None:
             c = KVCache()
         else:
@@ -509,6 +513,9 @@ class BatchEvent:
         logprobs: for a request added with ``logprobs=True``: per token, the target's (processed)
             log-probabilities ``[V]`` at its position, evaluated (what the solo loop yields); else None.
         from_draft: per token, whether it was an accepted draft (as the solo loop's ``from_draft``).
+        round: how the round these tokens came from was counted in ``stats``
+            (:meth:`~.speculative.SpecStats.record_round`'s arguments), None for the first token's event: a
+            consumer that stops inside it takes it back (:meth:`SpeculativeBatch.stop`).
     """
 
     uid: int
@@ -517,6 +524,7 @@ class BatchEvent:
     stats: SpecStats | None = None
     logprobs: list[mx.array] | None = None
     from_draft: list[bool] = field(default_factory=list)
+    round: tuple | None = None
 
 
 @dataclass
@@ -543,13 +551,41 @@ class _Request:
     out_lp: list = field(default_factory=list)  # their logprobs (want_logprobs only)
     out_draft: list = field(default_factory=list)  # their from_draft flags
     finish: str | None = None
+    streak: int = 0  # plain rounds in a row, the last one included (run-ahead)
+    last_round: tuple | None = None  # (drafts, accepted, record_round's arguments) of its last round
+
+    def record(self, n: int, a: int, emitted: int, source: str, cut: bool) -> None:
+        """Count a round that proposed ``n``, accepted ``a`` and emitted ``emitted`` tokens (``cut``: it stopped
+        inside the round: only the drafts up to the stop count, as in the solo loop)."""
+        args = (min(n, emitted), min(a, emitted), emitted, source, n + 1) if cut else (n, a, emitted, source, None)
+        self.stats.record_round(*args)
+        self.last_round = (n, a, args)
 
     def event(self, finish: str | None) -> BatchEvent:
         """The tokens not yet reported as an event (and forget them)."""
         ev = BatchEvent(self.uid, self.out, finish, self.stats,
-                        self.out_lp if self.want_logprobs else None, self.out_draft)
+                        self.out_lp if self.want_logprobs else None, self.out_draft,
+                        self.last_round if self.out else None)  # (no round yet: the first token's event)
         self.out, self.out_lp, self.out_draft = [], [], []
         return ev
+
+
+@dataclass
+class _Verify:
+    """A round's target forward and accepts, queued (:meth:`SpeculativeBatch._verify`); ``read``: what the host
+    read waits for."""
+
+    props: list
+    widths: list
+    M: int
+    tree: object
+    tres: object
+    taps: dict | None
+    starts: list
+    results: list
+    best: mx.array | None
+    drafts: list
+    read: list
 
 
 @dataclass
@@ -926,6 +962,7 @@ class SpeculativeBatch:
         self._events: list[BatchEvent] = []  # finished at join, cancelled: reported by the next step
         self._states: dict[int, GenerationState] = {}  # final states of finished keep_state requests
         self._next_uid = 0
+        self._ahead: _Verify | None = None  # a lone row's plain step queued before its last round's read
         #: the last round's geometry: rows, tokens verified (real, padding excluded), block width M,
         #: the schedule's width cap (None: none)
         self.last_round: dict = {"rows": 0, "verified": 0, "width": 0, "cap": None}
@@ -982,7 +1019,7 @@ class SpeculativeBatch:
             block_size: int | None = None, verifier: Verifier | None = None,
             eos_token_ids: Sequence[int] = (), state: GenerationState | None = None, keep_state: bool = False,
             draft_temperature: float = 0.0, draft_key: mx.array | None = None, logprobs: bool = False,
-            adaptive: bool = False, prompt_progress_callback=None) -> int:
+            adaptive: bool = False, prompt_progress_callback=None, stats: SpecStats | None = None) -> int:
         """Queue a request: validated and set up now (as the solo loop does), prefilled by the next
         :meth:`step` calls together with the other joins (chunked, interleaved with the rounds of the
         requests already decoding), then a row of the batch.
@@ -1024,6 +1061,7 @@ class SpeculativeBatch:
                 :func:`~.api.request_sampling` allows: not for a seeded sampled request, whose tokens
                 must not depend on timings). False (default): it drafts every round, as in a batch.
             prompt_progress_callback: ``f(processed, total)`` during the prefill (from the steps).
+            stats: a :class:`~.speculative.SpecStats` to fill (default: a new one, :meth:`stats`).
 
         Returns:
             The request id.
@@ -1044,7 +1082,7 @@ class SpeculativeBatch:
             return uid
         proposer = proposer if proposer is not None else self.proposer
         B = block_size if block_size is not None else self.block_size
-        stats = SpecStats()
+        stats = stats if stats is not None else SpecStats()
         setup = start_request(prompt, self.target, proposer, verifier=verifier, block_size=B, stats=stats,
                               state=state, adaptive=bool(adaptive), trees=self.trees)
         trees = setup.session.trees  # what the solo loop would allow this request (start_request decides)
@@ -1072,6 +1110,7 @@ class SpeculativeBatch:
         """Drop an active request now (its row and state, or its unfinished prefill); the next
         :meth:`step` reports it as ``"cancelled"`` with any tokens not yet reported. Returns False if
         ``uid`` is not active."""
+        self._drop_ahead()
         for i, j in enumerate(self._joining):
             if j.req.uid == uid:
                 self._drop_joins([i])
@@ -1090,6 +1129,7 @@ class SpeculativeBatch:
         request still being prefilled). Tokens it emitted but were not reported yet are discarded.
         Does nothing (None) if ``uid`` is not active.
         """
+        self._drop_ahead()
         for i, j in enumerate(self._joining):
             if j.req.uid == uid:
                 self._drop_joins([i])
@@ -1117,6 +1157,8 @@ class SpeculativeBatch:
 
     def _drop(self, rows: list[int]) -> None:
         keep = [i for i in range(len(self._rows)) if i not in set(rows)]
+        for i in rows:
+            self._rows[i].session.end_run()  # (an adaptive schedule's held timings settled, as the solo loop's end)
         for c in self.cache:
             c.keep_rows(keep)
         self._rows = [self._rows[i] for i in keep]
@@ -1146,8 +1188,10 @@ class SpeculativeBatch:
         M = max(n)
         block = mx.array([j.todo[:k] + [0] * (M - k) for j, k in zip(J, n)], dtype=mx.int32)
         tap_ids = tuple(dict.fromkeys(t for j in J for t in j.req.tap_ids))
-        for li in self._recurrent:  # each row's recurrence stops at its own last real token
-            self._jcache[li].prepare(n)
+        if min(n) < M:  # each row's recurrence stops at its own last real token (no padding: an unmasked forward,
+            # whose chunks past the cache's max_record run the routed gated_delta_final on a GPU)
+            for li in self._recurrent:
+                self._jcache[li].prepare(n)
         h, taps = self.target._call(lambda: self.target.inner(block, cache=self._jcache), tap_ids)
         fin = [i for i, (j, k) in enumerate(zip(J, n)) if k == len(j.todo)]
         firsts = []
@@ -1304,6 +1348,71 @@ class SpeculativeBatch:
         return None
 
     # -- the round --------------------------------------------------------------------------------
+    def _runs_ahead(self, r: _Request) -> bool:
+        """Whether a lone row's plain rounds queue the next plain step before their host read (the solo
+        loop's pipelining): plain decoding (block size 1) always, as ``mlx_lm``'s ``generate_step``; a
+        speculative request's plain rounds (the adaptive schedule's, or lookup without a match) only for a
+        greedy verifier on a GPU (:data:`~.speculative.RUN_AHEAD`: on the CPU the device is the host, so
+        nothing overlaps and a dropped step is pure loss). Never for a verifier that reads the history
+        (penalties: the queued step cannot see its anchor) or while :attr:`timings` is on."""
+        if self.timings is not None or r.verifier.needs_history:
+            return False
+        if r.block_size == 1:
+            return True
+        ahead = speculative.RUN_AHEAD
+        return r.verifier.greedy and (ahead == "always" or (ahead == "gpu" and mx.default_device().type == mx.gpu))
+
+    def _drop_ahead(self) -> None:
+        """Drop the plain step queued ahead (its one cache row; the recurrent layers take back its forward)."""
+        if self._ahead is not None:
+            self._ahead = None
+            for c in self.cache:
+                c.trim_rows([1] + [0] * (len(self._rows) - 1))
+
+    def _verify(self, rows: list, props: list, widths: list, anchors: mx.array | None = None) -> _Verify:
+        """Build the target forward of a round (``[N, M]`` block, or a lone row's tree) and every row's accept,
+        queued (``mx.async_eval``), nothing read. ``anchors``: int32 ``[1]``, the lone row's anchor not yet
+        read (a plain step queued ahead); default each row's last history token."""
+        M = max(widths)
+        tap_ids = tuple(dict.fromkeys(t for r in rows for t in r.tap_ids))
+        tree = props[0].tree  # a lone row's tree draft (else None): the solo loop's tree forward
+        taps = tres = None
+        if tree is not None:
+            verify_in = mx.concatenate([mx.array([rows[0].history[-1]], mx.int32), props[0].tokens.astype(mx.int32)])
+            tres = self.target.forward(verify_in, self.cache, tap_ids, tree=tree)
+            logits = tres.logits
+        else:
+            if anchors is not None:
+                block = anchors.astype(mx.int32).reshape(1, 1)
+            else:
+                block = mx.stack([
+                    mx.concatenate([mx.array([r.history[-1]], mx.int32), p.tokens.astype(mx.int32),
+                                    mx.zeros((M - w,), mx.int32)])
+                    for r, p, w in zip(rows, props, widths)])
+            h, taps = self.target._call(lambda: self.target.inner(block, cache=self.cache), tap_ids)
+            # the LM head on the real rows only ([sum(w), V]; padding never reaches it)
+            if all(w == M for w in widths):
+                logits = self.target.logits(h.reshape(len(rows) * M, -1))
+            else:
+                real = mx.array([i * M + j for i, w in enumerate(widths) for j in range(w)], mx.int32)
+                logits = self.target.logits(h.reshape(len(rows) * M, -1)[real])
+        starts = [sum(widths[:i]) for i in range(len(widths))]
+        # Plain greedy rows (no logits processors, no logprobs: most requests) share one argmax over every real
+        # row and are compared with their drafts on the host, the reference of kernels.greedy_accept (first
+        # maximal id); the others run their own verifier (penalties, logit bias, sampling, logprobs).
+        plain = [type(r.verifier) is GreedyVerifier and not r.verifier.params.processors and not r.want_logprobs
+                 and p.tree is None for r, p in zip(rows, props)]
+        results = [None if pl else r.verifier.verify(logits[s0 : s0 + w], p, r.history)
+                   for r, p, w, s0, pl in zip(rows, props, widths, starts, plain)]
+        best = mx.argmax(logits, axis=-1).astype(mx.int32) if any(plain) else None
+        drafts = [p.tokens.astype(mx.int32) for p, pl in zip(props, plain) if pl and p.n]
+        read = (([best] if best is not None else []) + drafts
+                + [x for vr in results if vr is not None for x in (vr.num_accepted, vr.tokens)]
+                + [vr.logprobs for r, vr in zip(rows, results) if r.want_logprobs])
+        mx.async_eval(read)
+        return _Verify(props, widths, M, tree, tres, taps, starts, results, best, drafts, read)
+
+    # -- the round --------------------------------------------------------------------------------
     def step(self) -> list[BatchEvent]:
         """Run one round over every active request (if any) and report what each emitted.
 
@@ -1314,6 +1423,7 @@ class SpeculativeBatch:
         self.last_prefill = {"rows": 0, "tokens": 0}
         self.last_round = {"rows": 0, "verified": 0, "width": 0, "cap": None}
         if self._joining:
+            self._drop_ahead()  # the joins change the rows: a plain step queued ahead is dropped
             t0 = time.perf_counter() if self.timings is not None else 0.0
             self._prefill()
             self._mark("prefill", t0)
@@ -1324,7 +1434,10 @@ class SpeculativeBatch:
         tic = time.perf_counter()
         limit = self.target.max_context
         rows = self._rows
+        ahead, self._ahead = self._ahead, None  # a lone row's plain step queued by the last round (one row more)
         lengths = self.lengths()
+        if ahead is not None:
+            lengths[0] -= 1
 
         # 1. proposals, one per request (greedy rows cut to the schedule's width cap); the drafter
         # forwards of every request that drafts with the same DFlash drafter run as one
@@ -1335,10 +1448,11 @@ class SpeculativeBatch:
             cap = self.schedule.choose(len(rows), max(r.block_size for r in greedy),
                                        explore=not self.last_prefill["rows"])
         lone = len(rows) == 1
+        chain = lone and self._runs_ahead(rows[0])
         for r in rows:  # a lone row's rounds are the solo loop's (its adaptive schedule and trees, where allowed)
             r.session.adaptive = r.adaptive and lone
             r.session.trees = r.trees and lone
-            r.session.plain_pipelined = False  # a batch queues nothing ahead
+            r.session.plain_pipelined = chain  # an adaptive schedule times pipelined plain runs by their steady rounds
         props: list[Proposal | None] = []
         calls: dict = {}  # id(drafter) -> (drafter, [(row, DraftCall)])
         ns = []
@@ -1378,48 +1492,41 @@ class SpeculativeBatch:
                 why = ("a row of a batch of several cannot verify" if not lone else
                        "this request cannot verify (trees need a greedy request without logits processors on a "
                        "dense target, in a SpeculativeBatch with trees)")
+                if ahead is not None:
+                    self._ahead = ahead
+                    self._drop_ahead()
                 raise ValueError(f"request {rows[i].uid}'s proposer proposed a tree draft, which {why}")
         t_verify = self._mark("propose", tic, [p.tokens for p in props]) if self.timings is not None else 0.0
         widths = [p.n + 1 for p in props]
-        M = max(widths)
-        self.last_round = {"rows": len(rows), "verified": sum(widths), "width": M, "cap": cap}
+        for r, p in zip(rows, props):
+            r.streak = r.streak + 1 if p.n == 0 else 0
 
-        # 2. one target forward over the padded block (padding after each row's real tokens)
-        tap_ids = tuple(dict.fromkeys(t for r in rows for t in r.tap_ids))
-        tree = props[0].tree  # a lone row's tree draft (else None): the solo loop's tree forward
-        if tree is not None:
-            verify_in = mx.concatenate([mx.array([rows[0].history[-1]], mx.int32), props[0].tokens.astype(mx.int32)])
-            tres = self.target.forward(verify_in, self.cache, tap_ids, tree=tree)
-            logits = tres.logits
+        # 2. one target forward over the padded block (padding after each row's real tokens): the plain step
+        # queued ahead if this round is one (its proposal empty), else built now; 3. every row's accept
+        if ahead is not None and props[0].n == 0:
+            ver = replace(ahead, props=props)
         else:
-            block = mx.stack([
-                mx.concatenate([mx.array([r.history[-1]], mx.int32), p.tokens.astype(mx.int32),
-                                mx.zeros((M - w,), mx.int32)])
-                for r, p, w in zip(rows, props, widths)])
-            h, taps = self.target._call(lambda: self.target.inner(block, cache=self.cache), tap_ids)
-            # the LM head on the real rows only ([sum(w), V]; padding never reaches it)
-            if all(w == M for w in widths):
-                logits = self.target.logits(h.reshape(len(rows) * M, -1))
-            else:
-                real = mx.array([i * M + j for i, w in enumerate(widths) for j in range(w)], mx.int32)
-                logits = self.target.logits(h.reshape(len(rows) * M, -1)[real])
-        starts = [sum(widths[:i]) for i in range(len(widths))]
-
-        # 3. per-request accept; one host synchronisation for the batch. Plain greedy rows (no logits
-        # processors, no logprobs: most requests) share one argmax over every real row and are compared
-        # with their drafts on the host, the reference of kernels.greedy_accept (first maximal id); the
-        # others run their own verifier (penalties, logit bias, sampling, logprobs).
-        plain = [type(r.verifier) is GreedyVerifier and not r.verifier.params.processors and not r.want_logprobs
-                 and p.tree is None for r, p in zip(rows, props)]
-        results = [None if pl else r.verifier.verify(logits[s0 : s0 + w], p, r.history)
-                   for r, p, w, s0, pl in zip(rows, props, widths, starts, plain)]
-        best = mx.argmax(logits, axis=-1).astype(mx.int32) if any(plain) else None
-        drafts = [p.tokens.astype(mx.int32) for p, pl in zip(props, plain) if pl and p.n]
-        mx.eval(([best] if best is not None else []) + drafts
-                + [x for vr in results if vr is not None for x in (vr.num_accepted, vr.tokens)]
-                + [vr.logprobs for r, vr in zip(rows, results) if r.want_logprobs])
-        best_ids = best.tolist() if best is not None else []
-        draft_ids = iter(d.tolist() for d in drafts)
+            if ahead is not None:  # a drafting round: the step queued ahead is dropped (one row trimmed)
+                self._ahead = ahead
+                self._drop_ahead()
+            ver = self._verify(rows, props, widths)
+        M, tree, tres, taps, starts, results = ver.M, ver.tree, ver.tres, ver.taps, ver.starts, ver.results
+        self.last_round = {"rows": len(rows), "verified": sum(widths), "width": M, "cap": cap}
+        # a lone row's plain round queues the next plain step on its token before the read (run-ahead)
+        nxt = None
+        r0 = rows[0]
+        # (not in a step that prefilled: its event also holds the first token, and a consumer stopping there
+        # cuts this round whole, which a recurrent layer can do only while it is the last forward)
+        if (chain and M == 1 and not self._joining and not self.last_prefill["rows"]
+                and (r0.block_size == 1 or r0.streak >= PLAIN_RUN_AHEAD_AFTER)
+                and (r0.max_tokens < 0 or r0.n_out + 1 < r0.max_tokens)
+                and (limit is None or lengths[0] + 1 < limit)):
+            tok = ver.best[:1] if results[0] is None else results[0].tokens[:1]
+            nxt = self._verify(rows, [Proposal.empty()], [1], anchors=tok)
+        # one host synchronisation for the batch
+        mx.eval(ver.read)
+        best_ids = ver.best.tolist() if ver.best is not None else []
+        draft_ids = iter(d.tolist() for d in ver.drafts)
         t_commit = self._mark("verify", t_verify) if self.timings is not None else 0.0
 
         # 4. per-request commit / rollback, emission
@@ -1463,16 +1570,18 @@ class SpeculativeBatch:
             r.stats.generated_tokens = r.n_out
             total += emitted
             trims.append(M - emitted)  # the row keeps [anchor, d_1..d_{emitted - 1}]: its tokens but the last
-            if emitted < len(toks):  # stopped inside the round: only the drafts up to the stop count
-                r.stats.record_round(min(p.n, emitted), min(a, emitted), emitted, p.source, verified=p.n + 1)
-                if r.keep_state:  # its state holds exactly the emitted tokens but the last (the cache: trims)
-                    r.session.truncate(P + emitted)
-            else:
-                r.stats.record_round(p.n, a, a + 1, p.source)
+            cut = emitted < len(toks)  # stopped inside the round: only the drafts up to the stop count
+            r.record(p.n, a, emitted, p.source, cut)
+            if cut and r.keep_state:  # its state holds exactly the emitted tokens but the last (the cache: trims)
+                r.session.truncate(P + emitted)
             if r.finish is not None:
                 done.append(i)
         for c in self.cache:
             c.trim_rows(trims)
+        if nxt is not None:
+            self._ahead = nxt
+            if done:  # it finished at this round: the step queued ahead is not needed
+                self._drop_ahead()
         # drafter contexts that queued many rounds (e.g. plain rounds under load) are appended together,
         # so a queue never holds on to many rounds' target features
         due = [r.session for i, r in enumerate(rows) if i not in done and r.session.drafter_session is not None
@@ -1483,7 +1592,7 @@ class SpeculativeBatch:
             self._mark("commit", t_commit)
         after = self._row_lengths(self.cache)
         for i, r in enumerate(rows):
-            want = len(r.history) - 1
+            want = len(r.history) - 1 + (self._ahead is not None)
             if after[i] != want:
                 raise RuntimeError(f"batch invariant broken: row {i} holds {after[i]} positions, "
                                    f"its request {want}")
@@ -1502,3 +1611,83 @@ class SpeculativeBatch:
         if done:
             self._drop(done)
         return events
+
+    def stop(self, uid: int, taken: int) -> GenerationState | None:
+        """Request ``uid``'s consumer stopped after taking ``taken`` of its tokens (counted from its first, over
+        every event reported so far), inside the last event (e.g. at a stop string): the request is cut back to
+        exactly those tokens, as the solo loop cuts itself at a stop (its cache row, recurrent state, proposer
+        session, history and statistics: its last round is counted up to the stop, a round never handed out not
+        at all; a plain step queued ahead is dropped), and leaves the batch.
+
+        A request that has already finished (its last event reported it): :meth:`stopped_after_finish`.
+
+        Args:
+            uid: the request.
+            taken: tokens its consumer took (>= 1).
+
+        Returns:
+            The request's final state if it was added with ``keep_state`` (prompt and taken tokens but the last),
+            else None; None for an unknown request or one still being prefilled (dropped).
+
+        Raises:
+            ValueError: ``taken`` leaves more tokens untaken than its last round emitted (nothing changes).
+        """
+        self._drop_ahead()
+        for i, j in enumerate(self._joining):
+            if j.req.uid == uid:
+                self._drop_joins([i])
+                return None
+        for i, r in enumerate(self._rows):
+            if r.uid != uid:
+                continue
+            extra = r.n_out - int(taken)
+            last = r.last_round[2][2] if r.last_round is not None else 0
+            if extra < 0 or extra > last or (extra and taken < 1):
+                raise ValueError(f"SpeculativeBatch.stop: {taken} tokens taken of {r.n_out} emitted, the last "
+                                 f"round {last}")
+            if extra:
+                for c in self.cache:
+                    c.trim_rows([extra if k == i else 0 for k in range(len(self._rows))])
+                del r.history[len(r.history) - extra:]
+                r.n_out = int(taken)
+                r.session.truncate(len(r.history) - 1)
+                _cut_round(r.stats, r.last_round, extra)
+                r.stats.generated_tokens = r.n_out
+            r.session.end_run()
+            st = self._row_state(i) if r.keep_state else None
+            self._drop([i])
+            return st
+        return None
+
+    def stopped_after_finish(self, uid: int, extra: int, stats: SpecStats, last: tuple | None) -> GenerationState | None:
+        """:meth:`stop` for a request that had already finished (its last event reported it): its consumer took
+        all but ``extra`` of that event's tokens. Its statistics' last round (``last``: the event's
+        :attr:`BatchEvent.round`) is cut, and its kept state (:meth:`take_state`), if any, cut back by ``extra``
+        tokens and returned.
+
+        Raises:
+            ValueError: ``extra`` outside ``0 .. `` the last round's tokens.
+        """
+        n_last = last[2][2] if last is not None else 0
+        if extra < 0 or extra > n_last:
+            raise ValueError(f"SpeculativeBatch.stopped_after_finish: {extra} tokens untaken, the last round {n_last}")
+        st = self.take_state(uid)
+        if extra:
+            _cut_round(stats, last, extra)
+            stats.generated_tokens -= extra
+            if st is not None:
+                speculative.trim_cache(st.cache, extra)
+                del st.tokens[len(st.tokens) - extra:]
+                st.session.truncate(len(st.tokens))
+        return st
+
+
+def _cut_round(stats: SpecStats, last: tuple, extra: int) -> None:
+    """Count a request's last round (``last``: :attr:`BatchEvent.round`) as cut ``extra`` tokens before its end
+    (the solo loop's count of a round its consumer stopped inside); a round none of whose tokens were taken is
+    not counted at all."""
+    n, a, args = last
+    stats.record_round(*args, sign=-1)
+    kept = args[2] - extra
+    if kept > 0:
+        stats.record_round(min(n, kept), min(a, kept), kept, args[3], verified=n + 1)

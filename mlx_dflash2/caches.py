@@ -400,7 +400,8 @@ class RaggedRecurrentCache(ArraysCache):
         self._positions: list[int] = []
         self._feed: Optional[list[int]] = None  # the next forward's real lengths (prepare)
         self._pending: Optional[_Record] = None
-        self._last: Optional[_Record] = None  # the last unmasked forward, until trim_rows
+        self._last: Optional[_Record] = None  # the last unmasked forward (until a forward or row change)
+        self._kept: Optional[list[int]] = None  # per row, the tokens of that forward it holds after trims
         self._replaying = False
         self.replays = 0  # trim_rows done by replay (the others selected kept step states)
 
@@ -444,8 +445,8 @@ class RaggedRecurrentCache(ArraysCache):
         ``x`` (``[N, L, hidden]``) for :meth:`trim_rows` (masked forwards are not recorded)."""
         if self._replaying:
             return
-        if self.lengths is not None or mask is not None:
-            self._pending = None
+        if self.lengths is not None or mask is not None or x.shape[1] > self.max_record:
+            self._pending = None  # (a prompt chunk longer than max_record keeps no inputs: never rolled back)
             return
         self._pending = _Record(self.cache[0], self.cache[1], None, int(x.shape[1]), x, None, replay)
 
@@ -464,44 +465,48 @@ class RaggedRecurrentCache(ArraysCache):
         if self._feed is not None:
             self._positions = [p + f for p, f in zip(self._positions, self._feed)]
             self.finalize()
-            self._pending = self._last = None
+            self._pending = self._last = self._kept = None
             return
         self._positions = [p + int(N) for p in self._positions]
         rec, self._pending = self._pending, None
         if rec is not None and rec.length == int(N):
             rec.after = self.cache[1]
         self._last = rec if rec is not None and rec.length == int(N) else None
+        self._kept = None
 
     # -- per-row rollback ---------------------------------------------------------------------
     def trim_rows(self, n: Sequence[int]) -> None:
         """Roll row ``i`` back by its last ``n[i]`` positions, all inside the last (unmasked) forward:
-        each row's state becomes its state after its first ``L - n[i]`` tokens of that forward (``L`` its
-        length). All zeros: nothing changes. The forward can be rolled back once.
+        each row's state becomes its state after its first ``K_i - n[i]`` tokens of that forward (``K_i``:
+        what row ``i`` still holds of it, its length ``L`` until a trim). All zeros: nothing changes. Later
+        trims may cut further into the same forward (a consumer that stops inside a committed round), until
+        the next forward, row change or masked forward.
 
         Raises:
-            ValueError: wrong count, an amount outside ``0 .. L``, or no recorded forward to roll back
-                (none since the last trim, a masked one, or the state changed since); nothing changes.
+            ValueError: wrong count, an amount outside ``0 .. K_i``, or no recorded forward to roll back
+                (a masked one, rows added or dropped since, or the state changed since); nothing changes.
         """
         n = [int(x) for x in n]
         if len(n) != self.rows:
             raise ValueError(f"RaggedRecurrentCache.trim_rows: {len(n)} amounts for {self.rows} rows")
         rec = self._last
         if not any(n):
-            self._last = None
             return
         if rec is None or rec.after is not self.cache[1]:
             raise ValueError("RaggedRecurrentCache.trim_rows: no recorded forward to roll back (was "
                              "install_recording(model) applied, and has a forward run since?)")
         L = rec.length
-        if any(x < 0 or x > L for x in n):
-            raise ValueError(f"RaggedRecurrentCache.trim_rows: amounts {n} outside 0..{L}")
-        keep = mx.array([L - x for x in n], dtype=mx.int32)
+        held = self._kept if self._kept is not None else [L] * len(n)
+        if any(x < 0 or x > h for x, h in zip(n, held)):
+            raise ValueError(f"RaggedRecurrentCache.trim_rows: amounts {n} outside 0..{held}")
+        kept = [h - x for h, x in zip(held, n)]
+        keep = mx.array(kept, dtype=mx.int32)
         if rec.steps is not None:  # every step's state kept (stepping mixer): select each row's own
             from .kernels.gated_delta_steps import select_states
 
             states, conv_input = rec.steps
             state, conv = select_states(states, conv_input, keep - 1)
-            if any(x == L for x in n):  # rows that keep nothing of the forward: their previous state
+            if not all(kept):  # rows that keep nothing of the forward: their previous state
                 none = keep == 0
                 before_c = rec.conv if rec.conv is not None else mx.zeros_like(conv)
                 before_s = rec.state if rec.state is not None else mx.zeros_like(state)
@@ -519,7 +524,7 @@ class RaggedRecurrentCache(ArraysCache):
                 self._replaying = False
                 self.finalize()
         self._positions = [p - x for p, x in zip(self._positions, n)]
-        self._last = None
+        rec.after, self._kept = self.cache[1], kept  # a later trim cuts further into this forward
 
     # -- rows -----------------------------------------------------------------------------------
     def row(self, i: int) -> tuple:
@@ -564,7 +569,7 @@ class RaggedRecurrentCache(ArraysCache):
             states.append(s if s is not None else mx.zeros((1, *ss), sd))
         self.cache = [mx.concatenate(convs, axis=0), mx.concatenate(states, axis=0)]
         self._positions += [p for _, _, p in rows]
-        self._pending = self._last = None
+        self._pending = self._last = self._kept = None
 
     def keep_rows(self, keep: Sequence[int]) -> None:
         """Keep only rows ``keep`` (in that order; empty: no rows, no arrays)."""
@@ -575,16 +580,31 @@ class RaggedRecurrentCache(ArraysCache):
         elif self.cache[0] is not None:
             idx = mx.array(keep, dtype=mx.int32)
             self.cache = [c[idx] for c in self.cache]
-        self._pending = self._last = None
+        self._pending = self._last = self._kept = None
 
     def extract(self, i: int) -> RecurrentCache:
         """Row ``i`` as a single sequence's :class:`RecurrentCache` (own arrays, gathered: they do not
-        keep the batch's buffers alive; no rollback history), e.g. a finished request's prompt cache."""
+        keep the batch's buffers alive), e.g. a finished request's prompt cache. Its rollback history is
+        what the row holds of the last unmasked forward (the tokens its commit kept), so a consumer that
+        stops inside a request's last round can still cut its state back (``trim``); none otherwise."""
         c = RecurrentCache(self.max_record)
         if self.cache[0] is not None:
             idx = mx.array([i], dtype=mx.int32)
             c.cache = [self.cache[0][idx], self.cache[1][idx]]
         c.offset = self._positions[i]
+        rec = self._last
+        if rec is not None and rec.after is self.cache[1] and c.cache[0] is not None:
+            k = self._kept[i] if self._kept is not None else rec.length
+            if k:
+                idx = mx.array([i], dtype=mx.int32)
+                steps = None
+                if rec.steps is not None:
+                    states, conv_input = rec.steps
+                    k1 = conv_input.shape[1] - rec.length
+                    steps = (states[idx, :k], conv_input[idx, : k1 + k])
+                c._history.append(_Record(None if rec.conv is None else rec.conv[idx],
+                                          None if rec.state is None else rec.state[idx], c.offset - k, k,
+                                          rec.inputs[idx, :k], None, rec.replay, c.cache[1], steps))
         return c
 
     # mlx-lm's batch-editing methods of ArraysCache would change the rows without the per-row positions

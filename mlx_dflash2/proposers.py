@@ -1146,7 +1146,7 @@ class _FusedSession(ProposerSession):
 
     @property
     def drafter_session(self):
-        return self.d
+        return self.d.drafter_session  # (a fused custom drafter's session: None, or its own)
 
     def state_arrays(self):
         return self.d.state_arrays()

@@ -1,11 +1,15 @@
-"""The decoding loop of mlx_dflash2 (the only one: CLI, server and benchmarks use it).
+"""The single-request generator of mlx_dflash2, its setup, statistics and prompt-cache state.
 
-One round (DFlash2 spec §2.2, §2.4, §5.7):
+:func:`speculative_generate_step` (what the CLI, :func:`~.api.stream_generate` and the benchmarks call) is a
+**batch of one** of the one decoding loop, :class:`~.batch.SpeculativeBatch` (the server runs its requests
+through the same class): the request joins a batch, each :meth:`~.batch.SpeculativeBatch.step` is one round,
+and its tokens are yielded one at a time (like ``mlx_lm.generate_step``). One round (DFlash2 spec §2.2, §2.4,
+§5.7; :mod:`~.batch` has the details):
 
 1. **draft**: the request's proposer session proposes ``d_1..d_n`` after the
    anchor (``n <= B - 1``, shrunk near ``max_tokens`` and the context limit,
-   and by the drafter's dynamic draft length if it has one: one more host
-   synchronisation);
+   and by the drafter's dynamic draft length if it has one); a greedy request
+   may get a tree draft;
 2. **verify**: one target forward over ``[anchor, d_1..d_n]`` (appends
    ``n + 1`` rows to the target KV cache, taps on);
 3. **accept**: the verifier returns ``a`` and the emitted tokens (one host
@@ -16,30 +20,23 @@ One round (DFlash2 spec §2.2, §2.4, §5.7):
 5. **emit** ``d_1..d_a`` and the correction/bonus token, which is the next
    anchor.
 
-The rounds are pipelined: once round r is committed, round r+1's graph is
-built and queued (``mx.async_eval``) before r's tokens are handed to the
-consumer, so its per-token work overlaps the device's; one host read per round.
-
-Tokens are yielded one at a time (like ``mlx_lm.generate_step``). A consumer
-that stops early (EOS, stop string) closes the generator; the loop then drops
-the queued round and cuts the target cache and the drafter context back to
-exactly the consumed tokens
-and counts only those in the stats: nothing after a stop is emitted, counted or
-left in the cache. Without a proposer the loop is plain decoding, pipelined as
-mlx-lm's (``mx.async_eval`` of the next step before reading the current one).
+Plain rounds run ahead: the next one-token step is queued on the current round's (lazy) token before the host
+reads it (plain decoding always, as mlx-lm's ``generate_step``; a speculative request's plain rounds on a GPU,
+:data:`RUN_AHEAD`). A consumer that stops early (EOS, stop string) closes the generator; the request is then cut
+back to exactly the consumed tokens (:meth:`~.batch.SpeculativeBatch.stop`): nothing after a stop is emitted,
+counted or left in the cache.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Generator, Iterable
 
 import mlx.core as mx
 
-from .proposers import PLAIN_RUN_AHEAD_AFTER, Proposal, Proposer
+from .proposers import Proposer
 from .target import TargetAdapter, cache_length, trim_cache
-from .tree import compact_cache
 from .verify import GreedyVerifier, Verifier
 
 __all__ = ["SpecStats", "speculative_generate_step", "GenerationState", "PLAIN_PROPOSER", "start_request", "RequestSetup"]
@@ -109,30 +106,40 @@ class SpecStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     def record_round(self, drafted: int, accepted: int, emitted: int, source: str = "",
-                     verified: int | None = None) -> None:
+                     verified: int | None = None, sign: int = 1) -> None:
         """One verify forward that proposed ``drafted``, accepted ``accepted``
         of them and emitted ``emitted`` tokens (after any stop); ``source``:
         what made the draft (:attr:`~.proposers.Proposal.source`); ``verified``:
         rows of the forward (default ``drafted + 1``; more when a stop cut the
-        counted drafts)."""
-        self.rounds += 1
+        counted drafts). ``sign=-1`` takes back a round recorded with the same
+        arguments (a consumer stopped inside a request's last round after the
+        batch had recorded it whole: it is then recorded cut); the statistics
+        are then what they would be had it never been recorded."""
+        self.rounds += sign
         width = verified if verified is not None else drafted + 1
-        self.verify_widths[width] = self.verify_widths.get(width, 0) + 1
         src = (source or "drafter") if drafted else "none"
-        self.rounds_by_source[src] = self.rounds_by_source.get(src, 0) + 1
-        self.round_tokens += emitted
-        self.drafted += drafted
-        self.accepted += accepted
+        for d, k in ((self.verify_widths, width), (self.rounds_by_source, src)):
+            d[k] = d.get(k, 0) + sign
+            if not d[k]:
+                del d[k]
+        self.round_tokens += sign * emitted
+        self.drafted += sign * drafted
+        self.accepted += sign * accepted
         if not drafted:
             return
         need = max(drafted + 1, len(self.accept_hist))
         for lst in (self.accept_hist, self.position_proposed, self.position_accepted):
             lst.extend([0] * (need - len(lst)))
-        self.accept_hist[accepted] += 1
+        self.accept_hist[accepted] += sign
         for i in range(drafted):
-            self.position_proposed[i] += 1
+            self.position_proposed[i] += sign
             if i < accepted:
-                self.position_accepted[i] += 1
+                self.position_accepted[i] += sign
+        if sign < 0:  # the lists are as long as the longest draft recorded + 1 (position_proposed[-1] is always 0)
+            longest = max((i + 1 for i, v in enumerate(self.position_proposed) if v), default=0)
+            n = longest + 1 if longest else 0
+            for lst in (self.accept_hist, self.position_proposed, self.position_accepted):
+                del lst[n:]
 
     def as_dict(self) -> dict:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -442,217 +449,52 @@ def speculative_generate_step(
         ValueError: empty prompt, prompt at or beyond the context limit, or a
             bad block size.
     """
+    from .batch import SpeculativeBatch
+
     prompt = [int(t) for t in prompt]
     if not prompt:
         raise ValueError("the prompt must contain at least one token")
     if max_tokens == 0:
         return
     stats = stats if stats is not None else SpecStats()
-    setup = start_request(prompt, target, proposer, verifier=verifier, block_size=block_size, stats=stats,
-                          state=state, adaptive=adaptive, trees=True)
-    proposer, verifier, B, tap_ids = setup.proposer, setup.verifier, setup.block_size, setup.tap_ids
-    cache, session, reuse = setup.cache, setup.session, setup.reused
-    limit = target.max_context
-    recurrent = _recurrent_entries(cache) if state is not None else []
-    progress = prompt_progress_callback or (lambda *_: None)
-
-    def feats(x):
-        return x if tap_ids else None
-
-    # ---- chunked prefill: all but the last prompt token, then the last one alone
-    tic = time.perf_counter()
-    total = len(prompt)
-    done = reuse
-    progress(0, total)
-    while total - done > 1:
-        n = min(prefill_step_size, total - 1 - done)
-        if recurrent:  # chunks end at the snapshot positions
-            n = min(n, SNAPSHOT_INTERVAL - done % SNAPSHOT_INTERVAL)
-        chunk = prompt[done : done + n]
-        res = target.forward(mx.array(chunk, dtype=mx.int32), cache, tap_ids, last_only=True)
-        session.extend(chunk, feats(res.features))
-        mx.eval([c.state for c in cache] + session.state_arrays())
-        done += n
-        if recurrent and done % SNAPSHOT_INTERVAL == 0:
-            state.snapshots[done] = _snapshot(cache, recurrent)
-            for p in sorted(state.snapshots)[:-MAX_SNAPSHOTS]:
-                del state.snapshots[p]
-        progress(done, total)
-    res = target.forward(mx.array(prompt[-1:], dtype=mx.int32), cache, tap_ids)
-    session.extend(prompt[-1:], feats(res.features))
-    first = verifier.verify(res.logits, Proposal.empty(), prompt)
-    mx.eval(first.tokens, first.logprobs)
-    anchor = int(first.tokens[0].item())
-    progress(total, total)
-    stats.prefill_s = time.perf_counter() - tic
-    tic = time.perf_counter()
-    stats.generated_tokens = n_out = 1
-    history = prompt + [anchor]
-    dkey = draft_key
-
-    def fits(n_done: int, pos: int) -> bool:
-        """True while more tokens may follow ``n_done`` emitted ones and position ``pos`` fits the context."""
-        return (max_tokens < 0 or n_done < max_tokens) and (limit is None or pos < limit)
-
-    # What the consumer may stop in the middle of (see `finally`).
-    pending = None
+    # one loop: a batch of one request runs the solo rounds (its proposer's adaptive schedule, tree drafts, plain
+    # steps queued ahead; batch.py)
+    batch = SpeculativeBatch(target, prefill_step_size=prefill_step_size)
+    uid = batch.add(prompt, max_tokens if max_tokens >= 0 else -1, proposer=proposer, block_size=block_size,
+                    verifier=verifier, state=state, keep_state=state is not None, draft_temperature=draft_temperature,
+                    draft_key=draft_key, logprobs=True, adaptive=adaptive,
+                    prompt_progress_callback=prompt_progress_callback, stats=stats)
+    ev, taken, in_ev, tic, failed = None, 0, 0, None, True
     try:
-        yield anchor, first.logprobs[0], False
-
-        if B == 1 and not verifier.needs_history:
-            # Plain decoding, pipelined like mlx_lm.generate_step: the next step is queued
-            # (mx.async_eval) before the current token is read back (no drafts: a == 0 always).
-            pos = len(prompt)  # position of the token fed next
-            step = None
-            if fits(n_out, pos):
-                step = verifier.verify(target.forward(mx.array([anchor], mx.int32), cache).logits, Proposal.empty())
-                mx.async_eval(step.tokens, step.logprobs)
-            while step is not None:
-                nxt = None
-                if fits(n_out + 1, pos + 1):
-                    nxt = verifier.verify(target.forward(step.tokens, cache).logits, Proposal.empty())
-                    mx.async_eval(nxt.tokens, nxt.logprobs)
-                tok = int(step.tokens.item())  # the whole 1-element array: a slice read waits behind the queued step
-                history.append(tok)
-                n_out += 1
-                pos += 1
-                stats.generated_tokens = n_out
-                stats.record_round(0, 0, 1)
-                pending = ("pipelined", nxt is not None)
-                yield tok, step.logprobs[0], False
-                pending = None
-                step = nxt
-            return
-
-        # Speculative rounds, pipelined: as soon as round r's accepted length is read (the round's one host
-        # synchronisation) and r is committed, round r+1's graph is built and queued (mx.async_eval), and only
-        # then are r's tokens handed to the consumer, so its per-token work (detokenizing, stop strings,
-        # streaming) overlaps the GPU's. A consumer that stops inside r's tokens also discards r+1 (below).
-        def plan(anchor: int, n_done: int, P: int):
-            """The proposal of the round after ``anchor`` at position ``P`` (``n_done`` tokens emitted so far),
-            or None if no room: the drafter's or lookup's tokens, or none (a plain one-token step)."""
-            nonlocal dkey
-            if not fits(n_done, P):
-                return None
-            n = B - 1
-            if max_tokens >= 0:
-                n = min(n, max_tokens - n_done - 1)
-            if limit is not None:
-                n = min(n, limit - P - 1)
-            prop = Proposal.empty()
-            if n > 0:
-                sub = None
-                if dkey is not None:
-                    dkey, sub = mx.random.split(dkey)
-                prop = session.propose(anchor, n, draft_temperature, sub)
-            return prop
-
-        def build(anchor: int, prop: Proposal):
-            """Build and queue the round verifying ``prop`` after ``anchor``."""
-            if prop.tree is not None and prop.tree.is_chain:  # verified as a chain: the causal forward, no compaction
-                prop = replace(prop, tree=None)
-            if prop.tree is not None and not (verifier.trees_ok and target.tree_capable):
-                # (a custom proposer's tree: verified as a chain it would emit wrong tokens)
-                raise ValueError(f"the proposer {proposer.name!r} proposed a tree draft, which this request cannot "
-                                 "verify (trees need a greedy request without logits processors on a dense target "
-                                 "without routed kernels)")
-            if prop.n:  # the drafter's forward runs on the device while the host builds the verify graph
-                mx.async_eval(prop.tokens)
-            verify_in = mx.concatenate([mx.array([anchor], dtype=mx.int32), prop.tokens.astype(mx.int32)])
-            res = target.forward(verify_in, cache, tap_ids, tree=prop.tree)
-            vr = verifier.verify(res.logits, prop, history)
-            mx.async_eval(vr.num_accepted, vr.tokens, vr.logprobs)
-            return prop, res, vr, anchor
-
-        def launch(anchor: int, n_done: int):
-            """Build and queue one round after ``anchor`` (``n_done`` tokens emitted so far); None if no room."""
-            prop = plan(anchor, n_done, cache_length(cache))
-            return None if prop is None else build(anchor, prop)
-
-        # Plain rounds (the proposer left them without drafts: the adaptive schedule found that drafting does
-        # not pay here, or lookup had no match) run ahead like the plain loop: from the second plain round in a
-        # row on, the next one-token step is queued on the round's token *before* that token is read, so the
-        # host's graph build of the next step is off the critical path (on a GPU an unqueued plain round costs a
-        # whole build: SmolLM2 on the H200, 1K-token prompts where the drafter rarely paid, ran the default
-        # schedule at 0.83x of plain). After the read the proposer decides as before: a plain round keeps the
-        # queued step (exactly the step it would build), a drafting round drops it (one cache row trimmed; its
-        # device time is lost, once per run of plain rounds, and the drafting round's timing carries it) and is
-        # built as usual. Only on a GPU (RUN_AHEAD; on the CPU the device is the host: nothing overlaps, and a
-        # dropped step is pure loss) and for greedy verifiers without history-dependent processors (the queued
-        # step cannot see its anchor on the host; a sampled verifier's random stream would depend on the
-        # dropped steps).
-        chain = (verifier.greedy and not verifier.needs_history
-                 and (RUN_AHEAD == "always" or (RUN_AHEAD == "gpu" and mx.default_device().type == mx.gpu)))
-        streak = 0  # plain rounds in a row, the current one included
-        session.plain_pipelined = chain  # an adaptive schedule times pipelined plain runs by their steady rounds
-
-        def ahead(vr, n_done: int):
-            """Queue the plain step fed with ``vr``'s one (lazy) token, or None if no room after it."""
-            if not fits(n_done, cache_length(cache)):  # that token's position
-                return None
-            res = target.forward(vr.tokens, cache, tap_ids)
-            nvr = verifier.verify(res.logits, Proposal.empty())
-            mx.async_eval(nvr.num_accepted, nvr.tokens, nvr.logprobs)
-            return res, nvr
-
-        cur = launch(anchor, n_out)
-        while cur is not None:
-            prop, res, vr, anc = cur
-            n = prop.n
-            streak = streak + 1 if n == 0 else 0
-            # the next plain step queued before the read (above)
-            pre = ahead(vr, n_out + 1) if chain and streak >= PLAIN_RUN_AHEAD_AFTER else None
-            a = int(vr.num_accepted.item())  # the round's one host synchronisation
-            session.verified(a + 1)
-            toks = vr.tokens[: a + 1].tolist()
-            kept = None
-            if vr.rows is not None:  # a tree round: the accepted path's rows first, as if fed alone
-                kept = vr.rows[: a + 1]
-                compact_cache(cache, cache_length(cache) - (n + 1), vr.rows, a + 1)
-            trim_cache(cache, n - a)  # rollback of the rejected drafts
-            # commit the round (the drafter's context, the history) and queue the next one before yielding
-            if tap_ids:
-                session.extend([anc] + toks[:a], res.features[: a + 1] if kept is None else res.features[kept])
-            else:
-                session.extend([anc] + toks[:a], None)
-            history.extend(toks)
-            committed = cache_length(cache) - (pre is not None)
-            if pre is None:
-                nxt = launch(toks[-1], n_out + a + 1)
-            else:
-                nprop = plan(toks[-1], n_out + a + 1, committed)
-                if nprop is not None and nprop.n == 0:
-                    nxt = (nprop, pre[0], pre[1], toks[-1])  # the step queued ahead is this plain round
-                else:
-                    trim_cache(cache, 1)  # a drafting round (or none): the step queued ahead is dropped
-                    nxt = None if nprop is None else build(toks[-1], nprop)
-            pending = [n, a, toks, 0, prop.source, committed, nxt]
-            for i, tok in enumerate(toks):
-                pending[3] = i
-                n_out += 1
-                stats.generated_tokens = n_out
-                yield tok, vr.logprobs[i], i < a
-            pending = None
-            stats.record_round(n, a, a + 1, prop.source)
-            cur = nxt
+        while ev is None or ev.finish_reason is None:
+            events = batch.step()
+            if not events and not (batch.active or batch.pending):  # (cannot happen: the request reports its end)
+                break
+            for ev in events:
+                if tic is None:
+                    tic = time.perf_counter()  # the prefill's end (its first token)
+                in_ev = 0
+                for tok, lp, fd in zip(ev.tokens, ev.logprobs, ev.from_draft):
+                    taken += 1  # (counted as it is handed out: a consumer that stops at it has taken it)
+                    in_ev += 1
+                    yield tok, lp, fd
+        failed = False
+    except GeneratorExit:
+        failed = False
+        raise
     finally:
-        # The consumer stopped while tokens were being yielded: keep only what it took.
-        if pending is not None:
-            if pending[0] == "pipelined":
-                if pending[1]:
-                    trim_cache(cache, 1)
-            else:
-                n, a, toks, i, src, committed, nxt = pending
-                # drop round r+1 if it was queued (its n'+1 verify rows) and round r's tokens after the stop
-                dropped = (a - i) + (nxt[0].n + 1 if nxt is not None else 0)
-                trim_cache(cache, dropped)
-                session.truncate(committed - (a - i))
-                del history[len(history) - (a - i):]
-                # only the drafts at or before the stop count: d_1..d_{i+1} competed for the i + 1 emitted
-                # positions; the rest were verified for nothing (counting them read 14 drafted for 10
-                # emitted, all accepted, as an acceptance rate of 0.714)
-                stats.record_round(min(n, i + 1), min(a, i + 1), i + 1, src, verified=n + 1)
-        session.end_run()  # the loop's run of rounds ends here (an adaptive schedule's held timings)
-        stats.decode_s = time.perf_counter() - tic
-        if state is not None:
-            state.tokens = history[: cache_length(cache)]
+        # the consumer stopped (or the request ended): nothing after the last token it took is kept or counted
+        final = None
+        try:
+            if ev is not None and ev.finish_reason is not None:
+                final = batch.stopped_after_finish(uid, len(ev.tokens) - in_ev, stats, ev.round)
+            elif taken:
+                final = batch.stop(uid, taken)
+        except Exception:
+            if not failed:  # (after a failure inside the loop, that failure is what the caller sees)
+                raise
+        if tic is not None:
+            stats.decode_s = time.perf_counter() - tic
+        if state is not None and final is not None:
+            state.cache, state.session, state.tokens, state.snapshots = (final.cache, final.session, final.tokens,
+                                                                         final.snapshots)

@@ -78,47 +78,49 @@ def test_loads_as_shipped_and_plain_equals_mlx_lm(targets, kind):
     assert run(target, PROMPT, None, 1, 24) == ref
 
 
-class _Watch(ScriptedProposer):
-    """A scripted proposer whose sessions record the target's recurrent states at every commit."""
+class _Watch:
+    """The recurrent (and conv) states of a batch of one after every round: patches ``SpeculativeBatch.step``
+    (the loop of ``speculative_generate_step``) to record ``(position, [[conv, state] per recurrent layer])``
+    after each round that committed tokens past the prompt, and every replay its caches made."""
 
-    def __init__(self, *a, state=None, **kw):
-        super().__init__(*a, **kw)
-        self.state, self.seen = state, []
+    def __init__(self, monkeypatch):
+        from mlx_dflash2.batch import SpeculativeBatch
+        from mlx_dflash2.caches import RaggedRecurrentCache
 
-    def start(self, prompt):
-        s = super().start(prompt)
-        outer, ext = self, s.extend
+        self.seen, self.replays = [], 0
+        orig = SpeculativeBatch.step
 
-        def extend(tokens, features):
-            ext(tokens, features)
-            cache = outer.state.cache
-            n = spec.cache_length(cache)
-            if n == s.committed and n > len(PROMPT):  # after a round's commit (not mid-prefill)
-                rec = [list(c.cache) for c in cache if isinstance(c, RecurrentCache)]
-                mx.eval(rec)
-                outer.seen.append((n, rec))
+        def step(batch):
+            events = orig(batch)
+            rec = [c for c in batch.cache if isinstance(c, RaggedRecurrentCache)]
+            self.replays = max(self.replays, sum(c.replays for c in rec))
+            if batch._rows and batch.lengths()[0] > len(PROMPT) and batch._ahead is None:
+                states = [list(c.extract(0).cache) for c in rec]
+                mx.eval(states)
+                self.seen.append((batch.lengths()[0], states))
+            return events
 
-        s.extend = extend
-        return s
+        monkeypatch.setattr(SpeculativeBatch, "step", step)
 
 
 @pytest.mark.parametrize("kind", HYBRID_KINDS)
 @pytest.mark.parametrize("B", [4, 8])
-def test_scripted_rejection_at_every_offset(targets, kind, B):
+def test_scripted_rejection_at_every_offset(targets, kind, B, monkeypatch):
     """First rejection at every offset 0..B-2 and full acceptance; output == plain, and after every
     round the recurrent (and conv) states equal plain decoding's at the same position."""
     target, _, _ = targets(kind)
     n = B * (B + 1) // 2 + 1
     ref = mlx_lm_greedy(target, PROMPT, n)
     state = GenerationState()
-    prop = _Watch(len(PROMPT), ref, list(range(B)), B, target.vocab_rows, tap_ids=(0, 2), state=state)
+    prop = ScriptedProposer(len(PROMPT), ref, list(range(B)), B, target.vocab_rows, tap_ids=(0, 2))
+    watch = _Watch(monkeypatch)
     stats = SpecStats()
     assert run(target, PROMPT, prop, B, n, stats=stats, state=state) == ref
     assert stats.accept_hist == [1] * B  # every offset visited once
     if kind in RECURRENT_KINDS:
         plain = plain_states(target, PROMPT + ref)
-        assert len(prop.seen) >= B - 1
-        for pos, rec in prop.seen:
+        assert len(watch.seen) >= B - 1
+        for pos, rec in watch.seen:
             for ours, theirs in zip(rec, plain[pos]):
                 for a, b in zip(ours, theirs):
                     assert mx.abs(a - b).max().item() <= 1e-5, (pos, kind)
@@ -254,7 +256,7 @@ def test_cli_runs_hybrid_checkpoints(targets, kind):
 
 
 @pytest.mark.parametrize("kind", RECURRENT_KINDS)
-def test_stepping_mixers_select_instead_of_replaying(tmp_path, kind):
+def test_stepping_mixers_select_instead_of_replaying(tmp_path, kind, monkeypatch):
     """The GPU route of hybrid targets, forced on the CPU (gated_delta_steps' reference): the verify block
     keeps every step's state, a rejected tail is rolled back by selecting the accepted step's state and
     conv window (no replay), and output and states equal plain decoding's."""
@@ -265,14 +267,16 @@ def test_stepping_mixers_select_instead_of_replaying(tmp_path, kind):
     n = B * (B + 1) // 2 + 1
     ref = mlx_lm_greedy(target, PROMPT, n)
     state = GenerationState()
-    prop = _Watch(len(PROMPT), ref, list(range(B)), B, target.vocab_rows, tap_ids=(0, 2), state=state)
+    prop = ScriptedProposer(len(PROMPT), ref, list(range(B)), B, target.vocab_rows, tap_ids=(0, 2))
+    watch = _Watch(monkeypatch)
     assert run(target, PROMPT, prop, B, n, state=state) == ref
     plain = plain_states(target, PROMPT + ref)
-    for pos, rec in prop.seen:
+    assert len(watch.seen) >= B - 1
+    for pos, rec in watch.seen:
         for ours, theirs in zip(rec, plain[pos]):
             for a, b in zip(ours, theirs):
                 assert mx.abs(a - b).max().item() <= 1e-5, (pos, kind)
-    assert all(c.replays == 0 for c in state.cache if isinstance(c, RecurrentCache))
+    assert watch.replays == 0
 
 
 def test_stepping_mixers_run_prompt_chunks_through_gated_delta_final(tmp_path, monkeypatch):

@@ -1453,6 +1453,22 @@ class SpeculativeBatch:
             r.session.adaptive = r.adaptive and lone
             r.session.trees = r.trees and lone
             r.session.plain_pipelined = chain  # an adaptive schedule times pipelined plain runs by their steady rounds
+        try:
+            props = self._propose(rows, lengths, cap, limit, lone)
+        except BaseException:  # (a proposer failed: the plain step queued ahead is dropped, the row left exact)
+            if ahead is not None:
+                self._ahead = ahead
+                self._drop_ahead()
+            raise
+        t_verify = self._mark("propose", tic, [p.tokens for p in props]) if self.timings is not None else 0.0
+        widths = [p.n + 1 for p in props]
+        for r, p in zip(rows, props):
+            r.streak = r.streak + 1 if p.n == 0 else 0
+        return self._round(rows, lengths, props, widths, ahead, cap, limit, chain, tic, t_verify, events)
+
+    def _propose(self, rows: list, lengths: list, cap: int | None, limit: int | None, lone: bool) -> list:
+        """Every row's proposal of this round (its width cut by ``cap``, its ``max_tokens`` and the context
+        ``limit``); the DFlash drafter calls of all rows as one forward per drafter."""
         props: list[Proposal | None] = []
         calls: dict = {}  # id(drafter) -> (drafter, [(row, DraftCall)])
         ns = []
@@ -1492,15 +1508,11 @@ class SpeculativeBatch:
                 why = ("a row of a batch of several cannot verify" if not lone else
                        "this request cannot verify (trees need a greedy request without logits processors on a "
                        "dense target, in a SpeculativeBatch with trees)")
-                if ahead is not None:
-                    self._ahead = ahead
-                    self._drop_ahead()
                 raise ValueError(f"request {rows[i].uid}'s proposer proposed a tree draft, which {why}")
-        t_verify = self._mark("propose", tic, [p.tokens for p in props]) if self.timings is not None else 0.0
-        widths = [p.n + 1 for p in props]
-        for r, p in zip(rows, props):
-            r.streak = r.streak + 1 if p.n == 0 else 0
+        return props
 
+    def _round(self, rows, lengths, props, widths, ahead, cap, limit, chain, tic, t_verify, events):
+        """Steps 2-5 of :meth:`step` (target forward, accept, commit / rollback, emission) for ``props``."""
         # 2. one target forward over the padded block (padding after each row's real tokens): the plain step
         # queued ahead if this round is one (its proposal empty), else built now; 3. every row's accept
         if ahead is not None and props[0].n == 0:
@@ -1651,19 +1663,22 @@ class SpeculativeBatch:
                 del r.history[len(r.history) - extra:]
                 r.n_out = int(taken)
                 r.session.truncate(len(r.history) - 1)
-                _cut_round(r.stats, r.last_round, extra)
                 r.stats.generated_tokens = r.n_out
+            if r.last_round is not None:  # (the last event holds its tokens: the consumer stopped inside it)
+                _cut_round(r.stats, r.last_round, extra)
             r.session.end_run()
             st = self._row_state(i) if r.keep_state else None
             self._drop([i])
             return st
         return None
 
-    def stopped_after_finish(self, uid: int, extra: int, stats: SpecStats, last: tuple | None) -> GenerationState | None:
+    def stopped_after_finish(self, uid: int, extra: int, stats: SpecStats, last: tuple | None,
+                             stopped: bool = True) -> GenerationState | None:
         """:meth:`stop` for a request that had already finished (its last event reported it): its consumer took
-        all but ``extra`` of that event's tokens. Its statistics' last round (``last``: the event's
-        :attr:`BatchEvent.round`) is cut, and its kept state (:meth:`take_state`), if any, cut back by ``extra``
-        tokens and returned.
+        all but ``extra`` of that event's tokens (``stopped``: it stopped there; False: it took them all and the
+        request ended by itself). Its statistics' last round (``last``: the event's :attr:`BatchEvent.round`) is
+        counted up to the stop, and its kept state (:meth:`take_state`), if any, cut back by ``extra`` tokens and
+        returned.
 
         Raises:
             ValueError: ``extra`` outside ``0 .. `` the last round's tokens.
@@ -1672,8 +1687,9 @@ class SpeculativeBatch:
         if extra < 0 or extra > n_last:
             raise ValueError(f"SpeculativeBatch.stopped_after_finish: {extra} tokens untaken, the last round {n_last}")
         st = self.take_state(uid)
-        if extra:
+        if last is not None and (extra or stopped):
             _cut_round(stats, last, extra)
+        if extra:
             stats.generated_tokens -= extra
             if st is not None:
                 speculative.trim_cache(st.cache, extra)
@@ -1683,9 +1699,10 @@ class SpeculativeBatch:
 
 
 def _cut_round(stats: SpecStats, last: tuple, extra: int) -> None:
-    """Count a request's last round (``last``: :attr:`BatchEvent.round`) as cut ``extra`` tokens before its end
-    (the solo loop's count of a round its consumer stopped inside); a round none of whose tokens were taken is
-    not counted at all."""
+    """Count a request's last round (``last``: :attr:`BatchEvent.round`) as one its consumer stopped inside,
+    ``extra`` tokens before its end (0: at its last token): only the drafts at or before the stop count
+    (``d_1..d_{k}`` for ``k`` tokens taken, they competed for those positions; the round's verify width stays); a
+    round none of whose tokens were taken is not counted at all."""
     n, a, args = last
     stats.record_round(*args, sign=-1)
     kept = args[2] - extra

@@ -351,10 +351,14 @@ def start_request(prompt: list[int], target: TargetAdapter, proposer: Proposer |
         whose K/V are already in ``cache``; the caller prefills ``prompt[reused:]``).
 
     Raises:
-        ValueError: empty prompt, prompt at or beyond the context limit, or a bad block size.
+        ValueError: empty prompt, a token id outside the target's vocabulary, prompt at or beyond the context
+            limit, or a bad block size.
     """
     if not prompt:
         raise ValueError("the prompt must contain at least one token")
+    bad = [t for t in prompt if not 0 <= t < target.vocab_rows]
+    if bad:  # (an id past the embedding table reads outside it: garbage, or a crash)
+        raise ValueError(f"prompt token id {bad[0]} is outside the target's vocabulary 0..{target.vocab_rows - 1}")
     proposer = proposer or PLAIN_PROPOSER
     verifier = verifier or GreedyVerifier()
     B = int(block_size if block_size is not None else (proposer.block_size or 1))
@@ -460,11 +464,11 @@ def speculative_generate_step(
     # one loop: a batch of one request runs the solo rounds (its proposer's adaptive schedule, tree drafts, plain
     # steps queued ahead; batch.py)
     batch = SpeculativeBatch(target, prefill_step_size=prefill_step_size)
-    uid = batch.add(prompt, max_tokens if max_tokens >= 0 else -1, proposer=proposer, block_size=block_size,
+    uid = batch.add(prompt, int(max_tokens) if max_tokens >= 0 else -1, proposer=proposer, block_size=block_size,
                     verifier=verifier, state=state, keep_state=state is not None, draft_temperature=draft_temperature,
                     draft_key=draft_key, logprobs=True, adaptive=adaptive,
                     prompt_progress_callback=prompt_progress_callback, stats=stats)
-    ev, taken, in_ev, tic, failed = None, 0, 0, None, True
+    ev, taken, in_ev, tic, failed, stopped = None, 0, 0, None, True, False
     try:
         while ev is None or ev.finish_reason is None:
             events = batch.step()
@@ -479,15 +483,15 @@ def speculative_generate_step(
                     in_ev += 1
                     yield tok, lp, fd
         failed = False
-    except GeneratorExit:
-        failed = False
+    except GeneratorExit:  # the consumer stopped at the token it took last
+        failed, stopped = False, True
         raise
     finally:
         # the consumer stopped (or the request ended): nothing after the last token it took is kept or counted
         final = None
         try:
             if ev is not None and ev.finish_reason is not None:
-                final = batch.stopped_after_finish(uid, len(ev.tokens) - in_ev, stats, ev.round)
+                final = batch.stopped_after_finish(uid, len(ev.tokens) - in_ev, stats, ev.round, stopped)
             elif taken:
                 final = batch.stop(uid, taken)
         except Exception:

@@ -1645,10 +1645,6 @@ class SpeculativeBatch:
             ValueError: ``taken`` leaves more tokens untaken than its last round emitted (nothing changes).
         """
         self._drop_ahead()
-        for i, j in enumerate(self._joining):
-            if j.req.uid == uid:
-                self._drop_joins([i])
-                return None
         for i, r in enumerate(self._rows):
             if r.uid != uid:
                 continue
@@ -1670,7 +1666,7 @@ class SpeculativeBatch:
             st = self._row_state(i) if r.keep_state else None
             self._drop([i])
             return st
-        return None
+        return self.remove(uid)  # still being prefilled (dropped), or not active
 
     def stopped_after_finish(self, uid: int, extra: int, stats: SpecStats, last: tuple | None,
                              stopped: bool = True) -> GenerationState | None:

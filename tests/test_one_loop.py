@@ -21,7 +21,8 @@ def tiny(tmp_path_factory):
     path = tiny_mlx_lm_dir(tmp_path_factory.mktemp("h45") / "dense", "qwen2")
     target, tok, _ = load_target(str(path), dtype=mx.float32)
     prompt = [int(t) for t in tok.encode("Once upon a time there was a little robot who")]
-    ref = [t for t, _, _ in speculative_generate_step(prompt, target, None, block_size=1, max_tokens=40, adaptive=False)]
+    ref = [t for t, _, _ in speculative_generate_step(prompt, target, None, block_size=1, max_tokens=40,
+                                                      adaptive=False)]
     return target, prompt, ref
 
 

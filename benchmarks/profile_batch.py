@@ -10,7 +10,12 @@ runs) and decode ``--max-tokens`` tokens each, once with the model's proposer (`
 synchronised, so the sum can exceed an unprofiled step), the rounds run at each width cap and the tau
 of the batch (tokens per row per round).
 
+``--requests R``: each of the ``N`` clients sends ``R`` requests in a row (the server's load: joins in every
+phase); reported also the in-process time to first token (median) and the drafter's context projections.
+``--plain-only``: the drafter's batches run plain rounds only (what drafter rows cost where a batch does not draft).
+
     scripts/run python benchmarks/profile_batch.py --concurrency 8,16,32 --repeats 3
+    scripts/run python benchmarks/profile_batch.py --concurrency 8 --requests 5 --no-profile
 """
 
 from __future__ import annotations
@@ -27,18 +32,72 @@ import mlx_dflash2  # noqa: F401,E402  (before MLX: loads the optimized OpenBLAS
 
 from bench_server import prompts  # noqa: E402
 
-from mlx_dflash2.batch import SpeculativeBatch, warm_up_shapes  # noqa: E402
+from mlx_dflash2.batch import SpeculativeBatch, WidthSchedule, warm_up_shapes  # noqa: E402
 from mlx_dflash2.loading import load  # noqa: E402
 
 
-def run(model, tok, n: int, max_tokens: int, drafter: bool, profile: bool) -> dict:
-    ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in prompts(n)]
-    batch = SpeculativeBatch(model.target, schedule="auto")
+class PlainOnly(WidthSchedule):
+    """A width schedule fixed at plain rounds (cap 1) for batches of two rows or more (``--plain-only``: what
+    drafter rows cost in the rounds where a batch does not draft, without trial rounds)."""
+
+    def choose(self, n_rows: int, max_width: int, explore: bool = True) -> int | None:
+        return 1 if n_rows >= 2 and max_width > 1 else None
+
+
+def _projections(model) -> list:
+    """Counts the drafter's context projections (``context_kv`` calls: joins' prompts, flushes of queued rounds,
+    the drafting rounds' appends) through an attribute of this process's drafter instance; returns the counter."""
+    count = [0]
+    dp = getattr(model.proposer, "drafter", model.proposer)
+    dm = getattr(dp, "model", None)
+    if dm is not None and hasattr(dm, "context_kv"):
+        orig = type(dm).context_kv.__get__(dm)
+
+        def context_kv(features, offset):
+            count[0] += 1
+            return orig(features, offset)
+
+        dm.context_kv = context_kv
+    return count
+
+
+def _time_by(trace: list) -> dict:
+    """Where the wall went, from a step trace (ms, rows, cap, tokens, prefilled, verified): seconds in steps that
+    prefilled joins, in plain rounds (every row verified one token), in drafting rounds (more than one per row on
+    average: trials), in a lone row's rounds, and in stalls (steps without joins over 4x the median: kernel builds),
+    each with its step count."""
+    med = statistics.median(t[0] for t in trace) if trace else 0.0
+    out = {k: [0.0, 0] for k in ("joins", "plain", "drafting", "lone", "stalls")}
+    for ms, rows, cap, _, pre, ver in trace:
+        k = ("joins" if pre else "stalls" if ms > 4 * med else "lone" if rows == 1
+             else "plain" if ver <= rows else "drafting")
+        out[k][0] += ms / 1e3
+        out[k][1] += 1
+    return {k: (round(v[0], 3), v[1]) for k, v in out.items()}
+
+
+def run(model, tok, n: int, max_tokens: int, drafter: bool, profile: bool, requests: int = 1,
+        plain_only: bool = False, counter: list | None = None) -> dict:
+    """``n`` requests at once (``requests`` > 1: ``n`` clients that each send ``requests`` in a row, the next as
+    soon as the last finished, prompts from a pool of 24: the server's load, with joins in every phase)."""
+    pool = prompts(n if requests == 1 else 24)
+    ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in pool]
+    batch = SpeculativeBatch(model.target, schedule=PlainOnly() if plain_only else "auto")
     if profile and hasattr(batch, "timings"):
         batch.timings = {}
-    for p in ids:
-        batch.add(p, max_tokens, proposer=model.proposer if drafter else None,
-                  block_size=model.block_size if drafter else 1, eos_token_ids=list(tok.eos_token_ids))
+    left, owner, added, first, nxt = {c: requests for c in range(n)}, {}, {}, [], [0]
+
+    def add(c: int) -> None:
+        uid = batch.add(ids[nxt[0] % len(ids)], max_tokens, proposer=model.proposer if drafter else None,
+                        block_size=model.block_size if drafter else 1, eos_token_ids=list(tok.eos_token_ids))
+        owner[uid], added[uid] = c, time.perf_counter()
+        left[c] -= 1
+        nxt[0] += 1
+
+    for c in range(n):
+        add(c)
+    if counter is not None:
+        counter[0] = 0
     t0 = time.perf_counter()
     tokens = steps = rounds = row_rounds = 0
     caps: dict = {}
@@ -51,6 +110,11 @@ def run(model, tok, n: int, max_tokens: int, drafter: bool, profile: bool) -> di
         evs = batch.step()
         dt = time.perf_counter() - t
         steps += 1
+        for e in evs:
+            if e.uid in added and e.tokens:
+                first.append(time.perf_counter() - added.pop(e.uid))
+            if e.finish_reason is not None and left[owner[e.uid]] > 0:
+                add(owner[e.uid])
         emitted = sum(len(e.tokens) for e in evs)
         tokens += emitted
         r = batch.last_round
@@ -59,15 +123,18 @@ def run(model, tok, n: int, max_tokens: int, drafter: bool, profile: bool) -> di
             rounds += 1
             row_rounds += r["rows"]
             caps[str(r["cap"])] = caps.get(str(r["cap"]), 0) + 1
-            if r["rows"] == n and not batch.last_prefill["rows"]:  # full-batch rounds without joins
+            if r["rows"] == n and not batch.last_prefill["rows"]:  # full-batch rounds without joins (n clients)
                 by_cap.setdefault(str(r["cap"]), []).append((dt, emitted / n))
     wall = time.perf_counter() - t0
     out = {"tok_s": tokens / wall, "wall_s": wall, "steps": steps, "rounds": rounds, "caps": caps,
-           "tau": (tokens - n) / max(row_rounds, 1),
+           "tau": (tokens - nxt[0]) / max(row_rounds, 1),
            # per cap: median ms of a full round (every row, no join) and mean tokens per row of those rounds
            "round_ms": {c: (1e3 * statistics.median(d for d, _ in v), sum(e for _, e in v) / len(v))
                         for c, v in by_cap.items()},
-           "step_trace": trace}
+           "step_trace": trace, "requests": nxt[0], "time_by": _time_by(trace),
+           # in process: from add() to the step that returned the request's first token (its join and prefill)
+           "ttft_p50_ms": 1e3 * statistics.median(first) if first else None,
+           "projections": counter[0] if counter is not None else None}
     if getattr(batch, "timings", None) is not None:
         out["ms_per_step"] = {k: 1e3 * v / steps for k, v in batch.timings.items()}
     return out
@@ -91,6 +158,12 @@ def main(argv=None):
     ap.add_argument("--fit-blocks", action="store_true",
                     help="the drafter proposes n drafts over a fitted block of draft_block(n) slots "
                     "(DFlashProposer fit_blocks) instead of its trained block")
+    ap.add_argument("--requests", type=int, default=1,
+                    help="requests per client (> 1: each of the N clients sends its next request as soon as its last "
+                    "finished, as bench_server.py's clients do: joins in every phase)")
+    ap.add_argument("--plain-only", action="store_true",
+                    help="the drafter's batches run plain rounds only (width cap 1, no trials): what drafter rows "
+                    "cost where a batch does not draft")
     ap.add_argument("--verbose", action="store_true",
                     help="the package's INFO lines (kernel gates with their seconds, routing, calibration), "
                     "timestamped")
@@ -107,6 +180,7 @@ def main(argv=None):
             ap.error(f"--fit-blocks: drafter {args.drafter!r} has no drafter model")
         dp.fit_blocks = True
     levels = [int(x) for x in args.concurrency.split(",")]
+    counter = _projections(model)
     run(model, tok, 2, 8, True, False)  # warm-up (kernels, calibration)
     if not args.no_warm_up:  # what the server runs at start on a GPU backend (every batch shape once)
         w = SpeculativeBatch(model.target).warm_up(*warm_up_shapes(max(levels), model.block_size),
@@ -116,12 +190,15 @@ def main(argv=None):
     for n in levels:
         for rep in range(args.repeats):
             for drafter in (True, False):
-                r = run(model, tok, n, args.max_tokens, drafter, not args.no_profile)
+                r = run(model, tok, n, args.max_tokens, drafter, not args.no_profile, args.requests,
+                        args.plain_only, counter)
                 res.setdefault((n, drafter), []).append(r)
                 print(f"N={n:3d} {'drafter' if drafter else 'none   '} rep {rep}: {r['tok_s']:6.1f} tok/s "
-                      f"tau {r['tau']:.2f} caps {r['caps']} rounds "
+                      f"tau {r['tau']:.2f} ttft {r['ttft_p50_ms']:.1f} ms projections {r['projections']} "
+                      f"caps {r['caps']} rounds "
                       + " ".join(f"[{c}: {ms:.0f} ms {e:.2f} tok/row]" for c, (ms, e) in r["round_ms"].items()) + " "
                       + " ".join(f"{k} {v:.1f}" for k, v in r.get("ms_per_step", {}).items()), flush=True)
+                print(f"    seconds (steps) by kind: {r['time_by']}", flush=True)
                 slow = sorted(r["step_trace"], key=lambda t: -t[0])[:5]
                 print(f"    slowest steps (ms, rows, cap, tokens, prefilled, verified): {slow}; median "
                       f"{statistics.median(t[0] for t in r['step_trace']):.1f} ms", flush=True)
@@ -147,7 +224,9 @@ def main(argv=None):
     table = []
     for (n, drafter), rs in res.items():
         row = {"n": n, "drafter": drafter, "tok_s": statistics.median(r["tok_s"] for r in rs),
-               "tau": statistics.median(r["tau"] for r in rs)}
+               "tau": statistics.median(r["tau"] for r in rs),
+               "ttft_ms": statistics.median(r["ttft_p50_ms"] for r in rs),
+               "projections": statistics.median(r["projections"] for r in rs)}
         for k in rs[0].get("ms_per_step", {}):
             row[k] = statistics.median(r["ms_per_step"].get(k, 0.0) for r in rs)
         table.append(row)

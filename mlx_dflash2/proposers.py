@@ -402,8 +402,12 @@ class DFlashProposer(Proposer):
         return draft_block(n, block_size) if self.fit_blocks else max(block_size, n + 1)
 
     #: a session whose queued feature appends reach this many (rounds without a proposal) has them
-    #: appended by the batch's next :meth:`flush` (bounds what the queue holds on to)
+    #: appended by the batch's next :meth:`flush`, together with every other row's queue (bounds what the
+    #: queue holds on to; one projection for the whole batch per ``flush_after`` plain rounds)
     flush_after = 16
+    #: a session whose queued feature rows (positions) reach this many is flushed at once (a long prompt's
+    #: chunks: their features, ``rows x taps x hidden`` values, are not held until the next round's flush)
+    flush_rows = 512
 
     def flush(self, sessions: list["_DFlashSession"]) -> None:
         """Append every queued context row of ``sessions`` (each with this proposer) in one projection
@@ -552,6 +556,22 @@ class _DFlashSession(ProposerSession):
     def queued(self) -> int:
         """Feature appends queued (rounds committed since the context was last used)."""
         return len(self._pending)
+
+    @property
+    def queued_rows(self) -> int:
+        """Feature rows (positions) queued."""
+        return sum(int(f.shape[0]) for f in self._pending)
+
+    @property
+    def flush_due(self) -> bool:
+        """Whether the queue has reached :attr:`DFlashProposer.flush_after` appends or
+        :attr:`DFlashProposer.flush_rows` rows (a batch then flushes every row's queue with it)."""
+        return self.queued >= self.p.flush_after or self.queued_rows >= self.p.flush_rows
+
+    def queued_arrays(self) -> list[mx.array]:
+        """The queued feature arrays (``[rows, k*D]`` each): evaluating them frees the target forward's
+        graph they were sliced from, without appending them."""
+        return list(self._pending)
 
     def begin(self, anchor, n, temperature=0.0, key=None):
         if n <= 0:

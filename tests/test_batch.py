@@ -1241,6 +1241,71 @@ def test_plain_rounds_leave_drafter_contexts_alone_until_a_flush(target, monkeyp
     assert [out[i] for i in range(3)] == [_plain(target, p, 12) for p in prompts]
 
 
+def test_joins_beside_running_rows_queue_their_prompts_for_the_batch_flush(target, monkeypatch):
+    """A request that joins while others run queues its prompt's features (no projection of its own at the
+    join), and once any row's queue is due every row's queue is appended in one projection: requests joining at
+    different rounds (a server's load) cost one drafter projection per ``flush_after`` plain rounds, not one per
+    join and per row. Outputs stay exact (session 46)."""
+    from mlx_dflash2.drafter.model import DraftModel
+
+    d = DFlashProposer(_drafter(target, 6), target, VOCAB)
+    monkeypatch.setattr(DFlashProposer, "flush_after", 4)
+    n_kv = []
+    orig = DraftModel.context_kv
+
+    def context_kv(self, features, offset):
+        n_kv.append(int(features.shape[0]))
+        return orig(self, features, offset)
+
+    monkeypatch.setattr(DraftModel, "context_kv", context_kv)
+    prompts = [_prompt(9, 93), _prompt(4, 94), _prompt(7, 95)]
+    batch = SpeculativeBatch(target, schedule=_cycling([1]))
+    out: dict = {}
+
+    def step():
+        for ev in batch.step():
+            out.setdefault(ev.uid, []).extend(ev.tokens)
+
+    a = batch.add(prompts[0], 14, proposer=d)
+    step()  # alone: its prompt appended at its prefill (nothing to share a flush with)
+    assert n_kv == [1]
+    b = batch.add(prompts[1], 14, proposer=d)
+    step()
+    s_a, s_b = (r.session for r in batch._rows)
+    assert n_kv == [1] and s_b.queued == 2 and s_b._ctx.offset == 0  # its prompt and one round, queued
+    assert s_b.queued_rows == len(prompts[1]) + 1 and not s_b.flush_due
+    c = batch.add(prompts[2], 14, proposer=d)
+    step()
+    assert n_kv == [1] and s_a.queued == 3  # (a's queue: 3 plain rounds)
+    step()  # a's fourth round: every row's queue (a: 4 rounds, b: its prompt + 2, c: its prompt + 1) in one
+    assert n_kv == [1, 3] and all(r.session.queued == 0 for r in batch._rows)
+    # (each row's context holds every committed position: a's lone first round may have accepted drafts)
+    assert [r.session._ctx.offset for r in batch._rows] == [len(r.history) - 1 for r in batch._rows]
+    assert [r.session._ctx.offset for r in batch._rows][1:] == [len(prompts[1]) + 3, len(prompts[2]) + 2]
+    while batch.active or batch.pending:
+        step()
+    assert [out[u] for u in (a, b, c)] == [_plain(target, p, 14) for p in prompts]
+
+
+def test_a_long_join_is_projected_at_its_prefill(target, monkeypatch):
+    """A join whose queued feature rows reach ``flush_rows`` (a long prompt's chunks) is appended at once, not
+    held for the batch's next flush (what the queue holds is bounded)."""
+    from mlx_dflash2.drafter.model import DraftModel
+
+    d = DFlashProposer(_drafter(target, 6), target, VOCAB)
+    monkeypatch.setattr(DFlashProposer, "flush_rows", 8)
+    n_kv = []
+    orig = DraftModel.context_kv
+    monkeypatch.setattr(DraftModel, "context_kv", lambda self, f, o: (n_kv.append(int(f.shape[1])), orig(self, f, o))[1])
+    batch = SpeculativeBatch(target, schedule=_cycling([1]))
+    batch.add(_prompt(5, 96), 6, proposer=d)
+    batch.step()
+    n_kv.clear()
+    batch.add(_prompt(11, 97), 6, proposer=d)
+    batch.step()
+    assert n_kv == [11] and batch._rows[1].session._ctx.offset == 11  # (then one round queued)
+
+
 def test_warm_up_runs_every_shape_and_changes_nothing(target):
     """``SpeculativeBatch.warm_up`` (run by the server at start on a GPU backend, so that MLX's CUDA backend builds
     its kernels before serving) verifies one ``[r, M]`` block per row count >= 2 and width, on scratch caches: the

@@ -77,9 +77,9 @@ Data flow of one round (:meth:`SpeculativeBatch.step`)
    inputs replayed from the pre-verify snapshot through the layer's own mixer, masked at ``a_i + 1``
    (the reference path: MLX's ops, what the CPU runs)); its proposer session gets those positions' tap
    features (a DFlash session queues them: its drafter context is appended at its next proposal, or,
-   once any row has ``flush_after`` rounds queued, together with every other row's queue in one projection,
-   so plain rounds under load cost no drafter work per row; the joins' prompts are appended in one
-   projection at their prefill where no row is running, else queued for that flush). Tokens are emitted up to the first EOS / ``max_tokens`` / the context
+   once any row has ``flush_rows`` rows queued, together with every other row's queue in one projection,
+   so plain rounds under load cost no drafter work; the joins' prompts are appended in one projection at
+   their prefill where no row is running, else queued too). Tokens are emitted up to the first EOS / ``max_tokens`` / the context
    limit; finished requests leave the batch (their row is dropped) before the next round.
 
 Invariants (checked after every round)
@@ -1216,16 +1216,15 @@ class SpeculativeBatch:
                 for p in sorted(j.req.snapshots)[:-speculative.MAX_SNAPSHOTS]:
                     del j.req.snapshots[p]
                 snaps += [a for _, arrays in snap for a in arrays]
-        # the joins' drafter contexts: appended now (one projection per drafter) where no row is running to share
-        # the batch's next flush with (a batch of one: its first drafting round then costs what it did) or where a
-        # join's queue is due (a long prompt's chunks); else their features wait in the queue, evaluated (they hold
-        # no forward graph), for the batch's next flush: one projection for every row, not one more per join (session
-        # 46, an H100: plain rounds of 8 drafter rows ran ~1.5 ms slower than without a drafter)
+        # the joins' drafter contexts: appended now (one projection per drafter) where no row is running (a batch
+        # of one: its first drafting round then costs what it did) or where a join's queue is due (a long prompt's
+        # chunks); else their features wait in the queue, evaluated (they hold no forward graph), for the row's
+        # next proposal or the batch's next flush (flush_rows): under load, most requests never draft (session 46,
+        # an H100, 8 rows: a plain round that appended the rows' queues took 17-29 ms, the others ~8 ms)
         sessions = [j.req.session for j in J]
         now = [s for s in sessions if s.drafter_session is None or not self._rows or s.drafter_session.flush_due]
-        held = [a for s in sessions if all(s is not t for t in now) for a in s.drafter_session.queued_arrays()]
         self._flush(now)
-        mx.eval([a for c in self._jcache for a in c.state] + [a for s in now for a in s.state_arrays()] + held
+        mx.eval([a for c in self._jcache for a in c.state] + [a for s in sessions for a in s.held_arrays()]
                 + [x for v in firsts for x in (v.tokens, v.logprobs)] + snaps)
         self.last_prefill = {"rows": len(J), "tokens": sum(n)}
         for j, k in zip(J, n):
@@ -1602,9 +1601,9 @@ class SpeculativeBatch:
             self._ahead = nxt
             if done:  # it finished at this round: the step queued ahead is not needed
                 self._drop_ahead()
-        # drafter contexts that queued many rounds (e.g. plain rounds under load) are appended together: once any
-        # row's queue is due, every row's (one projection per drafter for the whole batch, so rows that joined at
-        # different rounds do not each cost one; a queue never holds on to many rounds' target features)
+        # drafter contexts that queued many rows (plain rounds under load: a request's rows wait for its next
+        # proposal) are appended together: once any row's queue is due (flush_rows), every row's, one projection per
+        # drafter for the whole batch (a queue never holds on to more than flush_rows rows of target features)
         live = [r.session for i, r in enumerate(rows) if i not in done and r.session.drafter_session is not None]
         if any(s.drafter_session.flush_due for s in live):
             mx.async_eval([a for d in self._flush(live) for a in d.state_arrays()])

@@ -217,6 +217,12 @@ class ProposerSession:
         """Arrays to evaluate together with the target cache (prefill)."""
         return []
 
+    def held_arrays(self) -> list[mx.array]:
+        """Every array the session holds, as it stands (a DFlash session: its drafter context and its queued
+        features, the queue not appended): what a prompt cache counts, and what evaluating frees the graphs
+        of. Default: :meth:`state_arrays`."""
+        return self.state_arrays()
+
     def truncate(self, n: int) -> None:
         """Keep only the first ``n`` committed tokens (prompt-cache reuse)."""
 
@@ -401,13 +407,13 @@ class DFlashProposer(Proposer):
         :func:`draft_block` with ``fit_blocks``, else ``max(block_size, n + 1)``."""
         return draft_block(n, block_size) if self.fit_blocks else max(block_size, n + 1)
 
-    #: a session whose queued feature appends reach this many (rounds without a proposal) has them
-    #: appended by the batch's next :meth:`flush`, together with every other row's queue (bounds what the
-    #: queue holds on to; one projection for the whole batch per ``flush_after`` plain rounds)
-    flush_after = 16
-    #: a session whose queued feature rows (positions) reach this many is flushed at once (a long prompt's
-    #: chunks: their features, ``rows x taps x hidden`` values, are not held until the next round's flush)
-    flush_rows = 512
+    #: a session's queued feature rows (committed positions without a proposal since: a prompt, plain rounds)
+    #: are appended to its drafter context at its next proposal, or by a batch's :meth:`flush` (with every other
+    #: row's queue) once they reach this many: a request that never drafts again (plain batched rounds under
+    #: load) never pays for a projection, and the queue holds at most this many rows of ``taps x hidden``
+    #: features (at a 27B shape, 5 taps x 5120 in bf16: 13 MB). Session 46, an H100, 8 SmolLM2 rows: the plain
+    #: rounds that appended every row's 16 queued rounds took 17-29 ms against ~8 ms for the others
+    flush_rows = 256
 
     def flush(self, sessions: list["_DFlashSession"]) -> None:
         """Append every queued context row of ``sessions`` (each with this proposer) in one projection
@@ -564,14 +570,12 @@ class _DFlashSession(ProposerSession):
 
     @property
     def flush_due(self) -> bool:
-        """Whether the queue has reached :attr:`DFlashProposer.flush_after` appends or
-        :attr:`DFlashProposer.flush_rows` rows (a batch then flushes every row's queue with it)."""
-        return self.queued >= self.p.flush_after or self.queued_rows >= self.p.flush_rows
+        """Whether the queue has reached :attr:`DFlashProposer.flush_rows` rows (a batch then flushes every
+        row's queue with it)."""
+        return self.queued_rows >= self.p.flush_rows
 
-    def queued_arrays(self) -> list[mx.array]:
-        """The queued feature arrays (``[rows, k*D]`` each): evaluating them frees the target forward's
-        graph they were sliced from, without appending them."""
-        return list(self._pending)
+    def held_arrays(self):
+        return self._ctx.state_arrays() + list(self._pending)
 
     def begin(self, anchor, n, temperature=0.0, key=None):
         if n <= 0:
@@ -582,13 +586,24 @@ class _DFlashSession(ProposerSession):
         return self.ctx.state_arrays()
 
     def truncate(self, n):
-        ctx = self.ctx
-        ctx.trim(ctx.offset - n)
+        base = self._ctx.offset
+        if n >= base:  # inside the queue: its rows past n are dropped, nothing appended
+            keep, rows = n - base, []
+            for f in self._pending:
+                if keep <= 0:
+                    break
+                rows.append(f if int(f.shape[0]) <= keep else f[:keep])
+                keep -= int(rows[-1].shape[0])
+            self._pending = rows
+        else:
+            self._pending = []
+            self._ctx.trim(base - n)
 
     def clone(self):
         new = _DFlashSession(self.p)
         new.block_size = self.block_size
-        new._ctx = self.ctx.clone()
+        new._ctx = self._ctx.clone()  # the queue is shared (immutable arrays), not appended
+        new._pending = list(self._pending)
         return new
 
     def propose(self, anchor, n, temperature=0.0, key=None):
@@ -1163,6 +1178,9 @@ class _FusedSession(ProposerSession):
             # next drafter round would pay (and be timed) for every round since the last one. Without
             # it (a batch's rows) the appends wait for the next proposal, or a batch's flush of them.
             mx.async_eval(self.d.state_arrays())
+
+    def held_arrays(self):
+        return self.d.held_arrays()
 
     @property
     def drafter_session(self):

@@ -1201,14 +1201,14 @@ def test_a_batch_of_one_runs_the_solo_loops_adaptive_rounds(target, monkeypatch)
 def test_plain_rounds_leave_drafter_contexts_alone_until_a_flush(target, monkeypatch):
     """Rows of a fused drafter (the server's default) in plain batched rounds (width cap 1) queue their
     committed features instead of appending them to their drafter contexts every round; the joins'
-    prompts are appended in one projection for all rows, and a row's queue is appended (all due rows
-    together, one projection) once it holds ``flush_after`` rounds. Outputs stay exact."""
+    prompts are appended in one projection for all rows, and a row's queue is appended (every row's
+    together, one projection) once it holds ``flush_rows`` rows. Outputs stay exact."""
     from mlx_dflash2.drafter.model import DraftModel
     from mlx_dflash2.proposers import AdaptiveSchedule, FusedProposer
 
     d = DFlashProposer(_drafter(target, 6), target, VOCAB)
     fused = FusedProposer(d, LookupProposer(block_size=B), schedule=AdaptiveSchedule())
-    monkeypatch.setattr(DFlashProposer, "flush_after", 4)
+    monkeypatch.setattr(DFlashProposer, "flush_rows", 4)
     n_kv = []
     orig = DraftModel.context_kv
 
@@ -1243,13 +1243,13 @@ def test_plain_rounds_leave_drafter_contexts_alone_until_a_flush(target, monkeyp
 
 def test_joins_beside_running_rows_queue_their_prompts_for_the_batch_flush(target, monkeypatch):
     """A request that joins while others run queues its prompt's features (no projection of its own at the
-    join), and once any row's queue is due every row's queue is appended in one projection: requests joining at
-    different rounds (a server's load) cost one drafter projection per ``flush_after`` plain rounds, not one per
-    join and per row. Outputs stay exact (session 46)."""
+    join), plain rounds queue theirs, and once any row's queue reaches ``flush_rows`` rows every row's queue is
+    appended in one projection: under load, requests that joined at different rounds cost no projection per join
+    or per round (session 46: on an H100 each cost about two plain rounds). Outputs stay exact."""
     from mlx_dflash2.drafter.model import DraftModel
 
     d = DFlashProposer(_drafter(target, 6), target, VOCAB)
-    monkeypatch.setattr(DFlashProposer, "flush_after", 4)
+    monkeypatch.setattr(DFlashProposer, "flush_rows", 12)
     n_kv = []
     orig = DraftModel.context_kv
 
@@ -1266,25 +1266,51 @@ def test_joins_beside_running_rows_queue_their_prompts_for_the_batch_flush(targe
         for ev in batch.step():
             out.setdefault(ev.uid, []).extend(ev.tokens)
 
-    a = batch.add(prompts[0], 14, proposer=d)
-    step()  # alone: its prompt appended at its prefill (nothing to share a flush with)
+    a = batch.add(prompts[0], 16, proposer=d)
+    step()  # alone: its prompt appended at its prefill (no running row), then a lone (drafting) round
     assert n_kv == [1]
-    b = batch.add(prompts[1], 14, proposer=d)
+    b = batch.add(prompts[1], 16, proposer=d)
     step()
-    s_a, s_b = (r.session for r in batch._rows)
-    assert n_kv == [1] and s_b.queued == 2 and s_b._ctx.offset == 0  # its prompt and one round, queued
-    assert s_b.queued_rows == len(prompts[1]) + 1 and not s_b.flush_due
-    c = batch.add(prompts[2], 14, proposer=d)
+    s_b = batch._rows[1].session
+    assert n_kv == [1] and s_b._ctx.offset == 0 and s_b.queued_rows == len(prompts[1]) + 1  # queued, no projection
+    c = batch.add(prompts[2], 16, proposer=d)
     step()
-    assert n_kv == [1] and s_a.queued == 3  # (a's queue: 3 plain rounds)
-    step()  # a's fourth round: every row's queue (a: 4 rounds, b: its prompt + 2, c: its prompt + 1) in one
+    for _ in range(3):  # c's queue: its 7 prompt rows and one row per plain round, 11 after these
+        step()
+        assert n_kv == [1]
+    step()  # c's queue reaches 12: every row's queue appended, in one projection
     assert n_kv == [1, 3] and all(r.session.queued == 0 for r in batch._rows)
     # (each row's context holds every committed position: a's lone first round may have accepted drafts)
     assert [r.session._ctx.offset for r in batch._rows] == [len(r.history) - 1 for r in batch._rows]
-    assert [r.session._ctx.offset for r in batch._rows][1:] == [len(prompts[1]) + 3, len(prompts[2]) + 2]
     while batch.active or batch.pending:
         step()
-    assert [out[u] for u in (a, b, c)] == [_plain(target, p, 14) for p in prompts]
+    assert [out[u] for u in (a, b, c)] == [_plain(target, p, 16) for p in prompts]
+
+
+def test_a_queued_context_is_cut_and_copied_without_a_projection(target):
+    """A DFlash session's queue survives a prompt cache's ``clone`` and ``truncate`` inside it without being
+    appended (a cached request's state costs no projection until it drafts), and what is appended later equals
+    the context of a session that was fed only the rows kept."""
+    d = DFlashProposer(_drafter(target, 6), target, VOCAB)
+    feats = mx.random.normal((20, len(d.tap_ids) * target.hidden_size), key=mx.random.key(3))
+    s = d.start([])
+    s.extend(None, feats[:8])
+    _ = s.ctx  # 8 rows appended
+    for k in range(8, 20, 3):
+        s.extend(None, feats[k : k + 3])
+    t = s.clone()
+    assert t._ctx.offset == 8 and t.queued_rows == 12 and s.queued_rows == 12
+    t.truncate(14)
+    assert t._ctx.offset == 8 and t.queued_rows == 6
+    ref = d.start([])
+    ref.extend(None, feats[:8])
+    _ = ref.ctx
+    ref.extend(None, feats[8:14])
+    for x, y in zip(t.ctx.state_arrays(), ref.ctx.state_arrays()):
+        assert mx.array_equal(x[:, :, :14], y[:, :, :14])
+    assert s.queued_rows == 12  # the original's queue untouched
+    t.truncate(5)  # before the appended rows' end: the queue dropped, the context trimmed
+    assert t.queued == 0 and t._ctx.offset == 5
 
 
 def test_a_long_join_is_projected_at_its_prefill(target, monkeypatch):

@@ -214,7 +214,7 @@ def state_nbytes(state: GenerationState) -> int:
                     seen.add(id(a))
                     n += a.nbytes
     if state.session is not None:
-        n += sum(a.nbytes for a in state.session.state_arrays())
+        n += sum(a.nbytes for a in state.session.held_arrays())  # (a drafter's queue counted, not appended)
     return n
 
 

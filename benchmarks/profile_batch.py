@@ -34,6 +34,8 @@ from bench_server import prompts  # noqa: E402
 
 from mlx_dflash2.batch import SpeculativeBatch, WidthSchedule, warm_up_shapes  # noqa: E402
 from mlx_dflash2.loading import load  # noqa: E402
+from mlx_dflash2.server.engine import PromptCache  # noqa: E402
+from mlx_dflash2.speculative import PLAIN_PROPOSER  # noqa: E402
 
 
 class PlainOnly(WidthSchedule):
@@ -77,19 +79,25 @@ def _time_by(trace: list) -> dict:
 
 
 def run(model, tok, n: int, max_tokens: int, drafter: bool, profile: bool, requests: int = 1,
-        plain_only: bool = False, counter: list | None = None) -> dict:
+        plain_only: bool = False, counter: list | None = None, server: bool = False) -> dict:
     """``n`` requests at once (``requests`` > 1: ``n`` clients that each send ``requests`` in a row, the next as
-    soon as the last finished, prompts from a pool of 24: the server's load, with joins in every phase)."""
+    soon as the last finished, prompts from a pool of 24: the server's load, with joins in every phase);
+    ``server``: the requests as the server adds them (``adaptive`` greedy rows, their states kept in the engine's
+    prompt cache of 10 entries and fetched from it)."""
     pool = prompts(n if requests == 1 else 24)
     ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in pool]
     batch = SpeculativeBatch(model.target, schedule=PlainOnly() if plain_only else "auto")
     if profile and hasattr(batch, "timings"):
         batch.timings = {}
     left, owner, added, first, nxt = {c: requests for c in range(n)}, {}, {}, [], [0]
+    cache = PromptCache(10) if server else None
+    proposer = model.proposer if drafter else PLAIN_PROPOSER
 
     def add(c: int) -> None:
-        uid = batch.add(ids[nxt[0] % len(ids)], max_tokens, proposer=model.proposer if drafter else None,
-                        block_size=model.block_size if drafter else 1, eos_token_ids=list(tok.eos_token_ids))
+        p = ids[nxt[0] % len(ids)]
+        kw = dict(state=cache.fetch(p, proposer), keep_state=True, adaptive=True) if server else {}
+        uid = batch.add(p, max_tokens, proposer=proposer, block_size=model.block_size if drafter else 1,
+                        eos_token_ids=list(tok.eos_token_ids), **kw)
         owner[uid], added[uid] = c, time.perf_counter()
         left[c] -= 1
         nxt[0] += 1
@@ -113,6 +121,10 @@ def run(model, tok, n: int, max_tokens: int, drafter: bool, profile: bool, reque
         for e in evs:
             if e.uid in added and e.tokens:
                 first.append(time.perf_counter() - added.pop(e.uid))
+            if e.finish_reason is not None and server:
+                st = batch.take_state(e.uid)
+                if st is not None:
+                    cache.put(st)
             if e.finish_reason is not None and left[owner[e.uid]] > 0:
                 add(owner[e.uid])
         emitted = sum(len(e.tokens) for e in evs)
@@ -161,6 +173,9 @@ def main(argv=None):
     ap.add_argument("--requests", type=int, default=1,
                     help="requests per client (> 1: each of the N clients sends its next request as soon as its last "
                     "finished, as bench_server.py's clients do: joins in every phase)")
+    ap.add_argument("--server", action="store_true",
+                    help="add the requests as the server does: adaptive greedy rows whose states are kept in the "
+                    "engine's prompt cache (10 entries) and fetched from it")
     ap.add_argument("--plain-only", action="store_true",
                     help="the drafter's batches run plain rounds only (width cap 1, no trials): what drafter rows "
                     "cost where a batch does not draft")
@@ -191,7 +206,7 @@ def main(argv=None):
         for rep in range(args.repeats):
             for drafter in (True, False):
                 r = run(model, tok, n, args.max_tokens, drafter, not args.no_profile, args.requests,
-                        args.plain_only, counter)
+                        args.plain_only, counter, args.server)
                 res.setdefault((n, drafter), []).append(r)
                 print(f"N={n:3d} {'drafter' if drafter else 'none   '} rep {rep}: {r['tok_s']:6.1f} tok/s "
                       f"tau {r['tau']:.2f} ttft {r['ttft_p50_ms']:.1f} ms projections {r['projections']} "

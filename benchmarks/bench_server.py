@@ -222,6 +222,32 @@ def plot(report: dict, levels: list[int], path: Path) -> Path | None:
     return png
 
 
+STEP_KINDS = ("join", "lone", "drafting", "plain")
+
+
+def step_seconds(url: str, server: str) -> dict | None:
+    """Our server's batched steps by kind so far (``GET /metrics``: steps and seconds), or None (mlx_lm, or a
+    server without them)."""
+    if server == "mlx_lm":
+        return None
+    try:
+        m = httpx.get(f"{url}/metrics", params={"format": "json"}).json()
+        return {k: (m[f"batch_{k}_steps_total"], m[f"batch_{k}_seconds_total"]) for k in STEP_KINDS}
+    except (httpx.HTTPError, KeyError, ValueError):
+        return None
+
+
+def add_steps(row: dict, url: str, server: str, before: dict | None, label: str = "") -> dict | None:
+    """Put the phase's batched steps by kind (``{kind: [steps, seconds]}``, since ``before``) into ``row``
+    (``steps``) and print them; returns the counts now."""
+    now = step_seconds(url, server)
+    if now is not None and before is not None:
+        row["steps"] = {k: [now[k][0] - before[k][0], round(now[k][1] - before[k][1], 4)] for k in STEP_KINDS}
+        print(f"{server} {label} steps by kind (steps, seconds): " + ", ".join(
+            f"{k} {n} {sec:.2f}" for k, (n, sec) in row["steps"].items()), flush=True)
+    return now
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--server", action="append", default=None,
@@ -271,13 +297,16 @@ def main(argv=None) -> int:
             one_request(url, "Hello!", 4)
             run_phase(url, pool[:2], 1, args.max_tokens)
             run_phase(url, pool[:2], 2, args.max_tokens)
+            before = step_seconds(url, server)
             solo, wall1 = run_phase(url, pool, 1, args.max_tokens)
             ref = {p: x["text"] for p, x in zip(pool, solo)}
             r["c1"] = summarize(solo, wall1)
+            before = add_steps(r["c1"], url, server, before, "c=1")
             for c in args.levels[1:]:
                 plist = [pool[i % len(pool)] for i in range(c * args.requests)]
                 res, wall = run_phase(url, plist, c, args.max_tokens)
                 r[f"c{c}"] = summarize(res, wall)
+                before = add_steps(r[f"c{c}"], url, server, before, f"c={c}")
                 bad = [i for i, (p, x) in enumerate(zip(plist, res)) if x["text"] != ref[p]]
                 if bad:
                     r["mismatches"][f"c{c}"] = bad

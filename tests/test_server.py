@@ -725,6 +725,15 @@ def test_batched_concurrent_greedy_requests_equal_solo(srv, rr_srv, http):
     assert sum(c["rounds"] for v in sched.values() for c in v["caps"].values()) > 0
     assert after["requests_active"] == 0
     assert "mlx_dflash2_batch_size_mean" in http.get("/metrics").text
+    # the batched steps by kind (session 46: where a server's time goes, for its benchmark): every round counted
+    # once, joins included, each kind's seconds with it
+    kinds = ("join", "lone", "drafting", "plain")
+    steps = {k: after[f"batch_{k}_steps_total"] - before[f"batch_{k}_steps_total"] for k in kinds}
+    secs = {k: after[f"batch_{k}_seconds_total"] - before[f"batch_{k}_seconds_total"] for k in kinds}
+    assert steps["join"] >= 1 and steps["drafting"] + steps["plain"] >= 1, steps
+    assert sum(steps.values()) - steps["join"] <= rounds <= sum(steps.values()), (steps, rounds)
+    assert all((secs[k] > 0) == (steps[k] > 0) for k in kinds), (steps, secs)
+    assert "mlx_dflash2_batch_plain_seconds_total" in http.get("/metrics").text
 
 
 def test_batch_size_gauge_is_zero_once_a_stop_string_or_a_cancellation_ends_the_last_request(srv, monkeypatch):

@@ -288,6 +288,12 @@ class PromptCache:
 # ----------------------------------------------------------------------------
 
 
+#: the kinds of batched steps that ``GET /metrics`` counts (steps and seconds): ``join`` (the step prefilled joining
+#: requests, then ran a round), ``lone`` (a round of one row: the single-request rounds), ``drafting`` (a round of
+#: several rows that verified drafts), ``plain`` (a round of several rows, one token each)
+BATCH_STEP_KINDS = ("join", "lone", "drafting", "plain")
+
+
 class Metrics:
     """Counters of the server (thread-safe)."""
 
@@ -310,6 +316,15 @@ class Metrics:
         self.batch_rows = 0
         self.batch_verified = 0
         self.batch_size = 0  # rows of the last batched round
+        # the batched steps by kind (BATCH_STEP_KINDS): how many, and the seconds of their SpeculativeBatch.step
+        self.batch_steps = {k: 0 for k in BATCH_STEP_KINDS}
+        self.batch_step_s = {k: 0.0 for k in BATCH_STEP_KINDS}
+
+    def batch_step(self, kind: str, seconds: float) -> None:
+        """Count one batched step of ``kind`` (one of :data:`BATCH_STEP_KINDS`) that took ``seconds``."""
+        with self.lock:
+            self.batch_steps[kind] += 1
+            self.batch_step_s[kind] += seconds
 
     def add(self, **kw) -> None:
         with self.lock:
@@ -343,6 +358,8 @@ class Metrics:
                 "batch_verified_tokens_per_round": (self.batch_verified / self.batch_rounds
                                                     if self.batch_rounds else 0.0),
                 "generation_tokens_per_second": self.generated_tokens / self.busy_s if self.busy_s > 0 else 0.0,
+                **{f"batch_{k}_steps_total": v for k, v in self.batch_steps.items()},
+                **{f"batch_{k}_seconds_total": v for k, v in self.batch_step_s.items()},
             }
 
 
@@ -821,6 +838,7 @@ class Engine:
             with self.metrics.lock:  # cancellations may have emptied it
                 self.metrics.batch_size = batch.active
             return
+        tic = time.perf_counter()
         try:
             events = batch.step()
         except Exception as e:  # noqa: BLE001 - the batch's state is unknown: fail its requests, start afresh
@@ -835,6 +853,10 @@ class Engine:
         r = batch.last_round
         if r["rows"]:
             self.metrics.add(batch_rounds=1, batch_rows=r["rows"], batch_verified=r["verified"])
+        if r["rows"] or batch.last_prefill["rows"]:
+            kind = ("join" if batch.last_prefill["rows"] else "lone" if r["rows"] == 1
+                    else "drafting" if r["verified"] > r["rows"] else "plain")
+            self.metrics.batch_step(kind, time.perf_counter() - tic)
         for ev in events:
             job = self._batched.get(ev.uid)
             if job is not None:

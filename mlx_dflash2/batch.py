@@ -1152,6 +1152,9 @@ class SpeculativeBatch:
         prompt snapshots are handed over). The row holds exactly its tokens but the last (a request stopped
         inside a round too: its commit kept only what it emitted)."""
         r = self._rows[i]
+        d = r.session.drafter_session
+        if d is not None:  # its queued rounds' features copied out of the rounds' (every row's) arrays
+            d.compact()
         return GenerationState(cache=[c.extract(i) for c in self.cache], session=r.session,
                                tokens=r.history[:-1], proposer=r.proposer, snapshots=r.snapshots)
 

@@ -529,10 +529,16 @@ class DFlashProposer(Proposer):
 
 class _DFlashSession(ProposerSession):
     """A request's drafter context. Committed features are appended lazily: :meth:`extend` queues them
-    and the next use of the context (a proposal, :meth:`truncate`, :meth:`clone`, :meth:`state_arrays`,
-    :attr:`ctx`) appends everything queued in one :meth:`~.drafter.DraftContext.append` (one projection
-    for many rounds' rows: a batch whose rounds run without drafts, e.g. plain batched steps under load,
-    pays nothing per round for its drafter contexts)."""
+    and the next use of the context (a proposal, :meth:`state_arrays`, :attr:`ctx`, a batch's
+    :meth:`DFlashProposer.flush`) appends everything queued in one :meth:`~.drafter.DraftContext.append` (one
+    projection for many rounds' rows: a batch whose rounds run without drafts, e.g. plain batched steps under
+    load, pays nothing per round for its drafter contexts); :meth:`clone` and :meth:`truncate` keep the queue.
+    A queued round's features are a view of that round's features of every row (``[N, M, k*D]``): every
+    :attr:`compact_after` appends the queue is copied into one array of its own rows (:meth:`compact`), so it
+    holds at most that many rounds' buffers."""
+
+    #: queued appends (rounds) after which the queue is copied into one array (:meth:`compact`)
+    compact_after = 16
 
     def __init__(self, p: DFlashProposer):
         self.p = p
@@ -553,6 +559,17 @@ class _DFlashSession(ProposerSession):
         if features is None:
             raise ValueError("the DFlash drafter needs target tap features for every committed token")
         self._pending.append(features)
+        if len(self._pending) >= self.compact_after:
+            self.compact()
+
+    def compact(self) -> None:
+        """Copy the queue into one array of its own rows (queued, ``mx.async_eval``): its views of whole
+        rounds' features (every row's, ``[N, M, k*D]``) are let go (the breaker helper of session 46: a
+        finished request's state held ~N times the bytes its queue counts). A queue of one array is left
+        as it is."""
+        if len(self._pending) > 1:
+            self._pending = [mx.concatenate(self._pending, axis=0)]
+            mx.async_eval(self._pending[0])
 
     @property
     def drafter_session(self):

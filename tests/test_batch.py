@@ -1506,3 +1506,30 @@ def test_width_schedule_leaves_one_stalled_round_out():
     assert (WidthSchedule.bucket(8), c) not in s.rate and s.choose(8, 16) == c  # left out, tried again
     s.record(8, c, 20, 0.016)
     assert s.secs[(WidthSchedule.bucket(8), c)] == 0.016
+
+
+def test_a_kept_state_holds_only_its_own_queued_features(target):
+    """A finished request's state keeps its drafter queue (no projection) as one array of its own rows: not views
+    of whole rounds' features of every row (the breaker helper of session 46: ~N times the bytes counted), and
+    the queue of a running row is compacted every ``compact_after`` rounds."""
+    from mlx_dflash2.proposers import _DFlashSession
+
+    d = DFlashProposer(_drafter(target, 6), target, VOCAB)
+    batch = SpeculativeBatch(target, schedule=_cycling([1]))
+    uids = [batch.add(_prompt(10, 60 + k), 40, proposer=d, keep_state=True) for k in range(6)]
+    seen = 0
+    while batch.active or batch.pending:
+        batch.step()
+        seen = max([seen] + [r.session.queued for r in batch._rows])
+    assert seen < _DFlashSession.compact_after
+    st = batch.take_state(uids[0])
+    q = st.session._pending
+    assert len(q) == 1 and q[0].shape[0] == st.session.queued_rows
+    counted = sum(a.nbytes for a in q)
+    before = mx.get_active_memory()
+    st.session._pending = []
+    q = None
+    import gc
+
+    gc.collect()
+    assert before - mx.get_active_memory() <= 2 * counted  # (the queue's own buffer, not the rounds')

@@ -1000,6 +1000,21 @@ def test_drafter_context_appends_wait_for_the_next_proposal(target):
 # ---------------------------------------------------------------------------------------------------
 
 
+def _count_projections(monkeypatch, axis: int = 0) -> list:
+    """Record every drafter context projection (``DraftModel.context_kv``): its features' size along ``axis``
+    (0: the sessions projected together, 1: the rows)."""
+    from mlx_dflash2.drafter.model import DraftModel
+
+    seen, orig = [], DraftModel.context_kv
+
+    def context_kv(self, features, offset):
+        seen.append(int(features.shape[axis]))
+        return orig(self, features, offset)
+
+    monkeypatch.setattr(DraftModel, "context_kv", context_kv)
+    return seen
+
+
 def _drafter(target, seed, arch="DFlash2DraftModel", layers=2, sliding=None):
     """A fresh drafter; ``sliding``: its first layer a causal sliding-window layer of that window."""
     from mlx_dflash2.drafter.io import init_drafter
@@ -1203,20 +1218,12 @@ def test_plain_rounds_leave_drafter_contexts_alone_until_a_flush(target, monkeyp
     committed features instead of appending them to their drafter contexts every round; the joins'
     prompts are appended in one projection for all rows, and a row's queue is appended (every row's
     together, one projection) once it holds ``flush_rows`` rows. Outputs stay exact."""
-    from mlx_dflash2.drafter.model import DraftModel
     from mlx_dflash2.proposers import AdaptiveSchedule, FusedProposer
 
     d = DFlashProposer(_drafter(target, 6), target, VOCAB)
     fused = FusedProposer(d, LookupProposer(block_size=B), schedule=AdaptiveSchedule())
     monkeypatch.setattr(DFlashProposer, "flush_rows", 4)
-    n_kv = []
-    orig = DraftModel.context_kv
-
-    def context_kv(self, features, offset):
-        n_kv.append(int(features.shape[0]))
-        return orig(self, features, offset)
-
-    monkeypatch.setattr(DraftModel, "context_kv", context_kv)
+    n_kv = _count_projections(monkeypatch)
     prompts = [_prompt(9, 90), _prompt(4, 91), _prompt(13, 92)]
     batch = SpeculativeBatch(target, schedule=_cycling([1]))
     for p in prompts:
@@ -1246,18 +1253,10 @@ def test_joins_beside_running_rows_queue_their_prompts_for_the_batch_flush(targe
     join), plain rounds queue theirs, and once any row's queue reaches ``flush_rows`` rows every row's queue is
     appended in one projection: under load, requests that joined at different rounds cost no projection per join
     or per round (session 46: on an H100 each cost about two plain rounds). Outputs stay exact."""
-    from mlx_dflash2.drafter.model import DraftModel
 
     d = DFlashProposer(_drafter(target, 6), target, VOCAB)
     monkeypatch.setattr(DFlashProposer, "flush_rows", 12)
-    n_kv = []
-    orig = DraftModel.context_kv
-
-    def context_kv(self, features, offset):
-        n_kv.append(int(features.shape[0]))
-        return orig(self, features, offset)
-
-    monkeypatch.setattr(DraftModel, "context_kv", context_kv)
+    n_kv = _count_projections(monkeypatch)
     prompts = [_prompt(9, 93), _prompt(4, 94), _prompt(7, 95)]
     batch = SpeculativeBatch(target, schedule=_cycling([1]))
     out: dict = {}
@@ -1316,13 +1315,10 @@ def test_a_queued_context_is_cut_and_copied_without_a_projection(target):
 def test_a_long_join_is_projected_at_its_prefill(target, monkeypatch):
     """A join whose queued feature rows reach ``flush_rows`` (a long prompt's chunks) is appended at once, not
     held for the batch's next flush (what the queue holds is bounded)."""
-    from mlx_dflash2.drafter.model import DraftModel
 
     d = DFlashProposer(_drafter(target, 6), target, VOCAB)
     monkeypatch.setattr(DFlashProposer, "flush_rows", 8)
-    n_kv = []
-    orig = DraftModel.context_kv
-    monkeypatch.setattr(DraftModel, "context_kv", lambda self, f, o: (n_kv.append(int(f.shape[1])), orig(self, f, o))[1])
+    n_kv = _count_projections(monkeypatch, axis=1)
     batch = SpeculativeBatch(target, schedule=_cycling([1]))
     batch.add(_prompt(5, 96), 6, proposer=d)
     batch.step()
@@ -1526,10 +1522,12 @@ def test_a_kept_state_holds_only_its_own_queued_features(target):
     q = st.session._pending
     assert len(q) == 1 and q[0].shape[0] == st.session.queued_rows
     counted = sum(a.nbytes for a in q)
+    import gc
+
+    mx.eval(q)  # (the copy done: its inputs let go)
+    gc.collect()
     before = mx.get_active_memory()
     st.session._pending = []
     q = None
-    import gc
-
     gc.collect()
     assert before - mx.get_active_memory() <= 2 * counted  # (the queue's own buffer, not the rounds')

@@ -79,8 +79,9 @@ Data flow of one round (:meth:`SpeculativeBatch.step`)
    features (a DFlash session queues them: its drafter context is appended at its next proposal, or,
    once any row has ``flush_rows`` rows queued, together with every other row's queue in one projection,
    so plain rounds under load cost no drafter work; the joins' prompts are appended in one projection at
-   their prefill where no row is running, else queued too). Tokens are emitted up to the first EOS / ``max_tokens`` / the context
-   limit; finished requests leave the batch (their row is dropped) before the next round.
+   their prefill where no row is running, else queued too). Tokens are emitted up to the first EOS /
+   ``max_tokens`` / the context limit; finished requests leave the batch (their row is dropped) before the
+   next round.
 
 Invariants (checked after every round)
 --------------------------------------

@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .._version import __version__
-from .engine import Admitted, Engine, Failed, Job, Progress, TokenOut
+from .engine import BATCH_STEP_KINDS, Admitted, Engine, Failed, Job, Progress, TokenOut
 from .protocol import (
     FIELD_NAMES,
     APIError,
@@ -699,12 +699,10 @@ _HELP = {
     "batch_size_mean": ("gauge", "Mean requests per batched round."),
     "batch_verified_tokens_per_round": ("gauge", "Mean tokens verified per batched round (anchors and drafts of "
                                                  "all its requests, padding excluded)."),
-    **{f"batch_{k}_steps_total": ("counter", f"Batched steps of kind {k!r} ({why}).") for k, why in (
-        ("join", "prefilled joining requests, then a round"), ("lone", "a round of one request"),
-        ("drafting", "a round of several requests that verified drafts"),
-        ("plain", "a round of several requests, one token each"))},
+    **{f"batch_{k}_steps_total": ("counter", f"Batched steps of kind {k!r}: {why}.")
+       for k, why in BATCH_STEP_KINDS.items()},
     **{f"batch_{k}_seconds_total": ("counter", f"Seconds of the batched steps of kind {k!r}.")
-       for k in ("join", "lone", "drafting", "plain")},
+       for k in BATCH_STEP_KINDS},
     "uptime_s": ("gauge", "Seconds since the server started."),
     "prompt_cache_entries": ("gauge", "Prompt states held in the prompt cache."),
     "prompt_cache_hits_total": ("counter", "Requests that reused a cached prompt prefix."),

@@ -288,10 +288,13 @@ class PromptCache:
 # ----------------------------------------------------------------------------
 
 
-#: the kinds of batched steps that ``GET /metrics`` counts (steps and seconds): ``join`` (the step prefilled joining
-#: requests, then ran a round), ``lone`` (a round of one row: the single-request rounds), ``drafting`` (a round of
-#: several rows that verified drafts), ``plain`` (a round of several rows, one token each)
-BATCH_STEP_KINDS = ("join", "lone", "drafting", "plain")
+#: the kinds of batched steps that ``GET /metrics`` counts (steps and seconds), with what each is
+BATCH_STEP_KINDS = {
+    "join": "the step prefilled joining requests, then ran a round",
+    "lone": "a round of one request (the single-request rounds)",
+    "drafting": "a round of several requests that verified drafts",
+    "plain": "a round of several requests, one token each",
+}
 
 
 class Metrics:

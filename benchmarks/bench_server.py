@@ -223,6 +223,7 @@ def plot(report: dict, levels: list[int], path: Path) -> Path | None:
 
 
 STEP_KINDS = ("join", "lone", "drafting", "plain")
+WORKER_PARTS = ("start", "add", "emit", "close")
 
 
 def step_seconds(url: str, server: str) -> dict | None:
@@ -232,19 +233,25 @@ def step_seconds(url: str, server: str) -> dict | None:
         return None
     try:
         m = httpx.get(f"{url}/metrics", params={"format": "json"}).json()
-        return {k: (m[f"batch_{k}_steps_total"], m[f"batch_{k}_seconds_total"]) for k in STEP_KINDS}
+        out = {k: (m[f"batch_{k}_steps_total"], m[f"batch_{k}_seconds_total"]) for k in STEP_KINDS}
+        out.update({k: (0, m.get(f"worker_{k}_seconds_total", 0.0)) for k in WORKER_PARTS})
+        out["busy"] = (0, m.get("busy_s", 0.0))
+        return out
     except (httpx.HTTPError, KeyError, ValueError):
         return None
 
 
 def add_steps(row: dict, url: str, server: str, before: dict | None, label: str = "") -> dict | None:
     """Put the phase's batched steps by kind (``{kind: [steps, seconds]}``, since ``before``) into ``row``
-    (``steps``) and print them; returns the counts now."""
+    (``steps``), the worker's other parts (``{part: seconds}``: :data:`WORKER_PARTS` and ``busy``, its busy time in
+    all) into ``row["worker"]``, and print them; returns the counts now."""
     now = step_seconds(url, server)
     if now is not None and before is not None:
         row["steps"] = {k: [now[k][0] - before[k][0], round(now[k][1] - before[k][1], 4)] for k in STEP_KINDS}
+        row["worker"] = {k: round(now[k][1] - before[k][1], 4) for k in WORKER_PARTS + ("busy",)}
         print(f"{server} {label} steps by kind (steps, seconds): " + ", ".join(
-            f"{k} {n} {sec:.2f}" for k, (n, sec) in row["steps"].items()), flush=True)
+            f"{k} {n} {sec:.2f}" for k, (n, sec) in row["steps"].items()) + "; worker seconds: " + ", ".join(
+            f"{k} {sec:.2f}" for k, sec in row["worker"].items()), flush=True)
     return now
 
 

@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .._version import __version__
-from .engine import BATCH_STEP_KINDS, Admitted, Engine, Failed, Job, Progress, TokenOut
+from .engine import BATCH_STEP_KINDS, WORKER_PARTS, Admitted, Engine, Failed, Job, Progress, TokenOut
 from .protocol import (
     FIELD_NAMES,
     APIError,
@@ -703,6 +703,8 @@ _HELP = {
        for k, why in BATCH_STEP_KINDS.items()},
     **{f"batch_{k}_seconds_total": ("counter", f"Seconds of the batched steps of kind {k!r}.")
        for k in BATCH_STEP_KINDS},
+    **{f"worker_{k}_seconds_total": ("counter", f"Seconds of the generation worker's {k!r} part: {why}.")
+       for k, why in WORKER_PARTS.items()},
     "uptime_s": ("gauge", "Seconds since the server started."),
     "prompt_cache_entries": ("gauge", "Prompt states held in the prompt cache."),
     "prompt_cache_hits_total": ("counter", "Requests that reused a cached prompt prefix."),

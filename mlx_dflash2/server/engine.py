@@ -296,6 +296,16 @@ BATCH_STEP_KINDS = {
     "plain": "a round of several requests, one token each",
 }
 
+#: the generation worker's own work around the batched steps that ``GET /metrics`` times (seconds), with what each
+#: is: with the steps (:data:`BATCH_STEP_KINDS`) they split the worker's busy time, so a server slower than another
+#: on the same rounds shows where (issue 22: the drafter's server ran 0.74x the plain one's rounds on an H100)
+WORKER_PARTS = {
+    "start": "setting requests up (template, tokens, checks, prompt-cache lookup)",
+    "add": "adding requests to the batch (their proposer sessions, queued prefill)",
+    "emit": "handing out the steps' tokens (text, stop strings, logprobs, events)",
+    "close": "ending requests (their states taken from the batch, the prompt cache's put)",
+}
+
 
 class Metrics:
     """Counters of the server (thread-safe)."""
@@ -322,6 +332,12 @@ class Metrics:
         # the batched steps by kind (BATCH_STEP_KINDS): how many, and the seconds of their SpeculativeBatch.step
         self.batch_steps = {k: 0 for k in BATCH_STEP_KINDS}
         self.batch_step_s = {k: 0.0 for k in BATCH_STEP_KINDS}
+        self.worker_s = {k: 0.0 for k in WORKER_PARTS}  # seconds of the worker's parts (WORKER_PARTS)
+
+    def worker(self, part: str, seconds: float) -> None:
+        """Add ``seconds`` of the worker's ``part`` (one of :data:`WORKER_PARTS`)."""
+        with self.lock:
+            self.worker_s[part] += seconds
 
     def batch_step(self, kind: str, seconds: float) -> None:
         """Count one batched step of ``kind`` (one of :data:`BATCH_STEP_KINDS`) that took ``seconds``."""
@@ -363,6 +379,7 @@ class Metrics:
                 "generation_tokens_per_second": self.generated_tokens / self.busy_s if self.busy_s > 0 else 0.0,
                 **{f"batch_{k}_steps_total": v for k, v in self.batch_steps.items()},
                 **{f"batch_{k}_seconds_total": v for k, v in self.batch_step_s.items()},
+                **{f"worker_{k}_seconds_total": v for k, v in self.worker_s.items()},
             }
 
 
@@ -477,6 +494,7 @@ class Engine:
                             type(e).__name__, e)
         self._batch_queue: deque = deque()  # batched jobs not yet joined (FIFO)
         self._batched: dict = {}  # row uid -> job
+        self._closing_s = 0.0  # seconds of _close since the emissions of the step began (kept out of "emit")
 
     def warm_up(self) -> dict:
         """Run the batched rounds' shapes once (:meth:`~mlx_dflash2.batch.SpeculativeBatch.warm_up`): row counts
@@ -621,6 +639,7 @@ class Engine:
             if job.cancelled:
                 self.metrics.add(cancelled=1)
                 continue
+            tic = time.perf_counter()
             try:
                 self._start(job)
             except APIError as e:
@@ -628,6 +647,7 @@ class Engine:
             except Exception as e:  # noqa: BLE001
                 log.exception("request %s could not start", job.id)
                 self._fail(job, APIError(500, f"internal error: {type(e).__name__}: {e}"))
+            self.metrics.worker("start", time.perf_counter() - tic)
 
     def _tokenize(self, job: Job) -> list[int]:
         tok = self.tokenizer
@@ -767,6 +787,15 @@ class Engine:
     def _close(self, job: Job, keep: bool = False) -> None:
         """Close the request's generator (its caches are cut to the emitted tokens) or take it out of
         the batch (its row is freed), and keep its state in the prompt cache or drop it."""
+        tic = time.perf_counter()
+        try:
+            self._close_job(job, keep)
+        finally:
+            dt = time.perf_counter() - tic
+            self._closing_s += dt
+            self.metrics.worker("close", dt)
+
+    def _close_job(self, job: Job, keep: bool) -> None:
         if job.uid is not None:
             try:
                 st = self._batch.remove(job.uid)  # still a row (stopped by a stop string, cancelled)
@@ -826,6 +855,7 @@ class Engine:
             job = self._batch_queue.popleft()
             if job not in self._active or job.join is None:  # closed while waiting
                 continue
+            tic = time.perf_counter()
             try:
                 job.uid = batch.add(**job.join)
                 job.join = None
@@ -837,6 +867,7 @@ class Engine:
                 log.exception("request %s could not join the batch", job.id)
                 self._close(job)
                 self._fail(job, APIError(500, f"internal error: {type(e).__name__}: {e}"))
+            self.metrics.worker("add", time.perf_counter() - tic)
         if not (batch.active or batch.pending):
             with self.metrics.lock:  # cancellations may have emptied it
                 self.metrics.batch_size = batch.active
@@ -860,10 +891,12 @@ class Engine:
             kind = ("join" if batch.last_prefill["rows"] else "lone" if r["rows"] == 1
                     else "drafting" if r["verified"] > r["rows"] else "plain")
             self.metrics.batch_step(kind, time.perf_counter() - tic)
+        tic, self._closing_s = time.perf_counter(), 0.0
         for ev in events:
             job = self._batched.get(ev.uid)
             if job is not None:
                 self._emit(job, ev)
+        self.metrics.worker("emit", time.perf_counter() - tic - self._closing_s)  # the requests' ends: "close"
         with self.metrics.lock:  # after the emissions: a request ended by a stop string has left the batch
             self.metrics.batch_size = batch.active
 

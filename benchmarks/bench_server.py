@@ -18,6 +18,12 @@ stopped at the end.
     scripts/run python -m convert mlx_dflash2/... .cache/smollm2-f32 --no-quantize --dtype float32
     scripts/run python benchmarks/bench_server.py --server ours:lookup --server ours:none --server mlx_lm \
         --mlx-model .cache/smollm2-f32 --concurrency 1,2,4,8,16,32 --requests 2
+
+``--spy DIR`` (with ``py-spy`` installed: ``pip install py-spy``) samples every server's threads through each phase
+past the solo one (``py-spy record --threads --idle --nonblocking``: idle samples included, so a thread that waits on
+the GPU shows the line it waits in) and writes ``DIR/<server>-c<N>.txt`` (py-spy's raw stacks) with a summary beside it
+(``.top.txt``: samples per thread; per thread the lines it spends most samples in, its own and inclusive), the top of
+which is printed: where a server's time goes under load that its step counters do not split (session 47).
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -255,6 +263,56 @@ def add_steps(row: dict, url: str, server: str, before: dict | None, label: str 
     return now
 
 
+def start_spy(pid: int, out: Path) -> subprocess.Popen | None:
+    """Start ``py-spy record`` on process ``pid`` (raw stacks to ``out``), or None (no py-spy here)."""
+    exe = Path(sys.executable).with_name("py-spy")
+    exe = str(exe) if exe.exists() else shutil.which("py-spy")
+    if exe is None:
+        print("--spy: py-spy is not installed (pip install py-spy); not sampling", flush=True)
+        return None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen([exe, "record", "--pid", str(pid), "--format", "raw", "--threads", "--idle",
+                             "--nonblocking", "--rate", "500", "-o", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def stop_spy(spy: subprocess.Popen | None, out: Path, top: int = 14) -> None:
+    """Stop a :func:`start_spy` recorder, summarise its stacks into ``out.top.txt`` and print the top lines."""
+    if spy is None:
+        return
+    spy.send_signal(signal.SIGINT)
+    try:
+        spy.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        spy.kill()
+        return
+    if not out.exists():
+        return
+    threads: dict = {}  # thread name -> [samples, {frame: own samples}, {frame: inclusive samples}]
+    for line in out.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        frames = stack.split(";")
+        name = frames[0].split(": ", 1)[-1]
+        t = threads.setdefault(name, [0, {}, {}])
+        t[0] += int(n)
+        if len(frames) > 1:
+            t[1][frames[-1]] = t[1].get(frames[-1], 0) + int(n)
+        for f in set(frames[1:]):
+            t[2][f] = t[2].get(f, 0) + int(n)
+    lines = []
+    for name, (total, own, incl) in sorted(threads.items(), key=lambda kv: -kv[1][0]):
+        if total < 0.05 * max(v[0] for v in threads.values()):
+            continue
+        lines.append(f"thread {name}: {total} samples")
+        for label, d in (("own", own), ("inclusive", incl)):
+            for f, k in sorted(d.items(), key=lambda kv: -kv[1])[:top]:
+                lines.append(f"  {label:9s} {100.0 * k / total:5.1f}%  {f}")
+    out.with_suffix(".top.txt").write_text("\n".join(lines) + "\n")
+    print(f"--spy {out.name}:\n" + "\n".join(lines[:2 * top + 2]), flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--server", action="append", default=None,
@@ -279,6 +337,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dequantize", action=argparse.BooleanOptionalAction, default=True,
                     help="dense target (default on: the fast exact target on CPU)")
     ap.add_argument("--out", default="benchmarks/results/server.json")
+    ap.add_argument("--spy", default=None, metavar="DIR",
+                    help="sample each server's threads with py-spy through each phase past the solo one; stacks and "
+                    "their summaries to DIR")
     args = ap.parse_args(argv)
     conc = f"1,{args.clients}" if args.clients else args.concurrency
     try:
@@ -311,7 +372,10 @@ def main(argv=None) -> int:
             before = add_steps(r["c1"], url, server, before, "c=1")
             for c in args.levels[1:]:
                 plist = [pool[i % len(pool)] for i in range(c * args.requests)]
+                spy_out = Path(args.spy) / f"{server.replace(':', '-').replace('/', '_')}-c{c}.txt" if args.spy else None
+                spy = start_spy(proc.pid, spy_out) if spy_out else None
                 res, wall = run_phase(url, plist, c, args.max_tokens)
+                stop_spy(spy, spy_out) if spy_out else None
                 r[f"c{c}"] = summarize(res, wall)
                 before = add_steps(r[f"c{c}"], url, server, before, f"c={c}")
                 bad = [i for i, (p, x) in enumerate(zip(plist, res)) if x["text"] != ref[p]]

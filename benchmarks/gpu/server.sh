@@ -6,6 +6,8 @@
 #     --platform manylinux_2_17_x86_64 -d "$TMPDIR/srvwhl" fastapi uvicorn "pydantic>=2.7" httpx &&
 #   tar cf "$TMPDIR/srvwhl.tar" -C "$TMPDIR/srvwhl" .
 # (with the SmolLM2 GGUF, the gguf wheel and slim.sh's drafter.tgz; benchmarks/README.md, session 23).
+# Env: SERVERS (bench_server.py's --server values, space-separated; default our server with the shipped drafter, ours
+# without, mlx_lm.server), NAME (the results' name in $OUT: NAME.json, NAME.log, NAME.png; default server).
 set -u
 PY=${PY:-python3}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MLX_CUDA_USE_CUDNN_SDPA=0 MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-$HOME/ptx}
@@ -14,9 +16,11 @@ $PY -c "import fastapi, uvicorn, pydantic, httpx" 2>/dev/null || { mkdir -p "$T/
 $PY -c "import gguf" 2>/dev/null || $PY -m pip install -q --no-index --no-deps "$P"/gguf-*.whl
 [ -f mlx_dflash2/drafters/smollm2-135m-instruct/config.json ] || { mkdir -p mlx_dflash2/drafters && tar xzf "$P/drafter.tgz" -C mlx_dflash2/drafters; }
 M=${SMOL_MLX:-$T/smol-q4}; [ -d "$M" ] || $PY -m convert "${SMOL_GGUF:-$P/SmolLM2-135M-Instruct.Q4_1.gguf}" "$M" --dtype bfloat16 --quiet
-timeout -k 10 "${T_SERVER:-540}" $PY benchmarks/bench_server.py --server ours:mlx_dflash2/drafters/smollm2-135m-instruct \
-  --server ours:none --server mlx_lm --model "$M" --mlx-model "$M" --no-dequantize --dtype bfloat16 --pool 24 --max-tokens 64 \
-  --max-batch 32 --server-arg=--log-level --server-arg=INFO --out "$OUT/server.json" "$@" 2>&1 | tee "$OUT/server.log"
+SERVERS=${SERVERS:-ours:mlx_dflash2/drafters/smollm2-135m-instruct ours:none mlx_lm}; NAME=${NAME:-server}
+# shellcheck disable=SC2046
+timeout -k 10 "${T_SERVER:-540}" $PY benchmarks/bench_server.py $(printf -- '--server %s ' $SERVERS) \
+  --model "$M" --mlx-model "$M" --no-dequantize --dtype bfloat16 --pool 24 --max-tokens 64 \
+  --max-batch 32 --server-arg=--log-level --server-arg=INFO --out "$OUT/$NAME.json" "$@" 2>&1 | tee "$OUT/$NAME.log"
 rc=${PIPESTATUS[0]}
 echo "server.sh: exit $rc"
 exit "$rc"

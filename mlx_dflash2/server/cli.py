@@ -189,6 +189,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="run the batched rounds' shapes (2 .. --max-batch rows, verify widths up to the block "
                    "size) once at start, so that the GPU backend builds its kernels for them before serving "
                    "(default: on a GPU backend; a CUDA machine's first start compiles for a minute or more)")
+    p.add_argument("--switch-interval", type=_positive_seconds, default=None, metavar="SECONDS",
+                   help="the interpreter's thread switch interval (sys.setswitchinterval) while serving: how long "
+                   "the generation worker may run Python (building a round's graph) before the HTTP thread may "
+                   "take the GIL from it (default: Python's, 0.005)")
     p.add_argument("--prefill-step-size", type=_positive, default=2048, help="prompt chunk size (tokens)")
     p.add_argument("--keepalive-interval", type=_positive_seconds, default=5.0,
                    help="seconds of silence before an SSE ': keep-alive' comment (default 5)")
@@ -297,6 +301,8 @@ def main(argv=None) -> int:
 
     from .app import AppServer
 
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     try:
         AppServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower()),
                   on_started=serving).run()

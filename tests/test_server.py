@@ -753,14 +753,14 @@ def test_batch_size_gauge_is_zero_once_a_stop_string_or_a_cancellation_ends_the_
     from mlx_dflash2.server import engine as engine_mod
 
     at_finish = []
-    post = engine_mod.Job.post
+    post_all = engine_mod.post_all  # the worker hands each turn's events out together (session 47)
 
-    def spy(job, item):
-        if getattr(item, "finish_reason", None) is not None:
-            at_finish.append(srv.engine.metrics.batch_size)
-        return post(job, item)
+    def spy(items):
+        at_finish.extend(srv.engine.metrics.batch_size for _, item in items
+                         if getattr(item, "finish_reason", None) is not None)
+        return post_all(items)
 
-    monkeypatch.setattr(engine_mod.Job, "post", spy)
+    monkeypatch.setattr(engine_mod, "post_all", spy)
     http = httpx.Client(base_url=srv.url, timeout=300)
     text, finish, _ = _stream_completion(srv.url, {"prompt": "1, 2, 3, 4,", "max_tokens": 12, "stop": ["7"]})
     assert finish == "stop" and "7" not in text
@@ -1592,3 +1592,30 @@ def test_a_failing_warm_up_is_logged_and_the_server_serves(smol_f32, monkeypatch
     with caplog.at_level(logging.WARNING, logger="mlx_dflash2.server"):
         engine = Engine(model, tokenizer, EngineConfig(max_context=MAX_CONTEXT, max_batch=4, warmup=True))
     assert engine._batch is not None and "warm-up failed (RuntimeError: no kernels today)" in caplog.text
+
+
+def test_a_turns_events_reach_their_loop_in_one_wakeup_in_order():
+    """The worker hands a turn's events out with one ``call_soon_threadsafe`` per event loop (session 47: a post per
+    token woke the HTTP thread at every token, whose self-pipe ``send`` released the GIL mid-emission); each request
+    gets its own events in order, and a request whose loop is closed is marked cancelled."""
+    import asyncio
+
+    from mlx_dflash2.server.engine import Job, post_all
+
+    class Loop:
+        def __init__(self, closed=False):
+            self.calls, self.closed = [], closed
+
+        def call_soon_threadsafe(self, fn, *args):
+            if self.closed:
+                raise RuntimeError("Event loop is closed")
+            self.calls.append((fn, args))
+
+    loop, gone = Loop(), Loop(closed=True)
+    a, b, c = (Job(kind="text", max_tokens=1, prompt="x", loop=lp, queue=asyncio.Queue()) for lp in (loop, loop, gone))
+    post_all([(a, 1), (b, "x"), (a, 2), (c, 0), (a, 3)])
+    assert len(loop.calls) == 1
+    fn, args = loop.calls[0]
+    fn(*args)
+    assert [a.queue.get_nowait() for _ in range(3)] == [1, 2, 3] and b.queue.get_nowait() == "x"
+    assert c.cancelled and not a.cancelled and not b.cancelled

@@ -184,6 +184,31 @@ class Job:
             self.cancelled = True
 
 
+def _deliver(items: list) -> None:
+    """Put each ``(queue, event)`` of ``items`` into its queue, in order (on the requests' event loop)."""
+    for q, event in items:
+        q.put_nowait(event)
+
+
+def post_all(items: list) -> None:
+    """Hand ``(job, event)`` pairs to their requests' handlers with **one** ``call_soon_threadsafe`` per event
+    loop (each job's events in order): a batched step's tokens for every request at once. A post per token
+    wakes the HTTP thread once per token, and each wake-up's ``send`` on the loop's self-pipe releases the GIL,
+    so the HTTP thread took it mid-emission and the worker waited for its turn at every token (issue 22: an
+    eval releases the GIL too, and getting it back beside a busy thread costs up to the switch interval, 5 ms).
+    A request whose loop is closed is marked cancelled (nobody is listening), as :meth:`Job.post` does."""
+    by_loop: dict = {}
+    for job, event in items:
+        if job.loop is not None and job.queue is not None:
+            by_loop.setdefault(id(job.loop), (job.loop, []))[1].append((job, event))
+    for loop, pairs in by_loop.values():
+        try:
+            loop.call_soon_threadsafe(_deliver, [(job.queue, event) for job, event in pairs])
+        except RuntimeError:  # the event loop is closed
+            for job, _ in pairs:
+                job.cancelled = True
+
+
 # ----------------------------------------------------------------------------
 # Prompt cache
 # ----------------------------------------------------------------------------
@@ -495,6 +520,7 @@ class Engine:
         self._batch_queue: deque = deque()  # batched jobs not yet joined (FIFO)
         self._batched: dict = {}  # row uid -> job
         self._closing_s = 0.0  # seconds of _close since the emissions of the step began (kept out of "emit")
+        self._outbox: list = []  # (job, event) posted by the worker's turn, handed out together at its end
 
     def warm_up(self) -> dict:
         """Run the batched rounds' shapes once (:meth:`~mlx_dflash2.batch.SpeculativeBatch.warm_up`): row counts
@@ -606,6 +632,8 @@ class Engine:
                     self.metrics.add(busy_s=time.perf_counter() - tic)
             except Exception:  # noqa: BLE001 - the worker must survive anything
                 log.exception("generation worker error")
+            finally:
+                self._flush_outbox()
         for job in list(self._active) + list(self._waiting):
             self._close(job)
             job.post(Failed(APIError(503, "the server is shutting down", code="server_shutdown")))
@@ -613,6 +641,16 @@ class Engine:
         # clear_streams() at their end (ml-explore/mlx#4110, #4327); without it a server stopped with Ctrl-C
         # sometimes aborted with "terminate called without an active exception" (exit -6; one run in four here)
         mx.clear_streams()
+
+    def _post(self, job: Job, event) -> None:
+        """Queue ``event`` for ``job``'s handler: the turn's events are handed out together at its end
+        (:func:`post_all`)."""
+        self._outbox.append((job, event))
+
+    def _flush_outbox(self) -> None:
+        if self._outbox:
+            items, self._outbox = self._outbox, []
+            post_all(items)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -782,7 +820,7 @@ class Engine:
                 accepted=s.accepted,
             )
             self._close(job, keep=True)
-        job.post(out)
+        self._post(job, out)
 
     def _close(self, job: Job, keep: bool = False) -> None:
         """Close the request's generator (its caches are cut to the emitted tokens) or take it out of
@@ -924,10 +962,10 @@ class Engine:
                 self._close(job, keep=True)
                 with self.metrics.lock:  # before the last chunk: a client that reads /metrics next sees it gone
                     self.metrics.batch_size = self._batch.active
-                job.post(out)
+                self._post(job, out)
                 return
-            job.post(out)
+            self._post(job, out)
 
     def _fail(self, job: Job, error: APIError) -> None:
         self.metrics.add(errors=1)
-        job.post(Failed(error))
+        self._post(job, Failed(error))  # after the events already queued for it

@@ -964,6 +964,7 @@ class SpeculativeBatch:
         self._states: dict[int, GenerationState] = {}  # final states of finished keep_state requests
         self._next_uid = 0
         self._ahead: _Verify | None = None  # a lone row's plain step queued before its last round's read
+        self._evals: list = []  # lazy drafter work of the last round (compacted queues, flushes): run with the next
         #: the last round's geometry: rows, tokens verified (real, padding excluded), block width M,
         #: the schedule's width cap (None: none)
         self.last_round: dict = {"rows": 0, "verified": 0, "width": 0, "cap": None}
@@ -1420,7 +1421,8 @@ class SpeculativeBatch:
         read = (([best] if best is not None else []) + drafts
                 + [x for vr in results if vr is not None for x in (vr.num_accepted, vr.tokens)]
                 + [vr.logprobs for r, vr in zip(rows, results) if r.want_logprobs])
-        mx.async_eval(read)
+        mx.async_eval(read + self._evals)  # (with the drafter work the last round queued: _round)
+        self._evals = []
         return _Verify(props, widths, M, tree, tres, taps, starts, results, best, drafts, read)
 
     # -- the round --------------------------------------------------------------------------------
@@ -1610,7 +1612,11 @@ class SpeculativeBatch:
         # drafter for the whole batch (a queue never holds on to more than flush_rows rows of target features)
         live = [r.session for i, r in enumerate(rows) if i not in done and r.session.drafter_session is not None]
         if any(s.drafter_session.flush_due for s in live):
-            mx.async_eval([a for d in self._flush(live) for a in d.state_arrays()])
+            self._evals += [a for d in self._flush(live) for a in d.state_arrays()]
+        # the drafter queues compacted this round (and a flush) are evaluated with the next round's forward, not
+        # on their own: an evaluation releases the GIL, and under a server's HTTP thread getting it back cost up to
+        # the switch interval each time (issue 22, session 47: 8 drafter rows' plain rounds ran 1.6x plain ones)
+        self._evals += [a for s in live for a in s.drafter_session.take_evals()]
         if self.timings is not None:
             self._mark("commit", t_commit)
         after = self._row_lengths(self.cache)
@@ -1633,6 +1639,9 @@ class SpeculativeBatch:
                 self._states[r.uid] = self._row_state(i)
         if done:
             self._drop(done)
+        if self._evals and not self._rows:  # no next round to take them: the batch ran dry
+            mx.async_eval(self._evals)
+            self._evals = []
         return events
 
     def stop(self, uid: int, taken: int) -> GenerationState | None:

@@ -544,6 +544,7 @@ class _DFlashSession(ProposerSession):
         self.p = p
         self._ctx = DraftContext(p.model, p.context_window)
         self._pending: list[mx.array] = []
+        self._evals: list[mx.array] = []  # compacted queues not yet evaluated (take_evals)
         self.block_size = p.block_size
 
     @property
@@ -560,16 +561,29 @@ class _DFlashSession(ProposerSession):
             raise ValueError("the DFlash drafter needs target tap features for every committed token")
         self._pending.append(features)
         if len(self._pending) >= self.compact_after:
-            self.compact()
+            self.compact(evaluate=False)
 
-    def compact(self) -> None:
-        """Copy the queue into one array of its own rows (queued, ``mx.async_eval``): its views of whole
-        rounds' features (every row's, ``[N, M, k*D]``) are let go (the breaker helper of session 46: a
-        finished request's state held ~N times the bytes its queue counts). A queue of one array is left
-        as it is."""
+    def compact(self, evaluate: bool = True) -> None:
+        """Copy the queue into one array of its own rows: its views of whole rounds' features (every row's,
+        ``[N, M, k*D]``) are let go once it is evaluated (the breaker helper of session 46: a finished request's
+        state held ~N times the bytes its queue counts). A queue of one array is left as it is.
+
+        ``evaluate``: queue its evaluation now (``mx.async_eval``); False (a committed round's compaction, from
+        :meth:`extend`): leave it to the owner's next forward, which takes it with :meth:`take_evals` (a batch
+        evaluates every row's with its next round: an evaluation of its own releases the GIL, and getting it back
+        beside a busy HTTP thread cost the server up to the 5 ms switch interval each time, session 47)."""
         if len(self._pending) > 1:
             self._pending = [mx.concatenate(self._pending, axis=0)]
-            mx.async_eval(self._pending[0])
+            if evaluate:
+                mx.async_eval(self._pending[0])
+            else:
+                self._evals.append(self._pending[0])
+
+    def take_evals(self) -> list[mx.array]:
+        """The arrays this session built lazily for its owner to evaluate with its next forward (compacted
+        queues, :meth:`compact`), handed over once (the list is cleared)."""
+        out, self._evals = self._evals, []
+        return out
 
     @property
     def drafter_session(self):

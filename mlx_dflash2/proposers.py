@@ -552,7 +552,7 @@ class _DFlashSession(ProposerSession):
         """The drafter context, with every queued feature row appended."""
         if self._pending:
             f = self._pending[0] if len(self._pending) == 1 else mx.concatenate(self._pending, axis=0)
-            self._pending = []
+            self._pending, self._evals = [], []  # (a compaction waiting for evaluation: appended, run with it)
             self._ctx.append(self.p.model, f)
         return self._ctx
 
@@ -574,10 +574,10 @@ class _DFlashSession(ProposerSession):
         beside a busy HTTP thread cost the server up to the 5 ms switch interval each time, session 47)."""
         if len(self._pending) > 1:
             self._pending = [mx.concatenate(self._pending, axis=0)]
-            if evaluate:
-                mx.async_eval(self._pending[0])
-            else:
-                self._evals.append(self._pending[0])
+            self._evals.append(self._pending[0])
+        if evaluate and self._evals:  # (with any compaction still waiting for its owner's forward)
+            mx.async_eval(self._evals)
+            self._evals = []
 
     def take_evals(self) -> list[mx.array]:
         """The arrays this session built lazily for its owner to evaluate with its next forward (compacted

@@ -450,13 +450,20 @@ def test_forward_blocks_equals_incremental_inference(over):
             np.testing.assert_allclose(np.array(got[n * A + a]), np.array(want), rtol=2e-4, atol=2e-4)
 
 
-def _blas_rows_blocked(block: int) -> bool:
+def _blas_rows_blocked(block: int, rows=(40,), dims=((64, 96),)) -> bool:
     """Whether this host's float32 matmul gives the rows of whole ``block``-row groups the same bits whatever the
-    other rows (the OpenBLAS sgemm of the 2-core hosts before session 37 did; on session 37's 2-core AMD EPYC,
-    AVX2 without AVX-512, no row subset matched the whole product, not even single-threaded)."""
-    x, w = mx.random.normal((5 * block, 64), key=mx.random.key(1)), mx.random.normal((64, 96), key=mx.random.key(2))
-    whole = x @ w
-    return all(mx.array_equal(x[: k * block] @ w, whole[: k * block]).item() for k in (1, 2, 3, 4))
+    other rows, for products of each of ``rows`` rows through ``nn.Linear``-laid weights (``x @ w.T``) of each of
+    ``dims`` (the OpenBLAS sgemm of the 2-core hosts before session 37 did; on session 37's 2-core AMD EPYC, AVX2
+    without AVX-512, no row subset matched the whole product, not even single-threaded; on session 48's AMD EPYC a
+    40-row ``x @ w`` matched, the probe then, and the drafter's ``x @ w.T`` products did not)."""
+    for i, (d_in, d_out) in enumerate(dims):
+        w = mx.random.normal((d_out, d_in), key=mx.random.key(2 + i)).T
+        for R in rows:
+            x = mx.random.normal((R, d_in), key=mx.random.key(100 + R))
+            whole = x @ w
+            if not all(mx.array_equal(x[: k * block] @ w, whole[: k * block]).item() for k in range(1, R // block)):
+                return False
+    return True
 
 
 @pytest.mark.parametrize(
@@ -472,14 +479,16 @@ def test_forward_of_the_drafted_slots_equals_the_whole_blocks(over, monkeypatch)
     slot counts at a near-tie; the output does not: the target verifies every draft)."""
     from mlx_dflash2.drafter.model import MATMUL_ROW_BLOCK, DraftMLP, last_layer_slots
 
-    exact = _blas_rows_blocked(MATMUL_ROW_BLOCK)
+    cfg = DrafterConfig.from_dict(tiny_cfg(**over))
+    # (the products this forward runs: 1-5 requests' whole blocks, through every projection of the tiny drafter)
+    exact = _blas_rows_blocked(MATMUL_ROW_BLOCK, rows=[n * cfg.block_size for n in (1, 2, 3, 5)],
+                               dims=[(64, 96), (96, 64), (64, 64), (128, 64), (64, 128), (64, 32), (64, 16)])
 
     def same(a, b):
         if exact:
             return mx.array_equal(a, b).item()
         return a.shape == b.shape and np.allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-5)
 
-    cfg = DrafterConfig.from_dict(tiny_cfg(**over))
     m = randomize(DraftModel(cfg), seed=8)
     B = cfg.block_size
     ctxs = []

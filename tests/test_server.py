@@ -1396,6 +1396,21 @@ def test_keepalive_interval_must_be_positive(capsys):
     assert setup_arg_parser().parse_args(["--keepalive-interval", "0.5"]).keepalive_interval == 0.5
 
 
+def test_switch_interval_must_be_one_the_interpreter_keeps(capsys):
+    """``--switch-interval`` past what ``sys.setswitchinterval`` holds (below a microsecond, or ~1.8e13 s where it
+    overflows) ran silently at 1 microsecond, and a word gave argparse's message naming an internal function (the
+    breaker helper of session 48): each is a clear error naming the option's range."""
+    from mlx_dflash2.server.cli import setup_arg_parser
+
+    for bad, why in (("1.9e13", "between 1e-06 and 1"), ("1e-9", "between 1e-06 and 1"), ("2", "between 1e-06 and 1"),
+                     ("0", "seconds > 0"), ("-1", "seconds > 0"), ("nan", "seconds > 0"), ("abc", "seconds > 0")):
+        with pytest.raises(SystemExit):
+            setup_arg_parser().parse_args(["--switch-interval", bad])
+        err = capsys.readouterr().err
+        assert why in err and "_positive_seconds" not in err and "_switch_interval" not in err, (bad, err)
+    assert setup_arg_parser().parse_args(["--switch-interval", "0.0005"]).switch_interval == 0.0005
+
+
 def test_the_batch_limit_defaults_to_mlx_lm_servers_decode_concurrency():
     """``--max-batch`` (and ``EngineConfig.max_batch``) default to 32, ``mlx_lm.server``'s ``--decode-concurrency``:
     with 8, 16 clients on the 2-core CPU got 58.4 tok/s against ``mlx_lm.server``'s 69.4 (half of them waiting for a

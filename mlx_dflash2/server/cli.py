@@ -45,9 +45,22 @@ def _non_negative(text: str) -> int:
 
 
 def _positive_seconds(text: str) -> float:
-    v = float(text)
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}") from None
     if not v > 0 or v == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return v
+
+
+def _switch_interval(text: str) -> float:
+    """``--switch-interval``: seconds within what ``sys.setswitchinterval`` keeps (it holds whole microseconds:
+    below 1e-6 s, or past ~1.8e13 s where the conversion overflows, it silently runs at 1 microsecond; the
+    breaker helper of session 48). Bounded at 1 s: a longer interval only lets a thread hold the GIL longer."""
+    v = _positive_seconds(text)
+    if not 1e-6 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be between 1e-06 and 1 second, got {text}")
     return v
 
 
@@ -189,10 +202,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="run the batched rounds' shapes (2 .. --max-batch rows, verify widths up to the block "
                    "size) once at start, so that the GPU backend builds its kernels for them before serving "
                    "(default: on a GPU backend; a CUDA machine's first start compiles for a minute or more)")
-    p.add_argument("--switch-interval", type=_positive_seconds, default=None, metavar="SECONDS",
+    p.add_argument("--switch-interval", type=_switch_interval, default=None, metavar="SECONDS",
                    help="the interpreter's thread switch interval (sys.setswitchinterval) while serving: how long "
                    "the generation worker may run Python (building a round's graph) before the HTTP thread may "
-                   "take the GIL from it (default: Python's, 0.005)")
+                   "take the GIL from it (1e-06 to 1; default: Python's, 0.005)")
     p.add_argument("--prefill-step-size", type=_positive, default=2048, help="prompt chunk size (tokens)")
     p.add_argument("--keepalive-interval", type=_positive_seconds, default=5.0,
                    help="seconds of silence before an SSE ': keep-alive' comment (default 5)")

@@ -13,9 +13,13 @@ of the batch (tokens per row per round).
 ``--requests R``: each of the ``N`` clients sends ``R`` requests in a row (the server's load: joins in every
 phase); reported also the in-process time to first token (median) and the drafter's context projections.
 ``--plain-only``: the drafter's batches run plain rounds only (what drafter rows cost where a batch does not draft).
+``--gil``: one more run per configuration beside a thread that runs Python (as the server's HTTP thread does), every
+call into C of this thread watched: the calls that let the other thread run (they released the GIL, and taking it back
+waits for that thread, up to the switch interval: ``gil_release.py``) are counted per step by call site.
 
     scripts/run python benchmarks/profile_batch.py --concurrency 8,16,32 --repeats 3
     scripts/run python benchmarks/profile_batch.py --concurrency 8 --requests 5 --no-profile
+    scripts/run python benchmarks/profile_batch.py --concurrency 8 --requests 5 --server --repeats 0 --gil
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ import argparse
 import json
 import statistics
 import sys
+import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]  # this checkout
@@ -61,6 +67,73 @@ def _projections(model) -> list:
 
         dm.context_kv = context_kv
     return count
+
+
+class GilProbe:
+    """Counts where this thread released the GIL, by line, while another thread waits to run Python.
+
+    While the probe is on, the interpreter's switch interval is 1 s (this thread is not preempted while it runs
+    Python) and a second thread counts loops, each ending in ``time.sleep(0)``: it runs only while this thread has
+    released the GIL (``mx.eval``, ``mx.async_eval``, ``.item()`` / ``.tolist()`` of an array not yet evaluated, a
+    lock's wait, I/O). A trace function (``sys.settrace``, line and return events) attributes each move of the count to
+    the line that ran since the last event: a call into code not traced (MLX, a tokenizer) is charged to its caller's
+    line, and to the innermost line of this package that led there. In a server every such release waits to take the
+    GIL back from the HTTP thread, up to the switch interval (``gil_release.py``). ``releases``: ``(file, line,
+    package file, package line) -> times``. Use as a context manager around the work.
+    """
+
+    def __init__(self) -> None:
+        self.ticks = 0
+        self.releases: Counter = Counter()
+        self._last = ("", 0, None)
+        self._seen = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._spin, daemon=True)
+
+    def _spin(self) -> None:
+        while not self._stop.is_set():
+            self.ticks += 1
+            time.sleep(0)
+
+    def _trace(self, frame, event, arg):
+        if event in ("line", "return"):
+            if self.ticks != self._seen:
+                self._seen = self.ticks
+                f, ln, fr = self._last
+                while fr is not None and "mlx_dflash2" not in fr.f_code.co_filename:
+                    fr = fr.f_back
+                ours = (fr.f_code.co_filename, fr.f_lineno) if fr is not None and fr.f_code.co_filename != f else ()
+                self.releases[(f, ln) + ours] += 1
+            self._last = (frame.f_code.co_filename, frame.f_lineno, frame)
+        return self._trace
+
+    def __enter__(self) -> "GilProbe":
+        self._interval = sys.getswitchinterval()
+        sys.setswitchinterval(1.0)
+        self._thread.start()
+        self._seen = self.ticks
+        sys.settrace(self._trace)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.settrace(None)
+        self._stop.set()
+        self._thread.join()
+        sys.setswitchinterval(self._interval)
+
+    def sites(self, n: int = 12) -> list:
+        """The ``n`` lines that released most often: ``[(file:line, source line, times)]`` (a line outside this
+        package followed by `` <- `` and the package's line that led there)."""
+        import linecache
+
+        def at(f, ln):
+            return f"{Path(f).name}:{ln}", linecache.getline(f, ln).strip()
+
+        out = []
+        for key, k in self.releases.most_common(n):
+            (w, src), via = at(*key[:2]), (at(*key[2:]) if len(key) > 2 else None)
+            out.append((w + (f" <- {via[0]}" if via else ""), (via[1] if via else src)[:70], k))
+        return out
 
 
 def _time_by(trace: list) -> dict:
@@ -179,6 +252,9 @@ def main(argv=None):
     ap.add_argument("--plain-only", action="store_true",
                     help="the drafter's batches run plain rounds only (width cap 1, no trials): what drafter rows "
                     "cost where a batch does not draft")
+    ap.add_argument("--gil", action="store_true",
+                    help="one more run per concurrency and configuration beside a thread running Python: the calls "
+                    "that released the GIL, per step by call site (GilProbe)")
     ap.add_argument("--verbose", action="store_true",
                     help="the package's INFO lines (kernel gates with their seconds, routing, calibration), "
                     "timestamped")
@@ -217,6 +293,20 @@ def main(argv=None):
                 slow = sorted(r["step_trace"], key=lambda t: -t[0])[:5]
                 print(f"    slowest steps (ms, rows, cap, tokens, prefilled, verified): {slow}; median "
                       f"{statistics.median(t[0] for t in r['step_trace']):.1f} ms", flush=True)
+    gil: dict = {}
+    for n in levels if args.gil else ():
+        for drafter in (True, False):
+            with GilProbe() as probe:
+                r = run(model, tok, n, args.max_tokens, drafter, False, args.requests, args.plain_only, counter,
+                        args.server)
+            name = "drafter" if drafter else "none"
+            total = sum(probe.releases.values())
+            print(f"N={n:3d} {name}: {total / r['steps']:.2f} GIL releases per step ({total} in {r['steps']} steps, "
+                  f"{r['tok_s']:.1f} tok/s beside a spinning thread); by call site:", flush=True)
+            for where, line, k in probe.sites():
+                print(f"    {k / r['steps']:6.2f}/step {k:6d}  {where:24s} {line}", flush=True)
+            gil[f"{n}-{name}"] = {"steps": r["steps"], "tok_s": r["tok_s"], "time_by": r["time_by"],
+                                  "releases": [list(x) for x in probe.sites(40)]}
     if args.cprofile:
         import cProfile
         import io
@@ -246,14 +336,14 @@ def main(argv=None):
             row[k] = statistics.median(r["ms_per_step"].get(k, 0.0) for r in rs)
         table.append(row)
         print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
-    for n in levels:
+    for n in levels if table else ():
         on = next(r for r in table if r["n"] == n and r["drafter"])
         off = next(r for r in table if r["n"] == n and not r["drafter"])
         print(f"N={n}: drafter / none = {on['tok_s'] / off['tok_s']:.2f}")
     if args.out:
         runs = {f"{n}-{d}": rs for (n, d), rs in res.items()}
         Path(args.out).write_text(json.dumps({"args": vars(args), "runs": runs,
-                                              "medians": table}, indent=1))
+                                              "medians": table, "gil": gil}, indent=1))
 
 
 if __name__ == "__main__":

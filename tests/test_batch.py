@@ -1324,6 +1324,45 @@ def test_plain_rounds_of_drafter_rows_evaluate_nothing_of_their_own(target, monk
     assert drafter_calls[:-1] == plain_calls[:-1], (drafter_calls, plain_calls)  # (the last: the batch runs dry)
 
 
+def test_a_steps_host_reads_do_not_grow_with_its_rows(target, monkeypatch):
+    """A step reads what the host needs with as many MLX evaluations and transfers (``mx.eval``,
+    ``mx.async_eval``, ``.item()``, ``.tolist()``) for four rows as for two (a lone row queues its next plain step
+    ahead: one more), whatever their verifiers (sampled, greedy with logprobs) and however many joins finish their
+    prefill in it: each is an evaluation that releases the GIL, and beside the server's HTTP thread getting it back
+    costs up to the switch interval (session 48: 8 sampled drafter rows read ~9.5 times a round, a scalar's
+    ``.item()`` and a slice's ``.tolist()`` per row)."""
+    from mlx_dflash2.api import request_sampling
+    from mlx_dflash2.sampling import SamplingParams
+
+    calls = []
+    for name in ("eval", "async_eval"):
+        real = getattr(mx, name)
+        monkeypatch.setattr(mx, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
+    for name in ("item", "tolist"):
+        real = getattr(mx.array, name)
+        monkeypatch.setattr(mx.array, name, lambda self, _real=real, _name=name: (calls.append(_name), _real(self))[1])
+    reqs = [(_prompt(6, 61), SamplingParams(temp=0.9, seed=1), False), (_prompt(9, 62), SamplingParams(), True),
+            (_prompt(4, 63), SamplingParams(temp=1.1, top_p=0.9, seed=2), False),
+            (_prompt(7, 64), SamplingParams(temp=0.7, seed=3), True)]
+
+    def run(rows):
+        batch = SpeculativeBatch(target)
+        for prompt, params, lp in rows:
+            rs = request_sampling(params)
+            batch.add(prompt, 6, proposer=None, block_size=1, verifier=rs.verifier, logprobs=lp)
+        per_step = []
+        while batch.active or batch.pending:
+            calls.clear()
+            batch.step()
+            per_step.append(sorted(calls))
+        return per_step
+
+    run(reqs)  # (once: the process's first use of an op may evaluate a constant of its own)
+    two, four = run(reqs[:2]), run(reqs)  # (not one row: a lone row queues its next plain step ahead)
+    assert len(two) == len(four) >= 4
+    assert four == two, (four, two)
+
+
 def test_a_queued_context_is_cut_and_copied_without_a_projection(target):
     """A DFlash session's queue survives a prompt cache's ``clone`` and ``truncate`` inside it without being
     appended (a cached request's state costs no projection until it drafts), and what is appended later equals

@@ -1168,6 +1168,9 @@ class SpeculativeBatch:
         for c in self.cache:
             c.keep_rows(keep)
         self._rows = [self._rows[i] for i in keep]
+        if self._evals and not self._rows:  # no next round to take the last one's drafter work: the batch ran dry
+            mx.async_eval(self._evals)  # (a step's end, remove, cancel, stop: their graphs hold every row's features)
+            self._evals = []
 
     def _drop_joins(self, rows: list[int]) -> None:
         keep = [i for i in range(len(self._joining)) if i not in set(rows)]
@@ -1657,10 +1660,7 @@ class SpeculativeBatch:
             if r.finish is not None and r.keep_state:
                 self._states[r.uid] = self._row_state(i)
         if done:
-            self._drop(done)
-        if self._evals and not self._rows:  # no next round to take them: the batch ran dry
-            mx.async_eval(self._evals)
-            self._evals = []
+            self._drop(done)  # (the batch run dry: it evaluates the round's drafter work)
         return events
 
     def stop(self, uid: int, taken: int) -> GenerationState | None:

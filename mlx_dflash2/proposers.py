@@ -571,9 +571,14 @@ class _DFlashSession(ProposerSession):
         ``evaluate``: queue its evaluation now (``mx.async_eval``); False (a committed round's compaction, from
         :meth:`extend`): leave it to the owner's next forward, which takes it with :meth:`take_evals` (a batch
         evaluates every row's with its next round: an evaluation of its own releases the GIL, and getting it back
-        beside a busy HTTP thread cost the server up to the 5 ms switch interval each time, session 47)."""
-        if len(self._pending) > 1:
-            self._pending = [mx.concatenate(self._pending, axis=0)]
+        beside a busy HTTP thread cost the server up to the 5 ms switch interval each time, session 47). With
+        ``evaluate`` (a state being kept) a queue of one array is copied too: it may be a view of a round's features,
+        or a compaction handed to the batch and not evaluated yet, a graph over the rounds' features of every row
+        (the breaker helper of session 48: a state removed right after a compacting round held 8.6x its bytes)."""
+        if len(self._pending) > 1 or (evaluate and self._pending):
+            one = self._pending[0]  # (a queue of one: concatenated with an empty slice, a copy of its own)
+            parts = self._pending if len(self._pending) > 1 else [one, one[:0]]
+            self._pending = [mx.concatenate(parts, axis=0)]
             self._evals.append(self._pending[0])
         if evaluate and self._evals:  # (with any compaction still waiting for its owner's forward)
             mx.async_eval(self._evals)

@@ -1608,3 +1608,63 @@ def test_a_kept_state_holds_only_its_own_queued_features(target):
     q = None
     gc.collect()
     assert before - mx.get_active_memory() <= 2 * counted  # (the queue's own buffer, not the rounds')
+
+
+def test_a_state_removed_after_a_compacting_round_holds_only_its_own_queue(target):
+    """A request that leaves with :meth:`SpeculativeBatch.remove` (the server's stop strings, cancellations) in the
+    round right after its drafter queue was compacted keeps a queue of its own rows, evaluated: not the batch's
+    lazy compaction over whole rounds' features of every row (the breaker helper of session 48: 8.6x the bytes the
+    prompt cache counts, until a later round of the same batch evaluated it: never once the batch ran dry), and a
+    batch emptied by removals evaluates the last round's drafter work itself."""
+    import gc
+
+    d = DFlashProposer(_drafter(target, 6), target, VOCAB)
+    batch = SpeculativeBatch(target, schedule=_cycling([1]))
+    uids = [batch.add(_prompt(10, 60 + k), 60, proposer=d, keep_state=True) for k in range(8)]
+    batch.step()
+    for _ in range(40):
+        batch.step()
+        if all(r.session.queued == 1 for r in batch._rows) and batch._evals:
+            break  # a round that compacted every row's queue (compact_after appends), its work not yet evaluated
+    assert batch._evals
+    st = batch.remove(uids[0])
+    for u in uids[1:]:
+        batch.remove(u)
+    assert not batch._evals  # the batch ran dry: its drafter work evaluated, not held
+    q = st.session._pending
+    assert len(q) == 1 and q[0].shape[0] == st.session.queued_rows
+    counted = sum(a.nbytes for a in q)
+    del batch
+    mx.synchronize()  # (what was queued has run; nothing else is evaluated here)
+    gc.collect()
+    before = mx.get_active_memory()
+    st.session._pending = []
+    q = None
+    gc.collect()
+    assert before - mx.get_active_memory() <= 2 * counted  # (the queue's own buffer, not the rounds')
+
+
+def test_a_state_kept_with_one_queued_round_holds_only_its_own_rows(target):
+    """A request that finishes with a single round queued in its drafter session keeps a copy of its own rows of
+    that round's features, not the view of the round's ``[N, M, k*D]`` features of every row that the queue held
+    (a queue of one array was left as it was: N times the bytes the prompt cache counts)."""
+    import gc
+
+    d = DFlashProposer(_drafter(target, 6), target, VOCAB)
+    batch = SpeculativeBatch(target, schedule=_cycling([1]))
+    uids = [batch.add(_prompt(10, 70 + k), 2, proposer=d, keep_state=True) for k in range(6)]
+    while batch.active or batch.pending:
+        batch.step()
+    st = batch.take_state(uids[0])
+    q = st.session._pending
+    assert len(q) == 1 and q[0].shape[0] == st.session.queued_rows == 1
+    counted = sum(a.nbytes for a in q)
+    del batch
+    mx.synchronize()
+    gc.collect()
+    before = mx.get_active_memory()
+    st.session._pending = []
+    q = None
+    gc.collect()
+    assert before - mx.get_active_memory() <= 2 * counted
+

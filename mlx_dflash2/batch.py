@@ -150,7 +150,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
@@ -975,6 +975,11 @@ class SpeculativeBatch:
         #: their seconds to it (``prefill``, ``propose``, ``verify``: target forward and accept, ``commit``:
         #: per-row rollback, session updates, emission), for profiling (``benchmarks/profile_batch.py``)
         self.timings: dict | None = None
+        #: ``None`` (default), or a callable of no arguments run where a step's host is about to wait for the
+        #: device: after the round's forward is queued, before its read (and before a prefill's evaluation). The
+        #: server hands out the previous step's events there, so its HTTP thread takes the GIL while the device
+        #: works, not while the worker builds the next round (session 48). It must not touch the batch.
+        self.on_wait: Callable[[], None] | None = None
 
     @staticmethod
     def _make_caches(kinds: list) -> list:
@@ -1235,6 +1240,8 @@ class SpeculativeBatch:
         self._flush(now)
         # the joins' first tokens in one array (one transfer after the evaluation, not a .item() each)
         first_ids = mx.concatenate([v.tokens[:1].astype(mx.int32) for v in firsts]) if firsts else None
+        if self.on_wait is not None:
+            self.on_wait()
         mx.eval([a for c in self._jcache for a in c.state] + [a for s in sessions for a in s.held_arrays()]
                 + [x for v in firsts for x in (v.tokens, v.logprobs)] + snaps
                 + ([first_ids] if first_ids is not None else []))
@@ -1561,6 +1568,8 @@ class SpeculativeBatch:
             tok = ver.best[:1] if results[0] is None else results[0].tokens[:1]
             nxt = self._verify(rows, [Proposal.empty()], [1], anchors=tok)
         # one host synchronisation for the batch
+        if self.on_wait is not None:
+            self.on_wait()
         mx.eval(ver.read)
         ids = ver.host.tolist()  # (unpacked in _verify's order)
         pos = ver.best.size if ver.best is not None else 0

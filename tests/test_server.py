@@ -1609,6 +1609,37 @@ def test_a_failing_warm_up_is_logged_and_the_server_serves(smol_f32, monkeypatch
     assert engine._batch is not None and "warm-up failed (RuntimeError: no kernels today)" in caplog.text
 
 
+def test_a_turns_events_are_handed_out_while_the_next_step_waits_for_the_device(srv, rr_srv, monkeypatch):
+    """While the batch has rows, the worker hands a turn's events out inside the next step, once that step's
+    round is queued and the host is about to wait for the device (``SpeculativeBatch.on_wait``), not before it
+    builds the round: the post wakes the HTTP thread, which takes the GIL (session 48: under load the self-pipe's
+    ``send`` was the worker's most frequent handoff). Only the turn that empties the batch hands them out at its
+    end. Every output stays its solo one."""
+    from mlx_dflash2.batch import SpeculativeBatch
+    from mlx_dflash2.server import engine as engine_mod
+
+    inside, posts = [False], []
+    real_step, real_post = SpeculativeBatch.step, engine_mod.post_all
+
+    def step(self):
+        inside[0] = True
+        try:
+            return real_step(self)
+        finally:
+            inside[0] = False
+
+    def spy(items):
+        posts.append((inside[0], srv.engine._batch.active, len(items)))
+        return real_post(items)
+
+    solo = [_solo(rr_srv.url, b) for b in BATCH_REQS]
+    monkeypatch.setattr(SpeculativeBatch, "step", step)
+    monkeypatch.setattr(engine_mod, "post_all", spy)
+    assert _run_together(srv.url, BATCH_REQS) == solo
+    assert sum(1 for i, _, _ in posts if i) >= 3, posts
+    assert all(active == 0 for i, active, _ in posts if not i), posts
+
+
 def test_a_turns_events_reach_their_loop_in_one_wakeup_in_order():
     """The worker hands a turn's events out with one ``call_soon_threadsafe`` per event loop (session 47: a post per
     token woke the HTTP thread at every token, whose self-pipe ``send`` released the GIL mid-emission); each request

@@ -541,8 +541,10 @@ class Engine:
         return out
 
     def _new_batch(self) -> SpeculativeBatch:
-        return SpeculativeBatch(self.model.target, prefill_step_size=self.config.prefill_step_size,
-                                schedule=self.config.batch_schedule)
+        batch = SpeculativeBatch(self.model.target, prefill_step_size=self.config.prefill_step_size,
+                                 schedule=self.config.batch_schedule)
+        batch.on_wait = self._flush_outbox  # the last turn's events, handed out while the device works
+        return batch
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -632,8 +634,10 @@ class Engine:
                     self.metrics.add(busy_s=time.perf_counter() - tic)
             except Exception:  # noqa: BLE001 - the worker must survive anything
                 log.exception("generation worker error")
-            finally:
                 self._flush_outbox()
+            else:
+                if not self._next_turn_waits():
+                    self._flush_outbox()
         for job in list(self._active) + list(self._waiting):
             self._close(job)
             job.post(Failed(APIError(503, "the server is shutting down", code="server_shutdown")))
@@ -643,9 +647,19 @@ class Engine:
         mx.clear_streams()
 
     def _post(self, job: Job, event) -> None:
-        """Queue ``event`` for ``job``'s handler: the turn's events are handed out together at its end
-        (:func:`post_all`)."""
+        """Queue ``event`` for ``job``'s handler: the turn's events are handed out together (:func:`post_all`),
+        at the end of the turn, or, where the next turn is a batched step of every active request, where that
+        step waits for the device (``SpeculativeBatch.on_wait``): handing them out wakes the HTTP thread, which
+        takes the GIL; while the worker builds the next round's graph that stalls the round (session 48: the
+        self-pipe's ``send`` of ``call_soon_threadsafe`` was the worker's most frequent handoff under load)."""
         self._outbox.append((job, event))
+
+    def _next_turn_waits(self) -> bool:
+        """Whether the outbox may wait for the next turn's batched step (its ``on_wait``): every active request
+        is a row of the batch and the batch has a step to run (else nothing would hand them out soon)."""
+        b = self._batch
+        return (b is not None and bool(self._outbox) and bool(b.active or b.pending)
+                and all(job.batched for job in self._active) and not self._stopping.is_set())
 
     def _flush_outbox(self) -> None:
         if self._outbox:

@@ -67,6 +67,26 @@ def free_port() -> int:
     return port
 
 
+def handoffs_path(folder: str, server: str) -> Path:
+    """Where ``--handoffs`` writes ``server``'s report (``gil_handoffs.py``)."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    return Path(folder) / f"{server.replace(':', '-').replace('/', '_')}.json"
+
+
+def print_handoffs(path: Path, steps: int, top: int = 10) -> None:
+    """Summarise a ``gil_handoffs.py`` report: the worker's handoffs per batched step, by line."""
+    try:
+        rep = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        print(f"--handoffs: no report at {path} ({e})", flush=True)
+        return
+    n = max(steps, 1)
+    print(f"--handoffs {path.name}: {rep['handoffs'] / n:.2f} per step ({rep['handoffs']} in {steps} steps):",
+          flush=True)
+    for where, src, k, sec in rep["lines"][:top]:
+        print(f"    {k / n:6.2f}/step {k:6d} {sec:8.3f} s  {where:40s} {src}", flush=True)
+
+
 def start_server(server: str, args) -> tuple[subprocess.Popen, str]:
     """Start ``server`` (``ours:DRAFTER`` or ``mlx_lm``) on a free port; returns (process, base URL)."""
     port = free_port()
@@ -79,7 +99,10 @@ def start_server(server: str, args) -> tuple[subprocess.Popen, str]:
                "--prompt-cache-size", "0", "--decode-concurrency", conc, "--log-level", "WARNING"]
     else:
         drafter = server.split(":", 1)[1]
-        cmd = [sys.executable, "-m", "mlx_dflash2.server", "--port", str(port), "--drafter", drafter,
+        launch = ([sys.executable, "-m", "mlx_dflash2.server"] if not args.handoffs else  # (gil_handoffs.py)
+                  [sys.executable, str(root / "benchmarks" / "gil_handoffs.py"), "--out",
+                   str(handoffs_path(args.handoffs, server)), "--"])
+        cmd = launch + ["--port", str(port), "--drafter", drafter,
                "--prompt-cache-size", "0", "--dtype", args.dtype, "--log-level", "WARNING",
                "--decode-concurrency", conc]
         if args.max_batch is not None:
@@ -337,6 +360,10 @@ def main(argv=None) -> int:
     ap.add_argument("--dequantize", action=argparse.BooleanOptionalAction, default=True,
                     help="dense target (default on: the fast exact target on CPU)")
     ap.add_argument("--out", default="benchmarks/results/server.json")
+    ap.add_argument("--handoffs", default=None, metavar="DIR",
+                    help="run our servers under gil_handoffs.py (every thread traced, several times slower): where "
+                    "the generation worker let another thread run Python, per line, written to DIR at each server's "
+                    "exit and printed per batched step")
     ap.add_argument("--spy", default=None, metavar="DIR",
                     help="sample each server's threads with py-spy through each phase past the solo one; stacks and "
                     "their summaries to DIR")
@@ -412,8 +439,12 @@ def main(argv=None) -> int:
             r["errors"] += 1
             r["error"] = str(e)
         finally:
+            # every batched step since the start (warm-ups included), as the handoffs' report counts them
+            total = step_seconds(url, server) if args.handoffs else None
             proc.terminate()
             proc.wait(30)
+            if total is not None:
+                print_handoffs(handoffs_path(args.handoffs, server), sum(n for n, _ in total.values()))
         ok &= not r["mismatches"] and r["errors"] == 0
         report[server] = r
         out = Path(args.out)  # written after every server: a run stopped by a timeout keeps what finished

@@ -152,11 +152,13 @@ def _time_by(trace: list) -> dict:
 
 
 def run(model, tok, n: int, max_tokens: int, drafter: bool, profile: bool, requests: int = 1,
-        plain_only: bool = False, counter: list | None = None, server: bool = False) -> dict:
+        plain_only: bool = False, counter: list | None = None, server: bool = False, temp: float = 0.0,
+        logprobs: bool = False) -> dict:
     """``n`` requests at once (``requests`` > 1: ``n`` clients that each send ``requests`` in a row, the next as
     soon as the last finished, prompts from a pool of 24: the server's load, with joins in every phase);
     ``server``: the requests as the server adds them (``adaptive`` greedy rows, their states kept in the engine's
-    prompt cache of 10 entries and fetched from it)."""
+    prompt cache of 10 entries and fetched from it); ``temp`` > 0: sampled requests (seeded, one seed each),
+    ``logprobs``: requests that ask for them."""
     pool = prompts(n if requests == 1 else 24)
     ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in pool]
     batch = SpeculativeBatch(model.target, schedule=PlainOnly() if plain_only else "auto")
@@ -169,6 +171,15 @@ def run(model, tok, n: int, max_tokens: int, drafter: bool, profile: bool, reque
     def add(c: int) -> None:
         p = ids[nxt[0] % len(ids)]
         kw = dict(state=cache.fetch(p, proposer), keep_state=True, adaptive=True) if server else {}
+        if temp > 0:
+            from mlx_dflash2.api import request_sampling
+            from mlx_dflash2.sampling import SamplingParams
+
+            rs = request_sampling(SamplingParams(temp=temp, seed=nxt[0]))
+            kw.update(verifier=rs.verifier, draft_temperature=rs.draft_temperature, draft_key=rs.draft_key,
+                      adaptive=rs.adaptive)
+        if logprobs:
+            kw["logprobs"] = True
         uid = batch.add(p, max_tokens, proposer=proposer, block_size=model.block_size if drafter else 1,
                         eos_token_ids=list(tok.eos_token_ids), **kw)
         owner[uid], added[uid] = c, time.perf_counter()
@@ -252,6 +263,8 @@ def main(argv=None):
     ap.add_argument("--plain-only", action="store_true",
                     help="the drafter's batches run plain rounds only (width cap 1, no trials): what drafter rows "
                     "cost where a batch does not draft")
+    ap.add_argument("--temp", type=float, default=0.0, help="sampled requests at this temperature (seeded)")
+    ap.add_argument("--logprobs", action="store_true", help="requests that ask for their tokens' logprobs")
     ap.add_argument("--gil", action="store_true",
                     help="one more run per concurrency and configuration beside a thread running Python: the calls "
                     "that released the GIL, per step by call site (GilProbe)")
@@ -282,7 +295,7 @@ def main(argv=None):
         for rep in range(args.repeats):
             for drafter in (True, False):
                 r = run(model, tok, n, args.max_tokens, drafter, not args.no_profile, args.requests,
-                        args.plain_only, counter, args.server)
+                        args.plain_only, counter, args.server, args.temp, args.logprobs)
                 res.setdefault((n, drafter), []).append(r)
                 print(f"N={n:3d} {'drafter' if drafter else 'none   '} rep {rep}: {r['tok_s']:6.1f} tok/s "
                       f"tau {r['tau']:.2f} ttft {r['ttft_p50_ms']:.1f} ms projections {r['projections']} "
@@ -298,7 +311,7 @@ def main(argv=None):
         for drafter in (True, False):
             with GilProbe() as probe:
                 r = run(model, tok, n, args.max_tokens, drafter, False, args.requests, args.plain_only, counter,
-                        args.server)
+                        args.server, args.temp, args.logprobs)
             name = "drafter" if drafter else "none"
             total = sum(probe.releases.values())
             print(f"N={n:3d} {name}: {total / r['steps']:.2f} GIL releases per step ({total} in {r['steps']} steps, "

@@ -1596,18 +1596,26 @@ def test_a_kept_state_holds_only_its_own_queued_features(target):
         seen = max([seen] + [r.session.queued for r in batch._rows])
     assert seen < _DFlashSession.compact_after
     st = batch.take_state(uids[0])
+    counted, freed = _kept_queue_bytes(st, mx.eval)  # (the copy done: its inputs let go)
+    assert freed <= 2 * counted  # (the queue's own buffer, not the rounds')
+
+
+def _kept_queue_bytes(st, settle) -> tuple[int, int]:
+    """A kept state's drafter queue (one array of its own rows): the bytes it counts and the bytes freed when it is
+    dropped, after ``settle(queue)`` (``mx.eval``: evaluate it; ``mx.synchronize``-like: only let what was queued
+    run, so a graph still waiting holds what it reads)."""
+    import gc
+
     q = st.session._pending
     assert len(q) == 1 and q[0].shape[0] == st.session.queued_rows
     counted = sum(a.nbytes for a in q)
-    import gc
-
-    mx.eval(q)  # (the copy done: its inputs let go)
+    settle(q)
     gc.collect()
     before = mx.get_active_memory()
     st.session._pending = []
-    q = None
+    del q
     gc.collect()
-    assert before - mx.get_active_memory() <= 2 * counted  # (the queue's own buffer, not the rounds')
+    return counted, before - mx.get_active_memory()
 
 
 def test_a_state_removed_after_a_compacting_round_holds_only_its_own_queue(target):
@@ -1616,8 +1624,6 @@ def test_a_state_removed_after_a_compacting_round_holds_only_its_own_queue(targe
     lazy compaction over whole rounds' features of every row (the breaker helper of session 48: 8.6x the bytes the
     prompt cache counts, until a later round of the same batch evaluated it: never once the batch ran dry), and a
     batch emptied by removals evaluates the last round's drafter work itself."""
-    import gc
-
     d = DFlashProposer(_drafter(target, 6), target, VOCAB)
     batch = SpeculativeBatch(target, schedule=_cycling([1]))
     uids = [batch.add(_prompt(10, 60 + k), 60, proposer=d, keep_state=True) for k in range(8)]
@@ -1631,40 +1637,23 @@ def test_a_state_removed_after_a_compacting_round_holds_only_its_own_queue(targe
     for u in uids[1:]:
         batch.remove(u)
     assert not batch._evals  # the batch ran dry: its drafter work evaluated, not held
-    q = st.session._pending
-    assert len(q) == 1 and q[0].shape[0] == st.session.queued_rows
-    counted = sum(a.nbytes for a in q)
     del batch
-    mx.synchronize()  # (what was queued has run; nothing else is evaluated here)
-    gc.collect()
-    before = mx.get_active_memory()
-    st.session._pending = []
-    q = None
-    gc.collect()
-    assert before - mx.get_active_memory() <= 2 * counted  # (the queue's own buffer, not the rounds')
+    counted, freed = _kept_queue_bytes(st, lambda q: mx.synchronize())  # (nothing evaluated here)
+    assert freed <= 2 * counted  # (the queue's own buffer, not the rounds')
 
 
 def test_a_state_kept_with_one_queued_round_holds_only_its_own_rows(target):
     """A request that finishes with a single round queued in its drafter session keeps a copy of its own rows of
     that round's features, not the view of the round's ``[N, M, k*D]`` features of every row that the queue held
     (a queue of one array was left as it was: N times the bytes the prompt cache counts)."""
-    import gc
-
     d = DFlashProposer(_drafter(target, 6), target, VOCAB)
     batch = SpeculativeBatch(target, schedule=_cycling([1]))
     uids = [batch.add(_prompt(10, 70 + k), 2, proposer=d, keep_state=True) for k in range(6)]
     while batch.active or batch.pending:
         batch.step()
     st = batch.take_state(uids[0])
-    q = st.session._pending
-    assert len(q) == 1 and q[0].shape[0] == st.session.queued_rows == 1
-    counted = sum(a.nbytes for a in q)
+    assert st.session.queued_rows == 1
     del batch
-    mx.synchronize()
-    gc.collect()
-    before = mx.get_active_memory()
-    st.session._pending = []
-    q = None
-    gc.collect()
-    assert before - mx.get_active_memory() <= 2 * counted
+    counted, freed = _kept_queue_bytes(st, lambda q: mx.synchronize())
+    assert freed <= 2 * counted
 

@@ -1640,6 +1640,52 @@ def test_a_turns_events_are_handed_out_while_the_next_step_waits_for_the_device(
     assert all(active == 0 for i, active, _ in posts if not i), posts
 
 
+def test_a_stop_landing_while_a_turns_events_wait_hands_them_out_first(smol_f32):
+    """The engine stopping while a turn's events wait for the next batched step (``on_wait``) hands them out before
+    it fails the requests still running: a request that had finished gets its final chunk (the breaker helper of
+    session 48: the worker left its loop with them in the outbox, and that stream hung)."""
+    import asyncio
+
+    from mlx_dflash2.server.engine import Failed, Job, TokenOut
+
+    target, tokenizer = smol_f32
+    p = make_proposer("lookup", target, tokenizer, MODEL_ID)
+    model = SpeculativeModel(target, p, p.block_size, MODEL_ID, target.config)
+    engine = Engine(model, tokenizer, EngineConfig(max_context=MAX_CONTEXT, prefill_step_size=64, max_batch=4))
+    real = engine._next_turn_waits
+
+    def waits():
+        w = real()
+        if w and any(isinstance(e, TokenOut) and e.finish_reason for _, e in engine._outbox):
+            engine._stopping.set()  # (engine.stop() landing right here)
+        return w
+
+    engine._next_turn_waits = waits
+    loop = asyncio.new_event_loop()
+    a = Job(kind="text", prompt="Once upon a time", max_tokens=3, loop=loop, queue=asyncio.Queue())
+    b = Job(kind="text", prompt="The capital of France is", max_tokens=200, loop=loop, queue=asyncio.Queue())
+
+    async def last(job):
+        while True:
+            ev = await asyncio.wait_for(job.queue.get(), 60)
+            if isinstance(ev, Failed) or (isinstance(ev, TokenOut) and ev.finish_reason):
+                return ev
+
+    async def both():
+        return await asyncio.gather(last(a), last(b))
+
+    engine.start()
+    engine.submit(a)
+    engine.submit(b)
+    try:
+        ea, eb = loop.run_until_complete(both())
+    finally:
+        engine.stop()
+        loop.close()
+    assert isinstance(ea, TokenOut) and ea.finish_reason == "length"
+    assert isinstance(eb, Failed) and engine._outbox == []
+
+
 def test_a_turns_events_reach_their_loop_in_one_wakeup_in_order():
     """The worker hands a turn's events out with one ``call_soon_threadsafe`` per event loop (session 47: a post per
     token woke the HTTP thread at every token, whose self-pipe ``send`` released the GIL mid-emission); each request

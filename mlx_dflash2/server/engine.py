@@ -638,6 +638,7 @@ class Engine:
             else:
                 if not self._next_turn_waits():
                     self._flush_outbox()
+        self._flush_outbox()  # (a stop landing while a turn's events waited for the next step: they go out first)
         for job in list(self._active) + list(self._waiting):
             self._close(job)
             job.post(Failed(APIError(503, "the server is shutting down", code="server_shutdown")))

@@ -571,6 +571,16 @@ class _Request:
         return ev
 
 
+def _kept(session):
+    """``session`` made fit to be kept in a state (a prompt cache's): its drafter's queued features copied out of
+    the rounds' and prefills' arrays of every row into one array of its own rows, evaluated (``compact``; a queue of
+    a single view held the whole array: the breaker helpers of sessions 46 and 48)."""
+    d = session.drafter_session
+    if d is not None:
+        d.compact()
+    return session
+
+
 @dataclass
 class _Verify:
     """A round's target forward and accepts, queued (:meth:`SpeculativeBatch._verify`); ``read``: what the host
@@ -1160,10 +1170,7 @@ class SpeculativeBatch:
         prompt snapshots are handed over). The row holds exactly its tokens but the last (a request stopped
         inside a round too: its commit kept only what it emitted)."""
         r = self._rows[i]
-        d = r.session.drafter_session
-        if d is not None:  # its queued rounds' features copied out of the rounds' (every row's) arrays
-            d.compact()
-        return GenerationState(cache=[c.extract(i) for c in self.cache], session=r.session,
+        return GenerationState(cache=[c.extract(i) for c in self.cache], session=_kept(r.session),
                                tokens=r.history[:-1], proposer=r.proposer, snapshots=r.snapshots)
 
     def _drop(self, rows: list[int]) -> None:
@@ -1266,9 +1273,9 @@ class SpeculativeBatch:
                 continue
             self._events.append(r.event(r.finish))
             if r.keep_state:
-                self._states[r.uid] = GenerationState(cache=[c.extract(i) for c in self._jcache], session=r.session,
-                                                      tokens=r.history[:-1], proposer=r.proposer,
-                                                      snapshots=r.snapshots)
+                self._states[r.uid] = GenerationState(cache=[c.extract(i) for c in self._jcache],
+                                                      session=_kept(r.session), tokens=r.history[:-1],
+                                                      proposer=r.proposer, snapshots=r.snapshots)
             gone.append(i)
         if moved:
             for main, c in zip(self.cache, self._jcache):

@@ -1657,3 +1657,20 @@ def test_a_state_kept_with_one_queued_round_holds_only_its_own_rows(target):
     counted, freed = _kept_queue_bytes(st, lambda q: mx.synchronize())
     assert freed <= 2 * counted
 
+
+def test_a_join_kept_at_its_first_token_holds_only_its_own_prompt_features(target):
+    """A ``keep_state`` join that finishes at its first token (``max_tokens`` 1, or an EOS) beside running rows keeps
+    a copy of its own prompt's features, not a view of the joins' prefill features of every join (the breaker helper
+    of session 48: its state was built without the compaction ``_row_state`` does; 5x its bytes)."""
+    d = _dflash(target)  # (one tap: its features are a view of the prefill's, not a concatenation's copy)
+    batch = SpeculativeBatch(target, prefill_step_size=256)
+    batch.add(_prompt(5, 1), 400, proposer=d)  # a running row: the joins' prompts are queued, not appended
+    batch.step()
+    batch.step()
+    uids = [batch.add(_prompt(60, 10 + i), 1 if i == 0 else 50, proposer=d, keep_state=(i == 0)) for i in range(6)]
+    batch.step()  # the joins' prefill: join 0 ends at its first token
+    st = batch.take_state(uids[0])
+    assert st.session.queued_rows == 60
+    del batch
+    counted, freed = _kept_queue_bytes(st, lambda q: mx.synchronize())
+    assert freed <= 2 * counted

@@ -598,6 +598,7 @@ class _Verify:
     drafts: list
     read: list
     host: mx.array  # int32: best, drafts, then (num_accepted, tokens) of each row with its own verifier
+    key: mx.array | None = None  # a step queued ahead: its row's verifier key before it (restored if dropped)
 
 
 @dataclass
@@ -1395,8 +1396,12 @@ class SpeculativeBatch:
         return r.verifier.greedy and (ahead == "always" or (ahead == "gpu" and mx.default_device().type == mx.gpu))
 
     def _drop_ahead(self) -> None:
-        """Drop the plain step queued ahead (its one cache row; the recurrent layers take back its forward)."""
+        """Drop the plain step queued ahead (its one cache row; the recurrent layers take back its forward; its
+        row's sampled verifier gets back the key it had before it, so the random stream does not depend on whether a
+        step was queued ahead: the breaker helper of session 48, a seeded row's tokens changed when another joined)."""
         if self._ahead is not None:
+            if self._ahead.key is not None:
+                self._rows[0].verifier.key = self._ahead.key
             self._ahead = None
             for c in self.cache:
                 c.trim_rows([1] + [0] * (len(self._rows) - 1))
@@ -1573,7 +1578,8 @@ class SpeculativeBatch:
                 and (r0.max_tokens < 0 or r0.n_out + 1 < r0.max_tokens)
                 and (limit is None or lengths[0] + 1 < limit)):
             tok = ver.best[:1] if results[0] is None else results[0].tokens[:1]
-            nxt = self._verify(rows, [Proposal.empty()], [1], anchors=tok)
+            key = getattr(r0.verifier, "key", None)  # (a sampled verifier draws from its key as it builds the step)
+            nxt = replace(self._verify(rows, [Proposal.empty()], [1], anchors=tok), key=key)
         # one host synchronisation for the batch
         if self.on_wait is not None:
             self.on_wait()

@@ -1674,3 +1674,27 @@ def test_a_join_kept_at_its_first_token_holds_only_its_own_prompt_features(targe
     del batch
     counted, freed = _kept_queue_bytes(st, lambda q: mx.synchronize())
     assert freed <= 2 * counted
+
+
+def test_a_seeded_sampled_row_keeps_its_stream_when_a_join_drops_its_step_queued_ahead(target):
+    """A lone seeded sampled row of plain decoding queues its next step ahead, and building it draws from the
+    verifier's key; a join then drops that step. The row gets its key back, so its tokens are its solo ones
+    whenever the other request joins (the breaker helper of session 48: from the join on they differed)."""
+    from mlx_dflash2.api import request_sampling
+    from mlx_dflash2.sampling import SamplingParams
+
+    pa, params = _prompt(6, 5), SamplingParams(temp=1.0, seed=615)
+    solo = [t for t, _, _ in _solo_run(target, pa, 16, None, params, 1)]
+    for join_at in (1, 2, 3, 5):
+        batch = SpeculativeBatch(target)
+        rs = request_sampling(params)
+        ua = batch.add(pa, 16, proposer=None, block_size=1, verifier=rs.verifier, draft_key=rs.draft_key)
+        got = []
+        for rnd in range(100):
+            if rnd == join_at:
+                batch.add(_prompt(6, 9), 8, proposer=None, block_size=1)  # a greedy plain row joins
+            got += [t for ev in batch.step() if ev.uid == ua for t in ev.tokens]
+            if not batch.active and not batch.pending:
+                break
+        assert got == solo, join_at
+

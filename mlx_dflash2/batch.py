@@ -987,9 +987,11 @@ class SpeculativeBatch:
         #: per-row rollback, session updates, emission), for profiling (``benchmarks/profile_batch.py``)
         self.timings: dict | None = None
         #: ``None`` (default), or a callable of no arguments run where a step's host is about to wait for the
-        #: device: after the round's forward is queued, before its read (and before a prefill's evaluation). The
-        #: server hands out the previous step's events there, so its HTTP thread takes the GIL while the device
-        #: works, not while the worker builds the next round (session 48). It must not touch the batch.
+        #: device: after the round's forward is queued, before its read (and before a prefill's evaluation), or,
+        #: in a round where a row proposes drafts, before the proposals (a drafter's may read its forward). The
+        #: server hands out the previous step's events there, so in plain rounds its HTTP thread takes the GIL
+        #: while the device works, not while the worker builds the round (session 48). It may run more than once
+        #: a step and must not touch the batch.
         self.on_wait: Callable[[], None] | None = None
 
     @staticmethod
@@ -1525,6 +1527,8 @@ class SpeculativeBatch:
             if limit is not None:
                 n = min(n, limit - P - 1)
             ns.append(n)
+        if self.on_wait is not None and any(n > 0 for n in ns):
+            self.on_wait()  # (a drafter's proposal may read its forward: a request's events wait for no drafter)
         for i, (r, n) in enumerate(zip(rows, ns)):
             prop = Proposal.empty()
             if n > 0:

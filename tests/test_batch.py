@@ -1698,3 +1698,34 @@ def test_a_seeded_sampled_row_keeps_its_stream_when_a_join_drops_its_step_queued
                 break
         assert got == solo, join_at
 
+
+def test_on_wait_runs_before_a_drafting_rounds_proposals_and_before_a_plain_rounds_read(target, monkeypatch):
+    """``SpeculativeBatch.on_wait`` (where the server hands out the last step's events) runs in every step before
+    its host waits for the device: in a plain round before its read, after the round is queued; in a round where
+    a row drafts before the proposals (a drafter's forward may be read there: a request's events wait for no
+    drafter forward); in a step that prefills, before the prefill's evaluation. Outputs stay exact."""
+    d = DFlashProposer(_drafter(target, 6), target, VOCAB)
+    order = []
+    real_pm, real_eval = type(d).propose_many, mx.eval
+    monkeypatch.setattr(type(d), "propose_many", lambda self, calls: (order.append("propose"), real_pm(self, calls))[1])
+    monkeypatch.setattr(mx, "eval", lambda *a, **k: (order.append("eval"), real_eval(*a, **k))[1])
+    batch = SpeculativeBatch(target, schedule=_cycling([4, 1, 1]))
+    batch.on_wait = lambda: order.append("wait")
+    prompts = [_prompt(7, 120), _prompt(5, 121)]
+    uids = [batch.add(p, 12, proposer=d) for p in prompts]
+    out, kinds = {u: [] for u in uids}, set()
+    while batch.active or batch.pending:
+        order.clear()
+        for ev in batch.step():
+            out[ev.uid] += ev.tokens
+        assert "wait" in order, order
+        first = order.index("wait")
+        if "propose" in order:
+            assert first < order.index("propose"), order
+            kinds.add("drafting")
+        else:
+            assert first < len(order) - 1 - order[::-1].index("eval"), order  # (before the read)
+            kinds.add("plain")
+    assert kinds == {"drafting", "plain"}
+    assert [out[u] for u in uids] == [_plain(target, p, 12) for p in prompts]
+

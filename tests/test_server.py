@@ -743,6 +743,35 @@ def test_batched_concurrent_greedy_requests_equal_solo(srv, rr_srv, http):
     assert "mlx_dflash2_worker_emit_seconds_total" in http.get("/metrics").text
 
 
+def test_a_failed_joins_end_counts_as_close_not_as_add(srv, http, monkeypatch):
+    """A request the batch refuses at its join (a 400) is closed there: that time counts in
+    ``worker_close_seconds_total`` only, not in ``worker_add_seconds_total`` too (the breaker helper of session
+    48: the worker's parts then summed to more than its busy time)."""
+    import time
+
+    from mlx_dflash2.batch import SpeculativeBatch
+
+    def refuse(self, *a, **k):
+        raise ValueError("max_tokens: refused by this test")
+
+    real_close = type(srv.engine)._close_job
+
+    def slow_close(self, job, keep):
+        time.sleep(0.3)
+        return real_close(self, job, keep)
+
+    before = metrics(http)
+    monkeypatch.setattr(SpeculativeBatch, "add", refuse)
+    monkeypatch.setattr(type(srv.engine), "_close_job", slow_close)
+    r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
+    monkeypatch.undo()
+    assert r.status_code == 400, r.text
+    after = metrics(http)
+    add = after["worker_add_seconds_total"] - before["worker_add_seconds_total"]
+    close = after["worker_close_seconds_total"] - before["worker_close_seconds_total"]
+    assert close >= 0.3 and add < 0.3, (add, close)
+
+
 def test_batch_size_gauge_is_zero_once_a_stop_string_or_a_cancellation_ends_the_last_request(srv, monkeypatch):
     """``batch_size`` counts the rows of the batched round now: a lone request that ends on a stop string (the
     server ends it, not the loop) or is cancelled leaves it at 0 (a fresh user's find: it stayed 1 while idle).

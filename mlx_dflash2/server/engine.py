@@ -908,7 +908,7 @@ class Engine:
             job = self._batch_queue.popleft()
             if job not in self._active or job.join is None:  # closed while waiting
                 continue
-            tic = time.perf_counter()
+            tic, self._closing_s = time.perf_counter(), 0.0
             try:
                 job.uid = batch.add(**job.join)
                 job.join = None
@@ -920,7 +920,7 @@ class Engine:
                 log.exception("request %s could not join the batch", job.id)
                 self._close(job)
                 self._fail(job, APIError(500, f"internal error: {type(e).__name__}: {e}"))
-            self.metrics.worker("add", time.perf_counter() - tic)
+            self.metrics.worker("add", time.perf_counter() - tic - self._closing_s)  # (a failed join's end: "close")
         if not (batch.active or batch.pending):
             with self.metrics.lock:  # cancellations may have emptied it
                 self.metrics.batch_size = batch.active

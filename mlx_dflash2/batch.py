@@ -1686,7 +1686,7 @@ class SpeculativeBatch:
             if r.finish is not None and r.keep_state:
                 self._states[r.uid] = self._row_state(i)
         if done:
-            self._drop(done)  # (the batch run dry: it evaluates the round's drafter work)
+            self._drop(done)  # (a batch run dry evaluates the round's drafter work there)
         return events
 
     def stop(self, uid: int, taken: int) -> GenerationState | None:

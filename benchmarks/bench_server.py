@@ -399,7 +399,8 @@ def main(argv=None) -> int:
             before = add_steps(r["c1"], url, server, before, "c=1")
             for c in args.levels[1:]:
                 plist = [pool[i % len(pool)] for i in range(c * args.requests)]
-                spy_out = Path(args.spy) / f"{server.replace(':', '-').replace('/', '_')}-c{c}.txt" if args.spy else None
+                spy_out = (Path(args.spy) / f"{server.replace(':', '-').replace('/', '_')}-c{c}.txt"
+                           if args.spy else None)
                 spy = start_spy(proc.pid, spy_out) if spy_out else None
                 res, wall = run_phase(url, plist, c, args.max_tokens)
                 stop_spy(spy, spy_out) if spy_out else None

@@ -1715,6 +1715,38 @@ def test_a_stop_landing_while_a_turns_events_wait_hands_them_out_first(smol_f32)
     assert isinstance(eb, Failed) and engine._outbox == []
 
 
+def test_a_steps_logprobs_are_read_with_one_evaluation(monkeypatch):
+    """``top_logprobs_many`` (the batched worker's emission of a step's tokens) gives each token what the
+    per-token reading gave (its log-probability, the best ``top_n`` sorted) with one evaluation for all, read from
+    evaluated arrays: not a scalar's ``.item()`` and two ``.tolist()`` of new ops per token, each an evaluation that
+    releases the GIL (session 48)."""
+    import mlx.core as mx
+
+    from mlx_dflash2.server.text import top_logprobs_many
+
+    def one_by_one(logprobs, token, top_n):  # the reading before session 48, per token
+        lp = float(logprobs[token].item())
+        if top_n <= 0:
+            return lp, []
+        top_n = min(top_n, logprobs.shape[-1])
+        idx = mx.argpartition(-logprobs, kth=top_n - 1)[:top_n]
+        vals = logprobs[idx]
+        return lp, [(int(i), float(v)) for i, v in sorted(zip(idx.tolist(), vals.tolist()), key=lambda p: -p[1])]
+
+    V = 40
+    def logprobs(k):
+        x = mx.random.normal((V,), key=mx.random.key(k)) * 3
+        return x - mx.logsumexp(x)
+
+    items = [(logprobs(k), (7 * k) % V, n) for k, n in enumerate((0, 1, 5, 20, V, 3))]
+    want = [one_by_one(*it) for it in items]
+    evals = []
+    real = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a, **k: (evals.append(1), real(*a, **k))[1])
+    assert top_logprobs_many(items) == want
+    assert len(evals) == 1
+
+
 def test_a_turns_events_reach_their_loop_in_one_wakeup_in_order():
     """The worker hands a turn's events out with one ``call_soon_threadsafe`` per event loop (session 47: a post per
     token woke the HTTP thread at every token, whose self-pipe ``send`` released the GIL mid-emission); each request

@@ -64,7 +64,7 @@ from ..sampling import SamplingParams
 from ..speculative import PLAIN_PROPOSER, GenerationState
 from ..target import TargetCompatibilityError
 from .protocol import APIError, bad_request, invalid_value
-from .text import TokenText, convert_chat, initial_reasoning_state, top_logprobs
+from .text import TokenText, convert_chat, initial_reasoning_state, top_logprobs, top_logprobs_many
 
 __all__ = ["Engine", "EngineConfig", "Job", "PromptCache", "Admitted", "Progress", "TokenOut", "Failed"]
 
@@ -945,17 +945,23 @@ class Engine:
                     else "drafting" if r["verified"] > r["rows"] else "plain")
             self.metrics.batch_step(kind, time.perf_counter() - tic)
         tic, self._closing_s = time.perf_counter(), 0.0
+        # the step's log-probabilities, read together (one evaluation, not three per token: top_logprobs_many)
+        want = [(ev, i) for ev in events if ev.logprobs and getattr(self._batched.get(ev.uid), "logprobs", False)
+                for i in range(len(ev.tokens))]
+        lps = dict(zip([(ev.uid, i) for ev, i in want], top_logprobs_many(
+            [(ev.logprobs[i], int(ev.tokens[i]), self._batched[ev.uid].top_logprobs) for ev, i in want])))
         for ev in events:
             job = self._batched.get(ev.uid)
             if job is not None:
-                self._emit(job, ev)
+                self._emit(job, ev, lps)
         self.metrics.worker("emit", time.perf_counter() - tic - self._closing_s)  # the requests' ends: "close"
         with self.metrics.lock:  # after the emissions: a request ended by a stop string has left the batch
             self.metrics.batch_size = batch.active
 
-    def _emit(self, job: Job, ev) -> None:
+    def _emit(self, job: Job, ev, lps: dict) -> None:
         """Post a batch event's tokens to the request, exactly as ``stream_generate`` would yield them
-        (text, stop strings, finish reason, usage); a request that finishes leaves the batch."""
+        (text, stop strings, finish reason, usage); a request that finishes leaves the batch. ``lps``: its
+        tokens' ``(logprob, top)`` by ``(uid, index)``, read for the whole step (a request with logprobs)."""
         for i, tok in enumerate(ev.tokens):
             text, finish = job.text.add(tok)
             if finish is None and i == len(ev.tokens) - 1 and ev.finish_reason is not None:
@@ -964,7 +970,7 @@ class Engine:
                 finish = "stop" if ev.finish_reason == "stop" else "length"
             out = TokenOut(text, int(tok), finish)
             if job.logprobs and not (finish == "stop" and out.token in self.tokenizer.eos_token_ids):
-                out.logprob, out.top = top_logprobs(ev.logprobs[i], out.token, job.top_logprobs)
+                out.logprob, out.top = lps[(ev.uid, i)]
             if finish is not None:
                 s = ev.stats
                 s.generated_tokens = job.text.n

@@ -566,7 +566,7 @@ class _DFlashSession(ProposerSession):
     def compact(self, evaluate: bool = True) -> None:
         """Copy the queue into one array of its own rows: its views of whole rounds' features (every row's,
         ``[N, M, k*D]``) are let go once it is evaluated (the breaker helper of session 46: a finished request's
-        state held ~N times the bytes its queue counts). A queue of one array is left as it is.
+        state held ~N times the bytes its queue counts). A queue of one array is left as it is (but see ``evaluate``).
 
         ``evaluate``: queue its evaluation now (``mx.async_eval``); False (a committed round's compaction, from
         :meth:`extend`): leave it to the owner's next forward, which takes it with :meth:`take_evals` (a batch

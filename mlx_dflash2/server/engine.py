@@ -520,7 +520,8 @@ class Engine:
         self._batch_queue: deque = deque()  # batched jobs not yet joined (FIFO)
         self._batched: dict = {}  # row uid -> job
         self._closing_s = 0.0  # seconds of _close since the emissions of the step began (kept out of "emit")
-        self._outbox: list = []  # (job, event) posted by the worker's turn, handed out together at its end
+        self._outbox: list = []  # (job, event) posted by the worker's turn, handed out together (_post: at its end,
+        # or inside the next batched step)
 
     def warm_up(self) -> dict:
         """Run the batched rounds' shapes once (:meth:`~mlx_dflash2.batch.SpeculativeBatch.warm_up`): row counts

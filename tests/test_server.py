@@ -927,6 +927,49 @@ def test_batched_disconnect_mid_batch_leaves_others_exact(srv, rr_srv, http):
     assert m["requests_active"] == 0 and m["batch_size"] == 0
 
 
+def test_a_request_whose_emission_fails_leaves_the_others_exact(srv, rr_srv, http, monkeypatch):
+    """A request whose tokens cannot be handed out (its text stream raises mid-way) ends with a 500 error
+    chunk and leaves the batch; the other rows of the same step still get every token (session 48 noticed:
+    the exception left the turn, so the step's later events, other requests' tokens, were lost)."""
+    import time
+
+    from mlx_dflash2 import api
+
+    solo = [_solo(rr_srv.url, b) for b in BATCH_REQS[:3]]
+    before = metrics(http)
+    add, streams = api.TextStream.add, []
+
+    def flaky(self, token):
+        if self not in streams:
+            streams.append(self)
+        others = [t for t in streams if t is not self and t.n >= 1]
+        if "@@boom@@" in self.stopper.stops and len(others) >= 3:  # every other request is a row by now
+            raise RuntimeError("detokenizer broke")
+        return add(self, token)
+
+    monkeypatch.setattr(api.TextStream, "add", flaky)
+
+    def boom():
+        body = {"prompt": "Once upon a time,", "max_tokens": 200, "stop": ["@@boom@@"], "stream": True}
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=300) as r:
+            assert r.status_code == 200
+            return [json.loads(l[6:]) for l in r.iter_lines() if l.startswith("data: ") and l != "data: [DONE]"]
+
+    with ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(boom)  # it joins first, so its row's events come before the others' in every step
+        deadline = time.time() + 120
+        while not any(t.n >= 1 for t in streams):
+            assert time.time() < deadline and not fut.done()
+            time.sleep(0.01)
+        got = _run_together(srv.url, BATCH_REQS[:3])
+        chunks = fut.result()
+    assert got == solo
+    assert chunks and "internal error: RuntimeError: detokenizer broke" in chunks[-1]["error"]["message"], chunks[-1]
+    m = metrics(http)
+    assert m["request_errors_total"] == before["request_errors_total"] + 1
+    assert m["requests_active"] == 0 and m["batch_size"] == 0
+
+
 def test_keepalive_comments_during_prefill(srv):
     prompt = "Summarize this text. " + " ".join(f"Sentence number {i} is here." for i in range(40))
     lines = []

@@ -954,7 +954,12 @@ class Engine:
         for ev in events:
             job = self._batched.get(ev.uid)
             if job is not None:
-                self._emit(job, ev, lps)
+                try:
+                    self._emit(job, ev, lps)
+                except Exception as e:  # noqa: BLE001 - that request fails; the step's other events still go out
+                    log.exception("request %s: its tokens could not be handed out", job.id)
+                    self._close(job)
+                    self._fail(job, APIError(500, f"internal error: {type(e).__name__}: {e}"))
         self.metrics.worker("emit", time.perf_counter() - tic - self._closing_s)  # the requests' ends: "close"
         with self.metrics.lock:  # after the emissions: a request ended by a stop string has left the batch
             self.metrics.batch_size = batch.active

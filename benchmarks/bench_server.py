@@ -254,7 +254,7 @@ def plot(report: dict, levels: list[int], path: Path) -> Path | None:
 
 
 STEP_KINDS = ("join", "lone", "drafting", "plain")
-WORKER_PARTS = ("start", "add", "emit", "close")
+WORKER_PARTS = ("start", "add", "emit", "close", "post")
 
 
 def step_seconds(url: str, server: str) -> dict | None:

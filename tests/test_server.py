@@ -736,7 +736,7 @@ def test_batched_concurrent_greedy_requests_equal_solo(srv, rr_srv, http):
     assert "mlx_dflash2_batch_plain_seconds_total" in http.get("/metrics").text
     # the worker's other parts (session 47): the requests' set-up, joins, emissions and ends timed, inside its busy time
     parts = {k: after[f"worker_{k}_seconds_total"] - before[f"worker_{k}_seconds_total"]
-             for k in ("start", "add", "emit", "close")}
+             for k in ("start", "add", "emit", "close", "post")}
     assert all(v > 0 for v in parts.values()), parts
     busy = after["busy_s"] - before["busy_s"]
     assert sum(secs.values()) + parts["add"] + parts["emit"] + parts["close"] <= busy + 1e-6, (secs, parts, busy)

@@ -322,13 +322,15 @@ BATCH_STEP_KINDS = {
 }
 
 #: the generation worker's own work around the batched steps that ``GET /metrics`` times (seconds), with what each
-#: is: with the steps (:data:`BATCH_STEP_KINDS`) they split the worker's busy time, so a server slower than another
+#: is: with the steps (:data:`BATCH_STEP_KINDS`) they split the worker's busy time ("post" aside), so a server slower than another
 #: on the same rounds shows where (issue 22: the drafter's server ran 0.74x the plain one's rounds on an H100)
 WORKER_PARTS = {
     "start": "setting requests up (template, tokens, checks, prompt-cache lookup)",
     "add": "adding requests to the batch (their proposer sessions, queued prefill)",
     "emit": "handing out the steps' tokens (text, stop strings, logprobs, events)",
     "close": "ending requests (their states taken from the batch, the prompt cache's put)",
+    "post": "handing the turns' events to the HTTP threads (post_all): inside a step's time where the step waited "
+            "for the device, else after the turn, outside the busy time",
 }
 
 
@@ -665,8 +667,10 @@ class Engine:
 
     def _flush_outbox(self) -> None:
         if self._outbox:
+            tic = time.perf_counter()
             items, self._outbox = self._outbox, []
             post_all(items)
+            self.metrics.worker("post", time.perf_counter() - tic)
 
     def _drain(self, block: bool) -> None:
         try:

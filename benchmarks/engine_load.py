@@ -13,8 +13,10 @@ each sending ``--requests`` in a row, ``--max-tokens`` tokens, greedy), and the 
 * ``--deliver asyncio``: to an asyncio event loop on its own thread (the server's HTTP thread), whose handlers
   format one server-sent-event chunk per token (``json.dumps``) as the server's do.
 
-Reported per configuration (``--config``: a drafter path for ``--drafter``, ``auto``, or ``none``): aggregate
-tok/s of the phase, the batched steps by kind (count, ms per step), the worker thread's CPU seconds per step
+``--warm-up worker`` runs the server's warm-up of the batched shapes on the worker's thread instead of the loading
+thread (MLX keeps compiled traces per thread). Reported per configuration (``--config``: a drafter path for
+``--drafter``, ``auto``, or ``none``): aggregate tok/s of the phase, the batched steps by kind (count, mean and
+median ms per step), the worker thread's CPU seconds per step
 (``time.thread_time`` on the worker: Python and graph building, without the device's work), the worker's parts
 (``GET /metrics``' ``worker_*``). One run each; ratios between configurations of one run only.
 
@@ -141,6 +143,31 @@ def phase(engine, ids: list, n: int, requests: int, max_tokens: int, deliver: st
     return out
 
 
+def trace_steps(engine) -> list:
+    """Record every batched step of ``engine`` (its batch instance's ``step`` wrapped, on the worker's thread):
+    ``[(kind, ms)]``, the kinds as ``GET /metrics`` counts them."""
+    out: list = []
+
+    def install():
+        batch = engine._batch
+        step = batch.step
+
+        def timed():
+            t = time.perf_counter()
+            evs = step()
+            dt = 1e3 * (time.perf_counter() - t)
+            r, pre = batch.last_round, batch.last_prefill
+            if r["rows"] or pre["rows"]:
+                out.append(("join" if pre["rows"] else "lone" if r["rows"] == 1
+                            else "drafting" if r["verified"] > r["rows"] else "plain", dt))
+            return evs
+
+        batch.step = timed
+
+    engine.call(install)
+    return out
+
+
 def snapshot(engine) -> dict:
     """The engine's counters now, and its worker thread's CPU seconds (read on that thread)."""
     return {"cpu": engine.call(time.thread_time), "steps": dict(engine.metrics.batch_steps),
@@ -181,6 +208,9 @@ def main(argv=None) -> int:
     ap.add_argument("--pool", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1, help="phases per configuration and delivery")
+    ap.add_argument("--warm-up", choices=("main", "worker", "off"), default="main",
+                    help="the batched rounds' warm-up: as the server runs it (main: at start, on the loading thread, "
+                    "where the server's flags turn it on), on the worker's thread before the load, or none")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="profile the worker thread (cProfile) in each phase and print its N costliest functions "
                     "(own time; the profiler slows the worker: compare configurations, not tok/s)")
@@ -193,10 +223,18 @@ def main(argv=None) -> int:
         # bench_server.py's flags for our servers (no prompt cache, as many active requests as clients), then yours
         flags = ((["--model", args.model] if args.model else []) + ["--drafter", cfg, "--prompt-cache-size", "0",
                  "--decode-concurrency", str(args.concurrency), "--max-batch", "32"] + args.server_arg)
+        if args.warm_up != "main":
+            flags.append("--no-warmup")
         sargs = setup_arg_parser().parse_args(flags)
         _, engine = build_app(sargs)
         engine.start()
         try:
+            if args.warm_up == "worker":  # MLX keeps compiled traces per thread: warm the thread that serves
+                tic = time.perf_counter()
+                w = engine.call(engine.warm_up, timeout=1800)
+                print(f"{cfg}: warmed up on the worker's thread: {w['shapes']} shapes in "
+                      f"{time.perf_counter() - tic:.1f} s", flush=True)
+            trace = trace_steps(engine)
             ids = [[{"role": "user", "content": p}] for p in prompts(args.pool)]
             solo = phase(engine, ids, 1, len(ids), args.max_tokens, "direct")  # bench_server.py's solo pass
             print(f"{cfg}: solo pass {solo['tokens']} tokens in {solo['seconds']:.1f} s", flush=True)
@@ -205,10 +243,12 @@ def main(argv=None) -> int:
                     prof = cProfile.Profile() if args.cprofile else None
                     if prof is not None:
                         engine.call(prof.enable)  # (on the worker's thread: cProfile watches the thread it runs on)
-                    a = snapshot(engine)
+                    a, trace[:] = snapshot(engine), []
                     r = phase(engine, ids, args.concurrency, args.requests, args.max_tokens, d)
                     row = {"config": cfg, "deliver": d, "rep": rep, "tok_s": round(r["tokens"] / r["seconds"], 1),
                            "errors": r["errors"], **diff(a, snapshot(engine))}
+                    row["median_ms"] = {k: round(statistics.median(ms for kk, ms in trace if kk == k), 2)
+                                        for k in BATCH_STEP_KINDS if any(kk == k for kk, _ in trace)}
                     if prof is not None:
                         engine.call(prof.disable)
                         row["cprofile"] = top_functions(prof, args.cprofile, sum(row["steps"].values()))
@@ -216,17 +256,18 @@ def main(argv=None) -> int:
                               + "\n  ".join(f"{ms:8.3f} {calls:8.2f}  {name}" for name, ms, calls in row["cprofile"]))
                     res.append(row)
                     print(f"{cfg} {d:7s} rep {rep}: {row['tok_s']:7.1f} tok/s, ms/step {row['ms_per_step']}, "
+                          f"median {row['median_ms']}, "
                           f"steps {row['steps']}, worker CPU {row['worker_cpu_ms_per_step']} ms/step, "
                           f"parts {row['parts_s']}, errors {row['errors']}", flush=True)
         finally:
             engine.stop()
             del engine
-    print("\nmedian tok/s and plain ms/step by configuration and delivery:")
+    print("\nmedian tok/s and plain steps' median ms by configuration and delivery:")
     for cfg in configs:
         for d in delivers:
             rows = [r for r in res if r["config"] == cfg and r["deliver"] == d]
             if rows:
-                plain = [r["ms_per_step"].get("plain") for r in rows if r["ms_per_step"].get("plain")]
+                plain = [r["median_ms"].get("plain") for r in rows if r["median_ms"].get("plain")]
                 print(f"  {cfg:40s} {d:7s} {statistics.median(r['tok_s'] for r in rows):7.1f} tok/s  plain "
                       f"{statistics.median(plain) if plain else float('nan'):6.2f} ms  worker CPU "
                       f"{statistics.median(r['worker_cpu_ms_per_step'] or 0 for r in rows):6.2f} ms/step")

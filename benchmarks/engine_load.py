@@ -13,8 +13,8 @@ each sending ``--requests`` in a row, ``--max-tokens`` tokens, greedy), and the 
 * ``--deliver asyncio``: to an asyncio event loop on its own thread (the server's HTTP thread), whose handlers
   format one server-sent-event chunk per token (``json.dumps``) as the server's do.
 
-``--warm-up worker`` runs the server's warm-up of the batched shapes on the worker's thread instead of the loading
-thread (MLX keeps compiled traces per thread). Reported per configuration (``--config``: a drafter path for
+``--warm-up loading`` runs the server's warm-up of the batched shapes on the thread that loaded the model (as the
+server did before session 49) instead of the worker's (MLX keeps compiled traces per thread). Reported per configuration (``--config``: a drafter path for
 ``--drafter``, ``auto``, or ``none``): aggregate tok/s of the phase, the batched steps by kind (count, mean and
 median ms per step), the worker thread's CPU seconds per step
 (``time.thread_time`` on the worker: Python and graph building, without the device's work), the worker's parts
@@ -208,9 +208,10 @@ def main(argv=None) -> int:
     ap.add_argument("--pool", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1, help="phases per configuration and delivery")
-    ap.add_argument("--warm-up", choices=("main", "worker", "off"), default="main",
-                    help="the batched rounds' warm-up: as the server runs it (main: at start, on the loading thread, "
-                    "where the server's flags turn it on), on the worker's thread before the load, or none")
+    ap.add_argument("--warm-up", choices=("server", "loading", "off"), default="server",
+                    help="the batched rounds' warm-up: as the server runs it (where its flags turn it on: on the "
+                    "worker's thread, before it serves), on the thread that loaded the model (the server before "
+                    "session 49), or none")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="profile the worker thread (cProfile) in each phase and print its N costliest functions "
                     "(own time; the profiler slows the worker: compare configurations, not tok/s)")
@@ -223,17 +224,17 @@ def main(argv=None) -> int:
         # bench_server.py's flags for our servers (no prompt cache, as many active requests as clients), then yours
         flags = ((["--model", args.model] if args.model else []) + ["--drafter", cfg, "--prompt-cache-size", "0",
                  "--decode-concurrency", str(args.concurrency), "--max-batch", "32"] + args.server_arg)
-        if args.warm_up != "main":
+        if args.warm_up != "server":
             flags.append("--no-warmup")
         sargs = setup_arg_parser().parse_args(flags)
         _, engine = build_app(sargs)
+        if args.warm_up == "loading":  # before session 49's change: on the thread that loaded the model
+            tic = time.perf_counter()
+            w = engine.warm_up()
+            print(f"{cfg}: warmed up on the loading thread: {w['shapes']} shapes in "
+                  f"{time.perf_counter() - tic:.1f} s", flush=True)
         engine.start()
         try:
-            if args.warm_up == "worker":  # MLX keeps compiled traces per thread: warm the thread that serves
-                tic = time.perf_counter()
-                w = engine.call(engine.warm_up, timeout=1800)
-                print(f"{cfg}: warmed up on the worker's thread: {w['shapes']} shapes in "
-                      f"{time.perf_counter() - tic:.1f} s", flush=True)
             trace = trace_steps(engine)
             ids = [[{"role": "user", "content": p}] for p in prompts(args.pool)]
             solo = phase(engine, ids, 1, len(ids), args.max_tokens, "direct")  # bench_server.py's solo pass

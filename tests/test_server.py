@@ -1678,7 +1678,44 @@ def test_a_failing_warm_up_is_logged_and_the_server_serves(smol_f32, monkeypatch
     model = SpeculativeModel(target, p, p.block_size, MODEL_ID, target.config)
     with caplog.at_level(logging.WARNING, logger="mlx_dflash2.server"):
         engine = Engine(model, tokenizer, EngineConfig(max_context=MAX_CONTEXT, max_batch=4, warmup=True))
-    assert engine._batch is not None and "warm-up failed (RuntimeError: no kernels today)" in caplog.text
+        engine.start()  # (the warm-up runs on the worker's thread, before it serves)
+    try:
+        assert engine._batch is not None and "warm-up failed (RuntimeError: no kernels today)" in caplog.text
+        assert engine.healthy and engine.call(lambda: 1) == 1
+    finally:
+        engine.stop()
+
+
+def test_the_warm_up_runs_on_the_workers_thread_before_it_serves(smol_f32, monkeypatch):
+    """MLX keeps compiled traces per thread (a traced function's first call on a new thread traces it again), so
+    the batched rounds' warm-up runs on the generation worker's thread, and ``start`` returns once it is done
+    (session 49: the H100 server's drafting rounds took 66-74 ms at 8 rows where the same rounds in one thread took
+    12-25 ms)."""
+    import threading
+
+    from mlx_dflash2.batch import SpeculativeBatch
+
+    seen = []
+    real = SpeculativeBatch.warm_up
+
+    def warm_up(self, *a, **kw):
+        seen.append(threading.current_thread())
+        return real(self, [2], [1, 2], **{**kw, "prompt_len": 4})
+
+    monkeypatch.setattr(SpeculativeBatch, "warm_up", warm_up)
+    target, tokenizer = smol_f32
+    p = make_proposer("lookup", target, tokenizer, MODEL_ID)
+    model = SpeculativeModel(target, p, p.block_size, MODEL_ID, target.config)
+    engine = Engine(model, tokenizer, EngineConfig(max_context=MAX_CONTEXT, max_batch=4, warmup=True))
+    assert seen == []  # not on the loading thread
+    engine.start()
+    try:
+        assert seen == [engine._thread]  # done by the time start returned, on the worker's thread
+        engine.stop()
+        engine.start()  # a restart does not warm up again
+        assert len(seen) == 1
+    finally:
+        engine.stop()
 
 
 def test_a_turns_events_are_handed_out_while_the_next_step_waits_for_the_device(srv, rr_srv, monkeypatch):

@@ -435,7 +435,8 @@ class EngineConfig:
         warmup: run the batched rounds' shapes once at start (:meth:`~mlx_dflash2.batch.SpeculativeBatch.warm_up`:
             2 .. ``max_batch`` rows, the schedule's widths up to B), so that a GPU backend builds its kernels
             for them before serving (MLX's CUDA backend stalled a round for 24 s on a shape class first met
-            mid-serving); ``None`` (default): on a GPU backend only.
+            mid-serving); ``None`` (default): on a GPU backend only. Run by :meth:`Engine.start`, on the
+            worker's thread (MLX keeps compiled traces per thread), before the worker serves.
         chat_template_args: default chat template arguments.
     """
 
@@ -513,12 +514,11 @@ class Engine:
         warm = self.config.warmup
         if warm is None:
             warm = mx.default_device().type == mx.DeviceType.gpu
-        if self._batch is not None and warm and self.config.max_batch >= 2:
-            try:
-                self.warm_up()
-            except Exception as e:  # an optimisation only: serve without it (named in the log)
-                log.warning("the batched rounds' warm-up failed (%s: %s); serving without it",
-                            type(e).__name__, e)
+        # run by the worker's thread before it serves (start waits for it): MLX keeps compiled traces per thread, so
+        # a warm-up on the loading thread left the worker to trace every batch shape again mid-serving (a traced
+        # function's first call on a new thread: 5.5 ms against 1.3 ms on this CPU, session 49)
+        self._warm_at_start = self._batch is not None and bool(warm) and self.config.max_batch >= 2
+        self._ready = threading.Event()
         self._batch_queue: deque = deque()  # batched jobs not yet joined (FIFO)
         self._batched: dict = {}  # row uid -> job
         self._closing_s = 0.0  # seconds of _close since the emissions of the step began (kept out of "emit")
@@ -528,7 +528,8 @@ class Engine:
     def warm_up(self) -> dict:
         """Run the batched rounds' shapes once (:meth:`~mlx_dflash2.batch.SpeculativeBatch.warm_up`): row counts
         2, 3, 4, 6, 8, 12, ... up to ``max_batch``, verify widths 1, 2, 4, ... up to the block size B (1 only
-        without a proposer), the model's proposer drafting; logged with its seconds.
+        without a proposer), the model's proposer drafting; logged with its seconds. Call it on the thread that
+        runs the rounds (:meth:`start` does, on the worker's): MLX's compiled traces are per thread.
 
         Returns:
             ``{"shapes": ..., "seconds": ...}`` (nothing run without batching).
@@ -552,10 +553,26 @@ class Engine:
     # ---- lifecycle -------------------------------------------------------
 
     def start(self) -> None:
+        """Start the generation worker and wait until it serves: its first start runs the batched rounds'
+        warm-up (``EngineConfig.warmup``) on the worker's own thread first (a failing warm-up is logged and
+        the worker serves without it)."""
         if self._thread is None or not self._thread.is_alive():
             self._stopping.clear()
+            self._ready.clear()
             self._thread = threading.Thread(target=self._run, name="mlx_dflash2-generation", daemon=True)
             self._thread.start()
+            while not self._ready.wait(0.25) and self._thread.is_alive():
+                pass
+
+    def _warm_up_once(self) -> None:
+        """The start-up warm-up, on the worker's thread (see :meth:`start`)."""
+        if self._warm_at_start:
+            self._warm_at_start = False
+            try:
+                self.warm_up()
+            except Exception as e:  # an optimisation only: serve without it (named in the log)
+                log.warning("the batched rounds' warm-up failed (%s: %s); serving without it",
+                            type(e).__name__, e)
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping.set()
@@ -622,6 +639,10 @@ class Engine:
     # ---- worker ----------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._warm_up_once()
+        finally:
+            self._ready.set()
         while not self._stopping.is_set():
             try:
                 self._drain(block=not self._active and not self._waiting)

@@ -1287,7 +1287,8 @@ class SpeculativeBatch:
         self._drop_joins(moved + gone)
 
     def warm_up(self, rows: Sequence[int], widths: Sequence[int], *, proposer: Proposer | None = None,
-                block_size: int | None = None, prompt_len: int = 16) -> dict:
+                block_size: int | None = None, prompt_len: int = 16,
+                stop: Callable[[], bool] | None = None) -> dict:
         """Run the batched round's shapes once, on scratch caches, before any request meets them.
 
         Why: MLX's CUDA backend builds some of its own kernels (NVRTC) the first time a shape class of
@@ -1309,6 +1310,7 @@ class SpeculativeBatch:
             proposer: the proposer of the scratch requests (default: the batch's; ``None``: plain rounds).
             block_size: their block size B (default: the batch's, else the proposer's).
             prompt_len: scratch prompt length (tokens, >= 1).
+            stop: asked before each row count; True ends the warm-up there (a server stopped while it warms up).
 
         Returns:
             ``{"shapes": verify blocks run, "seconds": wall time}``.
@@ -1323,6 +1325,8 @@ class SpeculativeBatch:
         B = block_size if block_size is not None else self.block_size
         t0, shapes = time.perf_counter(), 0
         for r in sorted({int(n) for n in rows if int(n) >= 2}):
+            if stop is not None and stop():
+                break
             scratch = SpeculativeBatch(self.target, proposer, block_size=B, prefill_step_size=self.prefill_step_size)
             for i in range(r):  # distinct small ids per row (any valid id will do)
                 scratch.add([1 + (i + k) % 64 for k in range(prompt_len)], 1 + max(widths) + (B or 1))

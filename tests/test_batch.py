@@ -1435,6 +1435,10 @@ def test_warm_up_runs_every_shape_and_changes_nothing(target):
         assert out[k] == refs[k][:n], k
     with pytest.raises(ValueError, match="widths must be >= 1"):
         batch.warm_up([2], [0])
+    # ``stop`` is asked before each row count (a server stopped while it warms up)
+    assert batch.warm_up([2, 3], [1], proposer=None, block_size=1, stop=lambda: True)["shapes"] == 0
+    asked = []
+    assert batch.warm_up([2, 3], [1, 2], prompt_len=5, stop=lambda: asked.append(1) or len(asked) > 1)["shapes"] == 2
 
 
 def test_warm_up_shapes_cover_the_row_counts_and_the_schedules_widths():

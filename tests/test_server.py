@@ -1718,6 +1718,44 @@ def test_the_warm_up_runs_on_the_workers_thread_before_it_serves(smol_f32, monke
         engine.stop()
 
 
+def test_stopping_the_engine_ends_its_start_up_warm_up_and_ctrl_c_before_start_stops_it(smol_f32, monkeypatch):
+    """A server stopped while its worker warms up (a Ctrl-C during the app's startup, which waits for the warm-up)
+    ends the warm-up at its next batch shape: ``Engine.stop`` sets what the warm-up asks, ``start`` returns, and
+    ``AppServer.handle_exit`` (uvicorn's Ctrl-C handler) asks the engine to stop while the server has not started."""
+    import signal
+    import threading
+    import time
+
+    import uvicorn
+
+    from mlx_dflash2.batch import SpeculativeBatch
+    from mlx_dflash2.server.app import AppServer
+
+    inside, ended = threading.Event(), []
+
+    def warm_up(self, rows, widths, *, stop=None, **kw):
+        inside.set()
+        deadline = time.time() + 60
+        while not stop() and time.time() < deadline:  # a long warm-up, one shape at a time
+            time.sleep(0.01)
+        ended.append(stop())
+        return {"shapes": 0, "seconds": 0.0}
+
+    monkeypatch.setattr(SpeculativeBatch, "warm_up", warm_up)
+    target, tokenizer = smol_f32
+    model = SpeculativeModel(target, None, 1, MODEL_ID, target.config)
+    engine = Engine(model, tokenizer, EngineConfig(max_context=MAX_CONTEXT, max_batch=4, warmup=True))
+    server = AppServer(uvicorn.Config(create_app(engine, ServerSettings(model_id=MODEL_ID)), log_level="warning"))
+    starter = threading.Thread(target=engine.start)
+    starter.start()
+    assert inside.wait(60)
+    server.handle_exit(signal.SIGINT, None)  # not started yet: the engine is asked to stop
+    starter.join(30)
+    assert not starter.is_alive() and ended == [True]
+    engine.stop()
+    assert not engine.healthy
+
+
 def test_a_turns_events_are_handed_out_while_the_next_step_waits_for_the_device(srv, rr_srv, monkeypatch):
     """While the batch has rows, the worker hands a turn's events out inside the next step, once that step's
     round is queued and the host is about to wait for the device (``SpeculativeBatch.on_wait``), not before it

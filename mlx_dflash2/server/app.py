@@ -171,6 +171,13 @@ class AppServer(uvicorn.Server):
         if self.started and self.on_started is not None:  # not started: it failed to bind, or the app to start
             self.on_started(self.url())
 
+    def handle_exit(self, sig, frame) -> None:
+        """uvicorn's Ctrl-C handler; before the server has started (the engine's start-up warm-up runs in the app's
+        startup), it also asks the engine to stop, so the warm-up ends at its next batch shape instead of running on."""
+        super().handle_exit(sig, frame)
+        if not self.started:
+            self.config.app.state.engine.stop(timeout=0)
+
     async def shutdown(self, sockets=None) -> None:
         await super().shutdown(sockets=sockets)
         if self.force_exit:  # uvicorn skipped waiting for the requests in flight: end them with an error

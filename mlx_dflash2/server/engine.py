@@ -539,7 +539,7 @@ class Engine:
         m, mb = self.model, self.config.max_batch
         B = (self.config.block_size or m.block_size) if m.proposer is not None else 1
         rows, widths = warm_up_shapes(mb, B)
-        out = self._batch.warm_up(rows, widths, proposer=m.proposer, block_size=B)
+        out = self._batch.warm_up(rows, widths, proposer=m.proposer, block_size=B, stop=self._stopping.is_set)
         log.info("warmed the batched rounds up in %.1f s: %d row counts (2 .. %d) x widths %s",
                  out["seconds"], len(rows), mb, ",".join(map(str, widths)))
         return out
@@ -575,6 +575,8 @@ class Engine:
                             type(e).__name__, e)
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop the worker (a start-up warm-up ends at its next batch shape) and wait up to ``timeout`` seconds for
+        it (0: only ask, e.g. from a signal handler)."""
         self._stopping.set()
         if self._thread is not None:
             self._thread.join(timeout)

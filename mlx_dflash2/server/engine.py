@@ -540,8 +540,12 @@ class Engine:
         B = (self.config.block_size or m.block_size) if m.proposer is not None else 1
         rows, widths = warm_up_shapes(mb, B)
         out = self._batch.warm_up(rows, widths, proposer=m.proposer, block_size=B, stop=self._stopping.is_set)
-        log.info("warmed the batched rounds up in %.1f s: %d row counts (2 .. %d) x widths %s",
-                 out["seconds"], len(rows), mb, ",".join(map(str, widths)))
+        if self._stopping.is_set():
+            log.info("the batched rounds' warm-up stopped after %.1f s (%d shapes): the server is stopping",
+                     out["seconds"], out["shapes"])
+        else:
+            log.info("warmed the batched rounds up in %.1f s: %d row counts (2 .. %d) x widths %s",
+                     out["seconds"], len(rows), mb, ",".join(map(str, widths)))
         return out
 
     def _new_batch(self) -> SpeculativeBatch:

@@ -1890,3 +1890,172 @@ def test_a_turns_events_reach_their_loop_in_one_wakeup_in_order():
     fn(*args)
     assert [a.queue.get_nowait() for _ in range(3)] == [1, 2, 3] and b.queue.get_nowait() == "x"
     assert c.cancelled and not a.cancelled and not b.cancelled
+
+
+# ----------------------------------------------------------------------------
+# The engine's worker: failures inside a step, start and stop (session 49's breaker helper)
+# ----------------------------------------------------------------------------
+
+
+def _engine(smol_f32, **kw):
+    target, tokenizer = smol_f32
+    p = make_proposer("lookup", target, tokenizer, MODEL_ID)
+    model = SpeculativeModel(target, p, p.block_size, MODEL_ID, target.config)
+    return Engine(model, tokenizer, EngineConfig(**{"max_context": MAX_CONTEXT, "prefill_step_size": 64,
+                                                   "max_batch": 4, **kw}))
+
+
+def _run_jobs(engine, specs, timeout=120):
+    """Submit jobs (dicts of ``Job`` fields) at once; each job's events up to its last."""
+    import asyncio
+
+    from mlx_dflash2.server.engine import Failed, Job, TokenOut
+
+    loop = asyncio.new_event_loop()
+    jobs = [Job(loop=loop, queue=asyncio.Queue(), **sp) for sp in specs]
+
+    async def collect(job):
+        evs = []
+        while True:
+            ev = await asyncio.wait_for(job.queue.get(), timeout)
+            evs.append(ev)
+            if isinstance(ev, Failed) or (isinstance(ev, TokenOut) and ev.finish_reason):
+                return evs
+
+    async def gather():
+        return await asyncio.gather(*(collect(j) for j in jobs))
+
+    for j in jobs:
+        engine.submit(j)
+    try:
+        return loop.run_until_complete(gather())
+    finally:
+        loop.close()
+
+
+_JOBS = [dict(kind="text", prompt="The capital of France is", max_tokens=12),
+         dict(kind="text", prompt="List of fruits: apple, banana,", max_tokens=14, gen_kwargs={"stop": ["grape"]})]
+
+
+def _tokens(evs):
+    return [e.token for e in evs if hasattr(e, "token")]
+
+
+def test_a_failing_logprobs_read_fails_only_the_requests_that_asked_for_them(smol_f32, monkeypatch):
+    """The step's log-probabilities are read for every request at once, before the emissions: a failure there fails
+    the requests that asked for them, and the others' tokens of that step still go out (they were lost, silently)."""
+    from mlx_dflash2.server import engine as engine_mod
+    from mlx_dflash2.server.engine import Failed
+
+    solo = _engine(smol_f32, max_batch=0)
+    solo.start()
+    try:
+        want = _run_jobs(solo, _JOBS)
+    finally:
+        solo.stop()
+    real, fired = engine_mod.top_logprobs_many, []
+
+    def flaky(items):
+        if not fired and any(n == 7 for _, _, n in items):
+            fired.append(1)
+            raise RuntimeError("one request's logprobs broke")
+        return real(items)
+
+    monkeypatch.setattr(engine_mod, "top_logprobs_many", flaky)
+    engine = _engine(smol_f32)
+    engine.start()
+    try:
+        bad = dict(kind="text", prompt="Once upon a time,", max_tokens=10, logprobs=True, top_logprobs=7)
+        out = _run_jobs(engine, [bad] + _JOBS)
+        assert fired and isinstance(out[0][-1], Failed)
+        assert [_tokens(o) for o in out[1:]] == [_tokens(o) for o in want]
+        assert engine.metrics.errors == 1 and engine.metrics.completed == 2
+    finally:
+        engine.stop()
+
+
+def test_a_failing_prompt_cache_put_does_not_fail_a_finished_request(smol_f32):
+    """Keeping a finished request's state is an optimisation: if the prompt cache's put raises, the request still
+    ends normally and is counted once (it was counted completed and failed, its last token never sent)."""
+    from mlx_dflash2.server.engine import TokenOut
+
+    engine = _engine(smol_f32, prompt_cache_size=8)
+
+    def put(state):
+        raise MemoryError("cache full")
+
+    engine.prompt_cache.put = put
+    engine.start()
+    try:
+        out = _run_jobs(engine, _JOBS)
+        assert all(isinstance(o[-1], TokenOut) and o[-1].finish_reason for o in out)
+        assert (engine.metrics.completed, engine.metrics.errors) == (2, 0)
+    finally:
+        engine.stop()
+
+
+def _slow_warm_up(monkeypatch, seconds, exc=None):
+    import time
+
+    from mlx_dflash2.batch import SpeculativeBatch
+
+    def warm_up(self, *a, **kw):
+        time.sleep(seconds)
+        if exc is not None:
+            raise exc
+        return {"shapes": 0, "seconds": seconds}
+
+    monkeypatch.setattr(SpeculativeBatch, "warm_up", warm_up)
+
+
+def test_a_start_after_a_stop_that_timed_out_during_the_warm_up_serves(smol_f32, monkeypatch):
+    """``stop`` while the worker warms up returns when its join times out, the worker still running; a ``start``
+    then waits for that worker to end and starts a new one (it returned at once, and the old worker, stopping,
+    left an engine that served nothing)."""
+    import threading
+    import time
+
+    from mlx_dflash2.server.engine import TokenOut
+
+    _slow_warm_up(monkeypatch, 2.0)
+    engine = _engine(smol_f32, warmup=True)
+    t = threading.Thread(target=engine.start)
+    t.start()
+    time.sleep(0.5)
+    engine.stop(timeout=0.2)
+    assert engine._thread.is_alive()
+    engine.start()
+    t.join()
+    try:
+        assert engine.healthy
+        assert isinstance(_run_jobs(engine, _JOBS[:1], timeout=60)[0][-1], TokenOut)
+    finally:
+        engine.stop()
+
+
+def test_a_second_start_waits_for_the_first_ones_warm_up(smol_f32, monkeypatch):
+    import threading
+    import time
+
+    _slow_warm_up(monkeypatch, 1.5)
+    engine = _engine(smol_f32, warmup=True)
+    t = threading.Thread(target=engine.start)
+    t.start()
+    time.sleep(0.3)
+    engine.start()
+    try:
+        assert engine._ready.is_set() and engine.healthy
+    finally:
+        t.join()
+        engine.stop()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_start_raises_when_the_worker_ends_before_it_serves(smol_f32, monkeypatch):
+    """A warm-up error that is not an ``Exception`` ends the worker: ``start`` says so (it returned normally, and
+    requests waited for a worker that was gone)."""
+    _slow_warm_up(monkeypatch, 0.0, SystemExit(3))
+    engine = _engine(smol_f32, warmup=True)
+    with pytest.raises(RuntimeError, match=r"ended while it started \(SystemExit: 3\)"):
+        engine.start()
+    assert not engine.healthy

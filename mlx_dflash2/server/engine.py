@@ -519,6 +519,7 @@ class Engine:
         # function's first call on a new thread: 5.5 ms against 1.3 ms on this CPU, session 49)
         self._warm_at_start = self._batch is not None and bool(warm) and self.config.max_batch >= 2
         self._ready = threading.Event()
+        self._died: Optional[BaseException] = None  # what ended the worker before it served (start raises it)
         self._batch_queue: deque = deque()  # batched jobs not yet joined (FIFO)
         self._batched: dict = {}  # row uid -> job
         self._closing_s = 0.0  # seconds of _close since the emissions of the step began (kept out of "emit")
@@ -559,14 +560,27 @@ class Engine:
     def start(self) -> None:
         """Start the generation worker and wait until it serves: its first start runs the batched rounds'
         warm-up (``EngineConfig.warmup``) on the worker's own thread first (a failing warm-up is logged and
-        the worker serves without it)."""
+        the worker serves without it). A second call while the worker starts waits for it too; a call while a
+        stop is still under way (its join timed out) waits for that worker to end, then starts a new one.
+
+        Raises:
+            RuntimeError: the worker ended before it served (an error that is not an ``Exception``).
+        """
+        old = self._thread
+        if old is not None and old.is_alive() and self._stopping.is_set():
+            old.join()  # a stop still under way (its join timed out, e.g. during the warm-up): start afresh after it
         if self._thread is None or not self._thread.is_alive():
             self._stopping.clear()
             self._ready.clear()
+            self._died = None
             self._thread = threading.Thread(target=self._run, name="mlx_dflash2-generation", daemon=True)
             self._thread.start()
-            while not self._ready.wait(0.25) and self._thread.is_alive():
-                pass
+        while not self._ready.wait(0.25) and self._thread.is_alive():  # (a second start waits for the first's)
+            pass
+        if self._died is not None or (not self._thread.is_alive() and not self._stopping.is_set()):
+            err = self._died
+            raise RuntimeError("the generation worker ended while it started"
+                               + (f" ({type(err).__name__}: {err})" if err is not None else "")) from err
 
     def _warm_up_once(self) -> None:
         """The start-up warm-up, on the worker's thread (see :meth:`start`)."""
@@ -587,7 +601,8 @@ class Engine:
 
     @property
     def healthy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
+        return (self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
+                and self._died is None)
 
     @property
     def active(self) -> int:
@@ -647,6 +662,9 @@ class Engine:
     def _run(self) -> None:
         try:
             self._warm_up_once()
+        except BaseException as e:  # (an Exception is caught inside: this ends the worker) for start to raise
+            self._died = e
+            raise
         finally:
             self._ready.set()
         while not self._stopping.is_set():
@@ -901,7 +919,10 @@ class Engine:
         if job in self._active:
             self._active.remove(job)
         if keep and job.cache_state and job.state is not None:
-            self.prompt_cache.put(job.state)
+            try:
+                self.prompt_cache.put(job.state)
+            except Exception:  # noqa: BLE001 - keeping the state is an optimisation: the request has finished
+                log.exception("keeping request %s's state in the prompt cache", job.id)
         job.state = None
 
     # ---- batched rounds ----------------------------------------------------
@@ -980,8 +1001,17 @@ class Engine:
         # the step's log-probabilities, read together (one evaluation, not three per token: top_logprobs_many)
         want = [(ev, i) for ev in events if ev.logprobs and getattr(self._batched.get(ev.uid), "logprobs", False)
                 for i in range(len(ev.tokens))]
-        lps = dict(zip([(ev.uid, i) for ev, i in want], top_logprobs_many(
-            [(ev.logprobs[i], int(ev.tokens[i]), self._batched[ev.uid].top_logprobs) for ev, i in want])))
+        try:
+            lps = dict(zip([(ev.uid, i) for ev, i in want], top_logprobs_many(
+                [(ev.logprobs[i], int(ev.tokens[i]), self._batched[ev.uid].top_logprobs) for ev, i in want])))
+        except Exception as e:  # noqa: BLE001 - the requests that asked for them fail; the others' tokens go out
+            log.exception("reading the step's log-probabilities")
+            lps = {}
+            for uid in dict.fromkeys(ev.uid for ev, _ in want):
+                job = self._batched.get(uid)
+                if job is not None:
+                    self._close(job)
+                    self._fail(job, APIError(500, f"internal error: {type(e).__name__}: {e}"))
         for ev in events:
             job = self._batched.get(ev.uid)
             if job is not None:

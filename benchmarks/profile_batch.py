@@ -153,11 +153,12 @@ def _time_by(trace: list) -> dict:
 
 def run(model, tok, n: int, max_tokens: int, drafter: bool, profile: bool, requests: int = 1,
         plain_only: bool = False, counter: list | None = None, server: bool = False, temp: float = 0.0,
-        logprobs: bool = False) -> dict:
+        logprobs: bool = False, cache_size: int = 10) -> dict:
     """``n`` requests at once (``requests`` > 1: ``n`` clients that each send ``requests`` in a row, the next as
     soon as the last finished, prompts from a pool of 24: the server's load, with joins in every phase);
     ``server``: the requests as the server adds them (``adaptive`` greedy rows, their states kept in the engine's
-    prompt cache of 10 entries and fetched from it); ``temp`` > 0: sampled requests (seeded, one seed each),
+    prompt cache of ``cache_size`` entries and fetched from it; 0: none, every join cold, as ``bench_server.py`` runs
+    our servers); ``temp`` > 0: sampled requests (seeded, one seed each),
     ``logprobs``: requests that ask for them."""
     pool = prompts(n if requests == 1 else 24)
     ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in pool]
@@ -165,12 +166,13 @@ def run(model, tok, n: int, max_tokens: int, drafter: bool, profile: bool, reque
     if profile and hasattr(batch, "timings"):
         batch.timings = {}
     left, owner, added, first, nxt = {c: requests for c in range(n)}, {}, {}, [], [0]
-    cache = PromptCache(10) if server else None
+    cache = PromptCache(cache_size) if server and cache_size > 0 else None
     proposer = model.proposer if drafter else PLAIN_PROPOSER
 
     def add(c: int) -> None:
         p = ids[nxt[0] % len(ids)]
-        kw = dict(state=cache.fetch(p, proposer), keep_state=True, adaptive=True) if server else {}
+        kw = (dict(state=cache.fetch(p, proposer) if cache else None, keep_state=cache is not None, adaptive=True)
+              if server else {})
         if temp > 0:
             from mlx_dflash2.api import request_sampling
             from mlx_dflash2.sampling import SamplingParams
@@ -205,7 +207,7 @@ def run(model, tok, n: int, max_tokens: int, drafter: bool, profile: bool, reque
         for e in evs:
             if e.uid in added and e.tokens:
                 first.append(time.perf_counter() - added.pop(e.uid))
-            if e.finish_reason is not None and server:
+            if e.finish_reason is not None and cache is not None:
                 st = batch.take_state(e.uid)
                 if st is not None:
                     cache.put(st)
@@ -259,7 +261,10 @@ def main(argv=None):
                     "finished, as bench_server.py's clients do: joins in every phase)")
     ap.add_argument("--server", action="store_true",
                     help="add the requests as the server does: adaptive greedy rows whose states are kept in the "
-                    "engine's prompt cache (10 entries) and fetched from it")
+                    "engine's prompt cache (--prompt-cache entries) and fetched from it")
+    ap.add_argument("--prompt-cache", type=int, default=10, metavar="N",
+                    help="with --server: the prompt cache's entries (0: none, every join cold, as bench_server.py "
+                    "runs our servers; session 49's in-process run with 10 ran level where the server did not)")
     ap.add_argument("--plain-only", action="store_true",
                     help="the drafter's batches run plain rounds only (width cap 1, no trials): what drafter rows "
                     "cost where a batch does not draft")
@@ -295,7 +300,7 @@ def main(argv=None):
         for rep in range(args.repeats):
             for drafter in (True, False):
                 r = run(model, tok, n, args.max_tokens, drafter, not args.no_profile, args.requests,
-                        args.plain_only, counter, args.server, args.temp, args.logprobs)
+                        args.plain_only, counter, args.server, args.temp, args.logprobs, args.prompt_cache)
                 res.setdefault((n, drafter), []).append(r)
                 print(f"N={n:3d} {'drafter' if drafter else 'none   '} rep {rep}: {r['tok_s']:6.1f} tok/s "
                       f"tau {r['tau']:.2f} ttft {r['ttft_p50_ms']:.1f} ms projections {r['projections']} "
@@ -311,7 +316,7 @@ def main(argv=None):
         for drafter in (True, False):
             with GilProbe() as probe:
                 r = run(model, tok, n, args.max_tokens, drafter, False, args.requests, args.plain_only, counter,
-                        args.server, args.temp, args.logprobs)
+                        args.server, args.temp, args.logprobs, args.prompt_cache)
             name = "drafter" if drafter else "none"
             total = sum(probe.releases.values())
             print(f"N={n:3d} {name}: {total / r['steps']:.2f} GIL releases per step ({total} in {r['steps']} steps, "

@@ -14,14 +14,14 @@ each sending ``--requests`` in a row, ``--max-tokens`` tokens, greedy), and the 
   format one server-sent-event chunk per token (``json.dumps``) as the server's do.
 
 ``--warm-up loading`` runs the server's warm-up of the batched shapes on the thread that loaded the model (as the
-server did before session 49) instead of the worker's (MLX keeps compiled traces per thread). Reported per configuration (``--config``: a drafter path for
-``--drafter``, ``auto``, or ``none``): aggregate tok/s of the phase, the batched steps by kind (count, mean and
-median ms per step), the worker thread's CPU seconds per step
+server did before session 49) instead of the worker's (MLX keeps compiled traces per thread). Reported per
+configuration (``--config``: a drafter path for ``--drafter``, ``auto``, or ``none``): aggregate tok/s of the
+phase, the batched steps by kind (count, mean and median ms per step), the worker thread's CPU seconds per step
 (``time.thread_time`` on the worker: Python and graph building, without the device's work), the worker's parts
 (``GET /metrics``' ``worker_*``). One run each; ratios between configurations of one run only.
 
     scripts/run python benchmarks/engine_load.py --config auto --config none --concurrency 8 --requests 5
-    python3 benchmarks/engine_load.py --model /tmp/smol-q4 --config mlx_dflash2/drafters/smollm2-135m-instruct \\
+    python3 benchmarks/engine_load.py --model "$TMPDIR/smol-q4" --config mlx_dflash2/drafters/smollm2-135m-instruct \\
         --config none --deliver direct --deliver asyncio --server-arg=--dtype --server-arg=bfloat16 --out x.json
 """
 

@@ -184,6 +184,11 @@ class Job:
             self.cancelled = True
 
 
+def internal_error(e: BaseException) -> APIError:
+    """The 500 error a request gets when the worker failed on it: the exception's type and message."""
+    return APIError(500, f"internal error: {type(e).__name__}: {e}")
+
+
 def _deliver(items: list) -> None:
     """Put each ``(queue, event)`` of ``items`` into its queue, in order (on the requests' event loop)."""
     for q, event in items:
@@ -322,8 +327,9 @@ BATCH_STEP_KINDS = {
 }
 
 #: the generation worker's own work around the batched steps that ``GET /metrics`` times (seconds), with what each
-#: is: with the steps (:data:`BATCH_STEP_KINDS`) they split the worker's busy time ("post" aside), so a server slower than another
-#: on the same rounds shows where (issue 22: the drafter's server ran 0.74x the plain one's rounds on an H100)
+#: is: with the steps (:data:`BATCH_STEP_KINDS`) they split the worker's busy time ("post" aside), so a server
+#: slower than another on the same rounds shows where (issue 22: the drafter's server ran 0.74x the plain one's
+#: rounds on an H100)
 WORKER_PARTS = {
     "start": "setting requests up (template, tokens, checks, prompt-cache lookup)",
     "add": "adding requests to the batch (their proposer sessions, queued prefill)",
@@ -749,7 +755,7 @@ class Engine:
                 self._fail(job, e)
             except Exception as e:  # noqa: BLE001
                 log.exception("request %s could not start", job.id)
-                self._fail(job, APIError(500, f"internal error: {type(e).__name__}: {e}"))
+                self._fail(job, internal_error(e))
             self.metrics.worker("start", time.perf_counter() - tic)
 
     def _tokenize(self, job: Job) -> list[int]:
@@ -860,7 +866,7 @@ class Engine:
         except Exception as e:  # noqa: BLE001
             log.exception("request %s failed", job.id)
             self._close(job)
-            self._fail(job, APIError(500, f"internal error: {type(e).__name__}: {e}"))
+            self._fail(job, internal_error(e))
             return
         out = TokenOut(r.text, int(r.token), r.finish_reason)
         is_eos = r.finish_reason == "stop" and out.token in self.tokenizer.eos_token_ids
@@ -972,7 +978,7 @@ class Engine:
             except Exception as e:  # noqa: BLE001
                 log.exception("request %s could not join the batch", job.id)
                 self._close(job)
-                self._fail(job, APIError(500, f"internal error: {type(e).__name__}: {e}"))
+                self._fail(job, internal_error(e))
             self.metrics.worker("add", time.perf_counter() - tic - self._closing_s)  # (a failed join's end: "close")
         if not (batch.active or batch.pending):
             with self.metrics.lock:  # cancellations may have emptied it
@@ -986,7 +992,7 @@ class Engine:
             for job in list(self._batched.values()):
                 job.uid = None
                 self._close(job)
-                self._fail(job, APIError(500, f"internal error: {type(e).__name__}: {e}"))
+                self._fail(job, internal_error(e))
             self._batched.clear()
             self._batch = self._new_batch()
             return
@@ -1011,7 +1017,7 @@ class Engine:
                 job = self._batched.get(uid)
                 if job is not None:
                     self._close(job)
-                    self._fail(job, APIError(500, f"internal error: {type(e).__name__}: {e}"))
+                    self._fail(job, internal_error(e))
         for ev in events:
             job = self._batched.get(ev.uid)
             if job is not None:
@@ -1020,7 +1026,7 @@ class Engine:
                 except Exception as e:  # noqa: BLE001 - that request fails; the step's other events still go out
                     log.exception("request %s: its tokens could not be handed out", job.id)
                     self._close(job)
-                    self._fail(job, APIError(500, f"internal error: {type(e).__name__}: {e}"))
+                    self._fail(job, internal_error(e))
         self.metrics.worker("emit", time.perf_counter() - tic - self._closing_s)  # the requests' ends: "close"
         with self.metrics.lock:  # after the emissions: a request ended by a stop string has left the batch
             self.metrics.batch_size = batch.active

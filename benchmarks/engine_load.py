@@ -215,6 +215,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="profile the worker thread (cProfile) in each phase and print its N costliest functions "
                     "(own time; the profiler slows the worker: compare configurations, not tok/s)")
+    ap.add_argument("--no-solo", action="store_true",
+                    help="skip bench_server.py's solo pass (the prompts answered alone first): a sampling profiler "
+                    "then sees the load's steps only")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     configs = args.config or ["auto", "none"]
@@ -237,8 +240,9 @@ def main(argv=None) -> int:
         try:
             trace = trace_steps(engine)
             ids = [[{"role": "user", "content": p}] for p in prompts(args.pool)]
-            solo = phase(engine, ids, 1, len(ids), args.max_tokens, "direct")  # bench_server.py's solo pass
-            print(f"{cfg}: solo pass {solo['tokens']} tokens in {solo['seconds']:.1f} s", flush=True)
+            if not args.no_solo:
+                solo = phase(engine, ids, 1, len(ids), args.max_tokens, "direct")  # bench_server.py's solo pass
+                print(f"{cfg}: solo pass {solo['tokens']} tokens in {solo['seconds']:.1f} s", flush=True)
             for rep in range(args.repeats):
                 for d in delivers:
                     prof = cProfile.Profile() if args.cprofile else None

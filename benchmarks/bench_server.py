@@ -1,9 +1,10 @@
 """Load test of the OpenAI-compatible server on loopback: ours with and without a drafter vs ``mlx_lm.server``.
 
 For each server (``--server``: ``ours:DRAFTER`` starts ``python -m mlx_dflash2.server --drafter DRAFTER``,
-``mlx_lm`` starts ``mlx_lm.server`` on the same weights: ``--mlx-model``, an MLX directory, e.g. the
-dense float32 conversion of the embedded GGUF that ``python -m convert`` writes) on a free 127.0.0.1
-port with the prompt cache off, it first answers every prompt of a pool one at a time (concurrency 1:
+``scripted:TAU`` starts ``benchmarks/scripted_server.py serve --tau TAU``, our server with a scripted drafter for the
+speed-only runs at the random 8B shape, ``mlx_lm`` starts ``mlx_lm.server`` on the same weights: ``--mlx-model``,
+an MLX directory, e.g. the dense float32 conversion of the embedded GGUF that ``python -m convert`` writes) on a
+free 127.0.0.1 port with the prompt cache off, it first answers every prompt of a pool one at a time (concurrency 1:
 each request alone, the solo reference), then, for each concurrency ``c`` of ``--concurrency``, runs
 ``c`` streaming clients with ``--requests`` requests each over the pool. It checks that there are no
 errors and no cross-talk (each output equals its solo output; greedy) and reports, per server and
@@ -32,6 +33,7 @@ import argparse
 import json
 import os
 import shutil
+import re
 import signal
 import socket
 import statistics
@@ -98,10 +100,13 @@ def start_server(server: str, args) -> tuple[subprocess.Popen, str]:
         cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", args.mlx_model, "--port", str(port),
                "--prompt-cache-size", "0", "--decode-concurrency", conc, "--log-level", "WARNING"]
     else:
-        drafter = server.split(":", 1)[1]
+        kind, drafter = server.split(":", 1)
         launch = ([sys.executable, "-m", "mlx_dflash2.server"] if not args.handoffs else  # (gil_handoffs.py)
                   [sys.executable, str(root / "benchmarks" / "gil_handoffs.py"), "--out",
                    str(handoffs_path(args.handoffs, server)), "--"])
+        if kind == "scripted":  # our server with a scripted drafter of fixed acceptance (scripted_server.py)
+            launch = [sys.executable, str(root / "benchmarks" / "scripted_server.py"), "serve", "--tau", drafter]
+            drafter = "none"
         cmd = launch + ["--port", str(port), "--drafter", drafter,
                "--prompt-cache-size", "0", "--dtype", args.dtype, "--log-level", "WARNING",
                "--decode-concurrency", conc]
@@ -339,7 +344,9 @@ def stop_spy(spy: subprocess.Popen | None, out: Path, top: int = 14) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--server", action="append", default=None,
-                    help="ours:DRAFTER (our server with --drafter DRAFTER) or mlx_lm (mlx_lm.server on --mlx-model); "
+                    help="ours:DRAFTER (our server with --drafter DRAFTER), scripted:TAU (our server with a scripted "
+                    "drafter of fixed acceptance on a random-weight target: scripted_server.py) or mlx_lm "
+                    "(mlx_lm.server on --mlx-model); "
                     "repeatable (default: ours:lookup and ours:none)")
     ap.add_argument("--drafter", action="append", default=[], help="shorthand for --server ours:DRAFTER")
     ap.add_argument("--model", default=None, help="our servers' --model (default: the embedded SmolLM2)")
@@ -377,8 +384,10 @@ def main(argv=None) -> int:
         ap.error("--concurrency values must be >= 1")
     servers = (args.server or []) + [f"ours:{d}" for d in args.drafter] or ["ours:lookup", "ours:none"]
     for sv in servers:
-        if sv != "mlx_lm" and not sv.startswith("ours:"):
-            ap.error(f"--server: ours:DRAFTER or mlx_lm, got {sv!r}")
+        if sv != "mlx_lm" and not sv.startswith("ours:") and not re.fullmatch(r"scripted:[1-9][0-9]*", sv):
+            ap.error(f"--server: ours:DRAFTER, scripted:TAU or mlx_lm, got {sv!r}")
+        if sv.startswith("scripted:") and args.handoffs:
+            ap.error("--handoffs: not with a scripted:TAU server")
     pool = prompts(args.pool)
     report, ok = {}, True
     for server in servers:

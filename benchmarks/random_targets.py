@@ -122,10 +122,12 @@ def layer_counts(shape) -> dict:
     return {"gated_delta": L - n_attn, "attention": n_attn}
 
 
-def _config(name: str) -> dict:
+def _config(name: str, vocab: int | None = None) -> dict:
     if name not in SHAPES:
         raise KeyError(f"unknown shape {name!r} (choose from {', '.join(SHAPES)})")
     shape = dict(SHAPES[name])
+    if vocab is not None:
+        shape["vocab_size"] = int(vocab)
     if is_hybrid(shape):
         shape.pop("model_type")
         text = dict(model_type="qwen3_5_text", rms_norm_eps=1e-6, max_position_embeddings=262144,
@@ -169,10 +171,13 @@ def _skeleton(cfg: dict, bits: int, group_size: int, dtype):
     return model
 
 
-def build_target(name: str, bits: int = 4, group_size: int = 64, dtype=mx.bfloat16, seed: int = 0):
+def build_target(name: str, bits: int = 4, group_size: int = 64, dtype=mx.bfloat16, seed: int = 0,
+                 vocab: int | None = None):
     """A random-weight Qwen3-shaped mlx-lm model (a hybrid: mlx-lm's ``qwen3_5.Model``), quantized (affine
     ``bits``/``group_size``; ``bits=0``: dense ``dtype``) and evaluated layer by layer, so the float32 initial
     weights of one layer at a time exist (a 27B shape peaks near its 4-bit size, ~13-15 GB, not at 100 GB).
+
+    ``vocab``: the vocabulary size instead of the shape's (a real tokenizer's, for a model a server can serve).
 
     Returns:
         ``(model, config dict)``.
@@ -180,7 +185,7 @@ def build_target(name: str, bits: int = 4, group_size: int = 64, dtype=mx.bfloat
     Raises:
         KeyError: an unknown shape name.
     """
-    cfg = _config(name)
+    cfg = _config(name, vocab)
     mx.random.seed(seed)
     model = _skeleton(cfg, bits, group_size, dtype)
     lm = getattr(model, "language_model", model)  # the text model of a qwen3_5 (vision-language) model

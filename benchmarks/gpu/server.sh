@@ -7,7 +7,9 @@
 #   tar cf "$TMPDIR/srvwhl.tar" -C "$TMPDIR/srvwhl" .
 # (with the SmolLM2 GGUF, the gguf wheel and slim.sh's drafter.tgz; benchmarks/README.md, session 23).
 # Env: SERVERS (bench_server.py's --server values, space-separated; default our server with the shipped drafter, ours
-# without, mlx_lm.server), NAME (the results' name in $OUT: NAME.json, NAME.log, NAME.png; default server).
+# without, mlx_lm.server), NAME (the results' name in $OUT: NAME.json, NAME.log, NAME.png; default server), SHAPE
+# (a random_targets shape, e.g. qwen3-8b: the servers run a random-weight target of it with SmolLM2's tokenizer,
+# written once by scripted_server.py make; with SERVERS="scripted:3 ours:none mlx_lm", issue 22's speed-only runs).
 set -u
 PY=${PY:-python3}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MLX_CUDA_USE_CUDNN_SDPA=0 MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-$HOME/ptx}
@@ -16,6 +18,10 @@ $PY -c "import fastapi, uvicorn, pydantic, httpx" 2>/dev/null || { mkdir -p "$T/
 $PY -c "import gguf" 2>/dev/null || $PY -m pip install -q --no-index --no-deps "$P"/gguf-*.whl
 [ -f mlx_dflash2/drafters/smollm2-135m-instruct/config.json ] || { mkdir -p mlx_dflash2/drafters && tar xzf "$P/drafter.tgz" -C mlx_dflash2/drafters; }
 M=${SMOL_MLX:-$T/smol-q4}; [ -d "$M" ] || $PY -m convert "${SMOL_GGUF:-$P/SmolLM2-135M-Instruct.Q4_1.gguf}" "$M" --dtype bfloat16 --quiet
+if [ -n "${SHAPE:-}" ]; then  # a random-weight target of that shape with SmolLM2's tokenizer (scripted_server.py make)
+  R=$T/random-$SHAPE; [ -d "$R" ] || $PY benchmarks/scripted_server.py make "$R" --tokenizer "$M" --shape "$SHAPE" || exit 1
+  M=$R
+fi
 SERVERS=${SERVERS:-ours:mlx_dflash2/drafters/smollm2-135m-instruct ours:none mlx_lm}; NAME=${NAME:-server}
 # shellcheck disable=SC2046
 timeout -k 10 "${T_SERVER:-540}" $PY benchmarks/bench_server.py $(printf -- '--server %s ' $SERVERS) \

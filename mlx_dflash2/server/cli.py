@@ -289,15 +289,27 @@ def build_app(args: argparse.Namespace, model=None, tokenizer=None):
     return create_app(engine, settings), engine
 
 
-def main(argv=None) -> int:
-    """Parse flags, load the model and serve until interrupted."""
-    args = setup_arg_parser().parse_args(argv)
+def main(argv=None, *, parser: argparse.ArgumentParser | None = None, make_model=None) -> int:
+    """Parse flags, load the model and serve until interrupted.
+
+    Args:
+        argv: the flags (default ``sys.argv[1:]``).
+        parser: the flags' parser (default :func:`setup_arg_parser`'s; a benchmark's may add flags of its own).
+        make_model: ``args -> (model, tokenizer)`` building the model instead of loading ``--model`` and
+            ``--drafter`` (``benchmarks/scripted_server.py``: a random-weight target with a scripted drafter);
+            its ``FileNotFoundError`` and ``ValueError`` are reported as the loader's are.
+
+    Returns:
+        The exit status: 0 after a clean stop, 2 for a model that cannot be loaded, 130 for a Ctrl-C while loading.
+    """
+    args = (parser or setup_arg_parser()).parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s - %(levelname)s - %(message)s")
     import uvicorn
 
     try:
         check_listen(args.host, args.port)  # before the (slow) load, and before "serving ..." is logged
-        app, engine = build_app(args)
+        model, tokenizer = make_model(args) if make_model is not None else (None, None)
+        app, engine = build_app(args, model, tokenizer)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,190 @@
+"""Issue 22 through the real server at a memory-bound shape: our server with a scripted drafter of fixed acceptance
+against plain batching (ours, and ``mlx_lm.server``) on a random-weight Qwen3-8B-shaped target. Speed only.
+
+A 135M target on a GPU is bound by the host's launches, so batching drafts there buys little; what users serve
+(8B-27B) is bound by reading the weights, where a verify of 8 rows x 4 tokens costs about one step. Trained
+drafters of that size cannot come here (no model hub), so the drafter is a script: each request's proposals are
+its own greedy continuation (computed once, plain and batched, at the server's start for ``bench_server.py``'s
+prompt pool) with the first error at block offset ``tau - 1`` in every round (a full-width round emits ``tau``
+tokens; no drafter forward: a round costs the verify, the accept and the loop's bookkeeping). Where a batched
+row's own output leaves its reference (bf16 near-ties of random weights), its later drafts are rejected: the
+measured tau says so.
+
+Two subcommands:
+
+* ``make DIR --tokenizer MLX_DIR [--shape qwen3-8b]``: writes a random-weight, 4-bit (group 64) model of the shape
+  as an mlx-lm directory that both servers load, its vocabulary and tokenizer files those of ``MLX_DIR`` (the
+  SmolLM2 directory ``convert`` writes: real chat prompts, and token ids a detokenizer knows);
+* ``serve --tau T [our server's flags]``: our server (``mlx_dflash2.server``'s own code, :func:`~mlx_dflash2.server.
+  cli.main`) on ``--model`` with the scripted drafter; ``bench_server.py --server scripted:T`` starts it.
+
+    python3 benchmarks/scripted_server.py make "$TMPDIR/q8b" --tokenizer "$TMPDIR/smol-q4" --shape qwen3-8b
+    python3 benchmarks/bench_server.py --server scripted:3 --server ours:none --server mlx_lm \\
+        --model "$TMPDIR/q8b" --mlx-model "$TMPDIR/q8b" --no-dequantize --dtype bfloat16 --concurrency 1,8,32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]  # this checkout
+import mlx_dflash2  # noqa: F401,E402  (before MLX: loads the optimized OpenBLAS)
+
+import mlx.core as mx  # noqa: E402
+
+from mlx_dflash2.proposers import Proposal, Proposer, ProposerSession  # noqa: E402
+
+log = logging.getLogger("scripted_server")
+#: files of a model directory that are not the tokenizer's (``make`` copies the others from ``--tokenizer``)
+MODEL_FILES = ("config.json", "model.safetensors.index.json")
+
+
+class OracleProposer(Proposer):
+    """A scripted drafter for many requests: request ``prompt``'s proposals are ``references[tuple(prompt)]`` (its
+    greedy continuation) with the first error at block offset ``tau - 1`` in every round.
+
+    Args:
+        references: prompt ids (tuple) -> generated ids (plain greedy, first one included).
+        tau: tokens a full-width round emits (>= 1: 1 proposes one wrong token per round).
+        block_size: B.
+        vocab: the target's vocabulary size (a wrong token is ``(right + 1) % vocab``).
+        reference: ``prompt ids -> generated ids`` for a prompt not in ``references`` (computed on the calling
+            thread, the server's worker: it stalls the batch once per new prompt, so ``serve`` precomputes the
+            benchmark's pool); ``None``: such a request's rounds stay plain.
+    """
+
+    name = "scripted"
+
+    def __init__(self, references: dict, tau: int, block_size: int, vocab: int, reference=None):
+        if tau < 1:
+            raise ValueError(f"tau must be >= 1, got {tau}")
+        self.references, self.tau, self.block_size, self.vocab = references, int(tau), int(block_size), int(vocab)
+        self.reference, self.misses = reference, 0
+
+    def start(self, prompt):
+        key = tuple(int(t) for t in prompt)
+        ref = self.references.get(key)
+        if ref is None:
+            self.misses += 1
+            if self.reference is not None:
+                ref = self.references[key] = list(self.reference(list(key)))
+        return _OracleSession(self, len(key), ref)
+
+
+class _OracleSession(ProposerSession):
+    def __init__(self, p: OracleProposer, prompt_len: int, reference: list[int] | None, committed: int = 0):
+        self.p, self.prompt_len, self.ref, self.committed = p, prompt_len, reference, committed
+
+    def extend(self, tokens, features):
+        self.committed += len(tokens)
+
+    def truncate(self, n):
+        self.committed = n
+
+    def clone(self):
+        return _OracleSession(self.p, self.prompt_len, self.ref, self.committed)
+
+    def propose(self, anchor, n, temperature=0.0, key=None):
+        if self.ref is None or n <= 0:
+            return Proposal.empty()
+        g = self.committed - self.prompt_len  # the anchor's index in the generated sequence
+        right = self.ref[g + 1 : g + 1 + n]
+        right += [0] * (n - len(right))
+        toks = [(t + 1) % self.p.vocab if i == self.p.tau - 1 else t for i, t in enumerate(right)]
+        return Proposal(mx.array(toks, dtype=mx.int32), source="drafter")
+
+
+def plain_references(target, prompts: list[list[int]], horizon: int, eos=()) -> list[list[int]]:
+    """Every prompt's greedy continuation of ``horizon`` tokens, plain decoding in one batch (our server's
+    batched rounds without a drafter, so a row of the benchmark's batches departs from it at near-ties only)."""
+    from mlx_dflash2.batch import SpeculativeBatch
+
+    batch = SpeculativeBatch(target)
+    uids = [batch.add(p, horizon, eos_token_ids=list(eos)) for p in prompts]
+    out = {u: [] for u in uids}
+    while batch.active or batch.pending:
+        for ev in batch.step():
+            out[ev.uid] += ev.tokens
+    return [out[u] for u in uids]
+
+
+def make(args) -> int:
+    """``make``: the random-weight model directory (see the module's docstring)."""
+    import random_targets as rt
+    from mlx_lm.utils import save_config, save_model
+
+    src, dst = Path(args.tokenizer), Path(args.dir)
+    cfg_path = src / "config.json"
+    if not cfg_path.is_file():
+        raise SystemExit(f"--tokenizer: {src} is not an MLX model directory (no config.json)")
+    vocab = int(json.loads(cfg_path.read_text())["vocab_size"])
+    tic = time.perf_counter()
+    model, cfg = rt.build_target(args.shape, vocab=vocab, seed=args.seed)
+    save_model(dst, model)
+    save_config({**cfg, "quantization": {"group_size": 64, "bits": 4}}, dst / "config.json")
+    for f in src.iterdir():
+        if f.is_file() and f.name not in MODEL_FILES and not f.name.endswith(".safetensors"):
+            shutil.copy(f, dst / f.name)
+    print(f"wrote {dst}: random {args.shape} (vocabulary {vocab} of {src.name}), 4-bit g64, "
+          f"{rt.nbytes(model) / 1e9:.2f} GB in {time.perf_counter() - tic:.1f} s", flush=True)
+    return 0
+
+
+def serve(argv: list[str]) -> int:
+    """``serve``: our server with the scripted drafter (``--tau``); the other flags are the server's."""
+    from bench_server import prompts
+
+    from mlx_dflash2.loading import load
+    from mlx_dflash2.server import cli
+
+    parser = cli.setup_arg_parser()
+    parser.add_argument("--tau", type=int, required=True, help="tokens a full-width round emits (the script)")
+    parser.add_argument("--pool", type=int, default=24, help="bench_server.py's prompt pool, precomputed")
+    parser.add_argument("--horizon", type=int, default=256, help="tokens of each precomputed continuation")
+
+    def make_model(args):
+        model, tok = load(args.model, "none", dtype=args.dtype, dequantize=args.dequantize, kernels=args.kernels,
+                          names="cli")
+        eos = list(tok.eos_token_ids)
+        B = args.block_size or 16
+
+        def reference(ids: list[int]) -> list[int]:
+            return plain_references(model.target, [ids], args.horizon, eos)[0]
+
+        tic = time.perf_counter()
+        pool = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+                for p in prompts(args.pool)]
+        refs = dict(zip((tuple(p) for p in pool), plain_references(model.target, pool, args.horizon, eos)))
+        log.warning("scripted drafter: tau %d, block %d, %d continuations of %d tokens in %.1f s", args.tau, B,
+                    len(refs), args.horizon, time.perf_counter() - tic)
+        oracle = OracleProposer(refs, args.tau, B, model.target.vocab_size, reference)
+        return replace(model, proposer=oracle, block_size=B), tok
+
+    return cli.main(argv, parser=parser, make_model=make_model)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        return serve(argv[1:])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    mk = sub.add_parser("make", help="write the random-weight model directory")
+    mk.add_argument("dir")
+    mk.add_argument("--tokenizer", required=True, help="an MLX model directory whose tokenizer and vocabulary to use")
+    mk.add_argument("--shape", default="qwen3-8b", help="a random_targets.SHAPES name (tiny: a CPU check)")
+    mk.add_argument("--seed", type=int, default=0)
+    sub.add_parser("serve", help="our server with the scripted drafter: serve --tau T [server flags]")
+    args = ap.parse_args(argv)
+    return make(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""benchmarks/scripted_server.py: the scripted drafter behind the 8B-shape server runs of issue 22, and the server
+entry point it serves through (``cli.main(make_model=)``)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from mlx_dflash2.batch import SpeculativeBatch
+from mlx_dflash2.loading import load
+from mlx_dflash2.server import cli
+from tiny_models import tiny_mlx_lm_dir
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import scripted_server
+
+    return scripted_server
+
+
+def test_the_script_errs_at_tau_minus_one(scripted):
+    p = scripted.OracleProposer({(1, 2): [5, 6, 7, 8, 9]}, tau=3, block_size=16, vocab=100)
+    s = p.start([1, 2])
+    s.extend([1, 2], None)  # the prompt (the anchor of round 1, reference[0], is committed with the round)
+    got = s.propose(5, 5).tokens.tolist()
+    assert got == [6, 7, 9, 9, 0]  # 6, 7 right; the third (8) made wrong; past the reference: 0
+    assert p.start([3]).propose(1, 4).n == 0 and p.misses == 1  # an unknown prompt without a reference: plain
+
+
+def test_scripted_rows_keep_their_plain_output_and_accept_as_scripted(scripted, tmp_path):
+    model, tok = load(str(tiny_mlx_lm_dir(tmp_path / "t", "qwen3")), "none", dtype=mx.float32)
+    prompts = [[1, 5, 9, 13], [2, 7], [3, 4, 5, 6, 7, 8]]
+    refs = scripted.plain_references(model.target, prompts, 24)
+    oracle = scripted.OracleProposer({tuple(p): r for p, r in zip(prompts, refs)}, tau=3, block_size=8,
+                                     vocab=model.target.vocab_size)
+    batch = SpeculativeBatch(model.target, schedule="full")
+    uids = [batch.add(p, 24, proposer=oracle, block_size=8) for p in prompts]
+    out, steps = {u: [] for u in uids}, 0
+    while batch.active or batch.pending:
+        steps += 1
+        for ev in batch.step():
+            out[ev.uid] += ev.tokens
+    assert [out[u] for u in uids] == refs  # lossless: the drafts change nothing but the rounds
+    assert oracle.misses == 0 and steps <= 1 + 23 // 3 + 1  # the join, then 3 tokens a round (plain: 24 steps)
+
+
+def test_a_make_model_error_is_one_line_and_exit_2(capsys):
+    def make_model(args):
+        raise ValueError("no such shape")
+
+    assert cli.main(["--port", "0"], make_model=make_model) == 2
+    assert capsys.readouterr().err.strip() == "error: no such shape"
+
+
+def test_make_writes_a_directory_both_loaders_read(scripted, tmp_path):
+    src = tiny_mlx_lm_dir(tmp_path / "src", "qwen3")
+    assert scripted.main(["make", str(tmp_path / "m"), "--tokenizer", str(src), "--shape", "tiny"]) == 0
+    model, tok = load(str(tmp_path / "m"), "none")
+    assert model.config["num_hidden_layers"] == 6 and model.target.vocab_size == len(tok._tokenizer)
+    import mlx_lm
+
+    mlx_lm.load(str(tmp_path / "m"))  # mlx_lm.server's loader
+
+
+def test_make_refuses_a_tokenizer_that_is_not_a_model_directory(scripted, tmp_path):
+    with pytest.raises(SystemExit, match="not an MLX model directory"):
+        scripted.main(["make", str(tmp_path / "m"), "--tokenizer", str(tmp_path)])
+    assert not (tmp_path / "m").exists()
+
+
+def test_bench_server_knows_scripted_servers(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_server
+
+    monkeypatch.setattr(sys, "argv", ["bench_server.py", "--server", "scripted:0"])
+    with pytest.raises(SystemExit):
+        bench_server.main()
+    assert "scripted:TAU" in capsys.readouterr().err

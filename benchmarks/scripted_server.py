@@ -70,31 +70,45 @@ class OracleProposer(Proposer):
 
     def start(self, prompt):
         key = tuple(int(t) for t in prompt)
-        ref = self.references.get(key)
+        return _OracleSession(self, [], key, self.continuation(key))
+
+    def continuation(self, prompt: tuple) -> list[int] | None:
+        """``prompt``'s reference (computed with ``reference`` and kept if new; ``None``: none, plain rounds)."""
+        ref = self.references.get(prompt)
         if ref is None:
             self.misses += 1
             if self.reference is not None:
-                ref = self.references[key] = list(self.reference(list(key)))
-        return _OracleSession(self, len(key), ref)
+                ref = self.references[prompt] = list(self.reference(list(prompt)))
+        return ref
 
 
 class _OracleSession(ProposerSession):
-    def __init__(self, p: OracleProposer, prompt_len: int, reference: list[int] | None, committed: int = 0):
-        self.p, self.prompt_len, self.ref, self.committed = p, prompt_len, reference, committed
+    """One request's script: its committed ids (``history``) and its prompt's reference, looked up at the first
+    proposal after the prompt, and again after a :meth:`truncate` (a prompt cache hands a finished request's
+    session, cut back to the shared prefix, to the next request, whose prompt is the history at its first
+    proposal)."""
+
+    def __init__(self, p: OracleProposer, history: list[int], prompt: tuple | None = None,
+                 reference: list[int] | None = None):
+        self.p, self.history, self.prompt, self.ref = p, history, prompt, reference
 
     def extend(self, tokens, features):
-        self.committed += len(tokens)
+        self.history += [int(t) for t in tokens]
 
     def truncate(self, n):
-        self.committed = n
+        del self.history[n:]
+        self.prompt = self.ref = None  # the next proposal is a new request's: its prompt is the history then
 
     def clone(self):
-        return _OracleSession(self.p, self.prompt_len, self.ref, self.committed)
+        return _OracleSession(self.p, list(self.history), self.prompt, self.ref)
 
     def propose(self, anchor, n, temperature=0.0, key=None):
+        if self.prompt is None:
+            self.prompt = tuple(self.history)
+            self.ref = self.p.continuation(self.prompt)
         if self.ref is None or n <= 0:
             return Proposal.empty()
-        g = self.committed - self.prompt_len  # the anchor's index in the generated sequence
+        g = len(self.history) - len(self.prompt)  # the anchor's index in the generated sequence
         right = self.ref[g + 1 : g + 1 + n]
         right += [0] * (n - len(right))
         toks = [(t + 1) % self.p.vocab if i == self.p.tau - 1 else t for i, t in enumerate(right)]

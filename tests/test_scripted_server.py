@@ -51,6 +51,46 @@ def test_scripted_rows_keep_their_plain_output_and_accept_as_scripted(scripted, 
     assert oracle.misses == 0 and steps <= 1 + 23 // 3 + 1  # the join, then 3 tokens a round (plain: 24 steps)
 
 
+def test_a_reused_session_scripts_the_new_prompt(scripted):
+    p = scripted.OracleProposer({(1, 2): [5, 6, 7, 8, 9], (1, 3): [10, 11, 12, 13, 14]}, tau=3, block_size=16,
+                                vocab=100)
+    s = p.start([1, 2])
+    s.extend([1, 2], None)
+    s.extend([5, 6, 7], None)  # a round: the anchor and two accepted drafts
+    s2 = s.clone()
+    s2.truncate(1)  # a prompt cache's reuse by prompt (1, 3): the shared prefix, then the rest of the prompt
+    s2.extend([3], None)
+    assert s2.propose(10, 4).tokens.tolist() == [11, 12, 14, 14]
+    s.truncate(2)  # the same prompt again
+    s.extend([], None)
+    assert s.propose(5, 3).tokens.tolist() == [6, 7, 9] and p.misses == 0
+
+
+def test_prompt_cache_hits_keep_the_scripted_acceptance(scripted, tmp_path):
+    model, tok = load(str(tiny_mlx_lm_dir(tmp_path / "t", "qwen3")), "none", dtype=mx.float32)
+    a, b = [1, 5, 9, 13, 40, 41], [1, 5, 9, 13, 70, 71, 72]  # a shared prefix (a chat template's)
+    refs = scripted.plain_references(model.target, [a, b, a + [7, 8]], 24)
+    oracle = scripted.OracleProposer({tuple(p): r for p, r in zip([a, b, a + [7, 8]], refs)}, tau=3,
+                                     block_size=8, vocab=model.target.vocab_size)
+    batch = SpeculativeBatch(model.target, schedule="full")
+
+    def run(prompt, state=None):
+        uid = batch.add(prompt, 24, proposer=oracle, block_size=8, state=state, keep_state=True)
+        out, st = [], None
+        while batch.active or batch.pending:
+            for ev in batch.step():
+                out += ev.tokens
+                st = ev.stats
+        return out, st, batch.take_state(uid)
+
+    _, _, state = run(a)
+    for prompt, ref in zip([b, a + [7, 8]], refs[1:]):
+        out, st, _ = run(prompt, state.clone())
+        assert st.cached_tokens > 0 and out == ref
+        assert st.accept_hist[2] >= st.rounds - 1  # two drafts accepted a round (the last: cut by max_tokens)
+    assert oracle.misses == 0
+
+
 def test_a_make_model_error_is_one_line_and_exit_2(capsys):
     def make_model(args):
         raise ValueError("no such shape")

@@ -105,7 +105,9 @@ def start_server(server: str, args) -> tuple[subprocess.Popen, str]:
                   [sys.executable, str(root / "benchmarks" / "gil_handoffs.py"), "--out",
                    str(handoffs_path(args.handoffs, server)), "--"])
         if kind == "scripted":  # our server with a scripted drafter of fixed acceptance (scripted_server.py)
-            launch = [sys.executable, str(root / "benchmarks" / "scripted_server.py"), "serve", "--tau", drafter]
+            # (its references: this run's pool, each as long as its answers; else computed at the prompt's first sight)
+            launch = [sys.executable, str(root / "benchmarks" / "scripted_server.py"), "serve", "--tau", drafter,
+                      "--pool", str(args.pool), "--horizon", str(max(args.max_tokens, 1))]
             drafter = "none"
         cmd = launch + ["--port", str(port), "--drafter", drafter,
                "--prompt-cache-size", "0", "--dtype", args.dtype, "--log-level", "WARNING",

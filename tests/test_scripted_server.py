@@ -3,6 +3,7 @@ entry point it serves through (``cli.main(make_model=)``)."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -123,3 +124,24 @@ def test_bench_server_knows_scripted_servers(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         bench_server.main()
     assert "scripted:TAU" in capsys.readouterr().err
+
+
+def test_bench_server_precomputes_its_own_pool_and_length(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_server
+
+    class Launched(Exception):
+        pass
+
+    def popen(cmd, **kw):
+        raise Launched(cmd)
+
+    monkeypatch.setattr(bench_server.subprocess, "Popen", popen)
+    args = argparse.Namespace(levels=[1, 4], handoffs=None, max_batch=None, model=None, dequantize=False,
+                              block_size=None, server_arg=[], dtype="float32", start_timeout=1, pool=40,
+                              max_tokens=300)
+    with pytest.raises(Launched) as e:
+        bench_server.start_server("scripted:3", args)
+    cmd = e.value.args[0]
+    # every prompt of the pool (40, not serve's default 24) precomputed, each for the whole answer (300 > 256)
+    assert cmd[cmd.index("--pool") + 1] == "40" and int(cmd[cmd.index("--horizon") + 1]) >= 300

@@ -151,37 +151,57 @@ def make(args) -> int:
     return 0
 
 
-def serve(argv: list[str]) -> int:
-    """``serve``: our server with the scripted drafter (``--tau``); the other flags are the server's."""
-    from bench_server import prompts
-
-    from mlx_dflash2.loading import load
+def serve_parser() -> argparse.ArgumentParser:
+    """``serve``'s flags: our server's and the script's."""
     from mlx_dflash2.server import cli
 
     parser = cli.setup_arg_parser()
     parser.add_argument("--tau", type=int, required=True, help="tokens a full-width round emits (the script)")
     parser.add_argument("--pool", type=int, default=24, help="bench_server.py's prompt pool, precomputed")
     parser.add_argument("--horizon", type=int, default=256, help="tokens of each precomputed continuation")
+    return parser
 
-    def make_model(args):
-        model, tok = load(args.model, "none", dtype=args.dtype, dequantize=args.dequantize, kernels=args.kernels,
-                          names="cli")
-        eos = list(tok.eos_token_ids)
-        B = args.block_size or 16
 
-        def reference(ids: list[int]) -> list[int]:
-            return plain_references(model.target, [ids], args.horizon, eos)[0]
+def pool_ids(tok, args) -> list[list[int]]:
+    """The prompt ids of ``bench_server.py``'s pool (``args.pool`` prompts) as our server tokenizes its chat
+    requests (``--chat-template``, ``--chat-template-args``; no chat template: the plain conversation's text)."""
+    from bench_server import prompts
 
-        tic = time.perf_counter()
-        pool = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-                for p in prompts(args.pool)]
-        refs = dict(zip((tuple(p) for p in pool), plain_references(model.target, pool, args.horizon, eos)))
-        log.warning("scripted drafter: tau %d, block %d, %d continuations of %d tokens in %.1f s", args.tau, B,
-                    len(refs), args.horizon, time.perf_counter() - tic)
-        oracle = OracleProposer(refs, args.tau, B, model.target.vocab_size, reference)
-        return replace(model, proposer=oracle, block_size=B), tok
+    from mlx_dflash2.server import cli
+    from mlx_dflash2.server.engine import Job, request_ids
 
-    return cli.main(argv, parser=parser, make_model=make_model)
+    cli.set_chat_template(tok, args.chat_template)  # (as build_app does after the load)
+    return [request_ids(tok, Job(kind="chat", max_tokens=1, messages=[{"role": "user", "content": p}]),
+                        args.chat_template_args) for p in prompts(args.pool)]
+
+
+def scripted_model(args):
+    """``serve``'s model: ``--model`` without a drafter, with the scripted one (:class:`OracleProposer`) whose
+    references of ``bench_server.py``'s pool are computed now."""
+    from mlx_dflash2.loading import load
+
+    model, tok = load(args.model, "none", dtype=args.dtype, dequantize=args.dequantize, kernels=args.kernels,
+                      names="cli")
+    eos = list(tok.eos_token_ids)
+    B = args.block_size or 16
+
+    def reference(ids: list[int]) -> list[int]:
+        return plain_references(model.target, [ids], args.horizon, eos)[0]
+
+    tic = time.perf_counter()
+    pool = pool_ids(tok, args)
+    refs = dict(zip((tuple(p) for p in pool), plain_references(model.target, pool, args.horizon, eos)))
+    log.warning("scripted drafter: tau %d, block %d, %d continuations of %d tokens in %.1f s", args.tau, B,
+                len(refs), args.horizon, time.perf_counter() - tic)
+    oracle = OracleProposer(refs, args.tau, B, model.target.vocab_size, reference)
+    return replace(model, proposer=oracle, block_size=B), tok
+
+
+def serve(argv: list[str]) -> int:
+    """``serve``: our server with the scripted drafter (``--tau``); the other flags are the server's."""
+    from mlx_dflash2.server import cli
+
+    return cli.main(argv, parser=serve_parser(), make_model=scripted_model)
 
 
 def main(argv=None) -> int:

@@ -145,3 +145,18 @@ def test_bench_server_precomputes_its_own_pool_and_length(monkeypatch):
     cmd = e.value.args[0]
     # every prompt of the pool (40, not serve's default 24) precomputed, each for the whole answer (300 > 256)
     assert cmd[cmd.index("--pool") + 1] == "40" and int(cmd[cmd.index("--horizon") + 1]) >= 300
+
+
+def test_the_references_are_keyed_by_the_prompts_the_server_tokenizes(scripted, tmp_path):
+    model, tok = load(str(tiny_mlx_lm_dir(tmp_path / "t", "qwen3")), "none", dtype=mx.float32)
+    template = "{% for m in messages %}[{{ m['role'] }}|{{ m['content'] }}|{{ mood }}]{% endfor %}"
+    args = scripted.serve_parser().parse_args(["--tau", "3", "--pool", "3", "--chat-template", template,
+                                               "--chat-template-args", '{"mood": "calm"}', "--port", "0"])
+    ids = scripted.pool_ids(tok, args)
+    _, engine = cli.build_app(args, model, tok)
+    from bench_server import prompts
+    from mlx_dflash2.server.engine import Job
+
+    assert ids == [engine._tokenize(Job(kind="chat", max_tokens=1, messages=[{"role": "user", "content": p}]))
+                   for p in prompts(3)]
+    assert "calm" in tok.decode(ids[0])

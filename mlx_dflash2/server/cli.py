@@ -19,7 +19,7 @@ from pathlib import Path
 from ..loading import (ADAPTIVE_HELP, CALIBRATE_HELP, DRAFT_CONFIDENCE_HELP, DRAFT_VOCAB_HELP, DRAFTER_HELP,
                        DRAFTER_WINDOW_HELP, KERNELS_HELP, draft_confidence_arg, drafter_window_arg)
 
-__all__ = ["main", "setup_arg_parser", "build_app", "check_listen"]
+__all__ = ["main", "setup_arg_parser", "build_app", "check_listen", "set_chat_template"]
 
 
 def _size(text: str) -> int:
@@ -221,6 +221,16 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
+def set_chat_template(tokenizer, template: str) -> None:
+    """``--chat-template``: ``template`` (a Jinja string, or a file holding one) replaces ``tokenizer``'s own;
+    ``""`` keeps it."""
+    if template:
+        if "{" not in template and Path(template).is_file():
+            template = Path(template).read_text()
+        tokenizer.chat_template = template
+        tokenizer.has_chat_template = True
+
+
 def build_app(args: argparse.Namespace, model=None, tokenizer=None):
     """Load the model (unless given) and build the FastAPI app for parsed ``args``.
 
@@ -253,12 +263,7 @@ def build_app(args: argparse.Namespace, model=None, tokenizer=None):
             trees=not args.no_trees,
             names="cli",  # its errors name the flags (--no-lookup), not load()'s arguments
         )
-    if args.chat_template:
-        template = args.chat_template
-        if "{" not in template and Path(template).is_file():
-            template = Path(template).read_text()
-        tokenizer.chat_template = template
-        tokenizer.has_chat_template = True
+    set_chat_template(tokenizer, args.chat_template)
     engine = Engine(
         model,
         tokenizer,

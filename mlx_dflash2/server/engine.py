@@ -66,7 +66,8 @@ from ..target import TargetCompatibilityError
 from .protocol import APIError, bad_request, invalid_value
 from .text import TokenText, convert_chat, initial_reasoning_state, top_logprobs, top_logprobs_many
 
-__all__ = ["Engine", "EngineConfig", "Job", "PromptCache", "Admitted", "Progress", "TokenOut", "Failed"]
+__all__ = ["Engine", "EngineConfig", "Job", "request_ids", "PromptCache", "Admitted", "Progress", "TokenOut",
+           "Failed"]
 
 log = logging.getLogger("mlx_dflash2.server")
 
@@ -182,6 +183,34 @@ class Job:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
         except RuntimeError:  # the event loop is closed: nobody is listening
             self.cancelled = True
+
+
+def request_ids(tok, job: Job, chat_template_args: Optional[dict] = None) -> list[int]:
+    """The prompt ids the worker generates from for ``job`` (its messages through ``tok``'s chat template with
+    ``chat_template_args`` and the request's own arguments, or its prompt text or ids).
+
+    Raises:
+        APIError: a chat template that refuses the request (400).
+    """
+    if job.kind == "chat":
+        if getattr(tok, "has_chat_template", False):
+            kwargs = dict(chat_template_args or {})
+            kwargs.update(job.chat_template_kwargs or {})
+            if job.tools:
+                kwargs["tools"] = job.tools
+            try:
+                ids = tok.apply_chat_template(job.messages, add_generation_prompt=True, **kwargs)
+            except Exception as e:  # noqa: BLE001 - template errors are caused by the request
+                log.info("chat template refused request %s: %r", job.id, e)
+                raise bad_request(f"could not apply the chat template: {e}", "messages") from e
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            return [int(t) for t in ids]
+        return tok.encode(convert_chat(job.messages))
+    if isinstance(job.prompt, str):
+        add_special = tok.bos_token is None or not job.prompt.startswith(tok.bos_token)
+        return tok.encode(job.prompt, add_special_tokens=add_special)
+    return [int(t) for t in job.prompt]
 
 
 def internal_error(e: BaseException) -> APIError:
@@ -759,26 +788,7 @@ class Engine:
             self.metrics.worker("start", time.perf_counter() - tic)
 
     def _tokenize(self, job: Job) -> list[int]:
-        tok = self.tokenizer
-        if job.kind == "chat":
-            if getattr(tok, "has_chat_template", False):
-                kwargs = dict(self.config.chat_template_args)
-                kwargs.update(job.chat_template_kwargs or {})
-                if job.tools:
-                    kwargs["tools"] = job.tools
-                try:
-                    ids = tok.apply_chat_template(job.messages, add_generation_prompt=True, **kwargs)
-                except Exception as e:  # noqa: BLE001 - template errors are caused by the request
-                    log.info("chat template refused request %s: %r", job.id, e)
-                    raise bad_request(f"could not apply the chat template: {e}", "messages") from e
-                if isinstance(ids, dict) or hasattr(ids, "keys"):
-                    ids = ids["input_ids"]
-                return [int(t) for t in ids]
-            return tok.encode(convert_chat(job.messages))
-        if isinstance(job.prompt, str):
-            add_special = tok.bos_token is None or not job.prompt.startswith(tok.bos_token)
-            return tok.encode(job.prompt, add_special_tokens=add_special)
-        return [int(t) for t in job.prompt]
+        return request_ids(self.tokenizer, job, self.config.chat_template_args)
 
     def _start(self, job: Job) -> None:
         ids = self._tokenize(job)

@@ -129,8 +129,20 @@ def plain_references(target, prompts: list[list[int]], horizon: int, eos=()) -> 
     return [out[u] for u in uids]
 
 
+#: files of which a ``--tokenizer`` directory must hold one (a tokenizer's vocabulary)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
 def make(args) -> int:
-    """``make``: the random-weight model directory (see the module's docstring)."""
+    """``make``: the random-weight model directory (see the module's docstring), written into a temporary
+    directory beside ``DIR`` and renamed to it at the end (a failed or interrupted ``make`` leaves no ``DIR``).
+
+    Raises:
+        SystemExit: a ``--tokenizer`` that is not a model directory with a tokenizer, or a ``DIR`` that is not an
+            empty or absent directory (``--tokenizer``'s own, say).
+    """
+    import tempfile
+
     import random_targets as rt
     from mlx_lm.utils import save_config, save_model
 
@@ -138,14 +150,32 @@ def make(args) -> int:
     cfg_path = src / "config.json"
     if not cfg_path.is_file():
         raise SystemExit(f"--tokenizer: {src} is not an MLX model directory (no config.json)")
-    vocab = int(json.loads(cfg_path.read_text())["vocab_size"])
+    try:
+        vocab = json.loads(cfg_path.read_text())["vocab_size"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"--tokenizer: {cfg_path} has no vocab_size ({type(e).__name__}: {e})") from None
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+        raise SystemExit(f"--tokenizer: {cfg_path}: vocab_size must be an integer >= 1, got {vocab!r}")
+    if not any((src / f).is_file() for f in TOKENIZER_FILES):
+        raise SystemExit(f"--tokenizer: {src} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise SystemExit(f"{dst} exists and is not an empty directory (make writes a new one)")
+    dst.parent.mkdir(parents=True, exist_ok=True)
     tic = time.perf_counter()
     model, cfg = rt.build_target(args.shape, vocab=vocab, seed=args.seed)
-    save_model(dst, model)
-    save_config({**cfg, "quantization": {"group_size": 64, "bits": 4}}, dst / "config.json")
-    for f in src.iterdir():
-        if f.is_file() and f.name not in MODEL_FILES and not f.name.endswith(".safetensors"):
-            shutil.copy(f, dst / f.name)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    try:
+        save_model(tmp, model)
+        save_config({**cfg, "quantization": {"group_size": 64, "bits": 4}}, tmp / "config.json")
+        for f in src.iterdir():
+            if f.is_file() and f.name not in MODEL_FILES and not f.name.endswith(".safetensors"):
+                shutil.copy(f, tmp / f.name)
+        if dst.is_dir():
+            dst.rmdir()  # (empty)
+        tmp.rename(dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     print(f"wrote {dst}: random {args.shape} (vocabulary {vocab} of {src.name}), 4-bit g64, "
           f"{rt.nbytes(model) / 1e9:.2f} GB in {time.perf_counter() - tic:.1f} s", flush=True)
     return 0
@@ -208,12 +238,15 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
         return serve(argv[1:])
+    import random_targets as rt
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     mk = sub.add_parser("make", help="write the random-weight model directory")
     mk.add_argument("dir")
     mk.add_argument("--tokenizer", required=True, help="an MLX model directory whose tokenizer and vocabulary to use")
-    mk.add_argument("--shape", default="qwen3-8b", help="a random_targets.SHAPES name (tiny: a CPU check)")
+    mk.add_argument("--shape", default="qwen3-8b", choices=list(rt.SHAPES),
+                    help="a random_targets.SHAPES name (tiny: a CPU check)")
     mk.add_argument("--seed", type=int, default=0)
     sub.add_parser("serve", help="our server with the scripted drafter: serve --tau T [server flags]")
     args = ap.parse_args(argv)

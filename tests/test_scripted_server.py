@@ -160,3 +160,35 @@ def test_the_references_are_keyed_by_the_prompts_the_server_tokenizes(scripted, 
     assert ids == [engine._tokenize(Job(kind="chat", max_tokens=1, messages=[{"role": "user", "content": p}]))
                    for p in prompts(3)]
     assert "calm" in tok.decode(ids[0])
+
+
+def test_make_refuses_bad_arguments_cleanly_and_writes_nothing(scripted, tmp_path, capsys):
+    src = tiny_mlx_lm_dir(tmp_path / "src", "qwen3")
+    before = {f.name: f.read_bytes() for f in src.iterdir()}
+    with pytest.raises(SystemExit) as e:  # an unknown shape: argparse's usage error, not a KeyError
+        scripted.main(["make", str(tmp_path / "m"), "--tokenizer", str(src), "--shape", "nope"])
+    assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="not an empty directory"):  # its own tokenizer's directory
+        scripted.main(["make", str(src), "--tokenizer", str(src), "--shape", "tiny"])
+    assert {f.name: f.read_bytes() for f in src.iterdir()} == before
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text("{}")
+    with pytest.raises(SystemExit, match="no vocab_size"):
+        scripted.main(["make", str(tmp_path / "m"), "--tokenizer", str(bad), "--shape", "tiny"])
+    (bad / "config.json").write_text('{"vocab_size": 64}')  # no tokenizer files
+    with pytest.raises(SystemExit, match="has no tokenizer"):
+        scripted.main(["make", str(tmp_path / "m"), "--tokenizer", str(bad), "--shape", "tiny"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad", "src"]
+
+
+def test_a_failed_make_leaves_no_directory(scripted, tmp_path, monkeypatch):
+    src = tiny_mlx_lm_dir(tmp_path / "src", "qwen3")
+
+    def copy(a, b):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(scripted.shutil, "copy", copy)
+    with pytest.raises(OSError, match="disk full"):
+        scripted.main(["make", str(tmp_path / "m"), "--tokenizer", str(src), "--shape", "tiny"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # (a rerun of server.sh would serve a partial one)

@@ -52,7 +52,7 @@ class OracleProposer(Proposer):
 
     Args:
         references: prompt ids (tuple) -> generated ids (plain greedy, first one included).
-        tau: tokens a full-width round emits (>= 1: 1 proposes one wrong token per round).
+        tau: tokens a full-width round emits (1..``block_size``: 1 proposes one wrong token per round).
         block_size: B.
         vocab: the target's vocabulary size (a wrong token is ``(right + 1) % vocab``).
         reference: ``prompt ids -> generated ids`` for a prompt not in ``references`` (computed on the calling
@@ -63,8 +63,8 @@ class OracleProposer(Proposer):
     name = "scripted"
 
     def __init__(self, references: dict, tau: int, block_size: int, vocab: int, reference=None):
-        if tau < 1:
-            raise ValueError(f"tau must be >= 1, got {tau}")
+        if not 1 <= tau <= block_size:  # (a round emits at most B tokens)
+            raise ValueError(f"--tau must be in 1..{block_size} (the block size), got {tau}")
         self.references, self.tau, self.block_size, self.vocab = references, int(tau), int(block_size), int(vocab)
         self.reference, self.misses = reference, 0
 
@@ -210,10 +210,11 @@ def scripted_model(args):
     references of ``bench_server.py``'s pool are computed now."""
     from mlx_dflash2.loading import load
 
+    B = args.block_size or 16
+    OracleProposer({}, args.tau, B, 1)  # (its ValueError on a bad --tau before the load)
     model, tok = load(args.model, "none", dtype=args.dtype, dequantize=args.dequantize, kernels=args.kernels,
                       names="cli")
     eos = list(tok.eos_token_ids)
-    B = args.block_size or 16
 
     def reference(ids: list[int]) -> list[int]:
         return plain_references(model.target, [ids], args.horizon, eos)[0]

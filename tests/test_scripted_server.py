@@ -192,3 +192,11 @@ def test_a_failed_make_leaves_no_directory(scripted, tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         scripted.main(["make", str(tmp_path / "m"), "--tokenizer", str(src), "--shape", "tiny"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # (a rerun of server.sh would serve a partial one)
+
+
+def test_a_tau_past_the_block_is_refused_before_the_load(scripted, tmp_path, capsys):
+    with pytest.raises(ValueError, match="block size"):  # a round emits B tokens at most: the runs would say 16
+        scripted.OracleProposer({}, tau=17, block_size=16, vocab=100)
+    assert scripted.main(["serve", "--tau", "9", "--block-size", "8", "--port", "0",
+                          "--model", str(tmp_path / "absent")]) == 2
+    assert "--tau" in capsys.readouterr().err

@@ -390,6 +390,8 @@ def main(argv=None) -> int:
             ap.error(f"--server: ours:DRAFTER, scripted:TAU or mlx_lm, got {sv!r}")
         if sv.startswith("scripted:") and args.handoffs:
             ap.error("--handoffs: not with a scripted:TAU server")
+        if sv.startswith("scripted:") and int(sv.split(":")[1]) > (args.block_size or 16):
+            ap.error(f"--server {sv}: TAU past the block size {args.block_size or 16} (a round emits B tokens at most)")
     pool = prompts(args.pool)
     report, ok = {}, True
     for server in servers:

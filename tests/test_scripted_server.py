@@ -200,3 +200,13 @@ def test_a_tau_past_the_block_is_refused_before_the_load(scripted, tmp_path, cap
     assert scripted.main(["serve", "--tau", "9", "--block-size", "8", "--port", "0",
                           "--model", str(tmp_path / "absent")]) == 2
     assert "--tau" in capsys.readouterr().err
+
+
+def test_bench_server_refuses_a_tau_past_the_block_before_any_server(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_server
+
+    monkeypatch.setattr(bench_server, "start_server", lambda *a: pytest.fail("a server was started"))
+    with pytest.raises(SystemExit):
+        bench_server.main(["--server", "scripted:5", "--block-size", "4"])
+    assert "scripted:5" in capsys.readouterr().err

@@ -186,9 +186,12 @@ def serve_parser() -> argparse.ArgumentParser:
     from mlx_dflash2.server import cli
 
     parser = cli.setup_arg_parser()
-    parser.add_argument("--tau", type=int, required=True, help="tokens a full-width round emits (the script)")
-    parser.add_argument("--pool", type=int, default=24, help="bench_server.py's prompt pool, precomputed")
-    parser.add_argument("--horizon", type=int, default=256, help="tokens of each precomputed continuation")
+    parser.add_argument("--tau", type=cli._positive, required=True,
+                        help="tokens a full-width round emits (the script; at most the block size)")
+    parser.add_argument("--pool", type=cli._non_negative, default=24,
+                        help="bench_server.py's prompt pool, precomputed")
+    parser.add_argument("--horizon", type=cli._positive, default=256,
+                        help="tokens of each precomputed continuation")
     return parser
 
 

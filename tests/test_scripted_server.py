@@ -210,3 +210,10 @@ def test_bench_server_refuses_a_tau_past_the_block_before_any_server(monkeypatch
     with pytest.raises(SystemExit):
         bench_server.main(["--server", "scripted:5", "--block-size", "4"])
     assert "scripted:5" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", [["--horizon", "-1"], ["--horizon", "0"], ["--tau", "0"], ["--pool", "-2"]])
+def test_serve_refuses_bad_script_flags(scripted, flag):
+    with pytest.raises(SystemExit) as e:  # (--horizon -1: continuations to the context's end, 40960 tokens a prompt)
+        scripted.serve_parser().parse_args(["--tau", "3", "--port", "0"] + flag)
+    assert e.value.code == 2

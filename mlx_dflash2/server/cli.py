@@ -313,8 +313,7 @@ def main(argv=None, *, parser: argparse.ArgumentParser | None = None, make_model
 
     try:
         check_listen(args.host, args.port)  # before the (slow) load, and before "serving ..." is logged
-        model, tokenizer = make_model(args) if make_model is not None else (None, None)
-        app, engine = build_app(args, model, tokenizer)
+        app, engine = build_app(args) if make_model is None else build_app(args, *make_model(args))
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -55,9 +55,10 @@ class OracleProposer(Proposer):
         tau: tokens a full-width round emits (1..``block_size``: 1 proposes one wrong token per round).
         block_size: B.
         vocab: the target's vocabulary size (a wrong token is ``(right + 1) % vocab``).
-        reference: ``prompt ids -> generated ids`` for a prompt not in ``references`` (computed on the calling
-            thread, the server's worker: it stalls the batch once per new prompt, so ``serve`` precomputes the
-            benchmark's pool); ``None``: such a request's rounds stay plain.
+        reference: ``prompt ids -> generated ids`` for a prompt not in ``references`` (called on the calling
+            thread, the server's worker: a computed continuation stalls the batch once per new prompt, so ``serve``
+            precomputes the benchmark's pool and gives the others an empty one); ``None``: such a request's rounds
+            stay plain.
     """
 
     name = "scripted"
@@ -220,7 +221,11 @@ def scripted_model(args):
     eos = list(tok.eos_token_ids)
 
     def reference(ids: list[int]) -> list[int]:
-        return plain_references(model.target, [ids], args.horizon, eos)[0]
+        # a prompt outside the pool (the server's warm-up's scratch rows, 32 of them on a GPU): an empty reference,
+        # so its drafts are wrong tokens; its rounds still meet the drafting widths' shapes (what the warm-up is
+        # for) and no continuation is computed on the worker (at the 8B shape, seconds each). The table's tau shows
+        # a measured prompt that missed.
+        return []
 
     tic = time.perf_counter()
     pool = pool_ids(tok, args)

@@ -217,3 +217,19 @@ def test_serve_refuses_bad_script_flags(scripted, flag):
     with pytest.raises(SystemExit) as e:  # (--horizon -1: continuations to the context's end, 40960 tokens a prompt)
         scripted.serve_parser().parse_args(["--tau", "3", "--port", "0"] + flag)
     assert e.value.code == 2
+
+
+def test_a_prompt_outside_the_pool_is_drafted_wrong_and_computes_nothing(scripted, tmp_path):
+    # the server's warm-up rows (32 scratch prompts on a GPU) used to compute a continuation each on the worker,
+    # seconds apiece at the 8B shape; they still draft (the warm-up meets the drafting widths' shapes)
+    d = tiny_mlx_lm_dir(tmp_path / "t", "qwen3")
+    args = scripted.serve_parser().parse_args(["--tau", "3", "--pool", "2", "--horizon", "8", "--model", str(d),
+                                               "--dtype", "float32", "--port", "0"])
+    model, tok = scripted.scripted_model(args)
+    oracle = model.proposer
+    known = len(oracle.references)
+    s = oracle.start([7, 7, 7])
+    s.extend([7, 7, 7], None)
+    prop = s.propose(7, 5)
+    assert prop.n == 5 and oracle.misses == 1 and len(oracle.references) == known + 1
+    assert oracle.references[(7, 7, 7)] == []

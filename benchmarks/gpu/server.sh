@@ -9,7 +9,8 @@
 # Env: SERVERS (bench_server.py's --server values, space-separated; default our server with the shipped drafter, ours
 # without, mlx_lm.server), NAME (the results' name in $OUT: NAME.json, NAME.log, NAME.png; default server), SHAPE
 # (a random_targets shape, e.g. qwen3-8b: the servers run a random-weight target of it with SmolLM2's tokenizer,
-# written once by scripted_server.py make; with SERVERS="scripted:3 ours:none mlx_lm", issue 22's speed-only runs).
+# written once by scripted_server.py make; SERVERS then defaults to "scripted:3 ours:none mlx_lm", issue 22's
+# speed-only runs).
 set -u
 PY=${PY:-python3}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MLX_CUDA_USE_CUDNN_SDPA=0 MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-$HOME/ptx}
@@ -22,7 +23,10 @@ if [ -n "${SHAPE:-}" ]; then  # a random-weight target of that shape with SmolLM
   R=$T/random-$SHAPE; [ -d "$R" ] || $PY benchmarks/scripted_server.py make "$R" --tokenizer "$M" --shape "$SHAPE" || exit 1
   M=$R
 fi
-SERVERS=${SERVERS:-ours:mlx_dflash2/drafters/smollm2-135m-instruct ours:none mlx_lm}; NAME=${NAME:-server}
+# (a random target: the scripted drafter, since the shipped one was trained for SmolLM2's hidden states)
+DEF="ours:mlx_dflash2/drafters/smollm2-135m-instruct ours:none mlx_lm"
+[ -z "${SHAPE:-}" ] || DEF="scripted:3 ours:none mlx_lm"
+SERVERS=${SERVERS:-$DEF}; NAME=${NAME:-server}
 # shellcheck disable=SC2046
 timeout -k 10 "${T_SERVER:-540}" $PY benchmarks/bench_server.py $(printf -- '--server %s ' $SERVERS) \
   --model "$M" --mlx-model "$M" --no-dequantize --dtype bfloat16 --pool 24 --max-tokens 64 \

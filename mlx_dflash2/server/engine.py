@@ -554,6 +554,7 @@ class Engine:
         # function's first call on a new thread: 5.5 ms against 1.3 ms on this CPU, session 49)
         self._warm_at_start = self._batch is not None and bool(warm) and self.config.max_batch >= 2
         self._ready = threading.Event()
+        self._start_lock = threading.Lock()  # start's swap of the worker (see there)
         self._died: Optional[BaseException] = None  # what ended the worker before it served (start raises it)
         self._batch_queue: deque = deque()  # batched jobs not yet joined (FIFO)
         self._batched: dict = {}  # row uid -> job
@@ -601,21 +602,30 @@ class Engine:
         Raises:
             RuntimeError: the worker ended before it served (an error that is not an ``Exception``).
         """
-        old = self._thread
-        if old is not None and old.is_alive() and self._stopping.is_set():
-            old.join()  # a stop still under way (its join timed out, e.g. during the warm-up): start afresh after it
-        if self._thread is None or not self._thread.is_alive():
-            self._stopping.clear()
-            self._ready.clear()
-            self._died = None
-            self._thread = threading.Thread(target=self._run, name="mlx_dflash2-generation", daemon=True)
-            self._thread.start()
-        while not self._ready.wait(0.25) and self._thread.is_alive():  # (a second start waits for the first's)
-            pass
-        if self._died is not None or (not self._thread.is_alive() and not self._stopping.is_set()):
-            err = self._died
+        with self._start_lock:  # (a start waiting below sees the worker and the stop flag swapped together)
+            old = self._thread
+            if old is not None and old.is_alive() and self._stopping.is_set():
+                old.join()  # a stop still under way (its join timed out, e.g. during the warm-up): afresh after it
+            if self._thread is None or not self._thread.is_alive():
+                self._stopping.clear()
+                self._ready.clear()
+                self._died = None
+                self._thread = threading.Thread(target=self._run, name="mlx_dflash2-generation", daemon=True)
+                self._thread.start()
+        while True:  # (a second start waits for the first's; a start whose stopped worker a later start replaced
+            # waits for the new one)
+            th = self._thread
+            if self._ready.wait(0.25):
+                break
+            if not th.is_alive():
+                with self._start_lock:
+                    if self._thread is th:
+                        break
+        with self._start_lock:
+            th, died, stopping = self._thread, self._died, self._stopping.is_set()
+        if died is not None or (not th.is_alive() and not stopping):
             raise RuntimeError("the generation worker ended while it started"
-                               + (f" ({type(err).__name__}: {err})" if err is not None else "")) from err
+                               + (f" ({type(died).__name__}: {died})" if died is not None else "")) from died
 
     def _warm_up_once(self) -> None:
         """The start-up warm-up, on the worker's thread (see :meth:`start`)."""

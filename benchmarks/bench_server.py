@@ -32,8 +32,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -105,7 +105,7 @@ def start_server(server: str, args) -> tuple[subprocess.Popen, str]:
                   [sys.executable, str(root / "benchmarks" / "gil_handoffs.py"), "--out",
                    str(handoffs_path(args.handoffs, server)), "--"])
         if kind == "scripted":  # our server with a scripted drafter of fixed acceptance (scripted_server.py)
-            # (its references: this run's pool, each as long as its answers; else computed at the prompt's first sight)
+            # (its references: this run's pool, each as long as its answers; a prompt outside it drafts wrong tokens)
             launch = [sys.executable, str(root / "benchmarks" / "scripted_server.py"), "serve", "--tau", drafter,
                       "--pool", str(args.pool), "--horizon", str(max(args.max_tokens, 1))]
             drafter = "none"

@@ -6,10 +6,10 @@
 #   bash benchmarks/gpu/lease22.sh STAGE
 # Stages, in the order worth running (what each answers):
 #   engine  benchmarks/engine_load.py, the server's engine without HTTP, the shipped drafter against none at 8
-#           clients x 5 requests, 2 phases each, in fresh processes: delivery on the worker against the HTTP
-#           thread's asyncio loop; the warm-up on the loading thread (before 9be66c7) against the worker's;
-#           MLX_CUDA_GRAPH_CACHE_SIZE=4000; MLX_USE_CUDA_GRAPHS=0. Where the drafter server's plain steps lose
-#           (14.3 against 10.9 ms on session 49's H100, level in one process).
+#           clients x 5 requests, 2 phases each, in fresh processes: engine_ab.sh's MLX settings (the default,
+#           MLX_CUDA_GRAPH_CACHE_SIZE=4000, MLX_USE_CUDA_GRAPHS=0), then delivery on the worker instead of the
+#           HTTP thread's asyncio loop, and the warm-up on the loading thread (before 9be66c7). Where the drafter
+#           server's plain steps lose (14.3 against 10.9 ms on session 49's H100, level in one process).
 #   trees   benchmarks/gpu/server_tree_ab.sh . <3df2d81> <1d56694>: our plain server at 8 clients from the trees of
 #           session 47 and before b1ec8a9 against this one (1.37-1.42x mlx_lm.server in sessions 46-47, 0.94x in
 #           session 49); make the trees first (server_tree_ab.sh's header) and carry them.
@@ -19,32 +19,22 @@
 #   table   the SmolLM2 table at 1, 2, 4, 8, 16, 32 clients x 5 requests (run.sh server): the issue's H200 table.
 set -u
 export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-$HOME/ptx} MLX_CUDA_USE_CUDNN_SDPA=0 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-P=${PAYLOAD:-$HOME/payload}; T=${TMPDIR:-/tmp}; OUT=${OUT:-$T/out}; mkdir -p "$OUT"
 T0=$(date +%s); B=${BUDGET:-560}
 el() { echo "== $* (+$(( $(date +%s) - T0 )) s)"; }
 left() { echo $(( B - ($(date +%s) - T0) )); }
-python3 -c "import gguf" 2>/dev/null || python3 -m pip install -q --no-index --no-deps "$P"/gguf-*.whl
-python3 -c "import fastapi, uvicorn, pydantic, httpx" 2>/dev/null || { mkdir -p "$T/srv" && tar xf "$P/srvwhl.tar" \
-  -C "$T/srv" && python3 -m pip install -q --no-index --find-links "$T/srv" fastapi uvicorn pydantic httpx 2>&1 | tail -2; }
-[ -f mlx_dflash2/drafters/smollm2-135m-instruct/config.json ] || {
-  mkdir -p mlx_dflash2/drafters && tar xzf "$P/drafter.tgz" -C mlx_dflash2/drafters; }
-M=$T/smol-q4
-[ -d "$M" ] || python3 -m convert "$P/SmolLM2-135M-Instruct.Q4_1.gguf" "$M" --dtype bfloat16 --quiet
-D=mlx_dflash2/drafters/smollm2-135m-instruct
-EL="python3 benchmarks/engine_load.py --model $M --server-arg=--dtype --server-arg=bfloat16"
+SERVER_WHEELS=1 . benchmarks/gpu/smol_prep.sh  # (T, M, D)
+OUT=${OUT:-$T/out}; mkdir -p "$OUT"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,clocks.sm,driver_version --format=csv,noheader
 case ${1:-} in
-  engine)
-    for v in "--deliver direct --deliver asyncio" "--deliver asyncio --warm-up loading" \
-             "MLX_CUDA_GRAPH_CACHE_SIZE=4000 --deliver asyncio" "MLX_USE_CUDA_GRAPHS=0 --deliver asyncio"; do
-      e=""; a=$v
-      case $v in MLX_*) e=${v%% *}; a=${v#* } ;; esac
-      n=$(echo "$v" | tr -c 'A-Za-z0-9\n' _ | cut -c1-40)
-      [ "$(left)" -gt 40 ] || { el "skipped: $v"; continue; }
-      el "engine: $v"
+  engine)  # the MLX settings through engine_ab.sh (asyncio delivery), then the worker's delivery and the old warm-up
+    el "engine: MLX settings"; M=$M D=$D T_EACH=$(( (B - 200) / 3 )) bash benchmarks/gpu/engine_ab.sh --repeats 2 --no-solo
+    for a in "--deliver direct" "--deliver asyncio --warm-up loading"; do
+      [ "$(left)" -gt 40 ] || { el "skipped: $a"; continue; }
+      el "engine: $a"
       # shellcheck disable=SC2086
-      env $e timeout $(( $(left) < 130 ? $(left) - 10 : 120 )) $EL --config $D --config none $a --repeats 2 \
-        --no-solo --out "$OUT/engine-$n.json" 2>&1 | grep -v "gated in" | tail -14
+      timeout $(( $(left) < 110 ? $(left) - 10 : 100 )) python3 benchmarks/engine_load.py --model "$M" \
+        --server-arg=--dtype --server-arg=bfloat16 --config "$D" --config none $a --repeats 2 --no-solo \
+        --out "$OUT/engine-$(echo "$a" | tr -c 'A-Za-z0-9\n' _).json" 2>&1 | grep -v "gated in" | tail -8
     done ;;
   trees)
     el trees; BUDGET=$(( $(left) - 5 )) bash benchmarks/gpu/server_tree_ab.sh . "${@:2}" ;;

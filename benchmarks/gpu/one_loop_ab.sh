@@ -10,12 +10,7 @@ export PYTHONUNBUFFERED=1 MLX_CUDA_USE_CUDNN_SDPA=0 MLX_PTX_CACHE_DIR=${MLX_PTX_
 OLD=$PWD/${1:-abold}; P=${PAYLOAD:-$HOME/payload}; T=${TMPDIR:-/tmp}; OUT=${OUT:-$T/out}; T0=$(date +%s)
 mkdir -p "$OUT" "$MLX_PTX_CACHE_DIR"
 [ -d "$OLD/mlx_dflash2" ] || { echo "one_loop_ab: no old tree at $OLD (see the header)" >&2; exit 2; }
-python3 -c "import gguf" 2>/dev/null || python3 -m pip install -q --no-index --no-deps "$P"/gguf-*.whl
-[ -f mlx_dflash2/drafters/smollm2-135m-instruct/config.json ] || {
-  mkdir -p mlx_dflash2/drafters && tar xzf "$P/drafter.tgz" -C mlx_dflash2/drafters; }
-M=${SMOL_MLX:-$T/smol-q4}
-[ -d "$M" ] || PYTHONPATH=$PWD python3 -m convert "$P/SmolLM2-135M-Instruct.Q4_1.gguf" "$M" --dtype bfloat16 --quiet
-D=$PWD/mlx_dflash2/drafters/smollm2-135m-instruct
+. benchmarks/gpu/smol_prep.sh  # (M, D)
 run() {  # tree, name, repeats, timeout cap
   local left=$(( ${BUDGET:-560} - ($(date +%s) - T0) - 5 )) t=$4
   [ "$left" -lt "$t" ] && t=$left

@@ -14,11 +14,8 @@
 set -u
 PY=${PY:-python3}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MLX_CUDA_USE_CUDNN_SDPA=0 MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-$HOME/ptx}
-T=${TMPDIR:-/tmp}; P=${PAYLOAD:-$HOME/payload}; OUT=${OUT:-$T/out}; mkdir -p "$OUT"
-$PY -c "import fastapi, uvicorn, pydantic, httpx" 2>/dev/null || { mkdir -p "$T/srv" && tar xf "$P/srvwhl.tar" -C "$T/srv" && $PY -m pip install -q --no-index --find-links "$T/srv" fastapi uvicorn pydantic httpx 2>&1 | tail -3; }
-$PY -c "import gguf" 2>/dev/null || $PY -m pip install -q --no-index --no-deps "$P"/gguf-*.whl
-[ -f mlx_dflash2/drafters/smollm2-135m-instruct/config.json ] || { mkdir -p mlx_dflash2/drafters && tar xzf "$P/drafter.tgz" -C mlx_dflash2/drafters; }
-M=${SMOL_MLX:-$T/smol-q4}; [ -d "$M" ] || $PY -m convert "${SMOL_GGUF:-$P/SmolLM2-135M-Instruct.Q4_1.gguf}" "$M" --dtype bfloat16 --quiet
+SERVER_WHEELS=1 . benchmarks/gpu/smol_prep.sh  # (P, T, M)
+OUT=${OUT:-$T/out}; mkdir -p "$OUT"
 if [ -n "${SHAPE:-}" ]; then  # a random-weight target of that shape with SmolLM2's tokenizer (scripted_server.py make)
   R=$T/random-$SHAPE; [ -d "$R" ] || $PY benchmarks/scripted_server.py make "$R" --tokenizer "$M" --shape "$SHAPE" || exit 1
   M=$R

@@ -18,7 +18,10 @@ server did before session 49) instead of the worker's (MLX keeps compiled traces
 configuration (``--config``: a drafter path for ``--drafter``, ``auto``, or ``none``): aggregate tok/s of the
 phase, the batched steps by kind (count, mean and median ms per step), the worker thread's CPU seconds per step
 (``time.thread_time`` on the worker: Python and graph building, without the device's work), the worker's parts
-(``GET /metrics``' ``worker_*``). One run each; ratios between configurations of one run only.
+(``GET /metrics``' ``worker_*``). One run each; ratios between configurations of one run only. The configurations
+share one process, so MLX's CUDA settings are the environment's for all of them (``benchmarks/gpu/engine_ab.sh``
+runs one process per setting): the server's ``--cuda-graphs auto`` (graphs off where it batches drafting rows,
+session 52) is not applied here.
 
     scripts/run python benchmarks/engine_load.py --config auto --config none --concurrency 8 --requests 5
     python3 benchmarks/engine_load.py --model "$TMPDIR/smol-q4" --config mlx_dflash2/drafters/smollm2-135m-instruct \\

@@ -11,6 +11,7 @@ import argparse
 import errno
 import json
 import logging
+import os
 import re
 import socket
 import sys
@@ -19,7 +20,11 @@ from pathlib import Path
 from ..loading import (ADAPTIVE_HELP, CALIBRATE_HELP, DRAFT_CONFIDENCE_HELP, DRAFT_VOCAB_HELP, DRAFTER_HELP,
                        DRAFTER_WINDOW_HELP, KERNELS_HELP, draft_confidence_arg, drafter_window_arg)
 
-__all__ = ["main", "setup_arg_parser", "build_app", "check_listen", "set_chat_template"]
+__all__ = ["main", "setup_arg_parser", "build_app", "check_listen", "set_chat_template", "cuda_graphs_setting"]
+
+#: MLX's CUDA backend reads this once per process, at its first GPU work (``use_cuda_graphs()``); on Metal and the
+#: CPU it means nothing
+CUDA_GRAPHS_VAR = "MLX_USE_CUDA_GRAPHS"
 
 
 def _size(text: str) -> int:
@@ -84,6 +89,35 @@ def check_args(args: argparse.Namespace) -> None:
     if t and "{" not in t and not Path(t).is_file():
         raise ValueError(f"--chat-template: no such file: {t} "
                          "(a template given inline is Jinja text, with {% or {{)")
+
+
+def cuda_graphs_setting(args: argparse.Namespace, environ=None) -> str | None:
+    """What ``--cuda-graphs`` makes of MLX's ``MLX_USE_CUDA_GRAPHS`` for this server: ``"1"``, ``"0"`` or ``None``
+    (leave the environment as it is).
+
+    ``on`` / ``off`` set it whatever the environment says. ``auto`` (the default) leaves a value the user set, and
+    otherwise turns CUDA graphs off for a server that batches drafting rows (a drafter or lookup, block size above
+    1, ``--max-batch`` of 2 or more). Why (issue 22, session 52, an H100, SmolLM2 with the shipped drafter, 8
+    clients): MLX caches one graph executable per distinct sequence of kernels, and a drafting batch's rounds (rows
+    x widths x the drafter's context) keep making new ones, so its rounds paid for instantiating graphs: drafting
+    rounds 45-82 ms and even its plain rounds 15 ms against 8.5 ms in a server without a drafter, 378 against 648
+    tok/s (``benchmarks/engine_load.py``); with graphs off the same rounds took 14 and 8.8 ms and the drafter's
+    server ran 745 tok/s, and over HTTP 600 against 443 tok/s at 8 clients (``bench_server.py``). A server without
+    drafting, or one that serves requests one at a time (``--max-batch`` 0 or 1: the solo loop's few shapes), keeps
+    MLX's default (graphs on: 170 against 136-157 tok/s for one client).
+
+    Args:
+        args: the parsed flags (``cuda_graphs``, ``drafter``, ``block_size``, ``max_batch``).
+        environ: the environment to read (default ``os.environ``).
+    """
+    environ = os.environ if environ is None else environ
+    mode = getattr(args, "cuda_graphs", "auto")
+    if mode in ("on", "off"):
+        return "1" if mode == "on" else "0"
+    if CUDA_GRAPHS_VAR in environ:
+        return None
+    drafting = str(args.drafter).lower() != "none" and args.block_size != 1
+    return "0" if drafting and args.max_batch >= 2 else None
 
 
 def listen_host(text: str) -> str:
@@ -202,6 +236,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="run the batched rounds' shapes (2 .. --max-batch rows, verify widths up to the block "
                    "size) once at start, so that the GPU backend builds its kernels for them before serving "
                    "(default: on a GPU backend; a CUDA machine's first start compiles for a minute or more)")
+    p.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto",
+                   help="MLX's CUDA graphs (MLX_USE_CUDA_GRAPHS; nothing on a Mac): auto = off for a server that "
+                   "batches drafting requests (their rounds' changing shapes rebuild graphs: 1.35x more tokens/s "
+                   "at 8 clients on an H100 without them), else MLX's default or your MLX_USE_CUDA_GRAPHS "
+                   "(default auto)")
     p.add_argument("--switch-interval", type=_switch_interval, default=None, metavar="SECONDS",
                    help="the interpreter's thread switch interval (sys.setswitchinterval) while serving: how long "
                    "the generation worker may run Python (building a round's graph) before the HTTP thread may "
@@ -219,6 +258,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                    help="logging level (default: INFO)")
     return p
+
+
+def _cuda() -> bool:
+    import mlx.core as mx
+
+    return bool(getattr(mx, "cuda", None) and mx.cuda.is_available())
 
 
 def set_chat_template(tokenizer, template: str) -> None:
@@ -309,6 +354,9 @@ def main(argv=None, *, parser: argparse.ArgumentParser | None = None, make_model
     """
     args = (parser or setup_arg_parser()).parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s - %(levelname)s - %(message)s")
+    graphs = cuda_graphs_setting(args)
+    if graphs is not None:  # before any GPU work: MLX reads it once, at the first
+        os.environ[CUDA_GRAPHS_VAR] = graphs
     import uvicorn
 
     try:
@@ -324,8 +372,9 @@ def main(argv=None, *, parser: argparse.ArgumentParser | None = None, make_model
 
     def serving(url: str) -> None:  # once listening: the port bound (--port 0 asks for any), an IPv6 host in [...]
         logging.getLogger("mlx_dflash2.server").info(
-            "serving %s (drafter %s, block size %d) on %s/v1",
-            engine.model.name, p.name if p else "none", args.block_size or engine.model.block_size, url,
+            "serving %s (drafter %s, block size %d%s) on %s/v1",
+            engine.model.name, p.name if p else "none", args.block_size or engine.model.block_size,
+            f", CUDA graphs {'off' if os.environ.get(CUDA_GRAPHS_VAR) == '0' else 'on'}" if _cuda() else "", url,
         )
 
     from .app import AppServer

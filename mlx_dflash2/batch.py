@@ -748,7 +748,9 @@ class WidthSchedule:
         to the best (up to ``2 ** max_backoff``), and no sooner than its extra cost over a round of the
         best fits in ``budget`` of the rounds since. A cap past a slower one is never tried unless the best
         moves next to it (a 16-row batch on a CPU never pays for a trial at width 16 when width 2 already
-        measured slower than 1)."""
+        measured slower than 1). The narrowest cap (plain rounds) is a neighbour of every best cap: a plain
+        round has no drafter forward, so its rate is not on the slope from cap 2 up (session 52 on an H100:
+        buckets of 9-32 rows started at cap 16, measured 2 slower than 4-16 and never ran a plain round)."""
         if n_rows < 2 or max_width <= 1:
             return None
         b = self.bucket(n_rows)
@@ -765,6 +767,8 @@ class WidthSchedule:
         if not explore:
             return arms[i]
         near = [arms[j] for j in (i - 1, i + 1) if 0 <= j < len(arms)]
+        if i > 1:  # plain rounds (no drafter forward: not one step down from a drafting cap) are always a neighbour
+            near.insert(0, arms[0])
         r = self.rounds.get(b, 0)
         for c in near:
             if (b, c) not in self.rate:

@@ -35,6 +35,18 @@ def chat_ids(tokenizer, text: str) -> list[int]:
     return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
 
 
+@pytest.fixture(autouse=True)
+def _keep_mlx_cuda_graphs_variable():
+    """The server's ``main`` writes ``MLX_USE_CUDA_GRAPHS`` (``--cuda-graphs``) for its process: a test calling it
+    in process gets the variable back as it was (on a GPU, MLX reads it at its first GPU work)."""
+    before = os.environ.get("MLX_USE_CUDA_GRAPHS")
+    yield
+    if before is None:
+        os.environ.pop("MLX_USE_CUDA_GRAPHS", None)
+    else:
+        os.environ["MLX_USE_CUDA_GRAPHS"] = before
+
+
 @pytest.fixture(scope="session")
 def smol_q():
     """The embedded SmolLM2-135M-Instruct, natively quantized (Q4_1/Q8_0), float32 scales."""

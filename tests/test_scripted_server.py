@@ -108,6 +108,8 @@ def test_a_make_model_error_is_one_line_and_exit_2(capsys):
     (["--block-size", "1"], None, None),
     (["--max-batch", "0"], None, None),
     (["--max-batch", "1"], None, None),
+    (["--decode-concurrency", "1"], None, None),  # one request at a time, batched or not
+    (["--drafter", "NONE"], None, "0"),  # (a path: the loader's keyword is "none" exactly)
     ([], "1", None),  # the user's own setting stays
     (["--cuda-graphs", "on"], "0", "1"),
     (["--cuda-graphs", "off", "--drafter", "none"], None, "0"),
@@ -129,6 +131,14 @@ def test_cuda_graphs_are_off_for_batched_drafting_unless_asked(flags, env, want,
 
     assert cli.main(["--port", "0", *flags], make_model=make_model) == 2
     assert seen == [want if want is not None else env]
+
+
+def test_the_start_up_line_reads_the_variable_as_mlx_does():
+    """MLX reads ``MLX_USE_CUDA_GRAPHS`` with C's ``atoi``: ``true`` is 0, graphs off (a review's find: the start-up
+    line said "on" for ``true``, ``false`` and ``""``)."""
+    for value, on in ((None, True), ("1", True), (" 2x", True), ("0", False), ("false", False), ("true", False),
+                      ("", False), ("-1", True)):
+        assert cli.cuda_graphs_on({} if value is None else {cli.CUDA_GRAPHS_VAR: value}) is on, value
 
 
 def test_make_writes_a_directory_both_loaders_read(scripted, tmp_path):

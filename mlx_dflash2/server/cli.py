@@ -20,7 +20,8 @@ from pathlib import Path
 from ..loading import (ADAPTIVE_HELP, CALIBRATE_HELP, DRAFT_CONFIDENCE_HELP, DRAFT_VOCAB_HELP, DRAFTER_HELP,
                        DRAFTER_WINDOW_HELP, KERNELS_HELP, draft_confidence_arg, drafter_window_arg)
 
-__all__ = ["main", "setup_arg_parser", "build_app", "check_listen", "set_chat_template", "cuda_graphs_setting"]
+__all__ = ["main", "setup_arg_parser", "build_app", "check_listen", "set_chat_template", "cuda_graphs_setting",
+           "cuda_graphs_on"]
 
 #: MLX's CUDA backend reads this once per process, at its first GPU work (``use_cuda_graphs()``); on Metal and the
 #: CPU it means nothing
@@ -97,7 +98,7 @@ def cuda_graphs_setting(args: argparse.Namespace, environ=None) -> str | None:
 
     ``on`` / ``off`` set it whatever the environment says. ``auto`` (the default) leaves a value the user set, and
     otherwise turns CUDA graphs off for a server that batches drafting rows (a drafter or lookup, block size above
-    1, ``--max-batch`` of 2 or more). Why (issue 22, session 52, an H100, SmolLM2 with the shipped drafter, 8
+    1, ``--max-batch`` and ``--decode-concurrency`` of 2 or more). Why (issue 22, session 52, an H100, SmolLM2 with the shipped drafter, 8
     clients): MLX caches one graph executable per distinct sequence of kernels, and a drafting batch's rounds (rows
     x widths x the drafter's context) keep making new ones, so its rounds paid for instantiating graphs: drafting
     rounds 45-82 ms and even its plain rounds 15 ms against 8.5 ms in a server without a drafter, 378 against 648
@@ -107,7 +108,7 @@ def cuda_graphs_setting(args: argparse.Namespace, environ=None) -> str | None:
     MLX's default (graphs on: 170 against 136-157 tok/s for one client).
 
     Args:
-        args: the parsed flags (``cuda_graphs``, ``drafter``, ``block_size``, ``max_batch``).
+        args: the parsed flags (``cuda_graphs``, ``drafter``, ``block_size``, ``max_batch``, ``decode_concurrency``).
         environ: the environment to read (default ``os.environ``).
     """
     environ = os.environ if environ is None else environ
@@ -116,8 +117,20 @@ def cuda_graphs_setting(args: argparse.Namespace, environ=None) -> str | None:
         return "1" if mode == "on" else "0"
     if CUDA_GRAPHS_VAR in environ:
         return None
-    drafting = str(args.drafter).lower() != "none" and args.block_size != 1
-    return "0" if drafting and args.max_batch >= 2 else None
+    drafting = args.drafter != "none" and args.block_size != 1  # (the loader's keyword, exactly)
+    batched = min(args.max_batch, args.decode_concurrency) >= 2  # (the engine admits decode_concurrency at most)
+    return "0" if drafting and batched else None
+
+
+def cuda_graphs_on(environ=None) -> bool:
+    """Whether MLX's CUDA backend runs CUDA graphs under ``environ`` (default ``os.environ``), read as MLX reads
+    ``MLX_USE_CUDA_GRAPHS`` (``env::get_var``: C's ``atoi``, so ``0``, ``false``, ``true`` or ``""`` all mean off;
+    unset means on). Only true of the process if nothing ran on the GPU before the variable was last written."""
+    environ = os.environ if environ is None else environ
+    if CUDA_GRAPHS_VAR not in environ:
+        return True
+    m = re.match(r"\s*([+-]?\d+)", environ[CUDA_GRAPHS_VAR])
+    return bool(m and int(m.group(1)) != 0)
 
 
 def listen_host(text: str) -> str:
@@ -237,10 +250,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    "size) once at start, so that the GPU backend builds its kernels for them before serving "
                    "(default: on a GPU backend; a CUDA machine's first start compiles for a minute or more)")
     p.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto",
-                   help="MLX's CUDA graphs (MLX_USE_CUDA_GRAPHS; nothing on a Mac): auto = off for a server that "
-                   "batches drafting requests (their rounds' changing shapes rebuild graphs: 1.35x more tokens/s "
-                   "at 8 clients on an H100 without them), else MLX's default or your MLX_USE_CUDA_GRAPHS "
-                   "(default auto)")
+                   help="MLX's CUDA graphs (MLX_USE_CUDA_GRAPHS; nothing on a Mac): auto = your "
+                   "MLX_USE_CUDA_GRAPHS if set, else off for a server that batches drafting requests (their rounds' "
+                   "changing shapes rebuild graphs: 1.35x more tokens/s at 8 clients on an H100 without them), "
+                   "else MLX's default (on); on / off: set it (default auto)")
     p.add_argument("--switch-interval", type=_switch_interval, default=None, metavar="SECONDS",
                    help="the interpreter's thread switch interval (sys.setswitchinterval) while serving: how long "
                    "the generation worker may run Python (building a round's graph) before the HTTP thread may "
@@ -374,7 +387,7 @@ def main(argv=None, *, parser: argparse.ArgumentParser | None = None, make_model
         logging.getLogger("mlx_dflash2.server").info(
             "serving %s (drafter %s, block size %d%s) on %s/v1",
             engine.model.name, p.name if p else "none", args.block_size or engine.model.block_size,
-            f", CUDA graphs {'off' if os.environ.get(CUDA_GRAPHS_VAR) == '0' else 'on'}" if _cuda() else "", url,
+            f", CUDA graphs {'on' if cuda_graphs_on() else 'off'}" if _cuda() else "", url,
         )
 
     from .app import AppServer

@@ -98,14 +98,15 @@ def cuda_graphs_setting(args: argparse.Namespace, environ=None) -> str | None:
 
     ``on`` / ``off`` set it whatever the environment says. ``auto`` (the default) leaves a value the user set, and
     otherwise turns CUDA graphs off for a server that batches drafting rows (a drafter or lookup, block size above
-    1, ``--max-batch`` and ``--decode-concurrency`` of 2 or more). Why (issue 22, session 52, an H100, SmolLM2 with the shipped drafter, 8
-    clients): MLX caches one graph executable per distinct sequence of kernels, and a drafting batch's rounds (rows
-    x widths x the drafter's context) keep making new ones, so its rounds paid for instantiating graphs: drafting
-    rounds 45-82 ms and even its plain rounds 15 ms against 8.5 ms in a server without a drafter, 378 against 648
-    tok/s (``benchmarks/engine_load.py``); with graphs off the same rounds took 14 and 8.8 ms and the drafter's
-    server ran 745 tok/s, and over HTTP 600 against 443 tok/s at 8 clients (``bench_server.py``). A server without
-    drafting, or one that serves requests one at a time (``--max-batch`` 0 or 1: the solo loop's few shapes), keeps
-    MLX's default (graphs on: 170 against 136-157 tok/s for one client).
+    1, ``--max-batch`` and ``--decode-concurrency`` of 2 or more). Why (issue 22, session 52, an H100, SmolLM2 with
+    the shipped drafter, 8 clients): MLX caches one graph executable per distinct sequence of kernels, and a
+    drafting batch's rounds (rows x widths x the drafter's context) keep making new ones, so its rounds paid for
+    instantiating graphs: drafting rounds 45-82 ms and even its plain rounds 15 ms against 8.5 ms in a server
+    without a drafter, 378 against 648 tok/s (``benchmarks/engine_load.py``); with graphs off the same rounds took
+    14 and 8.8 ms and the drafter's server ran 745 tok/s, and over HTTP 600 against 443 tok/s at 8 clients
+    (``bench_server.py``). A server without drafting, or one that serves requests one at a time (``--max-batch`` 0
+    or 1, ``--decode-concurrency`` 1: the solo loop's few shapes), keeps MLX's default (graphs on: 170 against
+    136-157 tok/s for one client).
 
     Args:
         args: the parsed flags (``cuda_graphs``, ``drafter``, ``block_size``, ``max_batch``, ``decode_concurrency``).
@@ -368,7 +369,7 @@ def main(argv=None, *, parser: argparse.ArgumentParser | None = None, make_model
     args = (parser or setup_arg_parser()).parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s - %(levelname)s - %(message)s")
     graphs = cuda_graphs_setting(args)
-    if graphs is not None:  # before any GPU work: MLX reads it once, at the first
+    if graphs is not None:  # before any GPU work: MLX reads it once, at its first
         os.environ[CUDA_GRAPHS_VAR] = graphs
     import uvicorn
 

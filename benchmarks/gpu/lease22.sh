@@ -2,9 +2,11 @@
 # Issue 22's measuring calls on a lease, one STAGE per device call (each bounded by BUDGET seconds, default 560, so
 # it ends inside the call's 600 s), from the repository root on the device after the bundles were installed
 # (benchmarks/README.md: bundle.sh's MLX wheels, the SmolLM2 GGUF, the gguf wheel, srvwhl.tar, drafter.tgz, a PTX
-# cache). Session 51 wrote it down from session 50's unused plan; no lease came in either session.
+# cache). Session 51 wrote it down from session 50's unused plan; session 52 ran table, engine, table with
+# MLX_USE_CUDA_GRAPHS=0, and 8b on an H100 (benchmarks/README.md). Next: table at HEAD (the server's --cuda-graphs
+# auto, set in process), then 8b (its whole budget now for the 8B shape: session 52's mlx_lm.server part did not fit).
 #   bash benchmarks/gpu/lease22.sh STAGE
-# Stages, in the order worth running (what each answers):
+# Stages (what each answers):
 #   engine  benchmarks/engine_load.py, the server's engine without HTTP, the shipped drafter against none at 8
 #           clients x 5 requests, 2 phases each, in fresh processes: engine_ab.sh's MLX settings (the default,
 #           MLX_CUDA_GRAPH_CACHE_SIZE=4000, MLX_USE_CUDA_GRAPHS=0), then delivery on the worker instead of the
@@ -14,8 +16,7 @@
 #           session 47 and before b1ec8a9 against this one (1.37-1.42x mlx_lm.server in sessions 46-47, 0.94x in
 #           session 49); make the trees first (server_tree_ab.sh's header) and carry them.
 #   8b      SHAPE=qwen3-8b server.sh: the scripted drafter (tau 3) against ours without one and mlx_lm.server at
-#           the random Qwen3-8B shape, 1 and 8 clients x 3 requests; then the SmolLM2 table at 1 and 8 clients
-#           with what is left.
+#           the random Qwen3-8B shape, 1 and 8 clients x 3 requests.
 #   table   the SmolLM2 table at 1, 2, 4, 8, 16, 32 clients x 5 requests (run.sh server): the issue's H200 table.
 set -u
 export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-$HOME/ptx} MLX_CUDA_USE_CUDNN_SDPA=0 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -39,10 +40,8 @@ case ${1:-} in
   trees)
     el trees; BUDGET=$(( $(left) - 5 )) bash benchmarks/gpu/server_tree_ab.sh . "${@:2}" ;;
   8b)
-    el 8b; SHAPE=qwen3-8b NAME=server8b SAVE_PTX=0 RUN_BUDGET=$(( B * 6 / 10 )) \
-      ARGS_SERVER="--concurrency 1,8 --requests 3 --pool 8" bash benchmarks/gpu/run.sh server
-    el smollm2; [ "$(left)" -gt 120 ] && SAVE_PTX=0 RUN_BUDGET=$(( $(left) - 10 )) \
-      ARGS_SERVER="--requests 5 --concurrency 1,8" bash benchmarks/gpu/run.sh server ;;
+    el 8b; SHAPE=qwen3-8b NAME=server8b SAVE_PTX=0 RUN_BUDGET=$(( $(left) - 5 )) \
+      ARGS_SERVER="--concurrency 1,8 --requests 3 --pool 8" bash benchmarks/gpu/run.sh server ;;
   table)
     el table; SAVE_PTX=0 RUN_BUDGET=$B T_SERVER=$(( B - 10 )) \
       ARGS_SERVER="--requests 5 --concurrency 1,2,4,8,16,32" bash benchmarks/gpu/run.sh server ;;

@@ -274,12 +274,6 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _cuda() -> bool:
-    import mlx.core as mx
-
-    return bool(getattr(mx, "cuda", None) and mx.cuda.is_available())
-
-
 def set_chat_template(tokenizer, template: str) -> None:
     """``--chat-template``: ``template`` (a Jinja string, or a file holding one) replaces ``tokenizer``'s own;
     ``""`` keeps it."""
@@ -388,9 +382,10 @@ def main(argv=None, *, parser: argparse.ArgumentParser | None = None, make_model
         logging.getLogger("mlx_dflash2.server").info(
             "serving %s (drafter %s, block size %d%s) on %s/v1",
             engine.model.name, p.name if p else "none", args.block_size or engine.model.block_size,
-            f", CUDA graphs {'on' if cuda_graphs_on() else 'off'}" if _cuda() else "", url,
+            f", CUDA graphs {'on' if cuda_graphs_on() else 'off'}" if backend() == "cuda" else "", url,
         )
 
+    from ..kernels import backend
     from .app import AppServer
 
     if args.switch_interval is not None:

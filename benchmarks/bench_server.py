@@ -143,11 +143,17 @@ def start_server(server: str, args) -> tuple[subprocess.Popen, str]:
         time.sleep(0.5)
 
 
-def one_request(url: str, prompt: str, max_tokens: int) -> dict:
+def one_request(url: str, prompt: str, max_tokens: int, token_strings: bool = False) -> dict:
+    """One streamed greedy chat request: its text, latency, TTFT (s), completion tokens and tau; with
+    ``token_strings`` it also asks for ``logprobs`` and keeps the streamed tokens' strings (``"token_strings"``:
+    where an answer departs from the solo one, :func:`divergence_margin` then finds the departing token even
+    where the text departs later; the logprobs change what the server computes, so timed tables leave it off)."""
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "stream": True,
             "stream_options": {"include_usage": True}, "temperature": 0.0}
+    if token_strings:
+        body["logprobs"] = True
     t0 = time.perf_counter()
-    ttft, text, usage, spec = None, "", None, None
+    ttft, text, usage, spec, toks = None, "", None, None, []
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {r.read()!r}")
@@ -162,11 +168,16 @@ def one_request(url: str, prompt: str, max_tokens: int) -> dict:
                 if t:
                     ttft = ttft or time.perf_counter() - t0
                     text += t
+                lp = c.get("logprobs")
+                toks += [x["token"] for x in ((lp.get("content") if isinstance(lp, dict) else None) or [])]
             usage = d.get("usage") or usage
             spec = d.get("speculative") or spec
     ntok = usage["completion_tokens"] if usage else None
-    return {"text": text, "latency": time.perf_counter() - t0, "ttft": ttft or 0.0,
-            "tokens": ntok if ntok is not None else max_tokens, "tau": spec["acceptance_length"] if spec else 1.0}
+    out = {"text": text, "latency": time.perf_counter() - t0, "ttft": ttft or 0.0,
+           "tokens": ntok if ntok is not None else max_tokens, "tau": spec["acceptance_length"] if spec else 1.0}
+    if token_strings:
+        out["token_strings"] = toks
+    return out
 
 
 def solo_margins(url: str, prompt: str, max_tokens: int) -> list[tuple[str, float]]:
@@ -183,28 +194,47 @@ def solo_margins(url: str, prompt: str, max_tokens: int) -> list[tuple[str, floa
     return out
 
 
-def divergence_margin(solo: str, other: str, tokens: list[tuple[str, float]]) -> float | None:
+def divergence_margin(solo: str, other: str, tokens: list[tuple[str, float]],
+                      other_tokens: list[str] | None = None) -> float | None:
     """The solo run's margin (:func:`solo_margins`) at the token where ``other`` first departs from ``solo``
     (a near-tie there, e.g. < 0.1 nats, is what batched bf16 matmuls may decide the other way); None if the
-    texts are equal or the tokens do not spell ``solo`` that far."""
-    i = next((k for k, (a, b) in enumerate(zip(solo, other)) if a != b), min(len(solo), len(other)))
+    texts are equal (and, given, the token splits too) or the tokens do not spell ``solo`` that far.
+
+    With ``other_tokens`` (the other run's token strings) the departure is the first token that differs:
+    a run that splits the same text differently (``"\\n\\n"`` vs ``"\\n"`` + ``"\\n"``) departs there, though
+    its text departs later. Without them only the text is known: the departure is the solo token covering
+    the first differing character, which is the true one only where the other run tokenised the common
+    prefix the same way."""
+    if other_tokens is not None:
+        pos = 0
+        for k, (tok, margin) in enumerate(tokens):
+            if solo[pos:pos + len(tok)] != tok:
+                return None  # the tokens do not spell ``solo`` (another answer than the reference)
+            if k >= len(other_tokens) or other_tokens[k] != tok:
+                return margin
+            pos += len(tok)
+        return None
     if solo == other:
         return None
+    i = next((k for k, (a, b) in enumerate(zip(solo, other)) if a != b), min(len(solo), len(other)))
     pos = 0
     for tok, margin in tokens:
+        if solo[pos:pos + len(tok)] != tok:
+            return None  # the tokens do not spell ``solo`` (another answer than the reference)
         pos += len(tok)
         if pos > i:
             return margin
     return None
 
 
-def run_phase(url: str, plist: list[str], clients: int, max_tokens: int) -> tuple[list[dict], float]:
+def run_phase(url: str, plist: list[str], clients: int, max_tokens: int,
+              token_strings: bool = False) -> tuple[list[dict], float]:
     """``clients`` threads share the prompts in order (client c takes prompts c, c+clients, ...)."""
     results: list = [None] * len(plist)
 
     def client(c: int):
         for i in range(c, len(plist), clients):
-            results[i] = one_request(url, plist[i], max_tokens)
+            results[i] = one_request(url, plist[i], max_tokens, token_strings)
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as ex:
@@ -368,6 +398,9 @@ def main(argv=None) -> int:
                     help="our server's --max-batch (default: its default; 0: round-robin, no batching)")
     ap.add_argument("--dequantize", action=argparse.BooleanOptionalAction, default=True,
                     help="dense target (default on: the fast exact target on CPU)")
+    ap.add_argument("--token-strings", action="store_true",
+                    help="ask for logprobs in every phase and keep the streamed tokens' strings, so an answer's "
+                         "departure from its solo one is placed by token (diagnostic: logprobs change the work)")
     ap.add_argument("--out", default="benchmarks/results/server.json")
     ap.add_argument("--handoffs", default=None, metavar="DIR",
                     help="run our servers under gil_handoffs.py (every thread traced, several times slower): where "
@@ -406,7 +439,7 @@ def main(argv=None) -> int:
             run_phase(url, pool[:2], 1, args.max_tokens)
             run_phase(url, pool[:2], 2, args.max_tokens)
             before = step_seconds(url, server)
-            solo, wall1 = run_phase(url, pool, 1, args.max_tokens)
+            solo, wall1 = run_phase(url, pool, 1, args.max_tokens, args.token_strings)
             ref = {p: x["text"] for p, x in zip(pool, solo)}
             r["c1"] = summarize(solo, wall1)
             before = add_steps(r["c1"], url, server, before, "c=1")
@@ -415,21 +448,29 @@ def main(argv=None) -> int:
                 spy_out = (Path(args.spy) / f"{server.replace(':', '-').replace('/', '_')}-c{c}.txt"
                            if args.spy else None)
                 spy = start_spy(proc.pid, spy_out) if spy_out else None
-                res, wall = run_phase(url, plist, c, args.max_tokens)
+                res, wall = run_phase(url, plist, c, args.max_tokens, args.token_strings)
                 stop_spy(spy, spy_out) if spy_out else None
                 r[f"c{c}"] = summarize(res, wall)
                 before = add_steps(r[f"c{c}"], url, server, before, f"c={c}")
                 bad = [i for i, (p, x) in enumerate(zip(plist, res)) if x["text"] != ref[p]]
                 if bad:
                     r["mismatches"][f"c{c}"] = bad
-                    diverged[c] = [(plist[i], res[i]["text"]) for i in bad]
+                    diverged[c] = [(plist[i], res[i]) for i in bad]
                 print(f"{server} c={c}: {r[f'c{c}']['aggregate_tps']:.1f} tok/s, {len(bad)} mismatches", flush=True)
             if diverged:  # after the timed phases: is each divergence a near-tie of the solo run?
                 try:
                     margins = {p: solo_margins(url, p, args.max_tokens) for p in {p for v in diverged.values()
                                                                                    for p, _ in v}}
-                    r["divergence_margins"] = {f"c{c}": [divergence_margin(ref[p], t, margins[p]) for p, t in v]
-                                               for c, v in diverged.items()}
+                    r["divergence_margins"] = {
+                        f"c{c}": [divergence_margin(ref[p], x["text"], margins[p], x.get("token_strings"))
+                                  for p, x in v] for c, v in diverged.items()}
+                    # departures that are no near-tie (> 1 nat): both answers kept, to be read
+                    r["departures"] = [
+                        {"clients": c, "prompt": pool.index(p), "margin": m, "solo": ref[p], "text": x["text"],
+                         "completion_tokens": x["tokens"], "token_strings": x.get("token_strings"),
+                         "solo_tokens": [t for t, _ in margins[p]]}
+                        for c, v in diverged.items()
+                        for (p, x), m in zip(v, r["divergence_margins"][f"c{c}"]) if m is not None and m > 1.0]
                     for c, ms in r["divergence_margins"].items():
                         known = sorted(m for m in ms if m is not None)
                         print(f"{server} {c}: {len(ms)} outputs unlike the solo ones; the solo run's margin where "

@@ -274,3 +274,28 @@ def test_a_prompt_outside_the_pool_is_drafted_wrong_and_computes_nothing(scripte
     prop = s.propose(7, 5)
     assert prop.n == 5 and oracle.misses == 1 and len(oracle.references) == known + 1
     assert oracle.references[(7, 7, 7)] == []
+
+
+def test_bench_server_divergence_margin_finds_the_departing_token():
+    """The solo margin at the departure: by characters, the solo token covering the first differing one; with the
+    other run's tokens, the first differing token, also where the same text was split otherwise ("\\n\\n" vs
+    "\\n" + "\\n": by characters the departure would land on the next solo token, "2", with its large margin)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_server import divergence_margin
+
+    toks = [("fab", 2.0), ("ation", 0.375), ('."', 0.25), ("\n\n", 0.625), ("2", 6.375), (".", 9.6)]
+    solo = "".join(t for t, _ in toks)
+    assert divergence_margin(solo, solo, toks) is None
+    assert divergence_margin(solo, 'fabation" that', toks) == 0.25  # departs inside '."'
+    assert divergence_margin(solo, 'fabation." This', toks) == 0.625  # departs inside "\n\n"
+    resplit = 'fabation."\n\nThis process'  # "\n" + "\n" + "This": the text departs at "2" ...
+    assert divergence_margin(solo, resplit, toks) == 6.375  # ... which is all the text alone can tell
+    # ... while the tokens show the departure at "\n\n" (solo's near-tie there, 0.625)
+    assert divergence_margin(solo, resplit, toks, ["fab", "ation", '."', "\n", "\n", "This", " process"]) == 0.625
+    assert divergence_margin(solo, solo, toks, [t for t, _ in toks]) is None
+    assert divergence_margin(solo, "fabation", toks, ["fab", "ation"]) == 0.25  # the other run stopped there
+    assert divergence_margin(solo, solo[:-1] + "!", toks, [t for t, _ in toks[:-1]] + ["!"]) == 9.6
+    # tokens that do not spell the reference (another solo answer): no margin rather than a misplaced one
+    other_answer = [("fab", 2.0), ("ric", 0.1), ("ation", 0.375)]
+    assert divergence_margin(solo, 'fabation" that', other_answer) is None
+    assert divergence_margin(solo, 'fabation" that', other_answer, ["fab", "ation", '"']) is None

@@ -175,8 +175,8 @@ def one_request(url: str, prompt: str, max_tokens: int, token_strings: bool = Fa
     ntok = usage["completion_tokens"] if usage else None
     out = {"text": text, "latency": time.perf_counter() - t0, "ttft": ttft or 0.0,
            "tokens": ntok if ntok is not None else max_tokens, "tau": spec["acceptance_length"] if spec else 1.0}
-    if token_strings:
-        out["token_strings"] = toks
+    if token_strings:  # (None where the server sent no tokens, or tokens that do not spell the text)
+        out["token_strings"] = toks if toks and "".join(toks) == text else None
     return out
 
 

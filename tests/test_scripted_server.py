@@ -299,3 +299,55 @@ def test_bench_server_divergence_margin_finds_the_departing_token():
     other_answer = [("fab", 2.0), ("ric", 0.1), ("ation", 0.375)]
     assert divergence_margin(solo, 'fabation" that', other_answer) is None
     assert divergence_margin(solo, 'fabation" that', other_answer, ["fab", "ation", '"']) is None
+
+
+def test_bench_server_keeps_token_strings_only_where_they_spell_the_text(monkeypatch):
+    """``one_request(..., token_strings=True)`` asks for logprobs and keeps the streamed tokens' strings; a server
+    that sends none (or tokens that do not spell its text) gives ``None``, never an empty list that
+    :func:`divergence_margin` would read as a departure at the first token."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import json
+
+    import bench_server
+
+    def chunk(text, toks=None):
+        c = {"delta": {"content": text}}
+        if toks is not None:
+            c["logprobs"] = {"content": [{"token": t, "logprob": -0.1} for t in toks]}
+        return "data: " + json.dumps({"choices": [c]})
+
+    usage = "data: " + json.dumps({"choices": [], "usage": {"completion_tokens": 3}})
+    bodies = {
+        "spelled": [chunk("Hi", ["H", "i"]), chunk(" there", [" there"]), usage, "data: [DONE]"],
+        "none": [chunk("Hi"), chunk(" there"), usage, "data: [DONE]"],
+        "partial": [chunk("Hi", ["H", "i"]), chunk(" there"), usage, "data: [DONE]"],
+    }
+    sent = []
+
+    class Response:
+        status_code = 200
+
+        def __init__(self, lines):
+            self.lines = lines
+
+        def iter_lines(self):
+            return iter(self.lines)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    def stream(method, url, json=None, timeout=None):
+        sent.append(json)
+        return Response(bodies[json["messages"][0]["content"]])
+
+    monkeypatch.setattr(bench_server.httpx, "stream", stream)
+    out = bench_server.one_request("http://x", "spelled", 8, token_strings=True)
+    assert sent[-1]["logprobs"] is True
+    assert out["text"] == "Hi there" and out["token_strings"] == ["H", "i", " there"] and out["tokens"] == 3
+    assert bench_server.one_request("http://x", "none", 8, token_strings=True)["token_strings"] is None
+    assert bench_server.one_request("http://x", "partial", 8, token_strings=True)["token_strings"] is None
+    plain = bench_server.one_request("http://x", "spelled", 8)
+    assert "logprobs" not in sent[-1] and "token_strings" not in plain

@@ -351,3 +351,30 @@ def test_bench_server_keeps_token_strings_only_where_they_spell_the_text(monkeyp
     assert bench_server.one_request("http://x", "partial", 8, token_strings=True)["token_strings"] is None
     plain = bench_server.one_request("http://x", "spelled", 8)
     assert "logprobs" not in sent[-1] and "token_strings" not in plain
+
+
+def test_round_graphs_reads_a_lazy_graph_and_restores_async_eval():
+    """``benchmarks/round_graphs.py``'s pieces: a lazy graph's primitive sequence (equal for equal graphs at other
+    shapes, different where an op is added), where two sequences first differ, and its ``mx.async_eval`` recorder
+    put back on exit."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import mlx.core as mx
+    import round_graphs
+
+    def graph(n, pad):
+        x = mx.ones((n, 4)) * 2.0
+        if pad:
+            x = mx.pad(x, [(0, 1), (0, 0)])
+        return mx.exp(x).sum()
+
+    a, b, c = (round_graphs.op_sequence([graph(n, p)]) for n, p in ((3, False), (5, False), (3, True)))
+    assert a and a == b and a != c
+    d = round_graphs.first_differences(a, c)
+    assert d["first"] is not None and any("Pad" in x["after"] for x in d["diffs"])
+    assert round_graphs.op_sequence([mx.eval(y) or y for y in [graph(2, False)]]) == []
+    orig, sink = mx.async_eval, []
+    with round_graphs.recording_async_eval(sink):
+        y = graph(2, True)
+        mx.async_eval(y)
+        mx.eval(y)
+    assert mx.async_eval is orig and len(sink) == 1 and "Pad" in sink[0]

@@ -1,0 +1,162 @@
+"""Do a batch's rounds repeat the same sequence of MLX operations? A CPU proxy for MLX's CUDA-graph reuse.
+
+MLX's CUDA backend records the kernels of an evaluation into CUDA graphs of up to ~100 kernels (H100/H200) and
+keeps the instantiated graphs in a cache keyed by their topology (the kinds of nodes and their dependencies, not
+their shapes: ``mlx/backend/cuda/device.cpp``, ``CommandEncoder::commit``). A round that evaluates the same
+operations as an earlier one (shapes aside) reuses its graphs; a round whose operations differ, even by one early
+``Pad``, shifts every later graph's boundary and instantiates new ones. Session 52 measured that price on an H100
+(a drafting round at 8 rows: 45-82 ms with graphs, 14 ms without), which is why ``--cuda-graphs auto`` turns graphs
+off for servers that batch drafting rows.
+
+This script counts, on any backend, how many distinct operation sequences a batch's rounds evaluate: ``N`` chat
+requests (``bench_server.py``'s prompts) join one :class:`~mlx_dflash2.batch.SpeculativeBatch`, every round runs
+at the width cap ``--cap`` (1: plain rounds), and each round's graph (the arrays the round hands to
+``mx.async_eval``: its target forward, accept, and the drafter work it carries) is walked with
+``mx.export_to_dot`` into its sequence of primitive names. Reported per configuration: the rounds, the distinct
+sequences among them, the node counts, and for consecutive rounds that differ where the first difference lies
+and which primitives differ there (the places a shape-stable round has to fix first).
+
+    scripts/run python benchmarks/round_graphs.py --concurrency 8 --cap 1,2 --rounds 16
+    scripts/run python benchmarks/round_graphs.py --concurrency 8 --cap 2 --rounds 16 --drafter none
+
+The count is of MLX primitives, not CUDA kernels (a view such as ``Reshape`` launches none; a CUDA twin of the
+kernel registry replaces a reference op's several primitives with one kernel), so equal sequences here mean
+reusable graphs there, while unequal ones only point at where reuse breaks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import io
+import json
+import re
+import sys
+from collections import Counter
+from contextlib import contextmanager
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]  # this checkout
+import mlx_dflash2  # noqa: F401,E402  (before MLX: loads the optimized OpenBLAS)
+import mlx.core as mx  # noqa: E402
+
+from bench_server import prompts  # noqa: E402
+
+from mlx_dflash2.batch import SpeculativeBatch, WidthSchedule  # noqa: E402
+from mlx_dflash2.loading import load  # noqa: E402
+
+
+class FixedCap(WidthSchedule):
+    """A width schedule that runs every round of two rows or more at one cap (no trials, no measurements)."""
+
+    def __init__(self, cap: int):
+        super().__init__()
+        self.cap = cap
+
+    def choose(self, n_rows: int, max_width: int, explore: bool = True) -> int | None:
+        return self.cap
+
+
+def op_sequence(arrays) -> list[str]:
+    """The primitive names of the lazy graph behind ``arrays`` (nested lists allowed), in ``mx.export_to_dot``'s
+    order (deterministic for one graph); evaluated arrays contribute no nodes."""
+    flat, todo = [], list(arrays)
+    while todo:
+        a = todo.pop(0)
+        if isinstance(a, (list, tuple)):
+            todo[:0] = list(a)
+        elif isinstance(a, mx.array):
+            flat.append(a)
+    if not flat:
+        return []
+    f = io.StringIO()
+    mx.export_to_dot(f, *flat)
+    return re.findall(r'label ="?([A-Za-z_0-9]+)', f.getvalue())
+
+
+@contextmanager
+def recording_async_eval(sink: list):
+    """Within the block, every ``mx.async_eval`` call first records its graph's :func:`op_sequence` into ``sink``
+    (this script's process only; restored on exit)."""
+    orig = mx.async_eval
+
+    def spy(*arrays):
+        sink.append(op_sequence(arrays))
+        return orig(*arrays)
+
+    mx.async_eval = spy
+    try:
+        yield
+    finally:
+        mx.async_eval = orig
+
+
+def first_differences(a: list[str], b: list[str], limit: int = 4) -> dict:
+    """Where two rounds' sequences first differ and the primitives of their first ``limit`` differing spans."""
+    ops = [o for o in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes() if o[0] != "equal"]
+    return {"first": ops[0][1] if ops else None, "spans": len(ops),
+            "diffs": [{"kind": t, "before": dict(Counter(a[i1:i2]).most_common(5)),
+                       "after": dict(Counter(b[j1:j2]).most_common(5))} for t, i1, i2, j1, j2 in ops[:limit]]}
+
+
+def run(model, tok, n: int, cap: int, rounds: int, skip: int, use_drafter: bool) -> dict:
+    """``n`` requests joined at once, ``skip`` rounds run first (joins, first appends), then ``rounds`` rounds
+    recorded at ``cap``; returns the counts and the first differences of consecutive recorded rounds."""
+    batch = SpeculativeBatch(model.target, schedule=FixedCap(cap))
+    for p in prompts(n):
+        ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+        batch.add(ids, max_tokens=skip + rounds * 16 + 64, proposer=model.proposer if use_drafter else None)
+    for _ in range(skip):
+        batch.step()
+    seqs, widths = [], []
+    for _ in range(rounds):
+        sink: list = []
+        with recording_async_eval(sink):
+            batch.step()
+        seqs.append(tuple(x for s in sink for x in s))
+        widths.append(batch.last_round["width"])
+        if batch.active < n:
+            break  # a request finished: the rows changed
+    sizes = [len(s) for s in seqs]
+    diffs = [first_differences(list(a), list(b)) for a, b in zip(seqs, seqs[1:]) if a != b]
+    return {"rows": n, "cap": cap, "drafter": use_drafter, "rounds": len(seqs), "widths": sorted(set(widths)),
+            "distinct": len(set(seqs)), "nodes_min": min(sizes, default=0), "nodes_max": max(sizes, default=0),
+            "first_difference_median": (sorted(d["first"] for d in diffs)[len(diffs) // 2] if diffs else None),
+            "differences": diffs[:3]}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="target (default: the embedded SmolLM2)")
+    ap.add_argument("--drafter", default="auto", help="the model's proposer for drafting rows (none: plain rows)")
+    ap.add_argument("--dtype", default="bfloat16", help="as a GPU server runs it (default bfloat16)")
+    ap.add_argument("--concurrency", default="8", help="rows, comma-separated")
+    ap.add_argument("--cap", default="1,2", help="width caps, comma-separated (1: plain rounds)")
+    ap.add_argument("--rounds", type=int, default=12, help="rounds recorded per configuration")
+    ap.add_argument("--skip", type=int, default=3, help="rounds run before recording (the joins' prefill, ...)")
+    ap.add_argument("--out", default=None, help="JSON results")
+    args = ap.parse_args(argv)
+    if args.rounds < 2:
+        ap.error("--rounds must be at least 2")
+    from mlx_dflash2 import assets
+
+    model, tok = load(args.model or assets.embedded_model_path(), args.drafter, dtype=args.dtype)
+    use_drafter = args.drafter != "none"
+    results = []
+    for n in [int(x) for x in args.concurrency.split(",")]:
+        for cap in [int(x) for x in args.cap.split(",")]:
+            r = run(model, tok, n, cap, args.rounds, args.skip, use_drafter)
+            results.append(r)
+            print(f"{n} rows, cap {cap}{' (drafter)' if use_drafter else ''}: {r['distinct']} distinct operation "
+                  f"sequences in {r['rounds']} rounds (widths {r['widths']}), {r['nodes_min']}-{r['nodes_max']} "
+                  f"nodes, first difference at node {r['first_difference_median']} (median)", flush=True)
+            for d in r["differences"][:1]:
+                for x in d["diffs"]:
+                    print(f"    {x['kind']}: {x['before']} -> {x['after']}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+        print(f"results: {args.out}")
+
+
+if __name__ == "__main__":
+    main()

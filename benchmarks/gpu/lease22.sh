@@ -3,8 +3,9 @@
 # it ends inside the call's 600 s), from the repository root on the device after the bundles were installed
 # (benchmarks/README.md: bundle.sh's MLX wheels, the SmolLM2 GGUF, the gguf wheel, srvwhl.tar, drafter.tgz, a PTX
 # cache). Session 51 wrote it down from session 50's unused plan; session 52 ran table, engine, table with
-# MLX_USE_CUDA_GRAPHS=0, and 8b on an H100 (benchmarks/README.md). Next: table at HEAD (the server's --cuda-graphs
-# auto, set in process), then 8b (its whole budget now for the 8B shape: session 52's mlx_lm.server part did not fit).
+# MLX_USE_CUDA_GRAPHS=0, and 8b on an H100; session 53 ran table at ff851d9 (--cuda-graphs auto in process) on an
+# H100, then got no machine again (benchmarks/README.md). Next: departures (two short runs: is the 6.375-nat
+# departure real?), then 8b (its whole budget for the 8B shape: session 52's mlx_lm.server part did not fit).
 #   bash benchmarks/gpu/lease22.sh STAGE
 # Stages (what each answers):
 #   engine  benchmarks/engine_load.py, the server's engine without HTTP, the shipped drafter against none at 8

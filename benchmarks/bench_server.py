@@ -169,20 +169,31 @@ def one_request(url: str, prompt: str, max_tokens: int, token_strings: bool = Fa
                     ttft = ttft or time.perf_counter() - t0
                     text += t
                 lp = c.get("logprobs")
-                toks += [x["token"] for x in ((lp.get("content") if isinstance(lp, dict) else None) or [])]
+                toks += [token_bytes(x) for x in ((lp.get("content") if isinstance(lp, dict) else None) or [])]
             usage = d.get("usage") or usage
             spec = d.get("speculative") or spec
     ntok = usage["completion_tokens"] if usage else None
     out = {"text": text, "latency": time.perf_counter() - t0, "ttft": ttft or 0.0,
            "tokens": ntok if ntok is not None else max_tokens, "tau": spec["acceptance_length"] if spec else 1.0}
     if token_strings:  # (None where the server sent no tokens, or tokens that do not spell the text)
-        out["token_strings"] = toks if toks and "".join(toks) == text else None
+        ok = bool(toks) and b"".join(toks) == text.encode("utf-8")
+        out["token_bytes"] = toks if ok else None
+        out["token_strings"] = [t.decode("utf-8", errors="replace") for t in toks] if ok else None
     return out
 
 
-def solo_margins(url: str, prompt: str, max_tokens: int) -> list[tuple[str, float]]:
-    """The solo greedy answer's tokens, each with the target's margin there: top-1 minus top-2 log-probability
-    (nats; ``inf`` with one candidate), by one non-streaming request with ``logprobs`` and ``top_logprobs: 2``."""
+def token_bytes(entry: dict) -> bytes:
+    """A ``logprobs.content`` entry's token as UTF-8 bytes: its ``bytes`` field where the server sends one (a
+    character split over byte-level tokens has no text of its own: its ``token`` strings read U+FFFD), else
+    its ``token`` string encoded."""
+    b = entry.get("bytes")
+    return bytes(b) if isinstance(b, list) else entry["token"].encode("utf-8")
+
+
+def solo_margins(url: str, prompt: str, max_tokens: int) -> list[tuple[bytes, float]]:
+    """The solo greedy answer's tokens (UTF-8 bytes: :func:`token_bytes`), each with the target's margin there:
+    top-1 minus top-2 log-probability (nats; ``inf`` with one candidate), by one non-streaming request with
+    ``logprobs`` and ``top_logprobs: 2``."""
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0.0,
             "logprobs": True, "top_logprobs": 2}
     r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600)
@@ -190,12 +201,12 @@ def solo_margins(url: str, prompt: str, max_tokens: int) -> list[tuple[str, floa
     out = []
     for c in r.json()["choices"][0]["logprobs"]["content"]:
         top = sorted((t["logprob"] for t in c.get("top_logprobs") or []), reverse=True)
-        out.append((c["token"], top[0] - top[1] if len(top) > 1 else float("inf")))
+        out.append((token_bytes(c), top[0] - top[1] if len(top) > 1 else float("inf")))
     return out
 
 
-def divergence_margin(solo: str, other: str, tokens: list[tuple[str, float]],
-                      other_tokens: list[str] | None = None) -> float | None:
+def divergence_margin(solo: str, other: str, tokens: list[tuple[str | bytes, float]],
+                      other_tokens: list[str | bytes] | None = None) -> float | None:
     """The solo run's margin (:func:`solo_margins`) at the token where ``other`` first departs from ``solo``
     (a near-tie there, e.g. < 0.1 nats, is what batched bf16 matmuls may decide the other way); None if the
     texts are equal (and, given, the token splits too) or the tokens do not spell ``solo`` that far.
@@ -204,8 +215,15 @@ def divergence_margin(solo: str, other: str, tokens: list[tuple[str, float]],
     a run that splits the same text differently (``"\\n\\n"`` vs ``"\\n"`` + ``"\\n"``) departs there, though
     its text departs later. Without them only the text is known: the departure is the solo token covering
     the first differing character, which is the true one only where the other run tokenised the common
-    prefix the same way."""
+    prefix the same way. Tokens may be strings or UTF-8 bytes (compared as bytes: a character split over
+    byte-level tokens is spelled by their bytes only)."""
+    def enc(t):
+        return t if isinstance(t, bytes) else t.encode("utf-8")
+
+    solo, other = enc(solo), enc(other)
+    tokens = [(enc(t), m) for t, m in tokens]
     if other_tokens is not None:
+        other_tokens = [enc(t) for t in other_tokens]
         pos = 0
         for k, (tok, margin) in enumerate(tokens):
             if solo[pos:pos + len(tok)] != tok:
@@ -462,13 +480,13 @@ def main(argv=None) -> int:
                     margins = {p: solo_margins(url, p, args.max_tokens) for p in {p for v in diverged.values()
                                                                                    for p, _ in v}}
                     r["divergence_margins"] = {
-                        f"c{c}": [divergence_margin(ref[p], x["text"], margins[p], x.get("token_strings"))
+                        f"c{c}": [divergence_margin(ref[p], x["text"], margins[p], x.get("token_bytes"))
                                   for p, x in v] for c, v in diverged.items()}
                     # departures that are no near-tie (> 1 nat): both answers kept, to be read
                     r["departures"] = [
                         {"clients": c, "prompt": pool.index(p), "margin": m, "solo": ref[p], "text": x["text"],
                          "completion_tokens": x["tokens"], "token_strings": x.get("token_strings"),
-                         "solo_tokens": [t for t, _ in margins[p]]}
+                         "solo_tokens": [t.decode("utf-8", errors="replace") for t, _ in margins[p]]}
                         for c, v in diverged.items()
                         for (p, x), m in zip(v, r["divergence_margins"][f"c{c}"]) if m is not None and m > 1.0]
                     for c, ms in r["divergence_margins"].items():

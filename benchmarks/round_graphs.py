@@ -10,9 +10,10 @@ off for servers that batch drafting rows.
 
 This script counts, on any backend, how many distinct operation sequences a batch's rounds evaluate: ``N`` chat
 requests (``bench_server.py``'s prompts) join one :class:`~mlx_dflash2.batch.SpeculativeBatch`, every round runs
-at the width cap ``--cap`` (1: plain rounds), and each round's graph (the arrays the round hands to
-``mx.async_eval``: its target forward, accept, and the drafter work it carries) is walked with
-``mx.export_to_dot`` into its sequence of primitive names. Reported per configuration: the rounds, the distinct
+at the width cap ``--cap`` (1: plain rounds), and each round's graphs are walked with ``mx.export_to_dot``
+into their sequence of primitive names: what the round evaluates before its forward is queued (``mx.eval``,
+``.tolist()``, ``.item()``: the drafter's forward where a dynamic draft length reads its confidence, at caps of 3
+or more) and what it hands to ``mx.async_eval`` (its target forward, accept, and the drafter work it carries). Reported per configuration: the rounds, the distinct
 sequences among them, the node counts, and for consecutive rounds that differ where the first difference lies
 and which primitives differ there (the places a shape-stable round has to fix first).
 
@@ -47,7 +48,7 @@ from mlx_dflash2.loading import load  # noqa: E402
 
 
 class FixedCap(WidthSchedule):
-    """A width schedule that runs every round of two rows or more at one cap (no trials, no measurements)."""
+    """A width schedule that runs every round at one cap (a lone row's too; no trials, no measurements)."""
 
     def __init__(self, cap: int):
         super().__init__()
@@ -76,19 +77,44 @@ def op_sequence(arrays) -> list[str]:
 
 @contextmanager
 def recording_async_eval(sink: list):
-    """Within the block, every ``mx.async_eval`` call first records its graph's :func:`op_sequence` into ``sink``
-    (this script's process only; restored on exit)."""
-    orig = mx.async_eval
+    """Within the block, every ``mx.async_eval`` call first records its graph's :func:`op_sequence` into ``sink``,
+    and so does every evaluation before the first of them (``mx.eval``, and an unevaluated array's ``.tolist()``
+    or ``.item()``: a round's reads before its forward is queued, such as a dynamic draft length's confidence).
+    Later evaluations read what ``mx.async_eval`` already took and are not recorded; empty graphs neither. This
+    script's process only; restored on exit."""
+    orig_async, orig_eval, orig_tolist, orig_item = mx.async_eval, mx.eval, mx.array.tolist, mx.array.item
+    queued = [False]
 
-    def spy(*arrays):
-        sink.append(op_sequence(arrays))
-        return orig(*arrays)
+    def record(arrays):
+        seq = op_sequence(arrays)
+        if seq:
+            sink.append(seq)
 
-    mx.async_eval = spy
+    def spy_async(*arrays):
+        record(arrays)
+        queued[0] = True
+        return orig_async(*arrays)
+
+    def spy_eval(*arrays):
+        if not queued[0]:
+            record(arrays)
+        return orig_eval(*arrays)
+
+    def spy_tolist(self):
+        if not queued[0]:
+            record([self])
+        return orig_tolist(self)
+
+    def spy_item(self):
+        if not queued[0]:
+            record([self])
+        return orig_item(self)
+
+    mx.async_eval, mx.eval, mx.array.tolist, mx.array.item = spy_async, spy_eval, spy_tolist, spy_item
     try:
         yield
     finally:
-        mx.async_eval = orig
+        mx.async_eval, mx.eval, mx.array.tolist, mx.array.item = orig_async, orig_eval, orig_tolist, orig_item
 
 
 def first_differences(a: list[str], b: list[str], limit: int = 4) -> dict:
@@ -108,6 +134,8 @@ def run(model, tok, n: int, cap: int, rounds: int, skip: int, use_drafter: bool)
         batch.add(ids, max_tokens=skip + rounds * 16 + 64, proposer=model.proposer if use_drafter else None)
     for _ in range(skip):
         batch.step()
+    if batch.active < n:
+        raise RuntimeError(f"a request finished in the {skip} rounds before recording: fewer --skip rounds")
     seqs, widths = [], []
     for _ in range(rounds):
         sink: list = []

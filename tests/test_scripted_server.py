@@ -299,6 +299,10 @@ def test_bench_server_divergence_margin_finds_the_departing_token():
     other_answer = [("fab", 2.0), ("ric", 0.1), ("ation", 0.375)]
     assert divergence_margin(solo, 'fabation" that', other_answer) is None
     assert divergence_margin(solo, 'fabation" that', other_answer, ["fab", "ation", '"']) is None
+    # a character split over byte-level tokens: spelled by the tokens' bytes (their strings read U+FFFD)
+    emoji = [(b"h", 1.0), ("\U0001F600".encode()[:2], 2.0), ("\U0001F600".encode()[2:], 3.0), (b"x", 4.0)]
+    assert divergence_margin("h\U0001F600x", "h\U0001F600y", emoji) == 4.0
+    assert divergence_margin("h\U0001F600x", "h\U0001F600y", emoji, [t for t, _ in emoji[:3]] + [b"y"]) == 4.0
 
 
 def test_bench_server_keeps_token_strings_only_where_they_spell_the_text(monkeypatch):
@@ -321,6 +325,9 @@ def test_bench_server_keeps_token_strings_only_where_they_spell_the_text(monkeyp
         "spelled": [chunk("Hi", ["H", "i"]), chunk(" there", [" there"]), usage, "data: [DONE]"],
         "none": [chunk("Hi"), chunk(" there"), usage, "data: [DONE]"],
         "partial": [chunk("Hi", ["H", "i"]), chunk(" there"), usage, "data: [DONE]"],
+        "split": ["data: " + json.dumps({"choices": [{"delta": {"content": "\U0001F600"}, "logprobs": {"content": [
+            {"token": "\ufffd", "logprob": -0.1, "bytes": list("\U0001F600".encode()[:2])},
+            {"token": "\ufffd", "logprob": -0.1, "bytes": list("\U0001F600".encode()[2:])}]}}]}), usage],
     }
     sent = []
 
@@ -349,6 +356,8 @@ def test_bench_server_keeps_token_strings_only_where_they_spell_the_text(monkeyp
     assert out["text"] == "Hi there" and out["token_strings"] == ["H", "i", " there"] and out["tokens"] == 3
     assert bench_server.one_request("http://x", "none", 8, token_strings=True)["token_strings"] is None
     assert bench_server.one_request("http://x", "partial", 8, token_strings=True)["token_strings"] is None
+    split = bench_server.one_request("http://x", "split", 8, token_strings=True)
+    assert split["token_bytes"] == ["\U0001F600".encode()[:2], "\U0001F600".encode()[2:]]
     plain = bench_server.one_request("http://x", "spelled", 8)
     assert "logprobs" not in sent[-1] and "token_strings" not in plain
 
@@ -372,9 +381,13 @@ def test_round_graphs_reads_a_lazy_graph_and_restores_async_eval():
     d = round_graphs.first_differences(a, c)
     assert d["first"] is not None and any("Pad" in x["after"] for x in d["diffs"])
     assert round_graphs.op_sequence([mx.eval(y) or y for y in [graph(2, False)]]) == []
-    orig, sink = mx.async_eval, []
+    orig, orig_eval, sink = mx.async_eval, mx.eval, []
     with round_graphs.recording_async_eval(sink):
+        mx.eval(graph(3, False))  # before the queued forward: recorded
+        graph(3, True).item()  # a read before it: recorded
         y = graph(2, True)
         mx.async_eval(y)
-        mx.eval(y)
-    assert mx.async_eval is orig and len(sink) == 1 and "Pad" in sink[0]
+        mx.eval(y, graph(4, False))  # after it: not recorded
+        graph(2, False).tolist()
+    assert mx.async_eval is orig and mx.eval is orig_eval and mx.array.item(graph(1, False)) > 0
+    assert len(sink) == 3 and sink[0] == a and sink[1] == c and "Pad" in sink[2]

@@ -19,12 +19,13 @@
 #   8b      SHAPE=qwen3-8b server.sh: the scripted drafter (tau 3) against ours without one and mlx_lm.server at
 #           the random Qwen3-8B shape, 1 and 8 clients x 3 requests.
 #   table   the SmolLM2 table at 1, 2, 4, 8, 16, 32 clients x 5 requests (run.sh server): the issue's H200 table.
-#   departures  our plain server on SmolLM2 at 1 and 16 clients x 2 requests, twice: as the table runs it (the answers
+#   departures  our plain server on SmolLM2 at 1 and 32 clients x 2 requests (pool[22] asked 3 times; at 32 clients
+#           it departed in ~75 % of the tables' requests, at 16 in ~20 %), twice: as the table runs it (the answers
 #           that depart from their solo ones by more than 1 nat kept, both texts), then with --token-strings (the
-#           streamed tokens kept, so the departing token is found by token, not by character). Every GPU table
-#           since session 46 had departures reported at 6.375 nats, all on pool[22] ("List three facts about
-#           rainbows."), where the solo run has "\n\n" then "2" (6.375 ahead): a re-split "\n" + "\n" would be
-#           reported there by characters. Is it that, or a real departure?
+#           streamed tokens kept, so the departing token is found by token, not by character). Every 1-32-client
+#           GPU table since session 46 had departures reported at 6.375 nats, all on pool[22] ("List three facts
+#           about rainbows."), where the solo run has "\n\n" then "2" (6.375 ahead): a re-split "\n" + "\n" would
+#           be reported there by characters. Is it that, or a real departure?
 set -u
 export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-$HOME/ptx} MLX_CUDA_USE_CUDNN_SDPA=0 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 T0=$(date +%s); B=${BUDGET:-560}
@@ -53,10 +54,11 @@ case ${1:-} in
     el table; SAVE_PTX=0 RUN_BUDGET=$B T_SERVER=$(( B - 10 )) \
       ARGS_SERVER="--requests 5 --concurrency 1,2,4,8,16,32" bash benchmarks/gpu/run.sh server ;;
   departures)
-    for t in "" --token-strings; do
+    for t in "" --token-strings; do  # the first run half the budget, the second (the decisive one) what is left
       el "departures ${t:-text}"
-      SERVERS=ours:none NAME=departures${t:+-tokens} SAVE_PTX=0 RUN_BUDGET=$(( $(left) / 2 )) \
-        T_SERVER=$(( $(left) / 2 - 10 )) ARGS_SERVER="--requests 2 --concurrency 1,16 $t" bash benchmarks/gpu/run.sh server
+      b=$([ -z "$t" ] && echo $(( $(left) / 2 )) || echo $(( $(left) - 5 )))
+      SERVERS=ours:none NAME=departures${t:+-tokens} SAVE_PTX=0 RUN_BUDGET=$b T_SERVER=$(( b - 10 )) \
+        ARGS_SERVER="--requests 2 --concurrency 1,32 $t" bash benchmarks/gpu/run.sh server
     done ;;
   *) echo "usage: bash benchmarks/gpu/lease22.sh engine|trees TREE...|8b|table|departures" >&2; exit 2 ;;
 esac

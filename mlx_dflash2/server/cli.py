@@ -106,7 +106,9 @@ def cuda_graphs_setting(args: argparse.Namespace, environ=None) -> str | None:
     14 and 8.8 ms and the drafter's server ran 745 tok/s, and over HTTP 600 against 443 tok/s at 8 clients
     (``bench_server.py``). A server without drafting, or one that serves requests one at a time (``--max-batch`` 0
     or 1, ``--decode-concurrency`` 1: the solo loop's few shapes), keeps MLX's default (graphs on: 170 against
-    136-157 tok/s for one client).
+    136-157 tok/s for one client). The trade depends on the host: on session 53's slower H100 host the SmolLM2
+    drafter did not pay from 5 rows and the drafter's server ran plain rounds without graphs, 16.3 against 14.3 ms
+    a step in the plain server with them (0.97x ``mlx_lm.server`` at 8 clients); ``on`` keeps them.
 
     Args:
         args: the parsed flags (``cuda_graphs``, ``drafter``, ``block_size``, ``max_batch``, ``decode_concurrency``).
@@ -253,8 +255,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto",
                    help="MLX's CUDA graphs (MLX_USE_CUDA_GRAPHS; nothing on a Mac): auto = your "
                    "MLX_USE_CUDA_GRAPHS if set, else off for a server that batches drafting requests (their rounds' "
-                   "changing shapes rebuild graphs: 1.35x more tokens/s at 8 clients on an H100 without them), "
-                   "else MLX's default (on); on / off: set it (default auto)")
+                   "changing shapes rebuild graphs: 1.35x more tokens/s at 8 clients on one H100 without them; on "
+                   "a slower host, where the drafter did not pay, it slowed the plain rounds ~14%%), else MLX's "
+                   "default (on); on / off: set it (default auto)")
     p.add_argument("--switch-interval", type=_switch_interval, default=None, metavar="SECONDS",
                    help="the interpreter's thread switch interval (sys.setswitchinterval) while serving: how long "
                    "the generation worker may run Python (building a round's graph) before the HTTP thread may "
@@ -378,6 +381,8 @@ def main(argv=None, *, parser: argparse.ArgumentParser | None = None, make_model
         return 130
     p = engine.model.proposer
 
+    from ..kernels import backend
+
     def serving(url: str) -> None:  # once listening: the port bound (--port 0 asks for any), an IPv6 host in [...]
         logging.getLogger("mlx_dflash2.server").info(
             "serving %s (drafter %s, block size %d%s) on %s/v1",
@@ -385,7 +390,6 @@ def main(argv=None, *, parser: argparse.ArgumentParser | None = None, make_model
             f", CUDA graphs {'on' if cuda_graphs_on() else 'off'}" if backend() == "cuda" else "", url,
         )
 
-    from ..kernels import backend
     from .app import AppServer
 
     if args.switch_interval is not None:

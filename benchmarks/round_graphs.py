@@ -13,16 +13,18 @@ requests (``bench_server.py``'s prompts) join one :class:`~mlx_dflash2.batch.Spe
 at the width cap ``--cap`` (1: plain rounds), and each round's graphs are walked with ``mx.export_to_dot``
 into their sequence of primitive names: what the round evaluates before its forward is queued (``mx.eval``,
 ``.tolist()``, ``.item()``: the drafter's forward where a dynamic draft length reads its confidence, at caps of 3
-or more) and what it hands to ``mx.async_eval`` (its target forward, accept, and the drafter work it carries). Reported per configuration: the rounds, the distinct
-sequences among them, the node counts, and for consecutive rounds that differ where the first difference lies
-and which primitives differ there (the places a shape-stable round has to fix first).
+or more) and what it hands to ``mx.async_eval`` (its target forward, accept, and the drafter work it carries).
+Reported per configuration: the rounds, the distinct sequences among them, the node counts, for consecutive
+rounds that differ where the first difference lies and which primitives differ there (the places a shape-stable
+round has to fix first), and the distinct sequences once the primitives MLX evaluates as views (:data:`VIEWS`: a
+``Slice``, a ``Broadcast``, no kernel) are left out, the closer proxy of the kernels a GPU records.
 
     scripts/run python benchmarks/round_graphs.py --concurrency 8 --cap 1,2 --rounds 16
     scripts/run python benchmarks/round_graphs.py --concurrency 8 --cap 2 --rounds 16 --drafter none
 
-The count is of MLX primitives, not CUDA kernels (a view such as ``Reshape`` launches none; a CUDA twin of the
-kernel registry replaces a reference op's several primitives with one kernel), so equal sequences here mean
-reusable graphs there, while unequal ones only point at where reuse breaks.
+The count is of MLX primitives, not CUDA kernels (a view launches none; a CUDA twin of the kernel registry, or
+a fused ``mx.fast`` op that the CPU runs as several primitives (RoPE, attention), runs as one kernel), so equal
+sequences here mean reusable graphs there, while unequal ones only point at where reuse breaks.
 """
 
 from __future__ import annotations
@@ -117,6 +119,17 @@ def recording_async_eval(sink: list):
         mx.async_eval, mx.eval, mx.array.tolist, mx.array.item = orig_async, orig_eval, orig_tolist, orig_item
 
 
+#: primitives that MLX evaluates as views of their input (strides and an offset, no kernel launched on a GPU), so
+#: they add no node to a CUDA graph: a difference only in these (say a ``Slice`` that MLX elides where it would take
+#: a whole array) changes no graph
+VIEWS = frozenset({"Broadcast", "ExpandDims", "Squeeze", "Slice", "Transpose", "AsStrided", "StopGradient"})
+
+
+def kernels_only(seq) -> tuple:
+    """``seq`` without the :data:`VIEWS` primitives: the proxy of the kernels a GPU launches."""
+    return tuple(x for x in seq if x not in VIEWS)
+
+
 def first_differences(a: list[str], b: list[str], limit: int = 4) -> dict:
     """Where two rounds' sequences first differ and the primitives of their first ``limit`` differing spans."""
     ops = [o for o in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes() if o[0] != "equal"]
@@ -136,21 +149,30 @@ def run(model, tok, n: int, cap: int, rounds: int, skip: int, use_drafter: bool)
         batch.step()
     if batch.active < n:
         raise RuntimeError(f"a request finished in the {skip} rounds before recording: fewer --skip rounds")
-    seqs, widths = [], []
+    seqs, widths, evals = [], [], []  # evals: per round, each evaluation's kernels' proxy
     for _ in range(rounds):
         sink: list = []
         with recording_async_eval(sink):
             batch.step()
+        evals.append(tuple(k for k in (kernels_only(s) for s in sink) if k))  # (views only: no graph)
         seqs.append(tuple(x for s in sink for x in s))
         widths.append(batch.last_round["width"])
         if batch.active < n:
             break  # a request finished: the rows changed
     sizes = [len(s) for s in seqs]
+    kern = [kernels_only(s) for s in seqs]
     diffs = [first_differences(list(a), list(b)) for a, b in zip(seqs, seqs[1:]) if a != b]
+    kdiffs = [first_differences(list(a), list(b)) for a, b in zip(kern, kern[1:]) if a != b]
     return {"rows": n, "cap": cap, "drafter": use_drafter, "rounds": len(seqs), "widths": sorted(set(widths)),
             "distinct": len(set(seqs)), "nodes_min": min(sizes, default=0), "nodes_max": max(sizes, default=0),
             "first_difference_median": (sorted(d["first"] for d in diffs)[len(diffs) // 2] if diffs else None),
-            "differences": diffs[:3]}
+            "differences": diffs[:3],
+            "distinct_without_views": len(set(kern)), "kernel_differences": kdiffs[:3],
+            # (MLX cuts each evaluation into its own graphs: where every round makes the same evaluations, how many
+            # distinct sequences each of them had, e.g. [3, 1] for a drafter forward evaluated apart whose rows
+            # change and a target forward that stays the same)
+            "distinct_per_evaluation": ([len({e[k] for e in evals}) for k in range(len(evals[0]))]
+                                        if evals and len({len(e) for e in evals}) == 1 else None)}
 
 
 def main(argv=None) -> None:
@@ -162,11 +184,17 @@ def main(argv=None) -> None:
     ap.add_argument("--cap", default="1,2", help="width caps, comma-separated (1: plain rounds)")
     ap.add_argument("--rounds", type=int, default=12, help="rounds recorded per configuration")
     ap.add_argument("--skip", type=int, default=3, help="rounds run before recording (the joins' prefill, ...)")
+    ap.add_argument("--drafts-apart", choices=["default", "always", "never"], default="default",
+                    help="batch.DRAFTS_APART: the drafter forward evaluated apart from the target forward (default: "
+                    "the module's, which on this CPU is never)")
     ap.add_argument("--out", default=None, help="JSON results")
     args = ap.parse_args(argv)
     if args.rounds < 2:
         ap.error("--rounds must be at least 2")
-    from mlx_dflash2 import assets
+    from mlx_dflash2 import assets, batch
+
+    if args.drafts_apart != "default":
+        batch.DRAFTS_APART = args.drafts_apart
 
     model, tok = load(args.model or assets.embedded_model_path(), args.drafter, dtype=args.dtype)
     use_drafter = args.drafter != "none"
@@ -177,8 +205,10 @@ def main(argv=None) -> None:
             results.append(r)
             print(f"{n} rows, cap {cap}{' (drafter)' if use_drafter else ''}: {r['distinct']} distinct operation "
                   f"sequences in {r['rounds']} rounds (widths {r['widths']}), {r['nodes_min']}-{r['nodes_max']} "
-                  f"nodes, first difference at node {r['first_difference_median']} (median)", flush=True)
-            for d in r["differences"][:1]:
+                  f"nodes, first difference at node {r['first_difference_median']} (median); without views "
+                  f"(the kernels' proxy): {r['distinct_without_views']} distinct, per evaluation "
+                  f"{r['distinct_per_evaluation']}", flush=True)
+            for d in (r["kernel_differences"] or r["differences"])[:1]:
                 for x in d["diffs"]:
                     print(f"    {x['kind']}: {x['before']} -> {x['after']}")
     if args.out:

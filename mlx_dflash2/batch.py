@@ -111,6 +111,17 @@ order ``argpartition`` leaves them (which moved with the last bits of any score 
 seeded request other draws beside other requests: issue 22). Tests: ``tests/test_batch.py``;
 hybrid and sliding-window targets: ``tests/test_batch_hybrid.py``.
 
+One sequence of operations per kind of round: MLX's CUDA backend caches its graphs by topology, so a round
+that evaluates the same operations as the last one (shapes aside) reuses its graphs, and one that does not
+rebuilds every graph after its first difference. So the per-row work of a round of several rows runs the same
+operations for every row, whatever its length: the drafter's flush gathers every row's queued features into a
+padded ``[N, M, k*D]`` block in one gather, each row's context K/V gets at least one masked padding column, the
+verify block is one gather from the anchors and the drafts, and the LM head reads the real rows by one gather
+even where no row is narrower. Where graphs run (:data:`DRAFTS_APART`), the drafter's forward is evaluated apart
+from the target's, so the target's graphs do not move when the drafting rows change (a row proposing from lookup
+instead). ``benchmarks/round_graphs.py`` counts the distinct sequences on any backend; ``tests/test_batch.py``
+checks one per round.
+
 Why not mlx-lm's ``BatchKVCache``: it keeps rows right-aligned (left padding) with one shared write
 index, so ``trim`` cuts every row by the same amount. A per-row rollback through its public API
 (``trim`` by the smallest rejection, then ``prepare(right_padding=...)`` + ``finalize()``) rolls the
@@ -164,6 +175,26 @@ from .tree import compact_cache
 from .verify import GreedyVerifier, Verifier
 
 __all__ = ["RaggedKVCache", "RaggedRecurrentCache", "BatchEvent", "SpeculativeBatch", "WidthSchedule", "warm_up_shapes"]
+
+
+#: Whether a batch of several rows queues its drafter forward for evaluation apart from its target forward
+#: (``mx.async_eval`` of the round's proposals before the verify is built): ``"cuda-graphs"`` (the default: where
+#: MLX's CUDA backend runs CUDA graphs), ``"always"`` or ``"never"``. Why: MLX's CUDA backend cuts an evaluation
+#: into graphs of ~100 kernels and caches them by topology (``CommandEncoder::commit``), so a drafter forward whose
+#: kernel count changes from round to round (rows that propose from lookup instead, a longer queue, a context
+#: buffer that grows) would shift every later graph of the target forward and rebuild them all; evaluated apart,
+#: the target forward's graphs depend only on the rows and the width. The price is one more release of the GIL per
+#: drafting round (nothing to gain on Metal or the CPU, which cache no graphs).
+DRAFTS_APART = "cuda-graphs"
+
+
+def drafts_apart() -> bool:
+    """:data:`DRAFTS_APART` for the default device now."""
+    if DRAFTS_APART in ("always", "never"):
+        return DRAFTS_APART == "always"
+    from .kernels.registry import backend, cuda_graphs_on
+
+    return backend() == "cuda" and cuda_graphs_on()
 
 
 class RaggedKVCache:
@@ -1435,14 +1466,27 @@ class SpeculativeBatch:
         else:
             if anchors is not None:
                 block = anchors.astype(mx.int32).reshape(1, 1)
+            elif M == 1:  # a plain round: the anchors only, known on the host
+                block = mx.array([[r.history[-1]] for r in rows], mx.int32)
             else:
-                block = mx.stack([
-                    mx.concatenate([mx.array([r.history[-1]], mx.int32), p.tokens.astype(mx.int32),
-                                    mx.zeros((M - w,), mx.int32)])
-                    for r, p, w in zip(rows, props, widths)])
+                # [N, M]: row i = [anchor_i, drafts_i, 0 ...], one gather from the anchors, every row's drafts and a
+                # zero: the same operations whichever rows are narrower, so a batch's consecutive drafting rounds
+                # evaluate one sequence of operations and MLX's CUDA graphs (cached by topology) serve them
+                # (issue 22, session 54, benchmarks/round_graphs.py; a zero padding of the narrower rows only
+                # made every round's sequence new)
+                N, drafts = len(rows), [p.tokens.astype(mx.int32) for p in props if p.n]
+                at, idx = N, []
+                zero = N + sum(p.n for p in props)
+                for i, (p, w) in enumerate(zip(props, widths)):
+                    idx.append([i] + [at + j for j in range(p.n)] + [zero] * (M - w))
+                    at += p.n
+                src = mx.concatenate([mx.array([r.history[-1] for r in rows], mx.int32), *drafts,
+                                      mx.zeros((1,), mx.int32)])
+                block = src[mx.array(idx, mx.int32)]
             h, taps = self.target._call(lambda: self.target.inner(block, cache=self.cache), tap_ids)
-            # the LM head on the real rows only ([sum(w), V]; padding never reaches it)
-            if all(w == M for w in widths):
+            # the LM head on the real rows only ([sum(w), V]; padding never reaches it; a drafting round of several
+            # rows gathers them even where every row is as wide as the widest: one sequence of operations)
+            if M == 1 or len(rows) == 1:
                 logits = self.target.logits(h.reshape(len(rows) * M, -1))
             else:
                 real = mx.array([i * M + j for i, w in enumerate(widths) for j in range(w)], mx.int32)
@@ -1518,6 +1562,8 @@ class SpeculativeBatch:
                 self._ahead = ahead
                 self._drop_ahead()
             raise
+        if len(rows) > 1 and any(p.n for p in props) and drafts_apart():
+            mx.async_eval([a for p in props if p.n for a in (p.tokens, p.cand_ids, p.q) if a is not None])
         t_verify = self._mark("propose", tic, [p.tokens for p in props]) if self.timings is not None else 0.0
         widths = [p.n + 1 for p in props]
         for r, p in zip(rows, props):

@@ -425,15 +425,22 @@ class DFlashProposer(Proposer):
             for d in todo:
                 d.ctx  # noqa: B018 - appends its queue
             return
-        feats, S, m = [], [], []
+        # [N, M, k*D], row i its m_i computed rows (the last of its S_i queued ones) then zeros, by one gather from
+        # one concatenation of every queued piece of every row and a zero row: the same operations whichever rows
+        # are shorter or queued more pieces (a per-row pad of the short rows, or a per-row concatenation of a longer
+        # queue, made each round's sequence of operations new: issue 22, session 54, benchmarks/round_graphs.py)
+        pieces, S, m, idx, at = [], [], [], [], 0
         for d in todo:
-            f = d._pending[0] if len(d._pending) == 1 else mx.concatenate(d._pending, axis=0)
-            d._pending = []
-            S.append(int(f.shape[0]))
+            pieces += d._pending
+            S.append(sum(int(f.shape[0]) for f in d._pending))
             m.append(d._ctx.computed_rows(S[-1]))
-            feats.append(f[S[-1] - m[-1] :])
+            d._pending = []
+            idx.append(at + S[-1] - m[-1])  # its first computed row
+            at += S[-1]
         M = max(m)
-        x = mx.stack([f if k == M else mx.pad(f, [(0, M - k), (0, 0)]) for f, k in zip(feats, m)])
+        j = mx.arange(M, dtype=mx.int32)[None]  # (a prompt's queue can be thousands of rows: no host-built index)
+        idx = mx.where(j < mx.array(m, dtype=mx.int32)[:, None], mx.array(idx, dtype=mx.int32)[:, None] + j, at)
+        x = mx.concatenate(pieces + [mx.zeros((1, pieces[0].shape[1]), pieces[0].dtype)], axis=0)[idx]
         offs = mx.array([d._ctx.offset + k - j for d, k, j in zip(todo, S, m)], dtype=mx.int32)
         kvs = self.model.context_kv(x, offs)  # per layer ([N, KV, M, hd], ...)
         for i, (d, k, j) in enumerate(zip(todo, S, m)):

@@ -1754,3 +1754,48 @@ def test_on_wait_runs_before_a_drafting_rounds_proposals_and_before_a_plain_roun
     assert kinds == {"drafting", "plain"}
     assert [out[u] for u in uids] == [_plain(target, p, 12) for p in prompts]
 
+
+
+
+@pytest.mark.parametrize("cap", [2, 4])
+def test_drafting_rounds_repeat_one_sequence_of_kernels(smol_f32, cap, monkeypatch):
+    """Consecutive drafting rounds of one batch (SmolLM2 and its shipped drafter, chat rows of different context
+    lengths accepting different counts) evaluate the same sequence of MLX operations once views are left out
+    (``benchmarks/round_graphs.py``'s proxy of the kernels a GPU records), so MLX's CUDA graphs, cached by topology,
+    serve every round after the first (issue 22, session 54: the drafter's per-row padding of the shorter contexts,
+    its flush's padding of the shorter queues and the verify block's padding of the narrower rows made every round's
+    sequence new). With the drafter forward evaluated apart (:data:`~mlx_dflash2.batch.DRAFTS_APART`), the target
+    forward is an evaluation of its own, the same in every round."""
+    import sys
+    from pathlib import Path
+
+    from conftest import PROMPTS, chat_ids
+
+    from mlx_dflash2 import batch as batch_mod
+    from mlx_dflash2.loading import make_proposer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import round_graphs
+
+    target, tok = smol_f32
+    drafter = make_proposer("shipped", target, tok, "smollm2-135m-instruct").drafter  # (every row drafts: no lookup)
+    prompts = [chat_ids(tok, p) for p in (*PROMPTS.values(), "Name three colours.")]
+    for apart in ("never", "always"):
+        monkeypatch.setattr(batch_mod, "DRAFTS_APART", apart)
+        batch = SpeculativeBatch(target, schedule=round_graphs.FixedCap(cap))
+        for p in prompts:
+            batch.add(p, max_tokens=60, proposer=drafter)
+        for _ in range(2):  # the joins' prefill, the first appends
+            batch.step()
+        rounds, emitted = [], []
+        for _ in range(5):
+            sink: list = []
+            with round_graphs.recording_async_eval(sink):
+                events = batch.step()
+            assert batch.active == len(prompts) and batch.last_round["width"] > 1
+            rounds.append(tuple(k for k in (round_graphs.kernels_only(s) for s in sink) if k))  # (views: no graph)
+            emitted.append(tuple(len(e.tokens) for e in events))
+        assert len({n for e in emitted for n in e}) > 1  # (rows that accept different counts: what made them new)
+        assert len(set(rounds)) == 1, (apart, [[len(s) for s in r] for r in rounds])
+        if apart == "always":  # the drafter forward (and a dynamic length's read) apart, then the target forward
+            assert len(rounds[0]) >= 2

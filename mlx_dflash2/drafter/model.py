@@ -682,12 +682,19 @@ class DraftModel(nn.Module):
             S = max(held)
             ck = cv = None
             if S > 0:
+                # every row gets at least one padding column (S + 1 columns, the mask hides them): each row then
+                # runs the same operations (a Slice of the zeros and a Concatenate) whatever its context's length,
+                # so consecutive rounds of one batch evaluate one sequence of operations and a backend that
+                # caches graphs by topology (MLX's CUDA graphs) reuses them (issue 22, session 54:
+                # benchmarks/round_graphs.py counted a new sequence every drafting round while only the rows
+                # shorter than the longest were padded)
+                S += 1
                 ref = next(k for k, _ in kvs if k is not None)
                 _, KV, _, hd = ref.shape
                 zk = mx.zeros((1, KV, S, hd), ref.dtype)
 
                 def pad(a, h):
-                    return zk if a is None else (a if h == S else mx.concatenate([zk[:, :, : S - h], a], axis=2))
+                    return zk if a is None else mx.concatenate([zk[:, :, : S - h], a], axis=2)
 
                 ck = mx.concatenate([pad(k, h) for (k, _), h in zip(kvs, held)], axis=0)
                 cv = mx.concatenate([pad(v, h) for (_, v), h in zip(kvs, held)], axis=0)

@@ -39,7 +39,7 @@ import mlx.core as mx
 
 __all__ = ["KernelOp", "KernelSpec", "KernelError", "GateResult", "backend", "default_mode", "MODES", "source_text", "ENV",
            "yardstick_device",
-           "device_input"]
+           "device_input", "CUDA_GRAPHS_VAR", "cuda_graphs_on"]
 
 logger = logging.getLogger("mlx_dflash2")
 
@@ -71,6 +71,22 @@ def backend() -> str:
                 be = "cuda"
         _backend_of[key] = be
     return be
+
+
+#: MLX's CUDA backend reads this once per process, at its first GPU work (``use_cuda_graphs()``); on Metal and the
+#: CPU it means nothing
+CUDA_GRAPHS_VAR = "MLX_USE_CUDA_GRAPHS"
+
+
+def cuda_graphs_on(environ=None) -> bool:
+    """Whether MLX's CUDA backend runs CUDA graphs under ``environ`` (default ``os.environ``), read as MLX reads
+    ``MLX_USE_CUDA_GRAPHS`` (``env::get_var``: C's ``atoi``, so ``0``, ``false``, ``true`` or ``""`` all mean off;
+    unset means on). Only true of the process if nothing ran on the GPU before the variable was last written."""
+    environ = os.environ if environ is None else environ
+    if CUDA_GRAPHS_VAR not in environ:
+        return True
+    m = re.match(r"\s*([+-]?\d+)", environ[CUDA_GRAPHS_VAR])
+    return bool(m and int(m.group(1)) != 0)
 
 
 def default_mode() -> str:

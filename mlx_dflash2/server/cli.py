@@ -17,15 +17,12 @@ import socket
 import sys
 from pathlib import Path
 
+from ..kernels.registry import CUDA_GRAPHS_VAR, cuda_graphs_on
 from ..loading import (ADAPTIVE_HELP, CALIBRATE_HELP, DRAFT_CONFIDENCE_HELP, DRAFT_VOCAB_HELP, DRAFTER_HELP,
                        DRAFTER_WINDOW_HELP, KERNELS_HELP, draft_confidence_arg, drafter_window_arg)
 
 __all__ = ["main", "setup_arg_parser", "build_app", "check_listen", "set_chat_template", "cuda_graphs_setting",
            "cuda_graphs_on"]
-
-#: MLX's CUDA backend reads this once per process, at its first GPU work (``use_cuda_graphs()``); on Metal and the
-#: CPU it means nothing
-CUDA_GRAPHS_VAR = "MLX_USE_CUDA_GRAPHS"
 
 
 def _size(text: str) -> int:
@@ -123,17 +120,6 @@ def cuda_graphs_setting(args: argparse.Namespace, environ=None) -> str | None:
     drafting = args.drafter != "none" and args.block_size != 1  # (the loader's keyword, exactly)
     batched = min(args.max_batch, args.decode_concurrency) >= 2  # (the engine admits decode_concurrency at most)
     return "0" if drafting and batched else None
-
-
-def cuda_graphs_on(environ=None) -> bool:
-    """Whether MLX's CUDA backend runs CUDA graphs under ``environ`` (default ``os.environ``), read as MLX reads
-    ``MLX_USE_CUDA_GRAPHS`` (``env::get_var``: C's ``atoi``, so ``0``, ``false``, ``true`` or ``""`` all mean off;
-    unset means on). Only true of the process if nothing ran on the GPU before the variable was last written."""
-    environ = os.environ if environ is None else environ
-    if CUDA_GRAPHS_VAR not in environ:
-        return True
-    m = re.match(r"\s*([+-]?\d+)", environ[CUDA_GRAPHS_VAR])
-    return bool(m and int(m.group(1)) != 0)
 
 
 def listen_host(text: str) -> str:

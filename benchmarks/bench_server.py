@@ -101,6 +101,7 @@ def start_server(server: str, args) -> tuple[subprocess.Popen, str]:
                "--prompt-cache-size", "0", "--decode-concurrency", conc, "--log-level", "WARNING"]
     else:
         kind, drafter = server.split(":", 1)
+        drafter, *own = drafter.split("@")  # (ours:DRAFTER@--flag=value...: that server's own arguments)
         launch = ([sys.executable, "-m", "mlx_dflash2.server"] if not args.handoffs else  # (gil_handoffs.py)
                   [sys.executable, str(root / "benchmarks" / "gil_handoffs.py"), "--out",
                    str(handoffs_path(args.handoffs, server)), "--"])
@@ -120,7 +121,7 @@ def start_server(server: str, args) -> tuple[subprocess.Popen, str]:
             cmd.append("--dequantize")
         if args.block_size:
             cmd += ["--block-size", str(args.block_size)]
-        cmd += args.server_arg
+        cmd += args.server_arg + own
     env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     if server == "mlx_lm":
         # the same optimized OpenBLAS as ours on MLX's Linux CPU backend (mlx_dflash2._blas): without it
@@ -396,7 +397,8 @@ def main(argv=None) -> int:
     ap.add_argument("--server", action="append", default=None,
                     help="ours:DRAFTER (our server with --drafter DRAFTER), scripted:TAU (our server with a scripted "
                     "drafter of fixed acceptance on a random-weight target: scripted_server.py) or mlx_lm "
-                    "(mlx_lm.server on --mlx-model); "
+                    "(mlx_lm.server on --mlx-model); ours and scripted take arguments of their own after @ (e.g. "
+                    "ours:lookup@--cuda-graphs=on@--max-batch=8: two servers that differ in a flag, in one run); "
                     "repeatable (default: ours:lookup and ours:none)")
     ap.add_argument("--drafter", action="append", default=[], help="shorthand for --server ours:DRAFTER")
     ap.add_argument("--model", default=None, help="our servers' --model (default: the embedded SmolLM2)")
@@ -437,11 +439,12 @@ def main(argv=None) -> int:
         ap.error("--concurrency values must be >= 1")
     servers = (args.server or []) + [f"ours:{d}" for d in args.drafter] or ["ours:lookup", "ours:none"]
     for sv in servers:
-        if sv != "mlx_lm" and not sv.startswith("ours:") and not re.fullmatch(r"scripted:[1-9][0-9]*", sv):
-            ap.error(f"--server: ours:DRAFTER, scripted:TAU or mlx_lm, got {sv!r}")
+        if sv != "mlx_lm" and not re.fullmatch(r"(ours:[^@]+|scripted:[1-9][0-9]*)(@--[^@]+)*", sv):
+            ap.error(f"--server: ours:DRAFTER, scripted:TAU (either with @--flag=value arguments of its own) or "
+                     f"mlx_lm, got {sv!r}")
         if sv.startswith("scripted:") and args.handoffs:
             ap.error("--handoffs: not with a scripted:TAU server")
-        if sv.startswith("scripted:") and int(sv.split(":")[1]) > (args.block_size or 16):
+        if sv.startswith("scripted:") and int(sv.split(":")[1].split("@")[0]) > (args.block_size or 16):
             ap.error(f"--server {sv}: TAU past the block size {args.block_size or 16} (a round emits B tokens at most)")
     pool = prompts(args.pool)
     report, ok = {}, True

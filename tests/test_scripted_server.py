@@ -188,6 +188,37 @@ def test_bench_server_precomputes_its_own_pool_and_length(monkeypatch):
     assert cmd[cmd.index("--pool") + 1] == "40" and int(cmd[cmd.index("--horizon") + 1]) >= 300
 
 
+def test_bench_server_gives_a_server_its_own_arguments(monkeypatch, capsys):
+    """``ours:DRAFTER@--flag=value``: two of our servers that differ in a flag (``--cuda-graphs``) in one run, each
+    started with its own arguments after the shared ones; a malformed one is refused before any server starts."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_server
+
+    class Launched(Exception):
+        pass
+
+    def popen(cmd, **kw):
+        raise Launched(cmd)
+
+    monkeypatch.setattr(bench_server.subprocess, "Popen", popen)
+    args = argparse.Namespace(levels=[1, 4], handoffs=None, max_batch=None, model=None, dequantize=False,
+                              block_size=None, server_arg=["--log-level", "INFO"], dtype="float32", start_timeout=1,
+                              pool=4, max_tokens=8)
+    for server, drafter, own in (("ours:lookup@--cuda-graphs=on@--max-batch=8", "lookup",
+                                  ["--cuda-graphs=on", "--max-batch=8"]), ("ours:none", "none", []),
+                                 ("scripted:3@--cuda-graphs=off", "none", ["--cuda-graphs=off"])):
+        with pytest.raises(Launched) as e:
+            bench_server.start_server(server, args)
+        cmd = e.value.args[0]
+        assert cmd[cmd.index("--drafter") + 1] == drafter, server
+        assert cmd[-len(own) - 2:] == ["--log-level", "INFO"] + own, server
+    monkeypatch.setattr(bench_server, "start_server", lambda *a: pytest.fail("a server was started"))
+    for bad in ("ours:lookup@cuda-graphs=on", "ours:@--x", "scripted:3@"):
+        with pytest.raises(SystemExit):
+            bench_server.main(["--server", bad])
+        assert "@--flag=value" in capsys.readouterr().err, bad
+
+
 def test_the_references_are_keyed_by_the_prompts_the_server_tokenizes(scripted, tmp_path):
     model, tok = load(str(tiny_mlx_lm_dir(tmp_path / "t", "qwen3")), "none", dtype=mx.float32)
     template = "{% for m in messages %}[{{ m['role'] }}|{{ m['content'] }}|{{ mood }}]{% endfor %}"

@@ -4,8 +4,10 @@
 # (benchmarks/README.md: bundle.sh's MLX wheels, the SmolLM2 GGUF, the gguf wheel, srvwhl.tar, drafter.tgz, a PTX
 # cache). Session 51 wrote it down from session 50's unused plan; session 52 ran table, engine, table with
 # MLX_USE_CUDA_GRAPHS=0, and 8b on an H100; session 53 ran table at ff851d9 (--cuda-graphs auto in process) on an
-# H100, then got no machine again (benchmarks/README.md). Next: departures (two short runs: is the 6.375-nat
-# departure real?), then 8b (its whole budget for the 8B shape: session 52's mlx_lm.server part did not fit).
+# H100, then got no machine again (benchmarks/README.md). Session 54 got none (no machine lent) and made drafting
+# rounds repeat one sequence of kernels (round_graphs.py). Next: graphs (does the drafter's server now gain from CUDA
+# graphs?), departures (two short runs: is the 6.375-nat departure real?), then 8b (its whole budget for the 8B
+# shape: session 52's mlx_lm.server part did not fit).
 #   bash benchmarks/gpu/lease22.sh STAGE
 # Stages (what each answers):
 #   engine  benchmarks/engine_load.py, the server's engine without HTTP, the shipped drafter against none at 8
@@ -19,6 +21,10 @@
 #   8b      SHAPE=qwen3-8b server.sh: the scripted drafter (tau 3) against ours without one and mlx_lm.server at
 #           the random Qwen3-8B shape, 1 and 8 clients x 3 requests.
 #   table   the SmolLM2 table at 1, 2, 4, 8, 16, 32 clients x 5 requests (run.sh server): the issue's H200 table.
+#   graphs  the drafter's server with --cuda-graphs on and off, ours without a drafter and mlx_lm.server, 1, 8 and
+#           32 clients x 3 requests, in one run: since session 54 a batch's drafting rounds repeat one sequence of
+#           kernels (the CPU proxy, round_graphs.py; the drafter forward evaluated apart where graphs run), so MLX's
+#           graph cache should serve them; auto (off for a drafter's server) flips to on if on wins here.
 #   departures  our plain server on SmolLM2 at 1 and 32 clients x 2 requests (pool[22] asked 3 times; at 32 clients
 #           it departed in ~75 % of the tables' requests, at 16 in ~20 %), twice: as the table runs it (the answers
 #           that depart from their solo ones by more than 1 nat kept, both texts), then with --token-strings (the
@@ -53,6 +59,11 @@ case ${1:-} in
   table)
     el table; SAVE_PTX=0 RUN_BUDGET=$B T_SERVER=$(( B - 10 )) \
       ARGS_SERVER="--requests 5 --concurrency 1,2,4,8,16,32" bash benchmarks/gpu/run.sh server ;;
+  graphs)
+    d=mlx_dflash2/drafters/smollm2-135m-instruct
+    el graphs; SERVERS="ours:$d@--cuda-graphs=on ours:$d@--cuda-graphs=off ours:none mlx_lm" NAME=graphs SAVE_PTX=0 \
+      RUN_BUDGET=$(( $(left) - 5 )) T_SERVER=$(( $(left) - 15 )) \
+      ARGS_SERVER="--requests 3 --concurrency 1,8,32" bash benchmarks/gpu/run.sh server ;;
   departures)
     for t in "" --token-strings; do  # the first run half the budget, the second (the decisive one) what is left
       el "departures ${t:-text}"
@@ -60,6 +71,6 @@ case ${1:-} in
       SERVERS=ours:none NAME=departures${t:+-tokens} SAVE_PTX=0 RUN_BUDGET=$b T_SERVER=$(( b - 10 )) \
         ARGS_SERVER="--requests 2 --concurrency 1,32 $t" bash benchmarks/gpu/run.sh server
     done ;;
-  *) echo "usage: bash benchmarks/gpu/lease22.sh engine|trees TREE...|8b|table|departures" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/gpu/lease22.sh engine|trees TREE...|8b|table|graphs|departures" >&2; exit 2 ;;
 esac
 el end

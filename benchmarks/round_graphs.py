@@ -172,7 +172,9 @@ def run(model, tok, n: int, cap: int, rounds: int, skip: int, use_drafter: bool)
             # distinct sequences each of them had, e.g. [3, 1] for a drafter forward evaluated apart whose rows
             # change and a target forward that stays the same)
             "distinct_per_evaluation": ([len({e[k] for e in evals}) for k in range(len(evals[0]))]
-                                        if evals and len({len(e) for e in evals}) == 1 else None)}
+                                        if evals and len({len(e) for e in evals}) == 1 else None),
+            # the last evaluation of each round: its target forward (with what it carries)
+            "distinct_last_evaluation": len({e[-1] for e in evals if e})}
 
 
 def main(argv=None) -> None:
@@ -207,7 +209,8 @@ def main(argv=None) -> None:
                   f"sequences in {r['rounds']} rounds (widths {r['widths']}), {r['nodes_min']}-{r['nodes_max']} "
                   f"nodes, first difference at node {r['first_difference_median']} (median); without views "
                   f"(the kernels' proxy): {r['distinct_without_views']} distinct, per evaluation "
-                  f"{r['distinct_per_evaluation']}", flush=True)
+                  f"{r['distinct_per_evaluation']}, the last (the target forward) {r['distinct_last_evaluation']}",
+                  flush=True)
             for d in (r["kernel_differences"] or r["differences"])[:1]:
                 for x in d["diffs"]:
                     print(f"    {x['kind']}: {x['before']} -> {x['after']}")

@@ -398,7 +398,8 @@ def main(argv=None) -> int:
                     help="ours:DRAFTER (our server with --drafter DRAFTER), scripted:TAU (our server with a scripted "
                     "drafter of fixed acceptance on a random-weight target: scripted_server.py) or mlx_lm "
                     "(mlx_lm.server on --mlx-model); ours and scripted take arguments of their own after @ (e.g. "
-                    "ours:lookup@--cuda-graphs=on@--max-batch=8: two servers that differ in a flag, in one run); "
+                    "ours:lookup@--cuda-graphs=on@--max-batch=8: two servers that differ in a flag, in one run; so a DRAFTER "
+                    "path cannot hold an @); "
                     "repeatable (default: ours:lookup and ours:none)")
     ap.add_argument("--drafter", action="append", default=[], help="shorthand for --server ours:DRAFTER")
     ap.add_argument("--model", default=None, help="our servers' --model (default: the embedded SmolLM2)")
@@ -439,7 +440,7 @@ def main(argv=None) -> int:
         ap.error("--concurrency values must be >= 1")
     servers = (args.server or []) + [f"ours:{d}" for d in args.drafter] or ["ours:lookup", "ours:none"]
     for sv in servers:
-        if sv != "mlx_lm" and not re.fullmatch(r"(ours:[^@]+|scripted:[1-9][0-9]*)(@--[^@]+)*", sv):
+        if sv != "mlx_lm" and not re.fullmatch(r"(ours:[^@]+|scripted:[1-9][0-9]*)(@--[^@\s]+)*", sv):
             ap.error(f"--server: ours:DRAFTER, scripted:TAU (either with @--flag=value arguments of its own) or "
                      f"mlx_lm, got {sv!r}")
         if sv.startswith("scripted:") and args.handoffs:

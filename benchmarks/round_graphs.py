@@ -24,7 +24,8 @@ round has to fix first), and the distinct sequences once the primitives MLX eval
 
 The count is of MLX primitives, not CUDA kernels (a view launches none; a CUDA twin of the kernel registry, or
 a fused ``mx.fast`` op that the CPU runs as several primitives (RoPE, attention), runs as one kernel), so equal
-sequences here mean reusable graphs there, while unequal ones only point at where reuse breaks.
+sequences here are what reusable graphs there need (not all: a copy that MLX inserts for a strided input is not
+counted), while unequal ones point at where reuse breaks.
 """
 
 from __future__ import annotations
@@ -62,7 +63,9 @@ class FixedCap(WidthSchedule):
 
 def op_sequence(arrays) -> list[str]:
     """The primitive names of the lazy graph behind ``arrays`` (nested lists allowed), in ``mx.export_to_dot``'s
-    order (deterministic for one graph); evaluated arrays contribute no nodes."""
+    order (deterministic for one graph); evaluated arrays contribute no nodes. A ``Concatenate`` is named with its
+    input count (``Concatenate/5``): a GPU copies each input with a kernel of its own, so two concatenations of
+    different counts are different graphs (the breaker helper of session 54)."""
     flat, todo = [], list(arrays)
     while todo:
         a = todo.pop(0)
@@ -74,7 +77,10 @@ def op_sequence(arrays) -> list[str]:
         return []
     f = io.StringIO()
     mx.export_to_dot(f, *flat)
-    return re.findall(r'label ="?([A-Za-z_0-9]+)', f.getvalue())
+    dot = f.getvalue()
+    nodes = re.findall(r'\{ (\w+) \[label ="?([A-Za-z_0-9]+)', dot)
+    inputs = Counter(dst for _, dst in re.findall(r'"(\w+)" -> (\w+)', dot))
+    return [f"{name}/{inputs[i]}" if name == "Concatenate" else name for i, name in nodes]
 
 
 @contextmanager

@@ -114,13 +114,15 @@ hybrid and sliding-window targets: ``tests/test_batch_hybrid.py``.
 One sequence of operations per kind of round: MLX's CUDA backend caches its graphs by topology, so a round
 that evaluates the same operations as the last one (shapes aside) reuses its graphs, and one that does not
 rebuilds every graph after its first difference. So the per-row work of a round of several rows runs the same
-operations for every row, whatever its length: the drafter's flush gathers every row's queued features into a
-padded ``[N, M, k*D]`` block in one gather, each row's context K/V gets at least one masked padding column, the
-verify block is one gather from the anchors and the drafts, and the LM head reads the real rows by one gather
-even where no row is narrower. Where graphs run (:data:`DRAFTS_APART`), the drafter's forward is evaluated apart
-from the target's, so the target's graphs do not move when the drafting rows change (a row proposing from lookup
-instead). ``benchmarks/round_graphs.py`` counts the distinct sequences on any backend; ``tests/test_batch.py``
-checks one per round.
+operations for every row, whatever its length: the drafter's flush writes every row's queued features into one
+zero ``[N, M, k*D]`` block (a slice update per queued piece), its attention writes every row's context K/V
+right-aligned into one zero block (a slice update per row) under a mask every round, the verify block is one
+gather from the anchors and the drafts (a row without drafts brings a one-token host constant, so the
+concatenation's input count stays), and the LM head reads the real rows by one gather even where no row is
+narrower. Where graphs run (:data:`DRAFTS_APART`), the drafter's forward is evaluated apart from the target's, so
+the drafter's work (its rows, their queues, a context buffer that grows) does not move the target's graphs.
+``benchmarks/round_graphs.py`` counts the distinct sequences on any backend; ``tests/test_batch.py`` checks one
+per round.
 
 Why not mlx-lm's ``BatchKVCache``: it keeps rows right-aligned (left padding) with one shared write
 index, so ``trim`` cuts every row by the same amount. A per-row rollback through its public API
@@ -183,8 +185,9 @@ __all__ = ["RaggedKVCache", "RaggedRecurrentCache", "BatchEvent", "SpeculativeBa
 #: into graphs of ~100 kernels and caches them by topology (``CommandEncoder::commit``), so a drafter forward whose
 #: kernel count changes from round to round (rows that propose from lookup instead, a longer queue, a context
 #: buffer that grows) would shift every later graph of the target forward and rebuild them all; evaluated apart,
-#: the target forward's graphs depend only on the rows and the width. The price is one more release of the GIL per
-#: drafting round (nothing to gain on Metal or the CPU, which cache no graphs).
+#: the target forward's graphs no longer depend on the drafter's work (they still do on the rows, the width, the
+#: rows' verifiers, and the compacted drafter queues that ride at their end). The price is one more release of the
+#: GIL per round whose drafts come from a drafter (nothing to gain on Metal or the CPU, which cache no graphs).
 DRAFTS_APART = "cuda-graphs"
 
 
@@ -1474,14 +1477,17 @@ class SpeculativeBatch:
                 # evaluate one sequence of operations and MLX's CUDA graphs (cached by topology) serve them
                 # (issue 22, session 54, benchmarks/round_graphs.py; a zero padding of the narrower rows only
                 # made every round's sequence new)
-                N, drafts = len(rows), [p.tokens.astype(mx.int32) for p in props if p.n]
+                # (a row without drafts brings a one-token stand-in: the concatenation has 2N + 1 inputs every
+                # round, and a GPU copies each input with a kernel of its own: the breaker helper of session 54)
+                N, stand_in = len(rows), mx.array([0], mx.int32)  # (a host constant: no kernel of its own)
+                drafts = [p.tokens.astype(mx.int32) if p.n else stand_in for p in props]
                 at, idx = N, []
-                zero = N + sum(p.n for p in props)
                 for i, (p, w) in enumerate(zip(props, widths)):
-                    idx.append([i] + [at + j for j in range(p.n)] + [zero] * (M - w))
-                    at += p.n
+                    idx.append([i] + [at + j for j in range(p.n)])
+                    at += max(p.n, 1)
+                idx = [x + [at] * (M - len(x)) for x in idx]
                 src = mx.concatenate([mx.array([r.history[-1] for r in rows], mx.int32), *drafts,
-                                      mx.zeros((1,), mx.int32)])
+                                      mx.array([0], mx.int32)])
                 block = src[mx.array(idx, mx.int32)]
             h, taps = self.target._call(lambda: self.target.inner(block, cache=self.cache), tap_ids)
             # the LM head on the real rows only ([sum(w), V]; padding never reaches it; a drafting round of several
@@ -1500,7 +1506,11 @@ class SpeculativeBatch:
         results = [None if pl else r.verifier.verify(logits[s0 : s0 + w], p, r.history)
                    for r, p, w, s0, pl in zip(rows, props, widths, starts, plain)]
         best = mx.argmax(logits, axis=-1).astype(mx.int32) if any(plain) else None
-        drafts = [p.tokens.astype(mx.int32) for p, pl in zip(props, plain) if pl and p.n]
+        # (in a drafting round of several rows a plain row without drafts reads a one-token stand-in: the same
+        # concatenation below every round; _round reads past it)
+        pad = M > 1 and len(rows) > 1
+        drafts = [p.tokens.astype(mx.int32) if p.n else mx.array([0], mx.int32)  # (a host constant: no kernel)
+                  for p, pl in zip(props, plain) if pl and (p.n or pad)]
         # every id the host reads of the round in one int32 array, read with one transfer: the argmax, the plain
         # rows' drafts, then each other row's accepted count and tokens (a slice's .tolist() or a scalar's .item()
         # per row evaluates on its own and releases the GIL: session 48, 8 sampled drafter rows read ~9.5 times a
@@ -1562,7 +1572,7 @@ class SpeculativeBatch:
                 self._ahead = ahead
                 self._drop_ahead()
             raise
-        if len(rows) > 1 and any(p.n for p in props) and drafts_apart():
+        if len(rows) > 1 and any(p.n and p.source != "lookup" for p in props) and drafts_apart():
             mx.async_eval([a for p in props if p.n for a in (p.tokens, p.cand_ids, p.q) if a is not None])
         t_verify = self._mark("propose", tic, [p.tokens for p in props]) if self.timings is not None else 0.0
         widths = [p.n + 1 for p in props]
@@ -1666,7 +1676,7 @@ class SpeculativeBatch:
         for i, (r, p, vr, w) in enumerate(zip(rows, props, results, widths)):
             if vr is None:
                 toks, a = best_ids[starts[i] : starts[i] + w], 0
-                for d, t in zip(next(draft_ids) if p.n else (), toks):
+                for d, t in zip(next(draft_ids)[: p.n] if p.n or (M > 1 and len(rows) > 1) else (), toks):
                     if d != t:
                         break
                     a += 1

@@ -425,22 +425,23 @@ class DFlashProposer(Proposer):
             for d in todo:
                 d.ctx  # noqa: B018 - appends its queue
             return
-        # [N, M, k*D], row i its m_i computed rows (the last of its S_i queued ones) then zeros, by one gather from
-        # one concatenation of every queued piece of every row and a zero row: the same operations whichever rows
-        # are shorter or queued more pieces (a per-row pad of the short rows, or a per-row concatenation of a longer
-        # queue, made each round's sequence of operations new: issue 22, session 54, benchmarks/round_graphs.py)
-        pieces, S, m, idx, at = [], [], [], [], 0
-        for d in todo:
-            pieces += d._pending
-            S.append(sum(int(f.shape[0]) for f in d._pending))
-            m.append(d._ctx.computed_rows(S[-1]))
+        # [N, M, k*D], row i its m_i computed rows (the last of its S_i queued ones) then zeros: each queued piece
+        # written into one zero block by a slice update (in place: one copy of the features), the same operations
+        # whichever rows are shorter (a pad of the short rows only made each round's sequence of operations new:
+        # issue 22, session 54, benchmarks/round_graphs.py); one write per piece, so a queue of several rounds (a
+        # row back from lookup) is still a write more
+        S = [sum(int(f.shape[0]) for f in d._pending) for d in todo]
+        m = [d._ctx.computed_rows(k) for d, k in zip(todo, S)]
+        M, ref = max(m), todo[0]._pending[0]
+        x = mx.zeros((len(todo), M, ref.shape[1]), ref.dtype)
+        for i, (d, k, j) in enumerate(zip(todo, S, m)):
+            at = j - k  # the position in x of the piece's first row (negative: rows the window drops)
+            for f in d._pending:
+                n = int(f.shape[0])
+                if at + n > 0:
+                    x[i, max(at, 0) : at + n] = f[max(-at, 0) :]
+                at += n
             d._pending = []
-            idx.append(at + S[-1] - m[-1])  # its first computed row
-            at += S[-1]
-        M = max(m)
-        j = mx.arange(M, dtype=mx.int32)[None]  # (a prompt's queue can be thousands of rows: no host-built index)
-        idx = mx.where(j < mx.array(m, dtype=mx.int32)[:, None], mx.array(idx, dtype=mx.int32)[:, None] + j, at)
-        x = mx.concatenate(pieces + [mx.zeros((1, pieces[0].shape[1]), pieces[0].dtype)], axis=0)[idx]
         offs = mx.array([d._ctx.offset + k - j for d, k, j in zip(todo, S, m)], dtype=mx.int32)
         kvs = self.model.context_kv(x, offs)  # per layer ([N, KV, M, hd], ...)
         for i, (d, k, j) in enumerate(zip(todo, S, m)):

@@ -1799,3 +1799,42 @@ def test_drafting_rounds_repeat_one_sequence_of_kernels(smol_f32, cap, monkeypat
         assert len(set(rounds)) == 1, (apart, [[len(s) for s in r] for r in rounds])
         if apart == "always":  # the drafter forward (and a dynamic length's read) apart, then the target forward
             assert len(rounds[0]) >= 2
+
+
+def test_a_row_without_drafts_keeps_the_target_forwards_kernels(target, monkeypatch):
+    """A drafting round's target forward (evaluated apart from the drafter's, as where CUDA graphs run) launches the
+    same kernels whether a row proposes drafts this round or none (a scripted row alternating, beside drafter rows):
+    the verify block's and the host read's concatenations take a one-token host constant for a row without drafts,
+    so their input counts (one copy kernel per input on a GPU) stay the same (the breaker helper of session 54: the
+    verify block's concatenation alternated between 6 and 5 inputs), and its output stays its solo output."""
+    import sys
+    from pathlib import Path
+
+    from mlx_dflash2 import batch as batch_mod
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import round_graphs
+
+    monkeypatch.setattr(batch_mod, "DRAFTS_APART", "always")
+    drafter = DFlashProposer(_drafter(target, 4), target, VOCAB)
+    p_s = _prompt(6, 81)
+    ref, scripted = _scripted(target, p_s, 30, [1, None, 2, None, None, 3])
+    batch = SpeculativeBatch(target, schedule=round_graphs.FixedCap(B))
+    for i, p in enumerate((_prompt(9, 1), _prompt(13, 2), _prompt(5, 3))):
+        batch.add(p, max_tokens=30, proposer=drafter)
+    uid = batch.add(p_s, max_tokens=30, proposer=scripted)
+    out = []
+    for _ in range(2):
+        out += [t for e in batch.step() if e.uid == uid for t in e.tokens]
+    lasts, widths = set(), set()
+    for _ in range(6):
+        sink: list = []
+        with round_graphs.recording_async_eval(sink):
+            out += [t for e in batch.step() if e.uid == uid for t in e.tokens]
+        lasts.add(round_graphs.kernels_only(sink[-1]))
+        widths.add(batch.last_round["verified"])
+    assert len(widths) > 1  # (the scripted row verified 1 token in some rounds, more in others)
+    assert len(lasts) == 1
+    while batch.active:
+        out += [t for e in batch.step() if e.uid == uid for t in e.tokens]
+    assert out == ref[:30]

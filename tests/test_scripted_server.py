@@ -213,7 +213,7 @@ def test_bench_server_gives_a_server_its_own_arguments(monkeypatch, capsys):
         assert cmd[cmd.index("--drafter") + 1] == drafter, server
         assert cmd[-len(own) - 2:] == ["--log-level", "INFO"] + own, server
     monkeypatch.setattr(bench_server, "start_server", lambda *a: pytest.fail("a server was started"))
-    for bad in ("ours:lookup@cuda-graphs=on", "ours:@--x", "scripted:3@"):
+    for bad in ("ours:lookup@cuda-graphs=on", "ours:@--x", "scripted:3@", "ours:lookup@--max-batch 8"):
         with pytest.raises(SystemExit):
             bench_server.main(["--server", bad])
         assert "@--flag=value" in capsys.readouterr().err, bad

@@ -163,11 +163,11 @@ class DraftAttention(nn.Module):
         o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self._out(o, queries)
 
-    def rows_mask(self, B: int, S: int, held: list[int]) -> mx.array | None:
+    def rows_mask(self, B: int, S: int, held: list[int], always: bool = False) -> mx.array | None:
         """The mask of :meth:`rows`: bool ``[N, 1, B, S + B]``, row ``i`` seeing its last ``held[i]``
         context rows (right-aligned in ``S``) and its block as :meth:`__call__` lets one request see them
-        (causal / sliding-window layers); ``None`` where nothing is hidden."""
-        if all(h == S for h in held) and not (self.causal or self.window is not None):
+        (causal / sliding-window layers); ``None`` where nothing is hidden, unless ``always``."""
+        if all(h == S for h in held) and not (self.causal or self.window is not None) and not always:
             return None
         qi = mx.arange(B)[:, None]
         kj = mx.arange(S + B)[None, :] - S  # key position relative to the anchor (as __call__'s, same S)
@@ -682,23 +682,20 @@ class DraftModel(nn.Module):
             S = max(held)
             ck = cv = None
             if S > 0:
-                # every row gets at least one padding column (S + 1 columns, the mask hides them): each row then
-                # runs the same operations (a Slice of the zeros and a Concatenate) whatever its context's length,
-                # so consecutive rounds of one batch evaluate one sequence of operations and a backend that
-                # caches graphs by topology (MLX's CUDA graphs) reuses them (issue 22, session 54:
+                # every row's context written right-aligned into one zero block by a slice update (in place: one
+                # copy of the contexts): each row runs the same operation whatever its context's length, so
+                # consecutive rounds of one batch evaluate one sequence of operations and a backend that caches
+                # graphs by topology (MLX's CUDA graphs) reuses them (issue 22, session 54:
                 # benchmarks/round_graphs.py counted a new sequence every drafting round while only the rows
                 # shorter than the longest were padded)
-                S += 1
-                ref = next(k for k, _ in kvs if k is not None)
-                _, KV, _, hd = ref.shape
-                zk = mx.zeros((1, KV, S, hd), ref.dtype)
-
-                def pad(a, h):
-                    return zk if a is None else mx.concatenate([zk[:, :, : S - h], a], axis=2)
-
-                ck = mx.concatenate([pad(k, h) for (k, _), h in zip(kvs, held)], axis=0)
-                cv = mx.concatenate([pad(v, h) for (_, v), h in zip(kvs, held)], axis=0)
-            mask = attn.rows_mask(B, S, held)
+                rk, rv = next((k, v) for k, v in kvs if k is not None)
+                ck = mx.zeros((len(kvs), rk.shape[1], S, rk.shape[3]), rk.dtype)
+                cv = mx.zeros((len(kvs), rv.shape[1], S, rv.shape[3]), rv.dtype)
+                for r, ((k, v), h) in enumerate(zip(kvs, held)):
+                    if k is not None:
+                        ck[r : r + 1, :, S - h :] = k
+                        cv[r : r + 1, :, S - h :] = v
+            mask = attn.rows_mask(B, S, held, always=True)  # (a mask every round: one sequence of operations)
             q = Q if i == last else None
             x = layer(x, lambda a, v, ck=ck, cv=cv, mask=mask, q=q: a.rows(v, ck, cv, offsets, mask, q),
                       self.kernel_mode, q)

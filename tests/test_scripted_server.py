@@ -167,7 +167,8 @@ def test_bench_server_knows_scripted_servers(monkeypatch, capsys):
     assert "scripted:TAU" in capsys.readouterr().err
 
 
-def test_bench_server_precomputes_its_own_pool_and_length(monkeypatch):
+def _launch_command(monkeypatch, server: str, **over) -> list[str]:
+    """The command ``bench_server.start_server(server, args)`` would launch (nothing is started)."""
     monkeypatch.syspath_prepend(str(BENCH))
     import bench_server
 
@@ -178,12 +179,16 @@ def test_bench_server_precomputes_its_own_pool_and_length(monkeypatch):
         raise Launched(cmd)
 
     monkeypatch.setattr(bench_server.subprocess, "Popen", popen)
-    args = argparse.Namespace(levels=[1, 4], handoffs=None, max_batch=None, model=None, dequantize=False,
-                              block_size=None, server_arg=[], dtype="float32", start_timeout=1, pool=40,
-                              max_tokens=300)
+    args = argparse.Namespace(**{**dict(levels=[1, 4], handoffs=None, max_batch=None, model=None, dequantize=False,
+                                        block_size=None, server_arg=[], dtype="float32", start_timeout=1, pool=40,
+                                        max_tokens=300), **over})
     with pytest.raises(Launched) as e:
-        bench_server.start_server("scripted:3", args)
-    cmd = e.value.args[0]
+        bench_server.start_server(server, args)
+    return e.value.args[0]
+
+
+def test_bench_server_precomputes_its_own_pool_and_length(monkeypatch):
+    cmd = _launch_command(monkeypatch, "scripted:3")
     # every prompt of the pool (40, not serve's default 24) precomputed, each for the whole answer (300 > 256)
     assert cmd[cmd.index("--pool") + 1] == "40" and int(cmd[cmd.index("--horizon") + 1]) >= 300
 
@@ -194,22 +199,10 @@ def test_bench_server_gives_a_server_its_own_arguments(monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(BENCH))
     import bench_server
 
-    class Launched(Exception):
-        pass
-
-    def popen(cmd, **kw):
-        raise Launched(cmd)
-
-    monkeypatch.setattr(bench_server.subprocess, "Popen", popen)
-    args = argparse.Namespace(levels=[1, 4], handoffs=None, max_batch=None, model=None, dequantize=False,
-                              block_size=None, server_arg=["--log-level", "INFO"], dtype="float32", start_timeout=1,
-                              pool=4, max_tokens=8)
     for server, drafter, own in (("ours:lookup@--cuda-graphs=on@--max-batch=8", "lookup",
                                   ["--cuda-graphs=on", "--max-batch=8"]), ("ours:none", "none", []),
                                  ("scripted:3@--cuda-graphs=off", "none", ["--cuda-graphs=off"])):
-        with pytest.raises(Launched) as e:
-            bench_server.start_server(server, args)
-        cmd = e.value.args[0]
+        cmd = _launch_command(monkeypatch, server, server_arg=["--log-level", "INFO"], pool=4, max_tokens=8)
         assert cmd[cmd.index("--drafter") + 1] == drafter, server
         assert cmd[-len(own) - 2:] == ["--log-level", "INFO"] + own, server
     monkeypatch.setattr(bench_server, "start_server", lambda *a: pytest.fail("a server was started"))

@@ -170,6 +170,7 @@ from mlx_lm.models.cache import KVCache
 
 from . import speculative
 from .caches import RaggedRecurrentCache, RecurrentCache, WindowKVCache
+from .kernels.registry import backend, cuda_graphs_on
 from .proposers import PLAIN_RUN_AHEAD_AFTER, DraftCall, Proposal, Proposer
 from .speculative import GenerationState, SpecStats, start_request
 from .target import TargetAdapter, TargetCompatibilityError
@@ -195,8 +196,6 @@ def drafts_apart() -> bool:
     """:data:`DRAFTS_APART` for the default device now."""
     if DRAFTS_APART in ("always", "never"):
         return DRAFTS_APART == "always"
-    from .kernels.registry import backend, cuda_graphs_on
-
     return backend() == "cuda" and cuda_graphs_on()
 
 
@@ -629,7 +628,7 @@ class _Verify:
     starts: list
     results: list
     best: mx.array | None
-    drafts: list
+    drafts: list  # (row, int32 draft ids) of each plain row the host compares: its drafts, or a stand-in token
     read: list
     host: mx.array  # int32: best, drafts, then (num_accepted, tokens) of each row with its own verifier
     key: mx.array | None = None  # a step queued ahead: its row's verifier key before it (restored if dropped)
@@ -1509,13 +1508,13 @@ class SpeculativeBatch:
         # (in a drafting round of several rows a plain row without drafts reads a one-token stand-in: the same
         # concatenation below every round; _round reads past it)
         pad = M > 1 and len(rows) > 1
-        drafts = [p.tokens.astype(mx.int32) if p.n else mx.array([0], mx.int32)  # (a host constant: no kernel)
-                  for p, pl in zip(props, plain) if pl and (p.n or pad)]
+        drafts = [(i, p.tokens.astype(mx.int32) if p.n else mx.array([0], mx.int32))  # (a host constant: no kernel)
+                  for i, (p, pl) in enumerate(zip(props, plain)) if pl and (p.n or pad)]
         # every id the host reads of the round in one int32 array, read with one transfer: the argmax, the plain
         # rows' drafts, then each other row's accepted count and tokens (a slice's .tolist() or a scalar's .item()
         # per row evaluates on its own and releases the GIL: session 48, 8 sampled drafter rows read ~9.5 times a
         # round beside the server's HTTP thread)
-        parts = (([best] if best is not None else []) + drafts
+        parts = (([best] if best is not None else []) + [d for _, d in drafts]
                  + [x.reshape(-1).astype(mx.int32) for vr in results if vr is not None
                     for x in (vr.num_accepted, vr.tokens)])
         host = parts[0] if len(parts) == 1 else mx.concatenate(parts)
@@ -1658,11 +1657,10 @@ class SpeculativeBatch:
         mx.eval(ver.read)
         ids = ver.host.tolist()  # (unpacked in _verify's order)
         pos = ver.best.size if ver.best is not None else 0
-        best_ids, spans = ids[:pos], []
-        for d in ver.drafts:
-            spans.append(ids[pos : pos + d.size])
+        best_ids, spans = ids[:pos], {}  # row -> the ids of its entry in ver.drafts
+        for i, d in ver.drafts:
+            spans[i] = ids[pos : pos + d.size]
             pos += d.size
-        draft_ids = iter(spans)
         own: dict = {}  # row -> (accepted, its verifier's tokens)
         for i, vr in enumerate(results):
             if vr is not None:
@@ -1676,7 +1674,7 @@ class SpeculativeBatch:
         for i, (r, p, vr, w) in enumerate(zip(rows, props, results, widths)):
             if vr is None:
                 toks, a = best_ids[starts[i] : starts[i] + w], 0
-                for d, t in zip(next(draft_ids)[: p.n] if p.n or (M > 1 and len(rows) > 1) else (), toks):
+                for d, t in zip(spans.get(i, [])[: p.n], toks):
                     if d != t:
                         break
                     a += 1
